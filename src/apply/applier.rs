@@ -1,0 +1,725 @@
+//! The apply loop: decoded messages in, target transactions out.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
+use tokio_postgres::{Client, Statement};
+
+use super::progress::ProgressStore;
+use super::statement::{build_sql, ColumnSet, Operation, RowMatch, Shape, WireValue};
+use crate::error::{describe_postgres, Error, Result};
+use crate::protocol::pgoutput::{
+    Begin, Commit, Delete, Insert, LogicalMessage, OldRow, Oid, Truncate, Update,
+};
+use crate::protocol::{Lsn, PgTimestamp, Tuple, Value};
+use crate::relation::{RelationCache, RelationEntry};
+use crate::sql::quote_ident;
+
+/// A decoded message on its way from the source reader to the applier. The permit holds the
+/// message's bytes against the queue's byte budget until the applier is done with it.
+pub struct Envelope {
+    pub message: LogicalMessage,
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ApplySettings {
+    /// Send the pipeline once this many statements are queued, even mid-transaction.
+    pub pipeline_statements: usize,
+    /// Close a group of source transactions once it holds this many statements...
+    pub group_statements: usize,
+    /// ... or has been open this long.
+    pub group_age: Duration,
+}
+
+impl Default for ApplySettings {
+    fn default() -> Self {
+        ApplySettings {
+            pipeline_statements: 2_000,
+            group_statements: 10_000,
+            group_age: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Counters for progress logs and status.
+#[derive(Debug, Default, Clone)]
+pub struct ApplyStats {
+    pub transactions: u64,
+    pub inserts: u64,
+    pub updates: u64,
+    pub deletes: u64,
+    pub truncates: u64,
+    pub missing_rows: u64,
+}
+
+/// The source transaction being received.
+struct SourceTransaction {
+    xid: u32,
+    final_lsn: Lsn,
+    /// Already applied before a restart: its changes are dropped.
+    skip: bool,
+}
+
+/// The target transaction being built: one or more whole source transactions.
+struct Group {
+    started: Instant,
+    statements: usize,
+    /// Last included source commit: end LSN and time.
+    last_commit: Option<(Lsn, PgTimestamp)>,
+    transactions: u64,
+}
+
+/// One queued statement and what to say about it if it fails or finds no row.
+struct Pending {
+    statement: Statement,
+    params: Vec<WireValue>,
+    about: Option<ChangeInfo>,
+}
+
+struct ChangeInfo {
+    relation: Arc<RelationEntry>,
+    operation: &'static str,
+    xid: u32,
+    commit_lsn: Lsn,
+    /// For UPDATE/DELETE: the values that identify the row (for the "no row" warning).
+    key: Option<(RowMatch, Vec<Value>)>,
+}
+
+impl ChangeInfo {
+    fn describe(&self) -> String {
+        format!(
+            "{} on table {} (source transaction {}, commit {})",
+            self.operation,
+            self.relation.target.qualified,
+            self.xid,
+            self.commit_lsn
+        )
+    }
+
+    fn describe_key(&self) -> String {
+        let Some((row_match, old)) = &self.key else {
+            return String::new();
+        };
+        let entry = &self.relation;
+        let columns: Vec<usize> = match row_match {
+            RowMatch::Key => entry.key_columns.clone(),
+            RowMatch::Full { .. } => (0..entry.source.columns.len()).collect(),
+        };
+        let names = columns
+            .iter()
+            .map(|&c| quote_ident(&entry.source.columns[c].name))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let values = columns
+            .iter()
+            .map(|&c| match old.get(c) {
+                Some(Value::Text(t)) => {
+                    let s = String::from_utf8_lossy(t);
+                    if s.len() > 64 {
+                        format!("{}…", s.chars().take(64).collect::<String>())
+                    } else {
+                        s.into_owned()
+                    }
+                }
+                Some(Value::Binary(_)) => "<binary>".into(),
+                Some(Value::Null) => "NULL".into(),
+                Some(Value::UnchangedToast) => "<unchanged>".into(),
+                None => "?".into(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("({names})=({values})")
+    }
+}
+
+pub struct Applier {
+    client: deadpool_postgres::Object,
+    catalog: deadpool_postgres::Object,
+    progress: ProgressStore,
+    settings: ApplySettings,
+    relations: RelationCache,
+    statements: HashMap<Shape, Statement>,
+    /// Relations whose REPLICA IDENTITY FULL matching compares values as text.
+    full_as_text: HashSet<Oid>,
+    begin: Statement,
+    commit: Statement,
+    record: Statement,
+    /// Transactions ending at or before this were applied before: skip them.
+    resume: Lsn,
+    pending: Vec<Pending>,
+    /// BEGIN has been sent (or queued) for the current group.
+    group: Option<Group>,
+    current: Option<SourceTransaction>,
+    applied: watch::Sender<Lsn>,
+    pub stats: ApplyStats,
+}
+
+impl Applier {
+    pub async fn new(
+        client: deadpool_postgres::Object,
+        catalog: deadpool_postgres::Object,
+        progress: ProgressStore,
+        resume: Lsn,
+        settings: ApplySettings,
+        applied: watch::Sender<Lsn>,
+    ) -> Result<Self> {
+        progress.setup_session(&client).await?;
+        client
+            .batch_execute(
+                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; \
+                 SET session_replication_role = replica",
+            )
+            .await
+            .map_err(|e| Error::postgres("configuring the target apply session", e))?;
+        let prepare = |sql: String| {
+            let client = &client;
+            async move {
+                client
+                    .prepare(&sql)
+                    .await
+                    .map_err(|e| Error::postgres(format!("preparing {sql:?} on the target"), e))
+            }
+        };
+        let begin = prepare("BEGIN".into()).await?;
+        let commit = prepare("COMMIT".into()).await?;
+        let record = prepare(progress.record_sql()).await?;
+        Ok(Applier {
+            client,
+            catalog,
+            progress,
+            settings,
+            relations: RelationCache::default(),
+            statements: HashMap::new(),
+            full_as_text: HashSet::new(),
+            begin,
+            commit,
+            record,
+            resume,
+            pending: Vec::new(),
+            group: None,
+            current: None,
+            applied,
+            stats: ApplyStats::default(),
+        })
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn progress_store(&self) -> &ProgressStore {
+        &self.progress
+    }
+
+    /// Applies messages until the channel closes. A source transaction that is incomplete when it
+    /// closes is rolled back on the target; complete ones are committed.
+    pub async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
+        while let Some(envelope) = rx.recv().await {
+            let is_commit = matches!(envelope.message, LogicalMessage::Commit(_));
+            self.handle(envelope.message).await?;
+            drop(envelope.permit);
+            if is_commit && self.group_should_close(rx.is_empty()) {
+                self.commit_group().await?;
+            }
+        }
+        if self.current.is_some() {
+            self.rollback().await;
+        } else if self.group.is_some() {
+            self.commit_group().await?;
+        }
+        Ok(())
+    }
+
+    fn group_should_close(&self, nothing_waiting: bool) -> bool {
+        match &self.group {
+            None => false,
+            Some(g) => {
+                nothing_waiting
+                    || g.statements >= self.settings.group_statements
+                    || g.started.elapsed() >= self.settings.group_age
+            }
+        }
+    }
+
+    async fn handle(&mut self, message: LogicalMessage) -> Result<()> {
+        match message {
+            LogicalMessage::Begin(b) => self.begin(b),
+            LogicalMessage::Commit(c) => self.on_commit(c),
+            LogicalMessage::Relation(r) => {
+                let name = format!("{}.{}", r.namespace, r.name);
+                self.relations
+                    .update(r, &self.catalog)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| {
+                        tracing::debug!(relation = %name, "relation not usable on the target");
+                        e
+                    })
+            }
+            LogicalMessage::Type(t) => {
+                self.relations.remember_type(t);
+                Ok(())
+            }
+            LogicalMessage::Insert(i) => self.insert(i).await,
+            LogicalMessage::Update(u) => self.update(u).await,
+            LogicalMessage::Delete(d) => self.delete(d).await,
+            LogicalMessage::Truncate(t) => self.truncate(t).await,
+            LogicalMessage::Origin(o) => {
+                tracing::debug!(origin = %o.name, commit_lsn = %o.commit_lsn, "transaction from origin");
+                Ok(())
+            }
+            LogicalMessage::Message(m) => {
+                tracing::debug!(prefix = %m.prefix, lsn = %m.lsn, transactional = m.transactional(), bytes = m.content.len(), "logical decoding message");
+                Ok(())
+            }
+            other => Err(Error::definite(format!(
+                "the source sent a {} message, but pgapply did not ask for streaming or two-phase transactions; this is a protocol error",
+                other.name()
+            ))),
+        }
+    }
+
+    fn begin(&mut self, b: Begin) -> Result<()> {
+        if let Some(open) = &self.current {
+            return Err(Error::definite(format!(
+                "the source began transaction {} while transaction {} (commit {}) was still open; this is a protocol error",
+                b.xid, open.xid, open.final_lsn
+            )));
+        }
+        // A commit record that starts before the resume position ends at or before it: applied.
+        let skip = self.resume.is_valid() && b.final_lsn < self.resume;
+        if skip {
+            tracing::debug!(xid = b.xid, commit_lsn = %b.final_lsn, "skipping transaction applied before");
+        } else if self.group.is_none() {
+            self.group = Some(Group {
+                started: Instant::now(),
+                statements: 0,
+                last_commit: None,
+                transactions: 0,
+            });
+            let begin = self.begin.clone();
+            self.pending.push(Pending {
+                statement: begin,
+                params: Vec::new(),
+                about: None,
+            });
+        }
+        self.current = Some(SourceTransaction {
+            xid: b.xid,
+            final_lsn: b.final_lsn,
+            skip,
+        });
+        Ok(())
+    }
+
+    fn on_commit(&mut self, c: Commit) -> Result<()> {
+        let txn = self.current.take().ok_or_else(|| {
+            Error::definite(format!(
+                "the source sent Commit {} without Begin; this is a protocol error",
+                c.commit_lsn
+            ))
+        })?;
+        if txn.skip {
+            return Ok(());
+        }
+        if let Some(group) = &mut self.group {
+            group.last_commit = Some((c.end_lsn, c.commit_time));
+            group.transactions += 1;
+        }
+        Ok(())
+    }
+
+    fn in_transaction(&self, what: &str) -> Result<Option<(u32, Lsn)>> {
+        match &self.current {
+            None => Err(Error::definite(format!(
+                "the source sent {what} outside a transaction; this is a protocol error"
+            ))),
+            Some(t) if t.skip => Ok(None),
+            Some(t) => Ok(Some((t.xid, t.final_lsn))),
+        }
+    }
+
+    fn check_width(entry: &RelationEntry, tuple: &Tuple) -> Result<()> {
+        if tuple.len() != entry.source.columns.len() {
+            return Err(Error::definite(format!(
+                "the source sent {} columns for table {}, but its Relation message described {}; this is a protocol error",
+                tuple.len(),
+                entry.display_name(),
+                entry.source.columns.len()
+            )));
+        }
+        Ok(())
+    }
+
+    async fn insert(&mut self, insert: Insert) -> Result<()> {
+        let Some((xid, commit_lsn)) = self.in_transaction("Insert")? else {
+            return Ok(());
+        };
+        let entry = self.relations.get(insert.relation)?.clone();
+        Self::check_width(&entry, &insert.new)?;
+        let mut params = Vec::with_capacity(insert.new.len());
+        for (i, value) in insert.new.values().enumerate() {
+            params.push(WireValue::from_value(value).ok_or_else(|| {
+                Error::definite(format!(
+                    "the source sent an unchanged-TOAST marker in an INSERT into {} (column {}); this is a protocol error",
+                    entry.display_name(),
+                    quote_ident(&entry.source.columns[i].name)
+                ))
+            })?);
+        }
+        let shape = Shape {
+            relation: entry.source.oid,
+            generation: entry.generation,
+            operation: Operation::Insert,
+            unchanged: ColumnSet::default(),
+            row_match: RowMatch::Key,
+        };
+        self.stats.inserts += 1;
+        self.queue(&entry, shape, params, "INSERT", xid, commit_lsn, None)
+            .await
+    }
+
+    /// Values that find the old row, and how to match them.
+    fn row_match(
+        &self,
+        entry: &RelationEntry,
+        old: Option<&OldRow>,
+        new: &Tuple,
+        params: &mut Vec<WireValue>,
+    ) -> Result<(RowMatch, Vec<Value>)> {
+        match old {
+            Some(OldRow::Full(tuple)) => {
+                Self::check_width(entry, tuple)?;
+                let values: Vec<Value> = tuple.values().collect();
+                let mut nulls = ColumnSet::default();
+                let mut skipped = ColumnSet::default();
+                for (i, v) in values.iter().enumerate() {
+                    match v {
+                        Value::Null => nulls.insert(i),
+                        Value::UnchangedToast => skipped.insert(i),
+                        Value::Text(b) => params.push(WireValue::Text(b.clone())),
+                        Value::Binary(b) => params.push(WireValue::Binary(b.clone())),
+                    }
+                }
+                let as_text = self.full_as_text.contains(&entry.source.oid);
+                Ok((
+                    RowMatch::Full {
+                        nulls,
+                        skipped,
+                        as_text,
+                    },
+                    values,
+                ))
+            }
+            Some(OldRow::Key(tuple)) => {
+                Self::check_width(entry, tuple)?;
+                self.key_values(entry, tuple, params)
+            }
+            None => self.key_values(entry, new, params),
+        }
+    }
+
+    fn key_values(
+        &self,
+        entry: &RelationEntry,
+        tuple: &Tuple,
+        params: &mut Vec<WireValue>,
+    ) -> Result<(RowMatch, Vec<Value>)> {
+        if entry.key_columns.is_empty() {
+            return Err(Error::definite(format!(
+                "table {} has no replica identity key on the source, so an UPDATE or DELETE cannot find its row on the target: give it a primary key or set REPLICA IDENTITY FULL (or USING INDEX) on the source",
+                entry.display_name()
+            )));
+        }
+        let values: Vec<Value> = tuple.values().collect();
+        for &k in &entry.key_columns {
+            match values.get(k) {
+                Some(Value::Text(b)) => params.push(WireValue::Text(b.clone())),
+                Some(Value::Binary(b)) => params.push(WireValue::Binary(b.clone())),
+                _ => {
+                    return Err(Error::definite(format!(
+                        "the source sent no value for key column {} of table {}; this is a protocol error",
+                        quote_ident(&entry.source.columns[k].name),
+                        entry.display_name()
+                    )))
+                }
+            }
+        }
+        Ok((RowMatch::Key, values))
+    }
+
+    async fn update(&mut self, update: Update) -> Result<()> {
+        let Some((xid, commit_lsn)) = self.in_transaction("Update")? else {
+            return Ok(());
+        };
+        let entry = self.relations.get(update.relation)?.clone();
+        Self::check_width(&entry, &update.new)?;
+        let mut params = Vec::with_capacity(update.new.len() * 2);
+        let mut unchanged = ColumnSet::default();
+        for (i, value) in update.new.values().enumerate() {
+            match WireValue::from_value(value) {
+                Some(v) => params.push(v),
+                None => unchanged.insert(i),
+            }
+        }
+        if params.is_empty() {
+            // Every column is an unchanged TOAST value: nothing to write.
+            return Ok(());
+        }
+        let (row_match, old_values) =
+            self.row_match(&entry, update.old.as_ref(), &update.new, &mut params)?;
+        let shape = Shape {
+            relation: entry.source.oid,
+            generation: entry.generation,
+            operation: Operation::Update,
+            unchanged,
+            row_match: row_match.clone(),
+        };
+        self.stats.updates += 1;
+        self.queue(
+            &entry,
+            shape,
+            params,
+            "UPDATE",
+            xid,
+            commit_lsn,
+            Some((row_match, old_values)),
+        )
+        .await
+    }
+
+    async fn delete(&mut self, delete: Delete) -> Result<()> {
+        let Some((xid, commit_lsn)) = self.in_transaction("Delete")? else {
+            return Ok(());
+        };
+        let entry = self.relations.get(delete.relation)?.clone();
+        let mut params = Vec::new();
+        let old = delete.old;
+        let (row_match, old_values) =
+            self.row_match(&entry, Some(&old), old.tuple(), &mut params)?;
+        let shape = Shape {
+            relation: entry.source.oid,
+            generation: entry.generation,
+            operation: Operation::Delete,
+            unchanged: ColumnSet::default(),
+            row_match: row_match.clone(),
+        };
+        self.stats.deletes += 1;
+        self.queue(
+            &entry,
+            shape,
+            params,
+            "DELETE",
+            xid,
+            commit_lsn,
+            Some((row_match, old_values)),
+        )
+        .await
+    }
+
+    async fn truncate(&mut self, truncate: Truncate) -> Result<()> {
+        let Some((xid, commit_lsn)) = self.in_transaction("Truncate")? else {
+            return Ok(());
+        };
+        let mut tables = Vec::with_capacity(truncate.relations.len());
+        for oid in &truncate.relations {
+            tables.push(self.relations.get(*oid)?.target.qualified.clone());
+        }
+        let mut sql = format!("TRUNCATE {}", tables.join(", "));
+        if truncate.restart_identity() {
+            sql.push_str(" RESTART IDENTITY");
+        }
+        if truncate.cascade() {
+            sql.push_str(" CASCADE");
+        }
+        let statement = self.client.prepare(&sql).await.map_err(|e| {
+            Error::postgres(format!("preparing TRUNCATE of {} on the target", tables.join(", ")), e)
+        })?;
+        tracing::debug!(xid, commit_lsn = %commit_lsn, tables = %tables.join(", "), "truncate");
+        self.stats.truncates += 1;
+        self.push(Pending {
+            statement,
+            params: Vec::new(),
+            about: None,
+        })
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn queue(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+        shape: Shape,
+        params: Vec<WireValue>,
+        operation: &'static str,
+        xid: u32,
+        commit_lsn: Lsn,
+        key: Option<(RowMatch, Vec<Value>)>,
+    ) -> Result<()> {
+        let statement = self.statement(entry, shape).await?;
+        let about = ChangeInfo {
+            relation: entry.clone(),
+            operation,
+            xid,
+            commit_lsn,
+            key,
+        };
+        self.push(Pending {
+            statement,
+            params,
+            about: Some(about),
+        })
+        .await
+    }
+
+    async fn push(&mut self, pending: Pending) -> Result<()> {
+        self.pending.push(pending);
+        if let Some(g) = &mut self.group {
+            g.statements += 1;
+        }
+        if self.pending.len() >= self.settings.pipeline_statements {
+            self.send_pipeline().await?;
+        }
+        Ok(())
+    }
+
+    /// The prepared statement for a shape, preparing it the first time.
+    async fn statement(&mut self, entry: &RelationEntry, mut shape: Shape) -> Result<Statement> {
+        if let Some(s) = self.statements.get(&shape) {
+            return Ok(s.clone());
+        }
+        let sql = build_sql(entry, &shape);
+        let statement = match self.client.prepare(&sql).await {
+            Ok(s) => s,
+            // A type without an equality operator under REPLICA IDENTITY FULL: compare as text.
+            Err(e)
+                if e.code().is_some_and(|c| c.code() == "42883")
+                    && matches!(shape.row_match, RowMatch::Full { as_text: false, .. }) =>
+            {
+                tracing::info!(table = %entry.target.qualified, "a column type has no equality operator; matching REPLICA IDENTITY FULL rows by their text form");
+                self.full_as_text.insert(entry.source.oid);
+                if let RowMatch::Full { as_text, .. } = &mut shape.row_match {
+                    *as_text = true;
+                }
+                let sql = build_sql(entry, &shape);
+                self.client.prepare(&sql).await.map_err(|e| {
+                    Error::postgres(format!("preparing a statement for table {} on the target", entry.target.qualified), e)
+                })?
+            }
+            Err(e) => {
+                return Err(Error::postgres(
+                    format!(
+                        "preparing a statement for table {} on the target",
+                        entry.target.qualified
+                    ),
+                    e,
+                ))
+            }
+        };
+        self.statements.insert(shape, statement.clone());
+        Ok(statement)
+    }
+
+    /// Sends every queued statement at once and checks every result.
+    async fn send_pipeline(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let batch = std::mem::take(&mut self.pending);
+        let client: &Client = &self.client;
+        let results = futures_util::future::join_all(
+            batch
+                .iter()
+                .map(|p| client.execute_raw(&p.statement, p.params.iter())),
+        )
+        .await;
+        let mut failure: Option<Error> = None;
+        for (pending, result) in batch.iter().zip(results) {
+            match result {
+                Ok(0) => {
+                    if let Some(about) = &pending.about {
+                        if about.key.is_some() {
+                            self.stats.missing_rows += 1;
+                            tracing::warn!(
+                                table = %about.relation.target.qualified,
+                                key = %about.describe_key(),
+                                xid = about.xid,
+                                commit_lsn = %about.commit_lsn,
+                                "{} found no row on the target; skipped", about.operation
+                            );
+                        }
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    if failure.is_none() {
+                        let what = match &pending.about {
+                            Some(about) => about.describe(),
+                            None => "a statement".to_owned(),
+                        };
+                        failure = Some(
+                            Error::postgres(format!("applying {what}"), e),
+                        );
+                    }
+                }
+            }
+        }
+        match failure {
+            Some(e) => {
+                self.group = None;
+                self.current = None;
+                // The transaction is aborted on the server; end it so the session stays usable.
+                let _ = self.client.batch_execute("ROLLBACK").await;
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Records the position and commits the group's target transaction.
+    async fn commit_group(&mut self) -> Result<()> {
+        let Some(group) = self.group.take() else {
+            return Ok(());
+        };
+        let Some((end_lsn, commit_time)) = group.last_commit else {
+            // Only skipped transactions: nothing to commit but the empty BEGIN.
+            self.pending.push(Pending {
+                statement: self.commit.clone(),
+                params: Vec::new(),
+                about: None,
+            });
+            return self.send_pipeline().await;
+        };
+        self.pending.push(Pending {
+            statement: self.record.clone(),
+            params: vec![
+                WireValue::Text(end_lsn.to_string().into()),
+                WireValue::Text(commit_time.to_rfc3339().into()),
+            ],
+            about: None,
+        });
+        self.pending.push(Pending {
+            statement: self.commit.clone(),
+            params: Vec::new(),
+            about: None,
+        });
+        self.send_pipeline().await?;
+        self.stats.transactions += group.transactions;
+        self.applied.send_replace(end_lsn);
+        self.resume = self.resume.max(end_lsn);
+        Ok(())
+    }
+
+    async fn rollback(&mut self) {
+        self.pending.clear();
+        if self.group.take().is_some() {
+            if let Err(e) = self.client.batch_execute("ROLLBACK").await {
+                tracing::warn!(error = %describe_postgres(&e), "rolling back the open target transaction failed");
+            }
+        }
+        self.current = None;
+    }
+}

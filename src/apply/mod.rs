@@ -1,0 +1,16 @@
+//! The target side: turns decoded changes into statements and runs them in target transactions.
+//!
+//! - [`statement`]: SQL per statement shape, values bound as parameters in pgoutput's text form.
+//! - [`applier`]: the apply loop. Statements are pipelined: a transaction's statements (and
+//!   BEGIN/COMMIT) go to the server together and their results are checked together, so there is no
+//!   round trip per statement. Consecutive small source transactions that are already waiting are
+//!   grouped into one target transaction (each stays atomic, order is kept, and the recorded
+//!   position is the last included commit).
+//! - [`progress`]: the applied position, written atomically with each target commit.
+
+pub mod applier;
+pub mod progress;
+pub mod statement;
+
+pub use applier::{Applier, ApplySettings};
+pub use progress::{ProgressMode, ProgressStore};

@@ -1,0 +1,166 @@
+//! Where the applied position lives on the target, written atomically with the changes.
+//!
+//! Preferred: a replication origin (`pgapply_<slot>`), as PostgreSQL's own subscriber uses. The
+//! apply session binds to it once; each target transaction calls
+//! `pg_replication_origin_xact_setup(lsn, time)` and the commit record itself then carries the
+//! source position, so recording progress costs no row write. It also lets the target run with
+//! `synchronous_commit = off`: `pg_replication_origin_progress(name, true)` flushes the target's
+//! WAL up to the last recorded commit and returns the source position that is now durable, which
+//! is exactly what may be reported to the source as flushed.
+//!
+//! Fallback, for target roles that may not use origins: the row in `pgapply.progress`, updated in
+//! the same transaction as the changes, with `synchronous_commit` left on.
+
+use tokio_postgres::Client;
+
+use crate::error::{Error, Result};
+use crate::protocol::Lsn;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProgressMode {
+    Origin { name: String },
+    Table,
+}
+
+#[derive(Debug, Clone)]
+pub struct ProgressStore {
+    pub mode: ProgressMode,
+    pub slot: String,
+}
+
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
+
+impl ProgressStore {
+    /// Chooses the mode, checks the recorded source identity, and returns the resume position
+    /// (`0/0` when nothing was applied yet).
+    pub async fn open(client: &Client, slot: &str, source_system_id: &str) -> Result<(Self, Lsn)> {
+        let origin = format!("pgapply_{slot}");
+        let mode = match ensure_origin(client, &origin).await {
+            Ok(()) => ProgressMode::Origin { name: origin },
+            Err(e) if e.code().is_some_and(|c| c.code() == INSUFFICIENT_PRIVILEGE) => {
+                tracing::info!(
+                    "the target role may not use replication origins; recording progress in pgapply.progress instead (synchronous_commit stays on)"
+                );
+                ProgressMode::Table
+            }
+            Err(e) => return Err(Error::postgres("setting up replication origin on the target", e)),
+        };
+        let store = ProgressStore {
+            mode,
+            slot: slot.to_owned(),
+        };
+        let context = |e| Error::postgres("reading pgapply.progress on the target", e);
+        client
+            .execute(
+                "INSERT INTO pgapply.progress (slot_name, source_system_id) VALUES ($1, $2) ON CONFLICT (slot_name) DO NOTHING",
+                &[&slot, &source_system_id],
+            )
+            .await
+            .map_err(context)?;
+        let row = client
+            .query_one(
+                "SELECT source_system_id, lsn::text FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(context)?;
+        let recorded_system: Option<String> = row.get(0);
+        match recorded_system.as_deref() {
+            Some(id) if id != source_system_id => {
+                return Err(Error::definite(format!(
+                    "the target holds progress for slot {slot:?} from another source (system identifier {id}, this source is {source_system_id}): use another slot name, or delete the row from pgapply.progress if the target should start over"
+                )))
+            }
+            Some(_) => {}
+            None => {
+                client
+                    .execute(
+                        "UPDATE pgapply.progress SET source_system_id = $2 WHERE slot_name = $1",
+                        &[&slot, &source_system_id],
+                    )
+                    .await
+                    .map_err(context)?;
+            }
+        }
+        let table_lsn = parse_lsn(row.get(1))?;
+        // Take the later of both stores: a run in the other mode may have moved one of them.
+        let origin_lsn = store.durable_position(client).await.unwrap_or_default();
+        Ok((store, table_lsn.max(origin_lsn)))
+    }
+
+    /// Binds the apply session to the origin and relaxes commit durability, which
+    /// `durable_position` makes up for. Table mode keeps synchronous commits.
+    pub async fn setup_session(&self, client: &Client) -> Result<()> {
+        if let ProgressMode::Origin { name } = &self.mode {
+            client
+                .execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", &[name])
+                .await
+                .map_err(|e| {
+                    Error::postgres(
+                        format!("binding the apply session to replication origin {name:?} (is another pgapply running for this slot?)"),
+                        e,
+                    )
+                })?;
+            client
+                .batch_execute("SET synchronous_commit = off")
+                .await
+                .map_err(|e| Error::postgres("configuring the apply session", e))?;
+        }
+        Ok(())
+    }
+
+    /// The statement that records `($1 lsn, $2 commit time)` inside the current transaction.
+    pub fn record_sql(&self) -> String {
+        match &self.mode {
+            ProgressMode::Origin { .. } => {
+                "SELECT pg_catalog.pg_replication_origin_xact_setup($1::pg_lsn, $2::timestamptz)".into()
+            }
+            ProgressMode::Table => format!(
+                "UPDATE pgapply.progress SET lsn = $1::pg_lsn, commit_time = $2::timestamptz, updated_at = now() WHERE slot_name = {}",
+                crate::sql::quote_literal(&self.slot)
+            ),
+        }
+    }
+
+    /// The source position whose changes are durable on the target. In origin mode this flushes
+    /// the target's WAL up to the last recorded commit first.
+    pub async fn durable_position(&self, client: &Client) -> Result<Lsn> {
+        let row = match &self.mode {
+            ProgressMode::Origin { name } => client
+                .query_one(
+                    "SELECT pg_catalog.pg_replication_origin_progress($1, true)::text",
+                    &[name],
+                )
+                .await,
+            ProgressMode::Table => client
+                .query_one(
+                    "SELECT lsn::text FROM pgapply.progress WHERE slot_name = $1",
+                    &[&self.slot],
+                )
+                .await,
+        }
+        .map_err(|e| Error::postgres("reading the applied position on the target", e))?;
+        parse_lsn(row.get(0))
+    }
+}
+
+async fn ensure_origin(client: &Client, name: &str) -> Result<(), tokio_postgres::Error> {
+    let row = client
+        .query_one("SELECT pg_catalog.pg_replication_origin_oid($1) IS NOT NULL", &[&name])
+        .await?;
+    if !row.get::<_, bool>(0) {
+        client
+            .execute("SELECT pg_catalog.pg_replication_origin_create($1)", &[&name])
+            .await?;
+    }
+    Ok(())
+}
+
+fn parse_lsn(text: Option<String>) -> Result<Lsn> {
+    match text {
+        None => Ok(Lsn::INVALID),
+        Some(t) => t
+            .parse()
+            .map_err(|e| Error::definite(format!("the target holds an unreadable position: {e}"))),
+    }
+}

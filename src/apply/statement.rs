@@ -1,0 +1,229 @@
+//! SQL for each change, built once per statement shape and prepared once per connection.
+//!
+//! A shape is (relation generation, operation, which columns are skipped, which old values are
+//! NULL). Values are never part of the SQL: they are bound as parameters in the text form pgoutput
+//! sends, and the server parses them with the target column's input function (parameter types are
+//! inferred from the target columns), so any type round-trips: arrays, enums, domains, composites,
+//! ranges.
+
+use bytes::{BufMut, BytesMut};
+use tokio_postgres::types::{Format, IsNull, ToSql, Type};
+
+use crate::protocol::pgoutput::Oid;
+use crate::protocol::Value;
+use crate::relation::RelationEntry;
+
+/// A parameter as pgoutput sent it: NULL, text or binary. Never converted on our side.
+#[derive(Debug, Clone)]
+pub enum WireValue {
+    Null,
+    Text(bytes::Bytes),
+    Binary(bytes::Bytes),
+}
+
+impl ToSql for WireValue {
+    fn to_sql(
+        &self,
+        _ty: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        match self {
+            WireValue::Null => Ok(IsNull::Yes),
+            WireValue::Text(b) | WireValue::Binary(b) => {
+                out.put_slice(b);
+                Ok(IsNull::No)
+            }
+        }
+    }
+
+    fn accepts(_ty: &Type) -> bool {
+        true
+    }
+
+    fn encode_format(&self, _ty: &Type) -> Format {
+        match self {
+            WireValue::Binary(_) => Format::Binary,
+            _ => Format::Text,
+        }
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}
+
+impl WireValue {
+    /// `None` for an unchanged TOAST value, which has no value to bind.
+    pub fn from_value(value: Value) -> Option<WireValue> {
+        match value {
+            Value::Null => Some(WireValue::Null),
+            Value::Text(b) => Some(WireValue::Text(b)),
+            Value::Binary(b) => Some(WireValue::Binary(b)),
+            Value::UnchangedToast => None,
+        }
+    }
+}
+
+/// A set of column positions, small and hashable; no allocation up to 128 columns.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct ColumnSet {
+    low: u128,
+    high: Vec<u64>,
+}
+
+impl ColumnSet {
+    pub fn insert(&mut self, column: usize) {
+        if column < 128 {
+            self.low |= 1 << column;
+        } else {
+            let word = (column - 128) / 64;
+            if self.high.len() <= word {
+                self.high.resize(word + 1, 0);
+            }
+            self.high[word] |= 1 << ((column - 128) % 64);
+        }
+    }
+
+    pub fn contains(&self, column: usize) -> bool {
+        if column < 128 {
+            self.low & (1 << column) != 0
+        } else {
+            let word = (column - 128) / 64;
+            self.high
+                .get(word)
+                .is_some_and(|w| w & (1 << ((column - 128) % 64)) != 0)
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.low == 0 && self.high.iter().all(|w| *w == 0)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Operation {
+    Insert,
+    Update,
+    Delete,
+}
+
+/// How an UPDATE or DELETE finds its row.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum RowMatch {
+    /// By the replica identity key columns (`key = $n`); the key is unique.
+    Key,
+    /// REPLICA IDENTITY FULL: by every old value (NULLs matched with IS NULL, skipped columns left
+    /// out), changing exactly one row even when identical rows exist.
+    Full {
+        nulls: ColumnSet,
+        skipped: ColumnSet,
+        /// Compare every column as text: the fallback when a type has no equality operator.
+        as_text: bool,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Shape {
+    pub relation: Oid,
+    pub generation: u64,
+    pub operation: Operation,
+    /// UPDATE: source columns left out of SET (unchanged TOAST values).
+    pub unchanged: ColumnSet,
+    pub row_match: RowMatch,
+}
+
+/// Types without a default equality operator, or whose `=` is not identity (geometric `=`
+/// compares areas): under REPLICA IDENTITY FULL they are compared by their text form.
+fn needs_text_comparison(type_oid: Oid) -> bool {
+    matches!(
+        type_oid,
+        114 | 199 // json, json[]
+            | 142 | 143 // xml, xml[]
+            | 600 | 1017 // point
+            | 601 | 1018 // lseg
+            | 602 | 1019 // path
+            | 603 | 1020 // box
+            | 604 | 1027 // polygon
+            | 628 | 629 // line
+            | 718 | 719 // circle
+    )
+}
+
+/// Builds the SQL for a shape. Parameters: SET/VALUES values in source column order, then the
+/// values that find the row, in source column order.
+pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
+    let table = &entry.target.qualified;
+    let ncols = entry.source.columns.len();
+    let mut param = 0usize;
+    let mut next = || {
+        param += 1;
+        param
+    };
+    match shape.operation {
+        Operation::Insert => {
+            let columns = entry.quoted_columns.join(", ");
+            let values = (0..ncols)
+                .map(|_| format!("${}", next()))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!("INSERT INTO {table} ({columns}) VALUES ({values})")
+        }
+        Operation::Update => {
+            let set = (0..ncols)
+                .filter(|c| !shape.unchanged.contains(*c))
+                .map(|c| format!("{} = ${}", entry.quoted_columns[c], next()))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let filter = row_filter(entry, &shape.row_match, &mut next);
+            format!("UPDATE {table} SET {set} WHERE {filter}")
+        }
+        Operation::Delete => {
+            let filter = row_filter(entry, &shape.row_match, &mut next);
+            format!("DELETE FROM {table} WHERE {filter}")
+        }
+    }
+}
+
+fn row_filter(entry: &RelationEntry, row_match: &RowMatch, next: &mut impl FnMut() -> usize) -> String {
+    match row_match {
+        RowMatch::Key => entry
+            .key_columns
+            .iter()
+            .map(|&c| format!("{} = ${}", entry.quoted_columns[c], next()))
+            .collect::<Vec<_>>()
+            .join(" AND "),
+        RowMatch::Full {
+            nulls,
+            skipped,
+            as_text,
+        } => {
+            let mut conditions = Vec::new();
+            for c in 0..entry.source.columns.len() {
+                if skipped.contains(c) {
+                    continue;
+                }
+                let column = &entry.quoted_columns[c];
+                if nulls.contains(c) {
+                    conditions.push(format!("{column} IS NULL"));
+                    continue;
+                }
+                let type_oid = entry.target_column(c).map_or(0, |t| t.type_oid);
+                if *as_text || needs_text_comparison(type_oid) {
+                    conditions.push(format!("{column}::text = ${}::text", next()));
+                } else {
+                    conditions.push(format!("{column} = ${}", next()));
+                }
+            }
+            let conditions = if conditions.is_empty() {
+                "true".to_owned()
+            } else {
+                conditions.join(" AND ")
+            };
+            let table = &entry.target.qualified;
+            // ctid alone is unique only within one table; partitions need tableoid too.
+            if entry.target.partitioned {
+                format!("(tableoid, ctid) = (SELECT tableoid, ctid FROM {table} WHERE {conditions} LIMIT 1)")
+            } else {
+                format!("ctid = (SELECT ctid FROM {table} WHERE {conditions} LIMIT 1)")
+            }
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! pgapply's error: what failed, in words a user can act on, and whether retrying can help.
+
+use std::fmt;
+
+/// Whether an error can go away by itself (retry) or needs a person (stop and say what to do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// Connection lost, server shutting down, serialization failure: retry from the recorded position.
+    Transient,
+    /// Missing table, bad configuration, constraint violation: retrying gives the same result.
+    Definite,
+}
+
+#[derive(Debug)]
+pub struct Error {
+    class: ErrorClass,
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn definite(message: impl Into<String>) -> Self {
+        Error {
+            class: ErrorClass::Definite,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    pub fn transient(message: impl Into<String>) -> Self {
+        Error {
+            class: ErrorClass::Transient,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A database error with context; the class follows the SQLSTATE (or the I/O failure).
+    pub fn postgres(context: impl Into<String>, err: tokio_postgres::Error) -> Self {
+        let class = classify_postgres(&err);
+        Error {
+            class,
+            message: format!("{}: {}", context.into(), describe_postgres(&err)),
+            source: Some(Box::new(err)),
+        }
+    }
+
+    pub fn io(context: impl Into<String>, err: std::io::Error) -> Self {
+        Error {
+            class: ErrorClass::Transient,
+            message: format!("{}: {err}", context.into()),
+            source: Some(Box::new(err)),
+        }
+    }
+
+    pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(Box::new(source));
+        self
+    }
+
+    pub fn class(&self) -> ErrorClass {
+        self.class
+    }
+
+    pub fn is_transient(&self) -> bool {
+        self.class == ErrorClass::Transient
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Adds what was being done in front of the message.
+    pub fn context(mut self, context: impl fmt::Display) -> Self {
+        self.message = format!("{context}: {}", self.message);
+        self
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// SQLSTATE classes and codes that a retry can cure.
+pub fn is_transient_sqlstate(code: &str) -> bool {
+    matches!(
+        code,
+        "40001" // serialization_failure
+            | "40P01" // deadlock_detected
+            | "53300" // too_many_connections
+            | "57P01" // admin_shutdown
+            | "57P02" // crash_shutdown
+            | "57P03" // cannot_connect_now
+            | "55006" // object_in_use (e.g. slot or origin still held by a dying process)
+            | "53100" // disk_full
+            | "53200" // out_of_memory
+    ) || code.starts_with("08") // connection_exception
+}
+
+fn classify_postgres(err: &tokio_postgres::Error) -> ErrorClass {
+    match err.as_db_error() {
+        Some(db) if is_transient_sqlstate(db.code().code()) => ErrorClass::Transient,
+        Some(_) => ErrorClass::Definite,
+        // Not a server error: connection closed, I/O, timeout.
+        None => ErrorClass::Transient,
+    }
+}
+
+/// The server's message with its detail and hint, on one line.
+pub fn describe_postgres(err: &tokio_postgres::Error) -> String {
+    match err.as_db_error() {
+        Some(db) => {
+            let mut text = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+            if let Some(detail) = db.detail() {
+                text.push_str(&format!("; detail: {detail}"));
+            }
+            if let Some(hint) = db.hint() {
+                text.push_str(&format!("; hint: {hint}"));
+            }
+            text
+        }
+        None => {
+            let mut text = err.to_string();
+            let mut source = std::error::Error::source(err);
+            while let Some(s) = source {
+                text.push_str(&format!(": {s}"));
+                source = s.source();
+            }
+            text
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! pgapply's schema on the target (`migrations/*.sql`), applied at start-up.
+//!
+//! Each migration runs once, in version order, in one transaction holding an advisory lock, so two
+//! pgapply processes starting together do not race. Applied versions are recorded in
+//! `pgapply.schema_migrations`.
+
+use tokio_postgres::Client;
+
+use crate::error::{Error, Result};
+
+/// (version, name, SQL), in order. New migrations are appended, never edited.
+const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "progress",
+    include_str!("../migrations/0001_progress.sql"),
+)];
+
+/// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.
+const LOCK_KEY: i64 = 0x7067_6170_706c_79;
+
+pub async fn apply(client: &mut Client) -> Result<()> {
+    let context = |e| Error::postgres("setting up pgapply's schema on the target", e);
+    let tx = client.transaction().await.map_err(context)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
+        .await
+        .map_err(context)?;
+    tx.batch_execute(
+        "CREATE SCHEMA IF NOT EXISTS pgapply;
+         CREATE TABLE IF NOT EXISTS pgapply.schema_migrations (
+             version    integer PRIMARY KEY,
+             name       text NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         );",
+    )
+    .await
+    .map_err(|e| {
+        Error::postgres(
+            "creating schema pgapply on the target (the target role needs CREATE on the database, or create the schema for it)",
+            e,
+        )
+    })?;
+    let row = tx
+        .query_one("SELECT coalesce(max(version), 0) FROM pgapply.schema_migrations", &[])
+        .await
+        .map_err(context)?;
+    let current: i32 = row.get(0);
+    for (version, name, sql) in MIGRATIONS {
+        if *version <= current {
+            continue;
+        }
+        tx.batch_execute(sql).await.map_err(|e| {
+            Error::postgres(format!("applying pgapply migration {version} ({name}) on the target"), e)
+        })?;
+        tx.execute(
+            "INSERT INTO pgapply.schema_migrations (version, name) VALUES ($1, $2)",
+            &[version, name],
+        )
+        .await
+        .map_err(context)?;
+        tracing::info!(version, name, "applied pgapply schema migration on the target");
+    }
+    tx.commit().await.map_err(context)?;
+    Ok(())
+}

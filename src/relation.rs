@@ -1,0 +1,214 @@
+//! The relation cache: what each published table looks like on the source (from Relation
+//! messages) and where its columns go on the target (from the target's catalog).
+//!
+//! Columns are matched by name. A source column the target lacks is an error naming table and
+//! column; target-only columns are left to their defaults; a target column that is generated can
+//! not receive values and is an error if the source sends it. A new Relation message for the same
+//! OID replaces the entry (the table changed on the source) and bumps its generation, so statements
+//! prepared for the old shape are not reused.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio_postgres::Client;
+
+use crate::error::{Error, Result};
+use crate::protocol::pgoutput::{Oid, Relation, ReplicaIdentity, TypeInfo};
+use crate::sql::{qualified_name, quote_ident};
+
+#[derive(Debug, Clone)]
+pub struct TargetColumn {
+    pub name: String,
+    pub type_oid: Oid,
+    /// `format_type(atttypid, NULL)`: for messages.
+    pub type_name: String,
+    pub generated: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct TargetTable {
+    pub oid: Oid,
+    pub schema: String,
+    pub name: String,
+    /// `"schema"."name"`, ready for SQL.
+    pub qualified: String,
+    /// A partitioned table: row identity needs `tableoid` as well as `ctid`.
+    pub partitioned: bool,
+    pub columns: Vec<TargetColumn>,
+}
+
+/// One published relation, resolved against the target.
+#[derive(Debug)]
+pub struct RelationEntry {
+    pub source: Relation,
+    pub target: TargetTable,
+    /// Per source column: the quoted target column name.
+    pub quoted_columns: Vec<String>,
+    /// Per source column: the target column.
+    pub target_columns: Vec<usize>,
+    /// Source column positions that form the replica identity key.
+    pub key_columns: Vec<usize>,
+    /// Changes each time the relation is replaced.
+    pub generation: u64,
+}
+
+impl RelationEntry {
+    /// `"schema"."table"` as the source names it, for messages.
+    pub fn display_name(&self) -> String {
+        qualified_name(source_schema(&self.source), &self.source.name)
+    }
+
+    pub fn target_column(&self, source_column: usize) -> Option<&TargetColumn> {
+        self.target
+            .columns
+            .get(*self.target_columns.get(source_column)?)
+    }
+}
+
+/// The server sends an empty namespace for pg_catalog.
+fn source_schema(rel: &Relation) -> &str {
+    if rel.namespace.is_empty() {
+        "pg_catalog"
+    } else {
+        &rel.namespace
+    }
+}
+
+#[derive(Default)]
+pub struct RelationCache {
+    relations: HashMap<Oid, Arc<RelationEntry>>,
+    types: HashMap<Oid, TypeInfo>,
+    generation: u64,
+}
+
+impl RelationCache {
+    pub fn get(&self, oid: Oid) -> Result<&Arc<RelationEntry>> {
+        self.relations.get(&oid).ok_or_else(|| {
+            Error::definite(format!(
+                "the source sent a change for relation OID {oid} before describing it in a Relation message; this is a protocol error: restart pgapply"
+            ))
+        })
+    }
+
+    pub fn remember_type(&mut self, info: TypeInfo) {
+        self.types.insert(info.oid, info);
+    }
+
+    /// A source type's name, when a Type message told it.
+    pub fn type_name(&self, oid: Oid) -> Option<String> {
+        self.types
+            .get(&oid)
+            .map(|t| qualified_name(&t.namespace, &t.name))
+    }
+
+    /// Resolves a Relation message against the target's catalog and stores it.
+    pub async fn update(&mut self, relation: Relation, catalog: &Client) -> Result<Arc<RelationEntry>> {
+        let schema = source_schema(&relation).to_owned();
+        let target = load_target_table(catalog, &schema, &relation.name).await?;
+        let shown = qualified_name(&schema, &relation.name);
+        let target = target.ok_or_else(|| {
+            Error::definite(format!(
+                "table {shown} is published by the source but does not exist on the target: create it on the target with the same columns (for example with pg_dump --schema-only)"
+            ))
+        })?;
+        let mut quoted_columns = Vec::with_capacity(relation.columns.len());
+        let mut target_columns = Vec::with_capacity(relation.columns.len());
+        for column in &relation.columns {
+            let index = target
+                .columns
+                .iter()
+                .position(|t| t.name == column.name)
+                .ok_or_else(|| {
+                    Error::definite(format!(
+                        "column {} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} ...)",
+                        quote_ident(&column.name),
+                        target.qualified,
+                        target.qualified,
+                        quote_ident(&column.name)
+                    ))
+                })?;
+            if target.columns[index].generated {
+                return Err(Error::definite(format!(
+                    "column {} of target table {} is a generated column, but the source replicates values for it: make it a plain column on the target, or stop publishing it",
+                    quote_ident(&column.name),
+                    target.qualified
+                )));
+            }
+            quoted_columns.push(quote_ident(&column.name));
+            target_columns.push(index);
+        }
+        let key_columns = relation
+            .columns
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.is_key())
+            .map(|(i, _)| i)
+            .collect();
+        if relation.replica_identity == ReplicaIdentity::Nothing {
+            tracing::debug!(relation = %shown, "replica identity NOTHING: only inserts can be replicated");
+        }
+        self.generation += 1;
+        let entry = Arc::new(RelationEntry {
+            source: relation,
+            target,
+            quoted_columns,
+            target_columns,
+            key_columns,
+            generation: self.generation,
+        });
+        self.relations.insert(entry.source.oid, entry.clone());
+        Ok(entry)
+    }
+}
+
+async fn load_target_table(catalog: &Client, schema: &str, name: &str) -> Result<Option<TargetTable>> {
+    let version_row = catalog
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(|e| Error::postgres("reading the target's version", e))?;
+    let version: i32 = version_row.get(0);
+    // attgenerated exists from PostgreSQL 12.
+    let generated = if version >= 120000 {
+        "a.attgenerated::text"
+    } else {
+        "''::text"
+    };
+    let sql = format!(
+        "SELECT c.oid, c.relkind::text, a.attname::text, a.atttypid, \
+                pg_catalog.format_type(a.atttypid, NULL), {generated} \
+         FROM pg_catalog.pg_class c \
+         JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+         LEFT JOIN pg_catalog.pg_attribute a \
+                ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped \
+         WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p') \
+         ORDER BY a.attnum"
+    );
+    let rows = catalog
+        .query(&sql, &[&schema, &name])
+        .await
+        .map_err(|e| Error::postgres(format!("looking up table {} on the target", qualified_name(schema, name)), e))?;
+    let Some(first) = rows.first() else {
+        return Ok(None);
+    };
+    let relkind: String = first.get(1);
+    let mut table = TargetTable {
+        oid: first.get(0),
+        schema: schema.to_owned(),
+        name: name.to_owned(),
+        qualified: qualified_name(schema, name),
+        partitioned: relkind == "p",
+        columns: Vec::with_capacity(rows.len()),
+    };
+    for row in &rows {
+        let column: Option<String> = row.get(2);
+        let Some(column) = column else { continue };
+        let generated: Option<String> = row.get(5);
+        table.columns.push(TargetColumn {
+            name: column,
+            type_oid: row.get(3),
+            type_name: row.get(4),
+            generated: generated.is_some_and(|g| !g.is_empty()),
+        });
+    }
+    Ok(Some(table))
+}

@@ -1,0 +1,536 @@
+//! A minimal PostgreSQL client for replication sessions.
+//!
+//! tokio-postgres cannot open a walsender session (`replication=database`) nor speak CopyBoth, so
+//! this is a thin client on `postgres-protocol`, the codec tokio-postgres itself is built on: startup,
+//! authentication (trust, cleartext, MD5, SCRAM-SHA-256), simple queries, and CopyBoth framing.
+//!
+//! Reads go into one persistent buffer, so `read_copy_data` can be cancelled (in a `select!`)
+//! without losing bytes. A message's length is checked against `max_message_bytes` before any of it
+//! is buffered.
+
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use fallible_iterator::FallibleIterator;
+use postgres_protocol::authentication::sasl::{self, ScramSha256};
+use postgres_protocol::message::{backend, frontend};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_postgres::config::{Host, SslMode};
+
+use crate::error::{Error, Result};
+
+/// Startup options that make text values round-trip exactly, as PostgreSQL's own subscriber sets.
+const STARTUP_OPTIONS: &str = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3";
+
+/// How much to ask the kernel for per read: large reads let the walsender batch its sends.
+const READ_CHUNK: usize = 256 * 1024;
+
+enum Stream {
+    Tcp(TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl Stream {
+    async fn read_buf(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read_buf(buf).await,
+            Stream::Unix(s) => s.read_buf(buf).await,
+        }
+    }
+
+    async fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.write_all(buf).await,
+            Stream::Unix(s) => s.write_all(buf).await,
+        }
+    }
+}
+
+/// The result of a simple query: column names and rows of text values.
+#[derive(Debug, Default)]
+pub struct QueryResult {
+    pub columns: Vec<String>,
+    pub rows: Vec<Vec<Option<String>>>,
+}
+
+impl QueryResult {
+    /// The value of `column` in the first row.
+    pub fn first(&self, column: &str) -> Option<&str> {
+        let index = self.columns.iter().position(|c| c == column)?;
+        self.rows.first()?.get(index)?.as_deref()
+    }
+}
+
+/// An error the server sent: SQLSTATE and message.
+#[derive(Debug, Clone)]
+pub struct ServerError {
+    pub code: String,
+    pub message: String,
+    pub detail: Option<String>,
+    pub hint: Option<String>,
+}
+
+impl std::fmt::Display for ServerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (SQLSTATE {})", self.message, self.code)?;
+        if let Some(d) = &self.detail {
+            write!(f, "; detail: {d}")?;
+        }
+        if let Some(h) = &self.hint {
+            write!(f, "; hint: {h}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ServerError {}
+
+impl ServerError {
+    fn into_error(self, context: &str) -> Error {
+        let transient = crate::error::is_transient_sqlstate(&self.code);
+        let message = format!("{context}: {self}");
+        let err = if transient {
+            Error::transient(message)
+        } else {
+            Error::definite(message)
+        };
+        err.with_source(self)
+    }
+}
+
+fn server_error(fields: backend::ErrorFields<'_>) -> ServerError {
+    let mut e = ServerError {
+        code: String::new(),
+        message: String::new(),
+        detail: None,
+        hint: None,
+    };
+    let mut fields = fields;
+    while let Ok(Some(field)) = fields.next() {
+        let value = String::from_utf8_lossy(field.value_bytes()).into_owned();
+        match field.type_() {
+            b'C' => e.code = value,
+            b'M' => e.message = value,
+            b'D' => e.detail = Some(value),
+            b'H' => e.hint = Some(value),
+            _ => {}
+        }
+    }
+    e
+}
+
+pub struct ReplicationConnection {
+    stream: Stream,
+    read: BytesMut,
+    write: BytesMut,
+    /// Where we connected, without credentials: for messages.
+    pub endpoint: String,
+    /// `server_version_num`, e.g. 150004.
+    pub server_version: u32,
+    max_message_bytes: usize,
+}
+
+impl ReplicationConnection {
+    /// Opens a `replication=database` session with the given connection settings.
+    pub async fn connect(config: &tokio_postgres::Config, max_message_bytes: usize) -> Result<Self> {
+        let user = config
+            .get_user()
+            .ok_or_else(|| Error::definite("source connection: no user given (set user= or PGUSER)"))?
+            .to_owned();
+        let dbname = config.get_dbname().unwrap_or(&user).to_owned();
+        if config.get_ssl_mode() == SslMode::Require {
+            return Err(Error::definite(
+                "source connection: sslmode=require is not supported by this build yet; use sslmode=disable or prefer",
+            ));
+        }
+        let timeout = config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(Duration::from_secs(30));
+        let (stream, endpoint) = open_stream(config, timeout).await?;
+        let mut conn = ReplicationConnection {
+            stream,
+            read: BytesMut::with_capacity(READ_CHUNK),
+            write: BytesMut::new(),
+            endpoint,
+            server_version: 0,
+            max_message_bytes,
+        };
+        let mut params: Vec<(&str, &str)> = vec![
+            ("user", &user),
+            ("database", &dbname),
+            ("replication", "database"),
+            ("options", STARTUP_OPTIONS),
+            ("client_encoding", "UTF8"),
+        ];
+        let app = config.get_application_name().unwrap_or("pgapply");
+        params.push(("application_name", app));
+        frontend::startup_message(params.iter().copied(), &mut conn.write)
+            .map_err(|e| Error::io("source connection: encoding startup", e))?;
+        conn.flush().await?;
+        let password = config.get_password().map(|p| p.to_vec());
+        conn.authenticate(&user, password.as_deref()).await?;
+        Ok(conn)
+    }
+
+    async fn flush(&mut self) -> Result<()> {
+        let buf = self.write.split();
+        self.stream
+            .write_all(&buf)
+            .await
+            .map_err(|e| Error::io(format!("writing to source {}", self.endpoint), e))
+    }
+
+    /// Reads the next complete backend message; `Ok((tag, body))`, body without tag and length.
+    async fn read_message(&mut self) -> Result<(u8, Bytes)> {
+        loop {
+            if self.read.len() >= 5 {
+                let tag = self.read[0];
+                let len = u32::from_be_bytes([self.read[1], self.read[2], self.read[3], self.read[4]])
+                    as usize;
+                if len < 4 {
+                    return Err(Error::definite(format!(
+                        "source {} sent a protocol message with invalid length {len}",
+                        self.endpoint
+                    )));
+                }
+                if len > self.max_message_bytes {
+                    return Err(Error::definite(format!(
+                        "source {} sent a {len}-byte message, larger than the limit of {} bytes (max_message_bytes)",
+                        self.endpoint, self.max_message_bytes
+                    )));
+                }
+                if self.read.len() > len {
+                    let mut frame = self.read.split_to(len + 1);
+                    frame.advance(5);
+                    return Ok((tag, frame.freeze()));
+                }
+                self.read.reserve(len + 1 - self.read.len());
+            }
+            if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
+                self.read.reserve(READ_CHUNK);
+            }
+            let n = self
+                .stream
+                .read_buf(&mut self.read)
+                .await
+                .map_err(|e| Error::io(format!("reading from source {}", self.endpoint), e))?;
+            if n == 0 {
+                return Err(Error::transient(format!(
+                    "source {} closed the connection",
+                    self.endpoint
+                )));
+            }
+        }
+    }
+
+    /// Parses a message we already framed, with postgres-protocol's codec.
+    fn parse(&self, tag: u8, body: &Bytes) -> Result<backend::Message> {
+        let mut raw = BytesMut::with_capacity(body.len() + 5);
+        raw.extend_from_slice(&[tag]);
+        raw.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
+        raw.extend_from_slice(body);
+        match backend::Message::parse(&mut raw) {
+            Ok(Some(m)) => Ok(m),
+            Ok(None) => Err(Error::definite(format!(
+                "source {} sent an incomplete message (tag {:?})",
+                self.endpoint, tag as char
+            ))),
+            Err(e) => Err(Error::definite(format!(
+                "source {} sent a malformed message (tag {:?}): {e}",
+                self.endpoint, tag as char
+            ))),
+        }
+    }
+
+    async fn authenticate(&mut self, user: &str, password: Option<&[u8]>) -> Result<()> {
+        let need_password = || {
+            Error::definite(format!(
+                "source requires a password for user {user:?}: give password= in --source, PGPASSWORD, or ~/.pgpass"
+            ))
+        };
+        let mut scram: Option<ScramSha256> = None;
+        loop {
+            let (tag, body) = self.read_message().await?;
+            match self.parse(tag, &body)? {
+                backend::Message::AuthenticationOk => {}
+                backend::Message::AuthenticationCleartextPassword => {
+                    let pw = password.ok_or_else(need_password)?;
+                    frontend::password_message(pw, &mut self.write)
+                        .map_err(|e| Error::io("encoding password", e))?;
+                    self.flush().await?;
+                }
+                backend::Message::AuthenticationMd5Password(body) => {
+                    let pw = password.ok_or_else(need_password)?;
+                    let hash =
+                        postgres_protocol::authentication::md5_hash(user.as_bytes(), pw, body.salt());
+                    frontend::password_message(hash.as_bytes(), &mut self.write)
+                        .map_err(|e| Error::io("encoding password", e))?;
+                    self.flush().await?;
+                }
+                backend::Message::AuthenticationSasl(body) => {
+                    let pw = password.ok_or_else(need_password)?;
+                    let mut mechanisms = body.mechanisms();
+                    let mut supported = false;
+                    while let Ok(Some(m)) = mechanisms.next() {
+                        if m == sasl::SCRAM_SHA_256 {
+                            supported = true;
+                        }
+                    }
+                    if !supported {
+                        return Err(Error::definite(
+                            "source offers no SASL mechanism pgapply supports (SCRAM-SHA-256 without channel binding)",
+                        ));
+                    }
+                    let s = ScramSha256::new(pw, sasl::ChannelBinding::unsupported());
+                    frontend::sasl_initial_response(sasl::SCRAM_SHA_256, s.message(), &mut self.write)
+                        .map_err(|e| Error::io("encoding SASL", e))?;
+                    self.flush().await?;
+                    scram = Some(s);
+                }
+                backend::Message::AuthenticationSaslContinue(body) => {
+                    let s = scram
+                        .as_mut()
+                        .ok_or_else(|| Error::definite("source sent SASL continue without SASL start"))?;
+                    s.update(body.data()).map_err(|e| {
+                        Error::definite(format!("SCRAM authentication with the source failed: {e}"))
+                    })?;
+                    frontend::sasl_response(s.message(), &mut self.write)
+                        .map_err(|e| Error::io("encoding SASL", e))?;
+                    self.flush().await?;
+                }
+                backend::Message::AuthenticationSaslFinal(body) => {
+                    let s = scram
+                        .as_mut()
+                        .ok_or_else(|| Error::definite("source sent SASL final without SASL start"))?;
+                    s.finish(body.data()).map_err(|e| {
+                        Error::definite(format!(
+                            "SCRAM authentication with the source failed (server signature did not verify): {e}"
+                        ))
+                    })?;
+                }
+                backend::Message::ParameterStatus(p) => {
+                    if p.name().ok() == Some("server_version") {
+                        if let Ok(v) = p.value() {
+                            self.server_version = parse_server_version(v);
+                        }
+                    }
+                }
+                backend::Message::BackendKeyData(_) | backend::Message::NoticeResponse(_) => {}
+                backend::Message::ReadyForQuery(_) => return Ok(()),
+                backend::Message::ErrorResponse(e) => {
+                    let e = server_error(e.fields());
+                    return Err(e.into_error(&format!("connecting to source {} as {user:?}", self.endpoint)));
+                }
+                _ => {
+                    return Err(Error::definite(format!(
+                        "source {} sent an unsupported authentication request (tag {:?}); pgapply supports trust, password, md5 and scram-sha-256",
+                        self.endpoint, tag as char
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Runs one statement with the simple query protocol and collects its rows as text.
+    pub async fn simple_query(&mut self, sql: &str) -> Result<QueryResult> {
+        frontend::query(sql, &mut self.write).map_err(|e| Error::io("encoding query", e))?;
+        self.flush().await?;
+        let mut result = QueryResult::default();
+        let mut error: Option<ServerError> = None;
+        loop {
+            let (tag, body) = self.read_message().await?;
+            match self.parse(tag, &body)? {
+                backend::Message::RowDescription(desc) => {
+                    let mut fields = desc.fields();
+                    while let Ok(Some(f)) = fields.next() {
+                        result.columns.push(f.name().to_owned());
+                    }
+                }
+                backend::Message::DataRow(row) => {
+                    let buf = row.buffer();
+                    let mut values = Vec::new();
+                    let mut ranges = row.ranges();
+                    while let Ok(Some(range)) = ranges.next() {
+                        values.push(range.map(|r| String::from_utf8_lossy(&buf[r]).into_owned()));
+                    }
+                    result.rows.push(values);
+                }
+                backend::Message::ErrorResponse(e) => error = Some(server_error(e.fields())),
+                backend::Message::ReadyForQuery(_) => {
+                    return match error {
+                        Some(e) => Err(e.into_error(&format!("source {}", self.endpoint))),
+                        None => Ok(result),
+                    };
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Sends a command that answers with CopyBothResponse (START_REPLICATION) and enters copy mode.
+    pub async fn start_copy_both(&mut self, sql: &str) -> Result<()> {
+        frontend::query(sql, &mut self.write).map_err(|e| Error::io("encoding query", e))?;
+        self.flush().await?;
+        loop {
+            let (tag, body) = self.read_message().await?;
+            // postgres-protocol does not know CopyBothResponse ('W'): it is handled here.
+            if tag == b'W' {
+                return Ok(());
+            }
+            match self.parse(tag, &body)? {
+                backend::Message::ErrorResponse(e) => {
+                    let e = server_error(e.fields());
+                    // The server follows an error with ReadyForQuery; drain it so the connection
+                    // stays usable for a caller that wants to retry.
+                    let _ = self.wait_ready().await;
+                    return Err(e.into_error(&format!("source {}", self.endpoint)));
+                }
+                backend::Message::NoticeResponse(_) | backend::Message::ParameterStatus(_) => {}
+                _ => {
+                    return Err(Error::definite(format!(
+                        "source {} answered START_REPLICATION with unexpected message {:?}",
+                        self.endpoint, tag as char
+                    )))
+                }
+            }
+        }
+    }
+
+    async fn wait_ready(&mut self) -> Result<()> {
+        loop {
+            let (tag, _) = self.read_message().await?;
+            if tag == b'Z' {
+                return Ok(());
+            }
+        }
+    }
+
+    /// In copy mode: the next CopyData payload. `Ok(None)` when the server ended copy mode.
+    /// Cancel-safe: bytes read so far stay in the connection's buffer.
+    pub async fn read_copy_data(&mut self) -> Result<Option<Bytes>> {
+        loop {
+            let (tag, body) = self.read_message().await?;
+            match tag {
+                b'd' => return Ok(Some(body)),
+                b'c' => return Ok(None),
+                b'N' | b'S' => {
+                    if let Ok(backend::Message::NoticeResponse(n)) = self.parse(tag, &body) {
+                        let n = server_error(n.fields());
+                        tracing::info!(source = %self.endpoint, notice = %n.message, "source notice");
+                    }
+                }
+                b'E' => {
+                    let e = match self.parse(tag, &body)? {
+                        backend::Message::ErrorResponse(e) => server_error(e.fields()),
+                        _ => unreachable_error(),
+                    };
+                    return Err(e.into_error(&format!("source {} ended replication", self.endpoint)));
+                }
+                other => {
+                    return Err(Error::definite(format!(
+                        "source {} sent unexpected message {:?} during replication",
+                        self.endpoint, other as char
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Sends one CopyData message (a standby status update).
+    pub async fn send_copy_data(&mut self, payload: &[u8]) -> Result<()> {
+        self.write.extend_from_slice(b"d");
+        self.write
+            .extend_from_slice(&((payload.len() + 4) as u32).to_be_bytes());
+        self.write.extend_from_slice(payload);
+        self.flush().await
+    }
+
+    /// Ends copy mode from our side and closes the session politely.
+    pub async fn close(mut self) {
+        frontend::copy_done(&mut self.write);
+        frontend::terminate(&mut self.write);
+        let _ = self.flush().await;
+    }
+}
+
+fn unreachable_error() -> ServerError {
+    ServerError {
+        code: "XX000".into(),
+        message: "unparseable error response".into(),
+        detail: None,
+        hint: None,
+    }
+}
+
+/// "15.4 (Debian 15.4-1)" -> 150004; "9.6.24" -> 90624; "18beta1" -> 180000.
+pub fn parse_server_version(text: &str) -> u32 {
+    let numeric: String = text
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    let mut parts = numeric.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let major = parts.next().unwrap_or(0);
+    let second = parts.next().unwrap_or(0);
+    if major >= 10 {
+        major * 10000 + second
+    } else {
+        major * 10000 + second * 100 + parts.next().unwrap_or(0)
+    }
+}
+
+async fn open_stream(config: &tokio_postgres::Config, timeout: Duration) -> Result<(Stream, String)> {
+    let hosts = config.get_hosts();
+    let ports = config.get_ports();
+    let mut last_err = None;
+    let default_hosts = [Host::Tcp("localhost".into())];
+    let hosts: &[Host] = if hosts.is_empty() { &default_hosts } else { hosts };
+    for (i, host) in hosts.iter().enumerate() {
+        let port = ports
+            .get(i)
+            .or_else(|| ports.first())
+            .copied()
+            .unwrap_or(5432);
+        match host {
+            Host::Tcp(name) => {
+                let endpoint = format!("{name}:{port}");
+                match tokio::time::timeout(timeout, TcpStream::connect((name.as_str(), port))).await {
+                    Ok(Ok(s)) => {
+                        let _ = s.set_nodelay(true);
+                        return Ok((Stream::Tcp(s), endpoint));
+                    }
+                    Ok(Err(e)) => last_err = Some(Error::io(format!("connecting to source {endpoint}"), e)),
+                    Err(_) => {
+                        last_err = Some(Error::transient(format!(
+                            "connecting to source {endpoint}: timed out after {}",
+                            humantime::format_duration(timeout)
+                        )))
+                    }
+                }
+            }
+            Host::Unix(dir) => {
+                let path = dir.join(format!(".s.PGSQL.{port}"));
+                let endpoint = path.display().to_string();
+                match tokio::net::UnixStream::connect(&path).await {
+                    Ok(s) => return Ok((Stream::Unix(s), endpoint)),
+                    Err(e) => last_err = Some(Error::io(format!("connecting to source {endpoint}"), e)),
+                }
+            }
+        }
+    }
+    Err(last_err.unwrap_or_else(|| Error::definite("source connection: no host given")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_server_version;
+
+    #[test]
+    fn server_versions() {
+        assert_eq!(parse_server_version("15.4 (Debian 15.4-1.pgdg120+1)"), 150004);
+        assert_eq!(parse_server_version("10.23"), 100023);
+        assert_eq!(parse_server_version("18beta1"), 180000);
+        assert_eq!(parse_server_version("9.6.24"), 90624);
+    }
+}

@@ -1,0 +1,222 @@
+//! The source side: a walsender session that streams a logical slot with pgoutput.
+//!
+//! [`connection`] speaks the wire protocol; this module runs the replication commands:
+//! IDENTIFY_SYSTEM, checking (or creating) the slot, checking the publications, and
+//! START_REPLICATION, after which [`ReplicationStream`] hands out walsender frames and sends
+//! standby status updates.
+
+pub mod connection;
+
+use bytes::BytesMut;
+
+use crate::error::{Error, Result};
+use crate::protocol::{Lsn, PgTimestamp, ReplicationFrame, StandbyStatusUpdate};
+use crate::sql::{quote_ident, quote_literal};
+use connection::ReplicationConnection;
+
+/// What IDENTIFY_SYSTEM says about the source.
+#[derive(Debug, Clone)]
+pub struct SystemIdentity {
+    pub system_id: String,
+    pub timeline: u32,
+    pub wal_position: Lsn,
+    pub database: String,
+}
+
+/// The pgoutput protocol version to ask for: the highest the server speaks.
+pub fn protocol_version_for(server_version: u32) -> u32 {
+    match server_version / 10000 {
+        v if v >= 16 => 4,
+        15 => 3,
+        14 => 2,
+        _ => 1,
+    }
+}
+
+pub struct ReplicationSession {
+    conn: ReplicationConnection,
+}
+
+impl ReplicationSession {
+    pub async fn connect(config: &tokio_postgres::Config, max_message_bytes: usize) -> Result<Self> {
+        let conn = ReplicationConnection::connect(config, max_message_bytes).await?;
+        if conn.server_version < 100000 {
+            return Err(Error::definite(format!(
+                "source {} runs PostgreSQL {}; pgapply needs PostgreSQL 10 or later (pgoutput)",
+                conn.endpoint,
+                conn.server_version / 10000
+            )));
+        }
+        Ok(ReplicationSession { conn })
+    }
+
+    pub fn server_version(&self) -> u32 {
+        self.conn.server_version
+    }
+
+    pub fn endpoint(&self) -> &str {
+        &self.conn.endpoint
+    }
+
+    pub async fn identify_system(&mut self) -> Result<SystemIdentity> {
+        let r = self.conn.simple_query("IDENTIFY_SYSTEM").await?;
+        let field = |name: &str| {
+            r.first(name).map(str::to_owned).ok_or_else(|| {
+                Error::definite(format!("IDENTIFY_SYSTEM on the source returned no {name}"))
+            })
+        };
+        let wal: String = field("xlogpos")?;
+        Ok(SystemIdentity {
+            system_id: field("systemid")?,
+            timeline: field("timeline")?.parse().unwrap_or(0),
+            wal_position: wal.parse().map_err(|e| {
+                Error::definite(format!("IDENTIFY_SYSTEM returned a bad xlogpos: {e}"))
+            })?,
+            database: r.first("dbname").unwrap_or_default().to_owned(),
+        })
+    }
+
+    /// Checks the slot: it must exist (or be created with `create`), be logical, use pgoutput and
+    /// belong to the connected database.
+    pub async fn ensure_slot(&mut self, slot: &str, create: bool, database: &str) -> Result<()> {
+        let sql = format!(
+            "SELECT slot_type, plugin, database FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
+            quote_literal(slot)
+        );
+        let r = self.conn.simple_query(&sql).await?;
+        if r.rows.is_empty() {
+            if !create {
+                return Err(Error::definite(format!(
+                    "replication slot {slot:?} does not exist on the source {}: run with --create-slot, or create it with SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')",
+                    self.conn.endpoint
+                )));
+            }
+            let sql = format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput NOEXPORT_SNAPSHOT",
+                quote_ident(slot)
+            );
+            self.conn.simple_query(&sql).await.map_err(|e| {
+                e.context(format!("creating replication slot {slot:?} on the source"))
+            })?;
+            tracing::info!(slot, "created logical replication slot (pgoutput)");
+            return Ok(());
+        }
+        let slot_type = r.first("slot_type").unwrap_or_default();
+        let plugin = r.first("plugin").unwrap_or_default();
+        let slot_db = r.first("database").unwrap_or_default();
+        if slot_type != "logical" || plugin != "pgoutput" {
+            return Err(Error::definite(format!(
+                "replication slot {slot:?} on the source is a {slot_type} slot with plugin {plugin:?}; pgapply needs a logical slot using pgoutput"
+            )));
+        }
+        if slot_db != database {
+            return Err(Error::definite(format!(
+                "replication slot {slot:?} belongs to database {slot_db:?}, but the source connection is to database {database:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Fails naming every publication that does not exist.
+    pub async fn check_publications(&mut self, publications: &[String]) -> Result<()> {
+        let list = publications
+            .iter()
+            .map(|p| quote_literal(p))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = format!(
+            "SELECT pubname FROM pg_catalog.pg_publication WHERE pubname IN ({list})"
+        );
+        let r = self.conn.simple_query(&sql).await?;
+        let found: Vec<&str> = r.rows.iter().filter_map(|row| row.first()?.as_deref()).collect();
+        let missing: Vec<&String> = publications
+            .iter()
+            .filter(|p| !found.contains(&p.as_str()))
+            .collect();
+        if !missing.is_empty() {
+            let names = missing
+                .iter()
+                .map(|p| format!("{p:?}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(Error::definite(format!(
+                "publication {names} does not exist on the source {}: create it with CREATE PUBLICATION, or fix --publication",
+                self.conn.endpoint
+            )));
+        }
+        Ok(())
+    }
+
+    /// START_REPLICATION; from here on the session only streams.
+    pub async fn start(
+        mut self,
+        slot: &str,
+        start: Lsn,
+        protocol_version: u32,
+        publications: &[String],
+    ) -> Result<ReplicationStream> {
+        // publication_names is parsed by the server as a list of identifiers, so each name is
+        // quoted as an identifier, and the list as a whole as a string literal.
+        let names = publications
+            .iter()
+            .map(|p| quote_ident(p))
+            .collect::<Vec<_>>()
+            .join(",");
+        let sql = format!(
+            "START_REPLICATION SLOT {} LOGICAL {} (proto_version '{}', publication_names {})",
+            quote_ident(slot),
+            start,
+            protocol_version,
+            quote_literal(&names)
+        );
+        tracing::debug!(command = %sql, "starting replication");
+        self.conn
+            .start_copy_both(&sql)
+            .await
+            .map_err(|e| e.context(format!("starting replication from slot {slot:?}")))?;
+        Ok(ReplicationStream {
+            conn: self.conn,
+            buf: BytesMut::with_capacity(StandbyStatusUpdate::LEN),
+        })
+    }
+}
+
+/// A session in CopyBoth mode.
+pub struct ReplicationStream {
+    conn: ReplicationConnection,
+    buf: BytesMut,
+}
+
+impl ReplicationStream {
+    /// The next frame from the walsender, or `None` when it ended the stream. Cancel-safe.
+    pub async fn next_frame(&mut self) -> Result<Option<ReplicationFrame>> {
+        match self.conn.read_copy_data().await? {
+            None => Ok(None),
+            Some(payload) => ReplicationFrame::parse(payload)
+                .map(Some)
+                .map_err(|e| Error::definite(format!("source {}: {e}", self.conn.endpoint))),
+        }
+    }
+
+    pub async fn send_status(&mut self, written: Lsn, flushed: Lsn, reply_requested: bool) -> Result<()> {
+        self.buf.clear();
+        StandbyStatusUpdate {
+            write: written,
+            flush: flushed,
+            apply: flushed,
+            client_time: PgTimestamp::now(),
+            reply_requested,
+        }
+        .encode(&mut self.buf);
+        let payload = self.buf.split().freeze();
+        self.conn.send_copy_data(&payload).await
+    }
+
+    pub fn endpoint(&self) -> &str {
+        &self.conn.endpoint
+    }
+
+    pub async fn close(self) {
+        self.conn.close().await;
+    }
+}

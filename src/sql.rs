@@ -1,0 +1,56 @@
+//! Quoting for the few places where SQL text is built: identifiers always, literals only where the
+//! replication protocol gives no way to bind (START_REPLICATION options, simple queries on the
+//! walsender connection).
+
+/// `"name"` with embedded quotes doubled. Every identifier pgapply writes goes through this.
+pub fn quote_ident(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() + 2);
+    out.push('"');
+    for ch in name.chars() {
+        if ch == '"' {
+            out.push('"');
+        }
+        out.push(ch);
+    }
+    out.push('"');
+    out
+}
+
+/// `schema.table`, both parts quoted.
+pub fn qualified_name(schema: &str, table: &str) -> String {
+    format!("{}.{}", quote_ident(schema), quote_ident(table))
+}
+
+/// A string literal that is correct whatever `standard_conforming_strings` says: `E'...'` with
+/// quotes and backslashes escaped.
+pub fn quote_literal(value: &str) -> String {
+    let mut out = String::with_capacity(value.len() + 3);
+    out.push_str("E'");
+    for ch in value.chars() {
+        match ch {
+            '\'' => out.push_str("''"),
+            '\\' => out.push_str("\\\\"),
+            _ => out.push(ch),
+        }
+    }
+    out.push('\'');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers() {
+        assert_eq!(quote_ident("a"), "\"a\"");
+        assert_eq!(quote_ident("My \"Table\""), "\"My \"\"Table\"\"\"");
+        assert_eq!(qualified_name("s p", "ü"), "\"s p\".\"ü\"");
+    }
+
+    #[test]
+    fn literals() {
+        assert_eq!(quote_literal("it's"), "E'it''s'");
+        assert_eq!(quote_literal("a\\b"), "E'a\\\\b'");
+    }
+}
