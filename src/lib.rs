@@ -12,3 +12,8 @@ pub mod conninfo;
 pub mod relation;
 pub mod migrations;
 pub mod apply;
+pub mod replicate;
+pub mod cli;
+pub mod cluster;
+pub mod compare;
+pub mod demo;

@@ -37,6 +37,12 @@ pub fn quote_literal(value: &str) -> String {
     out
 }
 
+/// A string literal for replication commands (START_REPLICATION options): their grammar knows only
+/// `'...'` with doubled quotes, and takes backslashes literally.
+pub fn quote_replication_literal(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "''"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,5 +58,6 @@ mod tests {
     fn literals() {
         assert_eq!(quote_literal("it's"), "E'it''s'");
         assert_eq!(quote_literal("a\\b"), "E'a\\\\b'");
+        assert_eq!(quote_replication_literal("\"My Pub\",\"it's\""), "'\"My Pub\",\"it''s\"'");
     }
 }

@@ -11,7 +11,7 @@ use bytes::BytesMut;
 
 use crate::error::{Error, Result};
 use crate::protocol::{Lsn, PgTimestamp, ReplicationFrame, StandbyStatusUpdate};
-use crate::sql::{quote_ident, quote_literal};
+use crate::sql::{quote_ident, quote_literal, quote_replication_literal};
 use connection::ReplicationConnection;
 
 /// What IDENTIFY_SYSTEM says about the source.
@@ -167,7 +167,7 @@ impl ReplicationSession {
             quote_ident(slot),
             start,
             protocol_version,
-            quote_literal(&names)
+            quote_replication_literal(&names)
         );
         tracing::debug!(command = %sql, "starting replication");
         self.conn

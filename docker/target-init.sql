@@ -1,0 +1,8 @@
+-- Target database for the docker-compose demo: the same table, empty.
+-- pgapply applies the changes published by the source (pgapply_pub) into it.
+
+CREATE TABLE public.sample (
+    id         bigserial   PRIMARY KEY,
+    note       text        NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);

@@ -1,0 +1,468 @@
+//! One replication run: source reader, applier and durability tracker, wired together.
+//!
+//! ```text
+//!  walsender ──frames──> reader ──decoded messages (byte-bounded queue)──> applier ──> target
+//!      ^                   │                                                  │
+//!      └──status updates───┘<──── durable position <── durability tracker <───┘ applied position
+//! ```
+//!
+//! The reader decodes frames and forwards messages; the applier turns them into pipelined target
+//! transactions; the tracker turns "committed on the target" into "durable on the target"
+//! (see `apply::progress`). The reader reports as flushed only what is durable, except that when
+//! nothing it forwarded is still pending and it is between transactions, it may acknowledge the
+//! source's WAL end from a keepalive, so the slot does not hold WAL for unpublished changes.
+//! It never does that while a transaction is being received or is not yet durable: that is the
+//! bug that makes some tools lose transactions.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio_postgres::NoTls;
+
+use crate::apply::applier::{ApplyStats, Envelope};
+use crate::apply::{Applier, ApplySettings, ProgressMode, ProgressStore};
+use crate::conninfo;
+use crate::error::{Error, Result};
+use crate::protocol::pgoutput::LogicalMessage;
+use crate::protocol::{Lsn, MessageDecoder, ReplicationFrame};
+use crate::source::{protocol_version_for, ReplicationSession, ReplicationStream};
+
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub source: tokio_postgres::Config,
+    pub target: tokio_postgres::Config,
+    pub publications: Vec<String>,
+    pub slot: String,
+    pub create_slot: bool,
+    pub endpos: Option<Lsn>,
+    /// How often to send a standby status update when nothing else prompts one.
+    pub status_interval: Duration,
+    /// Bytes of decoded messages that may wait for the applier.
+    pub queue_bytes: usize,
+    /// Largest protocol message accepted from the source.
+    pub max_message_bytes: usize,
+    pub apply: ApplySettings,
+}
+
+impl RunConfig {
+    pub fn new(
+        source: tokio_postgres::Config,
+        target: tokio_postgres::Config,
+        publications: Vec<String>,
+        slot: String,
+    ) -> Self {
+        RunConfig {
+            source,
+            target,
+            publications,
+            slot,
+            create_slot: false,
+            endpos: None,
+            status_interval: Duration::from_secs(10),
+            queue_bytes: 64 * 1024 * 1024,
+            max_message_bytes: 1024 * 1024 * 1024 + 1024,
+            apply: ApplySettings::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    Shutdown,
+    EndPosition,
+}
+
+#[derive(Debug)]
+pub struct RunOutcome {
+    pub reason: StopReason,
+    /// Durable on the target and reported to the source.
+    pub flushed: Lsn,
+    pub stats: ApplyStats,
+}
+
+/// Reports progress of one run to whoever watches (status output, tests, the demo).
+#[derive(Debug, Clone, Default)]
+pub struct RunProgress {
+    pub durable: Lsn,
+}
+
+pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool> {
+    let manager = Manager::from_config(
+        target.clone(),
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .build()
+        .map_err(|e| Error::definite(format!("building the target connection pool: {e}")))
+}
+
+pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> Result<Object> {
+    pool.get().await.map_err(|e| match e {
+        deadpool_postgres::PoolError::Backend(e) => Error::postgres(
+            format!("connecting to target {}", conninfo::describe(target)),
+            e,
+        ),
+        other => Error::transient(format!(
+            "connecting to target {}: {other}",
+            conninfo::describe(target)
+        )),
+    })
+}
+
+/// Runs until `shutdown` turns true, `endpos` is reached, or an error.
+pub async fn run(
+    config: RunConfig,
+    mut shutdown: watch::Receiver<bool>,
+    progress: Option<watch::Sender<RunProgress>>,
+) -> Result<RunOutcome> {
+    let pool = target_pool(&config.target, 4)?;
+    let mut setup = target_connection(&pool, &config.target).await?;
+    crate::migrations::apply(&mut setup).await?;
+
+    let mut session = ReplicationSession::connect(&config.source, config.max_message_bytes)
+        .await
+        .map_err(|e| e.context(format!("source {}", conninfo::describe(&config.source))))?;
+    let identity = session.identify_system().await?;
+    session
+        .ensure_slot(&config.slot, config.create_slot, &identity.database)
+        .await?;
+    session.check_publications(&config.publications).await?;
+
+    let (store, resume) = ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
+    drop(setup);
+    let protocol_version = protocol_version_for(session.server_version());
+    tracing::info!(
+        source = %conninfo::describe(&config.source),
+        target = %conninfo::describe(&config.target),
+        slot = %config.slot,
+        server_version = session.server_version(),
+        protocol_version,
+        progress = match &store.mode { ProgressMode::Origin { .. } => "replication origin", ProgressMode::Table => "pgapply.progress table" },
+        resume_lsn = %resume,
+        "starting replication"
+    );
+    if let Some(endpos) = config.endpos {
+        if resume.is_valid() && resume >= endpos {
+            tracing::info!(%endpos, %resume, "already applied up to the end position");
+            return Ok(RunOutcome {
+                reason: StopReason::EndPosition,
+                flushed: resume,
+                stats: ApplyStats::default(),
+            });
+        }
+    }
+
+    let (applied_tx, applied_rx) = watch::channel(resume);
+    let applier = Applier::new(
+        target_connection(&pool, &config.target).await?,
+        target_connection(&pool, &config.target).await?,
+        store.clone(),
+        resume,
+        config.apply.clone(),
+        applied_tx,
+    )
+    .await?;
+    let mut stream = session
+        .start(&config.slot, resume, protocol_version, &config.publications)
+        .await?;
+
+    let (durable_tx, durable_rx) = watch::channel(resume);
+    let tracker_conn = target_connection(&pool, &config.target).await?;
+    let tracker = tokio::spawn(track_durable(
+        store.clone(),
+        tracker_conn,
+        applied_rx,
+        durable_tx,
+    ));
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (applier_done_tx, applier_done_rx) = watch::channel(false);
+    let mut applier_task = tokio::spawn(async move {
+        let mut applier = applier;
+        let result = applier.run(&mut rx).await;
+        let _ = applier_done_tx.send(true);
+        (applier, result)
+    });
+
+    let mut reader = Reader {
+        stream: &mut stream,
+        tx: Some(tx),
+        budget: Arc::new(Semaphore::new(config.queue_bytes)),
+        queue_bytes: config.queue_bytes,
+        decoder: MessageDecoder::new(false),
+        durable: durable_rx.clone(),
+        applier_done: applier_done_rx,
+        in_transaction: false,
+        forwarded_end: resume,
+        keepalive_end: Lsn::INVALID,
+        received: resume,
+        endpos: config.endpos,
+        status_interval: config.status_interval,
+        progress,
+    };
+    let read_result = reader.run(&mut shutdown).await;
+    // Closing the queue lets the applier finish what it has and stop.
+    reader.tx = None;
+    let (applier, apply_result) = match (&mut applier_task).await {
+        Ok(pair) => pair,
+        Err(e) => return Err(Error::definite(format!("the apply task failed: {e}"))),
+    };
+    tracker.abort();
+
+    // Last word to the source: what is durable now.
+    let durable = match store.durable_position(applier.client()).await {
+        Ok(lsn) => lsn.max(*durable_rx.borrow()),
+        Err(_) => *durable_rx.borrow(),
+    };
+    let flushed = reader.flush_position(durable);
+    if let Err(e) = reader.stream.send_status(reader.received.max(flushed), flushed, false).await {
+        tracing::debug!(error = %e, "final status update not sent");
+    }
+    if let Some(p) = &reader.progress {
+        p.send_replace(RunProgress { durable: flushed });
+    }
+    drop(reader);
+    stream.close().await;
+
+    apply_result?;
+    let reason = read_result?;
+    tracing::info!(
+        flushed_lsn = %flushed,
+        transactions = applier.stats.transactions,
+        inserts = applier.stats.inserts,
+        updates = applier.stats.updates,
+        deletes = applier.stats.deletes,
+        "replication stopped"
+    );
+    Ok(RunOutcome {
+        reason,
+        flushed,
+        stats: applier.stats.clone(),
+    })
+}
+
+/// Turns the applier's committed position into the target's durable position.
+async fn track_durable(
+    store: ProgressStore,
+    client: Object,
+    mut applied: watch::Receiver<Lsn>,
+    durable: watch::Sender<Lsn>,
+) {
+    // Each check flushes the target's WAL: at most ten a second.
+    let mut pace = tokio::time::interval(Duration::from_millis(100));
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if applied.changed().await.is_err() {
+            return;
+        }
+        let committed = *applied.borrow_and_update();
+        let position = match store.mode {
+            // Synchronous commit: committed is durable.
+            ProgressMode::Table => Ok(committed),
+            ProgressMode::Origin { .. } => {
+                pace.tick().await;
+                store.durable_position(&client).await
+            }
+        };
+        match position {
+            Ok(lsn) => {
+                durable.send_if_modified(|d| {
+                    let advanced = lsn > *d;
+                    if advanced {
+                        *d = lsn;
+                    }
+                    advanced
+                });
+            }
+            Err(e) => tracing::warn!(error = %e, "could not read the durable position on the target"),
+        }
+    }
+}
+
+struct Reader<'a> {
+    stream: &'a mut ReplicationStream,
+    tx: Option<mpsc::UnboundedSender<Envelope>>,
+    budget: Arc<Semaphore>,
+    queue_bytes: usize,
+    decoder: MessageDecoder,
+    durable: watch::Receiver<Lsn>,
+    applier_done: watch::Receiver<bool>,
+    /// Between a forwarded Begin and its Commit.
+    in_transaction: bool,
+    /// End LSN of the last forwarded commit.
+    forwarded_end: Lsn,
+    /// WAL end from the last keepalive.
+    keepalive_end: Lsn,
+    /// Highest WAL position received.
+    received: Lsn,
+    endpos: Option<Lsn>,
+    status_interval: Duration,
+    progress: Option<watch::Sender<RunProgress>>,
+}
+
+enum Step {
+    Continue,
+    Stop(StopReason),
+}
+
+impl Reader<'_> {
+    fn flush_position(&self, durable: Lsn) -> Lsn {
+        if !self.in_transaction && durable >= self.forwarded_end {
+            durable.max(self.keepalive_end)
+        } else {
+            durable
+        }
+    }
+
+    async fn send_status(&mut self, reply_requested: bool) -> Result<()> {
+        let durable = *self.durable.borrow();
+        let flushed = self.flush_position(durable);
+        if let Some(p) = &self.progress {
+            p.send_replace(RunProgress { durable: flushed });
+        }
+        self.stream
+            .send_status(self.received.max(flushed), flushed, reply_requested)
+            .await
+    }
+
+    async fn run(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<StopReason> {
+        let mut status = tokio::time::interval(self.status_interval);
+        status.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // With an end position, ask the source for its WAL end often, so an idle source
+        // still tells us when the end is reached.
+        let mut probe = tokio::time::interval(Duration::from_millis(250));
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_log = Instant::now();
+        self.send_status(self.endpos.is_some()).await?;
+        loop {
+            if *shutdown.borrow() {
+                return Ok(StopReason::Shutdown);
+            }
+            if *self.applier_done.borrow() {
+                // The applier stopped on its own: it failed; its error is reported by the caller.
+                return Ok(StopReason::Shutdown);
+            }
+            tokio::select! {
+                _ = shutdown.changed() => return Ok(StopReason::Shutdown),
+                _ = self.applier_done.changed() => continue,
+                frame = self.stream.next_frame() => {
+                    let frame = frame?.ok_or_else(|| Error::transient(format!(
+                        "source {} ended the replication stream", self.stream.endpoint())))?;
+                    if let Step::Stop(reason) = self.on_frame(frame).await? {
+                        return Ok(reason);
+                    }
+                }
+                _ = status.tick() => self.send_status(false).await?,
+                _ = probe.tick(), if self.endpos.is_some() && !self.in_transaction => {
+                    self.send_status(true).await?
+                }
+                _ = self.durable.changed() => self.send_status(false).await?,
+            }
+            if last_log.elapsed() >= Duration::from_secs(10) {
+                last_log = Instant::now();
+                tracing::info!(received_lsn = %self.received, durable_lsn = %*self.durable.borrow(), "replicating");
+            }
+        }
+    }
+
+    async fn on_frame(&mut self, frame: ReplicationFrame) -> Result<Step> {
+        match frame {
+            ReplicationFrame::Keepalive {
+                wal_end,
+                reply_requested,
+                ..
+            } => {
+                self.keepalive_end = self.keepalive_end.max(wal_end);
+                self.received = self.received.max(wal_end);
+                if reply_requested {
+                    self.send_status(false).await?;
+                }
+                if let Some(endpos) = self.endpos {
+                    if !self.in_transaction && wal_end >= endpos {
+                        return Ok(Step::Stop(StopReason::EndPosition));
+                    }
+                }
+                Ok(Step::Continue)
+            }
+            ReplicationFrame::XLogData {
+                wal_start, data, ..
+            } => {
+                self.received = self.received.max(wal_start);
+                let size = data.len();
+                let message = self.decoder.decode(data).map_err(|e| {
+                    Error::definite(format!(
+                        "source {} sent a message at {wal_start} that pgapply cannot decode: {e}",
+                        self.stream.endpoint()
+                    ))
+                })?;
+                let mut stop_after = false;
+                match &message {
+                    LogicalMessage::Begin(b) => {
+                        if let Some(endpos) = self.endpos {
+                            if b.final_lsn >= endpos {
+                                return Ok(Step::Stop(StopReason::EndPosition));
+                            }
+                        }
+                        self.in_transaction = true;
+                    }
+                    LogicalMessage::Commit(c) => {
+                        self.in_transaction = false;
+                        self.forwarded_end = c.end_lsn;
+                        self.received = self.received.max(c.end_lsn);
+                        stop_after = self.endpos.is_some_and(|e| c.end_lsn >= e);
+                    }
+                    _ => {}
+                }
+                self.forward(message, size).await?;
+                if stop_after {
+                    return Ok(Step::Stop(StopReason::EndPosition));
+                }
+                Ok(Step::Continue)
+            }
+        }
+    }
+
+    /// Hands a message to the applier, waiting while the queue is over its byte budget; status
+    /// updates keep going meanwhile so the source does not time us out.
+    async fn forward(&mut self, message: LogicalMessage, size: usize) -> Result<()> {
+        let cost = size.clamp(1, self.queue_bytes) as u32;
+        let permit = match self.budget.clone().try_acquire_many_owned(cost) {
+            Ok(permit) => permit,
+            Err(_) => match self.wait_for_budget(cost).await? {
+                Some(permit) => permit,
+                None => return Ok(()),
+            },
+        };
+        if let Some(tx) = &self.tx {
+            // A closed channel means the applier stopped; the caller reports why.
+            let _ = tx.send(Envelope {
+                message,
+                permit: Some(permit),
+            });
+        }
+        Ok(())
+    }
+
+    /// The slow path of `forward`: the queue is full. `None` if the applier stopped meanwhile.
+    async fn wait_for_budget(&mut self, cost: u32) -> Result<Option<tokio::sync::OwnedSemaphorePermit>> {
+        let mut status = tokio::time::interval(self.status_interval);
+        status.tick().await;
+        loop {
+            tokio::select! {
+                permit = self.budget.clone().acquire_many_owned(cost) => {
+                    return permit
+                        .map(Some)
+                        .map_err(|_| Error::definite("the apply queue closed"));
+                }
+                _ = status.tick() => self.send_status(false).await?,
+                _ = self.applier_done.changed() => return Ok(None),
+            }
+        }
+    }
+}
