@@ -1,0 +1,232 @@
+//! Test harness: one source and one target cluster per test binary (started on first use, stopped
+//! at exit), a fresh database pair per test, and pgapply run as a real process.
+#![allow(dead_code)]
+
+use std::process::Output;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use pgapply::cluster::{find_pg_bin, LocalCluster};
+use pgapply::compare::{table_digest, TableDigest};
+use tokio::process::{Child, Command};
+use tokio_postgres::{Client, NoTls};
+
+pub struct Clusters {
+    pub source_port: u16,
+    pub target_port: u16,
+    pub source_dir: std::path::PathBuf,
+    pub source_bin: std::path::PathBuf,
+}
+
+/// Source binaries: PGAPPLY_SOURCE_PG_BIN, else the default; target: PGAPPLY_TARGET_PG_BIN.
+pub fn clusters() -> &'static Clusters {
+    static CLUSTERS: OnceLock<Clusters> = OnceLock::new();
+    CLUSTERS.get_or_init(|| {
+        let default = find_pg_bin().expect("PostgreSQL binaries (set PGAPPLY_PG_BIN)");
+        let source_bin = std::env::var_os("PGAPPLY_SOURCE_PG_BIN")
+            .map(Into::into)
+            .unwrap_or_else(|| default.clone());
+        let target_bin = std::env::var_os("PGAPPLY_TARGET_PG_BIN")
+            .map(Into::into)
+            .unwrap_or(default);
+        let source = LocalCluster::start(&source_bin, &[]).expect("start source cluster");
+        let target = LocalCluster::start(&target_bin, &[]).expect("start target cluster");
+        let source_dir = source.data_dir.clone();
+        let (source_port, _, _) = source.keep_until_exit();
+        let (target_port, _, _) = target.keep_until_exit();
+        Clusters {
+            source_port,
+            target_port,
+            source_dir,
+            source_bin,
+        }
+    })
+}
+
+pub async fn connect(port: u16, db: &str) -> Client {
+    let conninfo = format!("host=127.0.0.1 port={port} user=postgres dbname={db}");
+    let (client, connection) = tokio_postgres::connect(&conninfo, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect {conninfo}: {e}"));
+    tokio::spawn(connection);
+    client
+}
+
+/// A database of the same name on both clusters, and a slot name of its own.
+pub struct TestDb {
+    pub name: String,
+    pub source_port: u16,
+    pub target_port: u16,
+    pub source: Client,
+    pub target: Client,
+}
+
+impl TestDb {
+    pub async fn new(prefix: &str) -> TestDb {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let c = clusters();
+        let name = format!(
+            "{prefix}_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        );
+        for port in [c.source_port, c.target_port] {
+            let admin = connect(port, "postgres").await;
+            admin
+                .batch_execute(&format!("CREATE DATABASE {name}"))
+                .await
+                .expect("create database");
+        }
+        TestDb {
+            source: connect(c.source_port, &name).await,
+            target: connect(c.target_port, &name).await,
+            source_port: c.source_port,
+            target_port: c.target_port,
+            name,
+        }
+    }
+
+    pub fn slot(&self) -> String {
+        format!("slot_{}", self.name)
+    }
+
+    pub fn source_conninfo(&self) -> String {
+        format!("host=127.0.0.1 port={} user=postgres dbname={}", self.source_port, self.name)
+    }
+
+    pub fn target_conninfo(&self) -> String {
+        format!("host=127.0.0.1 port={} user=postgres dbname={}", self.target_port, self.name)
+    }
+
+    /// The same DDL on both sides.
+    pub async fn both(&self, sql: &str) {
+        self.source.batch_execute(sql).await.unwrap_or_else(|e| panic!("source: {e}\n{sql}"));
+        self.target.batch_execute(sql).await.unwrap_or_else(|e| panic!("target: {e}\n{sql}"));
+    }
+
+    pub async fn source_sql(&self, sql: &str) {
+        self.source.batch_execute(sql).await.unwrap_or_else(|e| panic!("source: {e:?}\n{sql}"));
+    }
+
+    pub async fn target_sql(&self, sql: &str) {
+        self.target.batch_execute(sql).await.unwrap_or_else(|e| panic!("target: {e:?}\n{sql}"));
+    }
+
+    /// Creates the publication and the slot (before any workload, so all of it streams).
+    pub async fn publish(&self, publication_sql: &str) {
+        self.source_sql(publication_sql).await;
+        self.source
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&self.slot()],
+            )
+            .await
+            .expect("create slot");
+    }
+
+    pub async fn source_wal(&self) -> String {
+        self.source
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    /// `pgapply run` against this database pair with the given publication and extra arguments.
+    pub fn pgapply(&self, publication: &str, extra: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+        cmd.arg("run")
+            .arg("--source")
+            .arg(self.source_conninfo())
+            .arg("--target")
+            .arg(self.target_conninfo())
+            .arg("--publication")
+            .arg(publication)
+            .arg("--slot")
+            .arg(self.slot())
+            .args(["--status-interval", "1s"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .kill_on_drop(true);
+        cmd
+    }
+
+    /// Runs pgapply up to the source's current WAL position and expects success.
+    pub async fn sync(&self, publication: &str) -> Output {
+        let endpos = self.source_wal().await;
+        let out = run_with_deadline(self.pgapply(publication, &["--endpos", &endpos]), 120).await;
+        assert!(
+            out.status.success(),
+            "pgapply failed: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    pub async fn digest(&self, table: &str) -> (TableDigest, TableDigest) {
+        (
+            table_digest(&self.source, table).await.unwrap(),
+            table_digest(&self.target, table).await.unwrap(),
+        )
+    }
+
+    /// Source and target tables hold exactly the same rows.
+    pub async fn assert_same(&self, table: &str) {
+        let (s, t) = self.digest(table).await;
+        if s != t {
+            let q = format!("SELECT r::text FROM {table} r ORDER BY 1");
+            let source_rows = rows(&self.source, &q).await;
+            let target_rows = rows(&self.target, &q).await;
+            panic!(
+                "{table} differs: source {s:?} target {t:?}\nsource rows: {:?}\ntarget rows: {:?}",
+                source_rows, target_rows
+            );
+        }
+    }
+
+    pub async fn count(&self, client: &Client, sql: &str) -> i64 {
+        client.query_one(sql, &[]).await.unwrap().get(0)
+    }
+}
+
+async fn rows(client: &Client, sql: &str) -> Vec<String> {
+    client.query(sql, &[]).await.unwrap().iter().map(|r| r.get::<_, String>(0)).collect()
+}
+
+pub async fn run_with_deadline(mut cmd: Command, seconds: u64) -> Output {
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn pgapply");
+    match tokio::time::timeout(Duration::from_secs(seconds), child.wait_with_output()).await {
+        Ok(out) => out.expect("pgapply output"),
+        Err(_) => panic!("pgapply did not finish within {seconds}s"),
+    }
+}
+
+pub fn spawn(mut cmd: Command) -> Child {
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn pgapply")
+}
+
+/// Polls `check` until it returns true or the deadline passes.
+pub async fn wait_for<F, Fut>(what: &str, seconds: u64, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
