@@ -7,9 +7,11 @@ CREATE TABLE public.sample (
     created_at timestamptz NOT NULL DEFAULT now()
 );
 
-INSERT INTO public.sample (note) VALUES
-    ('first row'),
-    ('second row'),
-    ('third row');
+-- The same rows are seeded on the target (pgapply has no initial copy yet).
+INSERT INTO public.sample (id, note, created_at) VALUES
+    (1, 'first row',  '2024-01-01 00:00:00+00'),
+    (2, 'second row', '2024-01-01 00:00:01+00'),
+    (3, 'third row',  '2024-01-01 00:00:02+00');
+SELECT setval('public.sample_id_seq', 3);
 
 CREATE PUBLICATION pgapply_pub FOR TABLE public.sample;

@@ -6,7 +6,11 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(name = "pgapply", version, about = "PostgreSQL-to-PostgreSQL logical replication apply worker")]
+#[command(
+    name = "pgapply",
+    version,
+    about = "PostgreSQL-to-PostgreSQL logical replication apply worker"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -41,7 +45,12 @@ pub struct RunArgs {
     #[arg(long, env = "PGAPPLY_TARGET")]
     pub target: String,
     /// Publication name(s) on the source, comma separated, taken as given (case and spaces kept).
-    #[arg(long, env = "PGAPPLY_PUBLICATION", value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        env = "PGAPPLY_PUBLICATION",
+        value_delimiter = ',',
+        required = true
+    )]
     pub publication: Vec<String>,
     /// Logical replication slot on the source.
     #[arg(long, env = "PGAPPLY_SLOT")]

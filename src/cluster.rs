@@ -31,7 +31,11 @@ pub fn find_pg_bin() -> Option<PathBuf> {
     }
     let mut best: Option<(u32, PathBuf)> = None;
     for entry in std::fs::read_dir("/usr/lib/postgresql").ok()?.flatten() {
-        let Some(major) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+        let Some(major) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
             continue;
         };
         let bin = entry.path().join("bin");
@@ -133,7 +137,16 @@ impl LocalCluster {
                 .command("initdb")
                 .arg("-D")
                 .arg(&cluster.data_dir)
-                .args(["--locale=C", "-E", "UTF8", "-A", "trust", "-U", "postgres", "--no-sync"])
+                .args([
+                    "--locale=C",
+                    "-E",
+                    "UTF8",
+                    "-A",
+                    "trust",
+                    "-U",
+                    "postgres",
+                    "--no-sync",
+                ])
                 .output()?,
             "initdb",
         )?;
@@ -247,7 +260,10 @@ impl LocalCluster {
 
     /// Keeps the cluster until the process exits, then stops it and removes its directory.
     pub fn keep_until_exit(mut self) -> (u16, PathBuf, u32) {
-        static EXIT_LIST: Mutex<Vec<(PathBuf, PathBuf, Option<(u32, u32)>)>> = Mutex::new(Vec::new());
+        /// (bin dir, data dir, owner) of each cluster to stop at exit.
+        type ExitEntry = (PathBuf, PathBuf, Option<(u32, u32)>);
+        static EXIT_LIST: Mutex<Vec<ExitEntry>> =
+            Mutex::new(Vec::new());
         static REGISTERED: std::sync::Once = std::sync::Once::new();
         extern "C" fn stop_all() {
             let list = match EXIT_LIST.lock() {

@@ -74,7 +74,12 @@ fn password_from_pgpass(config: &tokio_postgres::Config) -> Option<String> {
         Host::Tcp(h) => h.clone(),
         Host::Unix(_) => "localhost".to_owned(),
     };
-    let port = config.get_ports().first().copied().unwrap_or(5432).to_string();
+    let port = config
+        .get_ports()
+        .first()
+        .copied()
+        .unwrap_or(5432)
+        .to_string();
     let user = config.get_user()?.to_owned();
     let db = config.get_dbname().unwrap_or(&user).to_owned();
     lookup_pgpass(&text, &host, &port, &db, &user)
@@ -163,7 +168,11 @@ mod tests {
 
     #[test]
     fn description_has_no_password() {
-        let c = parse("source", "host=db.example port=6543 user=app password=hunter2 dbname=shop").unwrap();
+        let c = parse(
+            "source",
+            "host=db.example port=6543 user=app password=hunter2 dbname=shop",
+        )
+        .unwrap();
         let d = describe(&c);
         assert_eq!(d, "app@db.example:6543/shop");
         assert!(!d.contains("hunter2"));
@@ -174,6 +183,10 @@ mod tests {
     #[test]
     fn bad_conninfo_names_the_flag() {
         let err = parse("target", "host=x bogus=1").unwrap_err();
-        assert!(err.to_string().starts_with("--target: invalid connection string"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("--target: invalid connection string"),
+            "{err}"
+        );
     }
 }

@@ -44,10 +44,12 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
     let bin = pg_bin.or_else(find_pg_bin).ok_or_else(|| {
         Error::definite("no PostgreSQL binaries found: install postgresql (e.g. apt-get install postgresql-15) or set PGAPPLY_PG_BIN to a directory with initdb, pg_ctl and postgres")
     })?;
-    println!("starting two throwaway PostgreSQL clusters from {}", bin.display());
-    let start = |b: std::path::PathBuf| {
-        tokio::task::spawn_blocking(move || LocalCluster::start(&b, &[]))
-    };
+    println!(
+        "starting two throwaway PostgreSQL clusters from {}",
+        bin.display()
+    );
+    let start =
+        |b: std::path::PathBuf| tokio::task::spawn_blocking(move || LocalCluster::start(&b, &[]));
     let source = start(bin.clone())
         .await
         .map_err(|e| Error::definite(e.to_string()))?
@@ -56,7 +58,10 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
         .await
         .map_err(|e| Error::definite(e.to_string()))?
         .map_err(|e| Error::definite(format!("starting the target cluster: {e}")))?;
-    println!("  source: port {}   target: port {}", source.port, target.port);
+    println!(
+        "  source: port {}   target: port {}",
+        source.port, target.port
+    );
 
     let src = connect(&source.conninfo("postgres")).await?;
     let dst = connect(&target.conninfo("postgres")).await?;
@@ -83,7 +88,10 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let row = src
-            .query_one("SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'demo_slot'", &[])
+            .query_one(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'demo_slot'",
+                &[],
+            )
             .await
             .map_err(setup)?;
         if row.get::<_, i64>(0) == 1 {
@@ -93,13 +101,18 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
             stop_tx.send_replace(true);
             return match worker.await {
                 Ok(Err(e)) => Err(e),
-                _ => Err(Error::definite("pgapply did not create its slot within 30s")),
+                _ => Err(Error::definite(
+                    "pgapply did not create its slot within 30s",
+                )),
             };
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    println!("running a live workload on the source for {} (inserts, updates, deletes)", humantime::format_duration(duration));
+    println!(
+        "running a live workload on the source for {} (inserts, updates, deletes)",
+        humantime::format_duration(duration)
+    );
     let began = Instant::now();
     let mut next_id: i64 = 1;
     let mut last_report = Instant::now();

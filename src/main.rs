@@ -96,9 +96,15 @@ async fn run_command(args: RunArgs) -> Result<(), Error> {
             "--config is not available in this version yet; give the settings as flags or PGAPPLY_* environment variables",
         ));
     }
-    let publications: Vec<String> = args.publication.into_iter().filter(|p| !p.is_empty()).collect();
+    let publications: Vec<String> = args
+        .publication
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .collect();
     if publications.is_empty() {
-        return Err(Error::definite("--publication: give at least one publication name"));
+        return Err(Error::definite(
+            "--publication: give at least one publication name",
+        ));
     }
     let mut config = RunConfig::new(
         conninfo::parse("source", &args.source)?,
@@ -109,7 +115,11 @@ async fn run_command(args: RunArgs) -> Result<(), Error> {
     config.create_slot = args.create_slot;
     config.status_interval = args.status_interval;
     if let Some(endpos) = args.endpos {
-        config.endpos = Some(endpos.parse().map_err(|e| Error::definite(format!("--endpos: {e}")))?);
+        config.endpos = Some(
+            endpos
+                .parse()
+                .map_err(|e| Error::definite(format!("--endpos: {e}")))?,
+        );
     }
     let outcome = run(config, shutdown_signal(), None).await?;
     tracing::info!(reason = ?outcome.reason, flushed_lsn = %outcome.flushed, "done");

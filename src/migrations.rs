@@ -16,7 +16,7 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[(
 )];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.
-const LOCK_KEY: i64 = 0x7067_6170_706c_79;
+const LOCK_KEY: i64 = 0x0070_6761_7070_6c79;
 
 pub async fn apply(client: &mut Client) -> Result<()> {
     let context = |e| Error::postgres("setting up pgapply's schema on the target", e);
@@ -40,7 +40,10 @@ pub async fn apply(client: &mut Client) -> Result<()> {
         )
     })?;
     let row = tx
-        .query_one("SELECT coalesce(max(version), 0) FROM pgapply.schema_migrations", &[])
+        .query_one(
+            "SELECT coalesce(max(version), 0) FROM pgapply.schema_migrations",
+            &[],
+        )
         .await
         .map_err(context)?;
     let current: i32 = row.get(0);
@@ -49,7 +52,10 @@ pub async fn apply(client: &mut Client) -> Result<()> {
             continue;
         }
         tx.batch_execute(sql).await.map_err(|e| {
-            Error::postgres(format!("applying pgapply migration {version} ({name}) on the target"), e)
+            Error::postgres(
+                format!("applying pgapply migration {version} ({name}) on the target"),
+                e,
+            )
         })?;
         tx.execute(
             "INSERT INTO pgapply.schema_migrations (version, name) VALUES ($1, $2)",
@@ -57,7 +63,11 @@ pub async fn apply(client: &mut Client) -> Result<()> {
         )
         .await
         .map_err(context)?;
-        tracing::info!(version, name, "applied pgapply schema migration on the target");
+        tracing::info!(
+            version,
+            name,
+            "applied pgapply schema migration on the target"
+        );
     }
     tx.commit().await.map_err(context)?;
     Ok(())

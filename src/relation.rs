@@ -102,7 +102,11 @@ impl RelationCache {
     }
 
     /// Resolves a Relation message against the target's catalog and stores it.
-    pub async fn update(&mut self, relation: Relation, catalog: &Client) -> Result<Arc<RelationEntry>> {
+    pub async fn update(
+        &mut self,
+        relation: Relation,
+        catalog: &Client,
+    ) -> Result<Arc<RelationEntry>> {
         let schema = source_schema(&relation).to_owned();
         let target = load_target_table(catalog, &schema, &relation.name).await?;
         let shown = qualified_name(&schema, &relation.name);
@@ -161,7 +165,11 @@ impl RelationCache {
     }
 }
 
-async fn load_target_table(catalog: &Client, schema: &str, name: &str) -> Result<Option<TargetTable>> {
+async fn load_target_table(
+    catalog: &Client,
+    schema: &str,
+    name: &str,
+) -> Result<Option<TargetTable>> {
     let version_row = catalog
         .query_one("SELECT current_setting('server_version_num')::int", &[])
         .await
@@ -183,10 +191,15 @@ async fn load_target_table(catalog: &Client, schema: &str, name: &str) -> Result
          WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p') \
          ORDER BY a.attnum"
     );
-    let rows = catalog
-        .query(&sql, &[&schema, &name])
-        .await
-        .map_err(|e| Error::postgres(format!("looking up table {} on the target", qualified_name(schema, name)), e))?;
+    let rows = catalog.query(&sql, &[&schema, &name]).await.map_err(|e| {
+        Error::postgres(
+            format!(
+                "looking up table {} on the target",
+                qualified_name(schema, name)
+            ),
+            e,
+        )
+    })?;
     let Some(first) = rows.first() else {
         return Ok(None);
     };

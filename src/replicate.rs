@@ -221,7 +221,11 @@ pub async fn run(
         Err(_) => *durable_rx.borrow(),
     };
     let flushed = reader.flush_position(durable);
-    if let Err(e) = reader.stream.send_status(reader.received.max(flushed), flushed, false).await {
+    if let Err(e) = reader
+        .stream
+        .send_status(reader.received.max(flushed), flushed, false)
+        .await
+    {
         tracing::debug!(error = %e, "final status update not sent");
     }
     if let Some(p) = &reader.progress {
@@ -280,7 +284,9 @@ async fn track_durable(
                     advanced
                 });
             }
-            Err(e) => tracing::warn!(error = %e, "could not read the durable position on the target"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the durable position on the target")
+            }
         }
     }
 }
@@ -450,7 +456,10 @@ impl Reader<'_> {
     }
 
     /// The slow path of `forward`: the queue is full. `None` if the applier stopped meanwhile.
-    async fn wait_for_budget(&mut self, cost: u32) -> Result<Option<tokio::sync::OwnedSemaphorePermit>> {
+    async fn wait_for_budget(
+        &mut self,
+        cost: u32,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>> {
         let mut status = tokio::time::interval(self.status_interval);
         status.tick().await;
         loop {

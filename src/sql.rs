@@ -58,6 +58,9 @@ mod tests {
     fn literals() {
         assert_eq!(quote_literal("it's"), "E'it''s'");
         assert_eq!(quote_literal("a\\b"), "E'a\\\\b'");
-        assert_eq!(quote_replication_literal("\"My Pub\",\"it's\""), "'\"My Pub\",\"it''s\"'");
+        assert_eq!(
+            quote_replication_literal("\"My Pub\",\"it's\""),
+            "'\"My Pub\",\"it''s\"'"
+        );
     }
 }

@@ -11,10 +11,20 @@ async fn expect_failure(cmd: Command, must_contain: &[&str]) -> String {
     let started = Instant::now();
     let out = run_with_deadline(cmd, 30).await;
     let err = stderr(&out);
-    assert!(!out.status.success(), "expected failure, got success: {err}");
-    assert!(started.elapsed().as_secs() < 15, "took {:?}", started.elapsed());
+    assert!(
+        !out.status.success(),
+        "expected failure, got success: {err}"
+    );
+    assert!(
+        started.elapsed().as_secs() < 15,
+        "took {:?}",
+        started.elapsed()
+    );
     let last = err.lines().last().unwrap_or_default().to_owned();
-    assert!(last.starts_with("pgapply: error: "), "last line: {last}\n{err}");
+    assert!(
+        last.starts_with("pgapply: error: "),
+        "last line: {last}\n{err}"
+    );
     for needle in must_contain {
         assert!(last.contains(needle), "{needle:?} not in {last:?}");
     }
@@ -26,7 +36,11 @@ async fn unknown_publication() {
     let db = TestDb::new("badpub").await;
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
-    expect_failure(db.pgapply("p,nope", &[]), &["publication", "\"nope\"", "does not exist"]).await;
+    expect_failure(
+        db.pgapply("p,nope", &[]),
+        &["publication", "\"nope\"", "does not exist"],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -35,7 +49,11 @@ async fn missing_slot_without_create_slot() {
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
     let slot = db.slot();
-    expect_failure(db.pgapply("p", &[]), &["replication slot", &slot, "does not exist", "--create-slot"]).await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &["replication slot", &slot, "does not exist", "--create-slot"],
+    )
+    .await;
     // With --create-slot it is created and used.
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--create-slot", "--endpos", &endpos]), 60).await;
@@ -45,20 +63,30 @@ async fn missing_slot_without_create_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_missing_on_target() {
     let db = TestDb::new("badtable").await;
-    db.source_sql("CREATE TABLE only_here (id int PRIMARY KEY)").await;
+    db.source_sql("CREATE TABLE only_here (id int PRIMARY KEY)")
+        .await;
     db.publish("CREATE PUBLICATION p FOR TABLE only_here").await;
     db.source_sql("INSERT INTO only_here VALUES (1)").await;
-    expect_failure(db.pgapply("p", &[]), &["\"public\".\"only_here\"", "does not exist on the target"]).await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &["\"public\".\"only_here\"", "does not exist on the target"],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn column_missing_on_target() {
     let db = TestDb::new("badcol").await;
-    db.source_sql("CREATE TABLE t (id int PRIMARY KEY, extra text)").await;
+    db.source_sql("CREATE TABLE t (id int PRIMARY KEY, extra text)")
+        .await;
     db.target_sql("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
     db.source_sql("INSERT INTO t VALUES (1, 'x')").await;
-    expect_failure(db.pgapply("p", &[]), &["column \"extra\"", "\"public\".\"t\""]).await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &["column \"extra\"", "\"public\".\"t\""],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -67,7 +95,10 @@ async fn wrong_password() {
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
     let user = format!("app_{}", db.name);
-    db.source_sql(&format!("CREATE ROLE {user} LOGIN REPLICATION PASSWORD 'right-secret'")).await;
+    db.source_sql(&format!(
+        "CREATE ROLE {user} LOGIN REPLICATION PASSWORD 'right-secret'"
+    ))
+    .await;
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
     cmd.arg("run")
         .arg("--source")
@@ -98,10 +129,20 @@ async fn password_from_environment_and_scram() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
     cmd.arg("run")
         .arg("--source")
-        .arg(format!("host=127.0.0.1 port={} user={user} dbname={}", db.source_port, db.name))
+        .arg(format!(
+            "host=127.0.0.1 port={} user={user} dbname={}",
+            db.source_port, db.name
+        ))
         .arg("--target")
         .arg(db.target_conninfo())
-        .args(["--publication", "p", "--slot", &db.slot(), "--endpos", &endpos])
+        .args([
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+            "--endpos",
+            &endpos,
+        ])
         .env("PGPASSWORD", "s3cret")
         .kill_on_drop(true);
     let out = run_with_deadline(cmd, 60).await;
@@ -116,5 +157,9 @@ async fn streaming_and_two_phase_refused_for_now() {
     let db = TestDb::new("refused").await;
     expect_failure(db.pgapply("p", &["--streaming", "on"]), &["--streaming"]).await;
     expect_failure(db.pgapply("p", &["--two-phase"]), &["--two-phase"]).await;
-    expect_failure(db.pgapply("p", &["--endpos", "zz"]), &["--endpos", "invalid LSN"]).await;
+    expect_failure(
+        db.pgapply("p", &["--endpos", "zz"]),
+        &["--endpos", "invalid LSN"],
+    )
+    .await;
 }

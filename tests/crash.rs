@@ -25,7 +25,8 @@ async fn kill_9_under_load_loses_and_duplicates_nothing() {
          INSERT INTO acct SELECT g, 0 FROM generate_series(1, 100) g;",
     )
     .await;
-    db.publish("CREATE PUBLICATION p FOR TABLE acct, hist").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE acct, hist")
+        .await;
 
     // Two concurrent writers, so commits interleave in another order than they began.
     let transactions = 400 * kills();
@@ -47,7 +48,9 @@ async fn kill_9_under_load_loses_and_duplicates_nothing() {
 
     let mut seed = std::process::id() as u64;
     let mut next_random = move || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         seed >> 33
     };
     for round in 0..kills() {
@@ -62,7 +65,10 @@ async fn kill_9_under_load_loses_and_duplicates_nothing() {
         tokio::time::sleep(Duration::from_millis(next_random() % 300)).await;
         child.start_kill().expect("kill -9");
         let status = child.wait().await.expect("wait");
-        assert!(!status.success(), "round {round}: pgapply exited by itself: {status}");
+        assert!(
+            !status.success(),
+            "round {round}: pgapply exited by itself: {status}"
+        );
     }
     for w in writers {
         w.await.expect("writer");

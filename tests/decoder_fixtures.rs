@@ -21,9 +21,14 @@ fn hex(line: &str) -> Vec<u8> {
 
 /// Raw messages of a fixture file and whether its session used streaming = parallel.
 pub fn raw_messages(name: &str) -> (Vec<Vec<u8>>, bool) {
-    let path = format!("{}/tests/fixtures/pgoutput/{name}", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/tests/fixtures/pgoutput/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let text = std::fs::read_to_string(&path).expect("fixture file");
-    let parallel = text.lines().any(|l| l.starts_with('#') && l.contains("streaming=parallel"));
+    let parallel = text
+        .lines()
+        .any(|l| l.starts_with('#') && l.contains("streaming=parallel"));
     let raw = text
         .lines()
         .map(str::trim)
@@ -88,22 +93,42 @@ fn v1_every_message() {
         assert!(counts.contains_key(name), "v1 lacks {name}: {counts:?}");
     }
     assert_eq!(counts["Begin"], counts["Commit"]);
-    for identity in [ReplicaIdentity::Default, ReplicaIdentity::Full, ReplicaIdentity::Index] {
+    for identity in [
+        ReplicaIdentity::Default,
+        ReplicaIdentity::Full,
+        ReplicaIdentity::Index,
+    ] {
         assert!(
             f.has(|m| matches!(m, LogicalMessage::Relation(r) if r.replica_identity == identity)),
             "no relation with {identity:?}"
         );
     }
-    assert!(f.has(|m| matches!(m, LogicalMessage::Relation(r) if r.columns.iter().any(|c| c.is_key()))));
+    assert!(
+        f.has(|m| matches!(m, LogicalMessage::Relation(r) if r.columns.iter().any(|c| c.is_key())))
+    );
     assert!(f.has(|m| matches!(m, LogicalMessage::Update(u) if u.old.is_none())));
-    assert!(f.has(|m| matches!(m, LogicalMessage::Update(u) if matches!(u.old, Some(OldRow::Key(_))))));
-    assert!(f.has(|m| matches!(m, LogicalMessage::Update(u) if matches!(u.old, Some(OldRow::Full(_))))));
+    assert!(
+        f.has(|m| matches!(m, LogicalMessage::Update(u) if matches!(u.old, Some(OldRow::Key(_)))))
+    );
+    assert!(
+        f.has(|m| matches!(m, LogicalMessage::Update(u) if matches!(u.old, Some(OldRow::Full(_)))))
+    );
     assert!(f.has(|m| matches!(m, LogicalMessage::Delete(d) if matches!(d.old, OldRow::Key(_)))));
     assert!(f.has(|m| matches!(m, LogicalMessage::Delete(d) if matches!(d.old, OldRow::Full(_)))));
-    assert!(f.has(|m| all_values(m).contains(&Value::UnchangedToast)), "no unchanged TOAST value");
-    assert!(f.has(|m| all_values(m).contains(&Value::Null)), "no NULL value");
-    assert!(f.has(|m| all_values(m).iter().any(|v| matches!(v, Value::Text(t) if t.len() > 50_000))),
-        "no large TOASTed value");
+    assert!(
+        f.has(|m| all_values(m).contains(&Value::UnchangedToast)),
+        "no unchanged TOAST value"
+    );
+    assert!(
+        f.has(|m| all_values(m).contains(&Value::Null)),
+        "no NULL value"
+    );
+    assert!(
+        f.has(|m| all_values(m)
+            .iter()
+            .any(|v| matches!(v, Value::Text(t) if t.len() > 50_000))),
+        "no large TOASTed value"
+    );
     assert!(f.has(|m| matches!(m, LogicalMessage::Truncate(t) if t.relations.len() == 2)));
     assert!(f.has(|m| matches!(m, LogicalMessage::Truncate(t) if t.cascade())));
     assert!(f.has(|m| matches!(m, LogicalMessage::Truncate(t) if t.restart_identity())));
@@ -120,14 +145,23 @@ fn v1_binary_values() {
     let f = load("v1-binary.txt");
     assert!(f.has(|m| all_values(m).iter().any(|v| matches!(v, Value::Binary(_)))));
     // int4 1 in binary is four bytes.
-    assert!(f.has(|m| all_values(m).iter().any(|v| matches!(v, Value::Binary(b) if b.len() == 4))));
+    assert!(f.has(|m| all_values(m)
+        .iter()
+        .any(|v| matches!(v, Value::Binary(b) if b.len() == 4))));
 }
 
 #[test]
 fn v2_streamed_transactions() {
     let f = load("v2-streaming.txt");
     let counts = f.counts();
-    for name in ["Stream Start", "Stream Stop", "Stream Commit", "Stream Abort", "Begin", "Commit"] {
+    for name in [
+        "Stream Start",
+        "Stream Stop",
+        "Stream Commit",
+        "Stream Abort",
+        "Begin",
+        "Commit",
+    ] {
         assert!(counts.contains_key(name), "v2 lacks {name}: {counts:?}");
     }
     assert_eq!(counts["Stream Start"], counts["Stream Stop"]);
@@ -164,7 +198,13 @@ fn v2_streamed_transactions() {
 fn v3_two_phase() {
     let f = load("v3-two-phase.txt");
     let counts = f.counts();
-    for name in ["Begin Prepare", "Prepare", "Commit Prepared", "Rollback Prepared", "Stream Prepare"] {
+    for name in [
+        "Begin Prepare",
+        "Prepare",
+        "Commit Prepared",
+        "Rollback Prepared",
+        "Stream Prepare",
+    ] {
         assert!(counts.contains_key(name), "v3 lacks {name}: {counts:?}");
     }
     let gids: Vec<&str> = f

@@ -13,11 +13,24 @@ fn fixture_messages() -> &'static [Vec<u8>] {
 
 fn load_fixture_messages() -> Vec<Vec<u8>> {
     let mut all = Vec::new();
-    for name in ["v1.txt", "v2-streaming.txt", "v3-two-phase.txt", "v4-parallel.txt", "v1-binary.txt"] {
-        let path = format!("{}/tests/fixtures/pgoutput/{name}", env!("CARGO_MANIFEST_DIR"));
+    for name in [
+        "v1.txt",
+        "v2-streaming.txt",
+        "v3-two-phase.txt",
+        "v4-parallel.txt",
+        "v1-binary.txt",
+    ] {
+        let path = format!(
+            "{}/tests/fixtures/pgoutput/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
         let text = std::fs::read_to_string(path).unwrap();
         // A sample of each file is enough: the shapes repeat.
-        for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()).take(200) {
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .take(200)
+        {
             let bytes: Vec<u8> = (0..line.len())
                 .step_by(2)
                 .map(|i| u8::from_str_radix(&line[i..i + 2], 16).unwrap())
@@ -33,7 +46,10 @@ fn load_fixture_messages() -> Vec<Vec<u8>> {
 fn decode_every_way(bytes: &[u8]) {
     for in_stream_block in [false, true] {
         for abort_info in [false, true] {
-            let context = Context { in_stream_block, abort_info };
+            let context = Context {
+                in_stream_block,
+                abort_info,
+            };
             if let Ok(m) = decode(Bytes::copy_from_slice(bytes), context) {
                 // Reading every value of a decoded tuple must not panic either.
                 let _ = format!("{m:?}");

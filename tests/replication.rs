@@ -7,7 +7,8 @@ use common::{run_with_deadline, stderr, TestDb};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inserts_updates_deletes_over_many_transactions() {
     let db = TestDb::new("dml").await;
-    db.both("CREATE TABLE t (id int PRIMARY KEY, v text, n numeric)").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text, n numeric)")
+        .await;
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
     for i in 0..200 {
         db.source_sql(&format!(
@@ -18,12 +19,18 @@ async fn inserts_updates_deletes_over_many_transactions() {
         .await;
     }
     // A rolled-back transaction never appears.
-    db.source_sql("BEGIN; INSERT INTO t VALUES (100000, 'rolled back', 0); ROLLBACK;").await;
+    db.source_sql("BEGIN; INSERT INTO t VALUES (100000, 'rolled back', 0); ROLLBACK;")
+        .await;
     db.sync("p").await;
     db.assert_same("t").await;
-    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t WHERE id = 100000").await, 0);
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM t WHERE id = 100000")
+            .await,
+        0
+    );
     // A second run continues where the first stopped: nothing applied twice.
-    db.source_sql("INSERT INTO t VALUES (5000, 'later', 1)").await;
+    db.source_sql("INSERT INTO t VALUES (5000, 'later', 1)")
+        .await;
     db.sync("p").await;
     db.assert_same("t").await;
 }
@@ -36,25 +43,39 @@ async fn primary_key_changed_by_update() {
     db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b'); UPDATE t SET id = 10 WHERE id = 1; UPDATE t SET id = id + 100;").await;
     db.sync("p").await;
     db.assert_same("t").await;
-    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t WHERE id IN (110, 102)").await, 2);
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM t WHERE id IN (110, 102)")
+            .await,
+        2
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_identity_full_with_duplicates_and_nulls() {
     let db = TestDb::new("full").await;
-    db.both("CREATE TABLE f (a int, b text, c jsonb, d point); ALTER TABLE f REPLICA IDENTITY FULL;").await;
+    db.both(
+        "CREATE TABLE f (a int, b text, c jsonb, d point); ALTER TABLE f REPLICA IDENTITY FULL;",
+    )
+    .await;
     db.publish("CREATE PUBLICATION p FOR TABLE f").await;
     db.source_sql(
         "INSERT INTO f VALUES (1, 'x', '{\"k\": 1}', '(1,2)'), (1, 'x', '{\"k\": 1}', '(1,2)'), (2, NULL, NULL, NULL), (3, 'y', NULL, '(0,0)');",
     )
     .await;
     // Delete one of two identical rows: exactly one goes.
-    db.source_sql("DELETE FROM f WHERE ctid = (SELECT ctid FROM f WHERE a = 1 LIMIT 1)").await;
-    db.source_sql("UPDATE f SET b = 'was null' WHERE a = 2").await;
-    db.source_sql("UPDATE f SET c = '{\"k\": 2}' WHERE a = 3").await;
+    db.source_sql("DELETE FROM f WHERE ctid = (SELECT ctid FROM f WHERE a = 1 LIMIT 1)")
+        .await;
+    db.source_sql("UPDATE f SET b = 'was null' WHERE a = 2")
+        .await;
+    db.source_sql("UPDATE f SET c = '{\"k\": 2}' WHERE a = 3")
+        .await;
     db.sync("p").await;
     db.assert_same("f").await;
-    assert_eq!(db.count(&db.target, "SELECT count(*) FROM f WHERE a = 1").await, 1);
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM f WHERE a = 1")
+            .await,
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -74,7 +95,8 @@ async fn replica_identity_using_index() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn toast_value_kept_when_other_column_updated() {
     let db = TestDb::new("toast").await;
-    db.both("CREATE TABLE d (id int PRIMARY KEY, title text, body text)").await;
+    db.both("CREATE TABLE d (id int PRIMARY KEY, title text, body text)")
+        .await;
     db.publish("CREATE PUBLICATION p FOR TABLE d").await;
     // ~1 MB of incompressible text, stored out of line.
     db.source_sql(
@@ -84,7 +106,11 @@ async fn toast_value_kept_when_other_column_updated() {
     .await;
     db.sync("p").await;
     db.assert_same("d").await;
-    assert_eq!(db.count(&db.target, "SELECT length(body)::bigint FROM d").await, 32768 * 32);
+    assert_eq!(
+        db.count(&db.target, "SELECT length(body)::bigint FROM d")
+            .await,
+        32768 * 32
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,7 +121,8 @@ async fn truncate_two_tables_cascade_restart_identity() {
          CREATE TABLE parent (id int PRIMARY KEY); CREATE TABLE child (id int PRIMARY KEY, p int REFERENCES parent);",
     )
     .await;
-    db.publish("CREATE PUBLICATION p FOR TABLE a, b, parent, child").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE a, b, parent, child")
+        .await;
     db.source_sql("INSERT INTO a (v) VALUES ('1'), ('2'); INSERT INTO b (v) VALUES ('3'); INSERT INTO parent VALUES (1); INSERT INTO child VALUES (1, 1);").await;
     db.source_sql("TRUNCATE a, b").await;
     db.source_sql("TRUNCATE parent CASCADE").await;
@@ -105,7 +132,8 @@ async fn truncate_two_tables_cascade_restart_identity() {
     }
     // RESTART IDENTITY resets the target's own sequence too.
     db.target_sql("SELECT setval('a_id_seq', 50)").await;
-    db.source_sql("INSERT INTO a (v) VALUES ('after'); TRUNCATE a RESTART IDENTITY;").await;
+    db.source_sql("INSERT INTO a (v) VALUES ('after'); TRUNCATE a RESTART IDENTITY;")
+        .await;
     db.sync("p").await;
     db.assert_same("a").await;
     assert_eq!(db.count(&db.target, "SELECT nextval('a_id_seq')").await, 1);
@@ -134,22 +162,28 @@ async fn identifiers_that_need_quoting() {
         r#"CREATE SCHEMA "Odd Schema"; CREATE TABLE "Odd Schema"."Mixed ""Case"" Tåble" ("Id" int PRIMARY KEY, "select" text, "with space" text, "ünï" int);"#,
     )
     .await;
-    db.publish(r#"CREATE PUBLICATION "My Pub" FOR TABLE "Odd Schema"."Mixed ""Case"" Tåble""#).await;
+    db.publish(r#"CREATE PUBLICATION "My Pub" FOR TABLE "Odd Schema"."Mixed ""Case"" Tåble""#)
+        .await;
     db.source_sql(r#"INSERT INTO "Odd Schema"."Mixed ""Case"" Tåble" VALUES (1, 'a', 'b', 1), (2, 'c', 'd', 2); UPDATE "Odd Schema"."Mixed ""Case"" Tåble" SET "select" = 'z' WHERE "Id" = 1; DELETE FROM "Odd Schema"."Mixed ""Case"" Tåble" WHERE "Id" = 2;"#).await;
     db.sync("My Pub").await;
-    db.assert_same(r#""Odd Schema"."Mixed ""Case"" Tåble""#).await;
+    db.assert_same(r#""Odd Schema"."Mixed ""Case"" Tåble""#)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn target_columns_reordered_with_default_and_generated() {
     let db = TestDb::new("colmap").await;
-    db.source_sql("CREATE TABLE c (id int PRIMARY KEY, a text, b int)").await;
+    db.source_sql("CREATE TABLE c (id int PRIMARY KEY, a text, b int)")
+        .await;
     db.target_sql(
         "CREATE TABLE c (b int, extra text DEFAULT 'dflt', id int PRIMARY KEY, twice int GENERATED ALWAYS AS (b * 2) STORED, a text)",
     )
     .await;
     db.publish("CREATE PUBLICATION p FOR TABLE c").await;
-    db.source_sql("INSERT INTO c VALUES (1, 'x', 10), (2, 'y', 20); UPDATE c SET b = 11 WHERE id = 1;").await;
+    db.source_sql(
+        "INSERT INTO c VALUES (1, 'x', 10), (2, 'y', 20); UPDATE c SET b = 11 WHERE id = 1;",
+    )
+    .await;
     db.sync("p").await;
     let rows = db
         .target
@@ -178,7 +212,8 @@ async fn add_column_between_transactions() {
     db.sync("p").await;
     // The target gets the column first, as with PostgreSQL's own subscriber.
     db.both("ALTER TABLE g ADD COLUMN w int").await;
-    db.source_sql("INSERT INTO g VALUES (2, 'after', 7); UPDATE g SET w = 1 WHERE id = 1;").await;
+    db.source_sql("INSERT INTO g VALUES (2, 'after', 7); UPDATE g SET w = 1 WHERE id = 1;")
+        .await;
     db.sync("p").await;
     db.assert_same("g").await;
 }
@@ -224,7 +259,8 @@ async fn endpos_stops_exactly_there() {
     let db = TestDb::new("endpos").await;
     db.both("CREATE TABLE e (id int PRIMARY KEY)").await;
     db.publish("CREATE PUBLICATION p FOR TABLE e").await;
-    db.source_sql("INSERT INTO e SELECT generate_series(1, 10)").await;
+    db.source_sql("INSERT INTO e SELECT generate_series(1, 10)")
+        .await;
     let endpos = db.source_wal().await;
     db.source_sql("INSERT INTO e VALUES (11)").await;
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
@@ -242,14 +278,24 @@ async fn missing_row_warns_and_continues() {
     let db = TestDb::new("missing").await;
     db.both("CREATE TABLE m (id int PRIMARY KEY, v text)").await;
     db.publish("CREATE PUBLICATION p FOR TABLE m").await;
-    db.source_sql("INSERT INTO m VALUES (1, 'a'), (2, 'b')").await;
+    db.source_sql("INSERT INTO m VALUES (1, 'a'), (2, 'b')")
+        .await;
     db.sync("p").await;
     db.target_sql("DELETE FROM m WHERE id = 1").await;
     db.source_sql("UPDATE m SET v = 'changed' WHERE id = 1; DELETE FROM m WHERE id = 1; UPDATE m SET v = 'c' WHERE id = 2;").await;
     let out = db.sync("p").await;
     let log = stderr(&out);
-    assert!(log.contains("UPDATE found no row") && log.contains("\"public\".\"m\"") && log.contains("(\"id\")=(1)"), "{log}");
-    assert_eq!(db.count(&db.target, "SELECT count(*) FROM m WHERE v = 'c'").await, 1);
+    assert!(
+        log.contains("UPDATE found no row")
+            && log.contains("\"public\".\"m\"")
+            && log.contains("(\"id\")=(1)"),
+        "{log}"
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM m WHERE v = 'c'")
+            .await,
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -259,14 +305,22 @@ async fn unique_violation_stops_and_is_retried_after_fix() {
     db.publish("CREATE PUBLICATION p FOR TABLE k").await;
     db.target_sql("INSERT INTO k VALUES (2, 'local')").await;
     db.source_sql("INSERT INTO k VALUES (1, 'a')").await;
-    db.source_sql("INSERT INTO k VALUES (2, 'b'); INSERT INTO k VALUES (3, 'c');").await;
+    db.source_sql("INSERT INTO k VALUES (2, 'b'); INSERT INTO k VALUES (3, 'c');")
+        .await;
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let err = stderr(&out);
-    assert!(err.contains("duplicate key") && err.contains("\"public\".\"k\""), "{err}");
+    assert!(
+        err.contains("duplicate key") && err.contains("\"public\".\"k\""),
+        "{err}"
+    );
     // The failing transaction left nothing behind; the one before it is applied.
-    assert_eq!(db.count(&db.target, "SELECT count(*) FROM k WHERE id = 3").await, 0);
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM k WHERE id = 3")
+            .await,
+        0
+    );
     db.target_sql("DELETE FROM k WHERE id = 2").await;
     db.sync("p").await;
     db.assert_same("k").await;

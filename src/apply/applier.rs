@@ -11,7 +11,7 @@ use super::progress::ProgressStore;
 use super::statement::{build_sql, ColumnSet, Operation, RowMatch, Shape, WireValue};
 use crate::error::{describe_postgres, Error, Result};
 use crate::protocol::pgoutput::{
-    Begin, Commit, Delete, Insert, LogicalMessage, OldRow, Oid, Truncate, Update,
+    Begin, Commit, Delete, Insert, LogicalMessage, Oid, OldRow, Truncate, Update,
 };
 use crate::protocol::{Lsn, PgTimestamp, Tuple, Value};
 use crate::relation::{RelationCache, RelationEntry};
@@ -92,10 +92,7 @@ impl ChangeInfo {
     fn describe(&self) -> String {
         format!(
             "{} on table {} (source transaction {}, commit {})",
-            self.operation,
-            self.relation.target.qualified,
-            self.xid,
-            self.commit_lsn
+            self.operation, self.relation.target.qualified, self.xid, self.commit_lsn
         )
     }
 
@@ -254,9 +251,8 @@ impl Applier {
                     .update(r, &self.catalog)
                     .await
                     .map(|_| ())
-                    .map_err(|e| {
+                    .inspect_err(|_| {
                         tracing::debug!(relation = %name, "relation not usable on the target");
-                        e
                     })
             }
             LogicalMessage::Type(t) => {
@@ -536,7 +532,10 @@ impl Applier {
             sql.push_str(" CASCADE");
         }
         let statement = self.client.prepare(&sql).await.map_err(|e| {
-            Error::postgres(format!("preparing TRUNCATE of {} on the target", tables.join(", ")), e)
+            Error::postgres(
+                format!("preparing TRUNCATE of {} on the target", tables.join(", ")),
+                e,
+            )
         })?;
         tracing::debug!(xid, commit_lsn = %commit_lsn, tables = %tables.join(", "), "truncate");
         self.stats.truncates += 1;
@@ -606,7 +605,13 @@ impl Applier {
                 }
                 let sql = build_sql(entry, &shape);
                 self.client.prepare(&sql).await.map_err(|e| {
-                    Error::postgres(format!("preparing a statement for table {} on the target", entry.target.qualified), e)
+                    Error::postgres(
+                        format!(
+                            "preparing a statement for table {} on the target",
+                            entry.target.qualified
+                        ),
+                        e,
+                    )
                 })?
             }
             Err(e) => {
@@ -660,9 +665,7 @@ impl Applier {
                             Some(about) => about.describe(),
                             None => "a statement".to_owned(),
                         };
-                        failure = Some(
-                            Error::postgres(format!("applying {what}"), e),
-                        );
+                        failure = Some(Error::postgres(format!("applying {what}"), e));
                     }
                 }
             }

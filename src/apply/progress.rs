@@ -43,7 +43,12 @@ impl ProgressStore {
                 );
                 ProgressMode::Table
             }
-            Err(e) => return Err(Error::postgres("setting up replication origin on the target", e)),
+            Err(e) => {
+                return Err(Error::postgres(
+                    "setting up replication origin on the target",
+                    e,
+                ))
+            }
         };
         let store = ProgressStore {
             mode,
@@ -126,18 +131,22 @@ impl ProgressStore {
     /// the target's WAL up to the last recorded commit first.
     pub async fn durable_position(&self, client: &Client) -> Result<Lsn> {
         let row = match &self.mode {
-            ProgressMode::Origin { name } => client
-                .query_one(
-                    "SELECT pg_catalog.pg_replication_origin_progress($1, true)::text",
-                    &[name],
-                )
-                .await,
-            ProgressMode::Table => client
-                .query_one(
-                    "SELECT lsn::text FROM pgapply.progress WHERE slot_name = $1",
-                    &[&self.slot],
-                )
-                .await,
+            ProgressMode::Origin { name } => {
+                client
+                    .query_one(
+                        "SELECT pg_catalog.pg_replication_origin_progress($1, true)::text",
+                        &[name],
+                    )
+                    .await
+            }
+            ProgressMode::Table => {
+                client
+                    .query_one(
+                        "SELECT lsn::text FROM pgapply.progress WHERE slot_name = $1",
+                        &[&self.slot],
+                    )
+                    .await
+            }
         }
         .map_err(|e| Error::postgres("reading the applied position on the target", e))?;
         parse_lsn(row.get(0))
@@ -146,11 +155,17 @@ impl ProgressStore {
 
 async fn ensure_origin(client: &Client, name: &str) -> Result<(), tokio_postgres::Error> {
     let row = client
-        .query_one("SELECT pg_catalog.pg_replication_origin_oid($1) IS NOT NULL", &[&name])
+        .query_one(
+            "SELECT pg_catalog.pg_replication_origin_oid($1) IS NOT NULL",
+            &[&name],
+        )
         .await?;
     if !row.get::<_, bool>(0) {
         client
-            .execute("SELECT pg_catalog.pg_replication_origin_create($1)", &[&name])
+            .execute(
+                "SELECT pg_catalog.pg_replication_origin_create($1)",
+                &[&name],
+            )
             .await?;
     }
     Ok(())

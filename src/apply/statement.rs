@@ -182,7 +182,11 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
     }
 }
 
-fn row_filter(entry: &RelationEntry, row_match: &RowMatch, next: &mut impl FnMut() -> usize) -> String {
+fn row_filter(
+    entry: &RelationEntry,
+    row_match: &RowMatch,
+    next: &mut impl FnMut() -> usize,
+) -> String {
     match row_match {
         RowMatch::Key => entry
             .key_columns

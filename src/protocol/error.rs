@@ -17,7 +17,10 @@ pub struct DecodeError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecodeErrorKind {
     /// The message ends before the field does.
-    Truncated { needed: usize, available: usize },
+    Truncated {
+        needed: usize,
+        available: usize,
+    },
     /// A tag byte that is not defined at this position.
     UnknownTag(u8),
     /// A length or count that is negative or larger than the rest of the message.
@@ -64,10 +67,9 @@ impl fmt::Display for DecodeError {
         }
         write!(f, " at byte offset {}: ", self.offset)?;
         match &self.kind {
-            DecodeErrorKind::Truncated { needed, available } => write!(
-                f,
-                "truncated (needs {needed} bytes, {available} left)"
-            ),
+            DecodeErrorKind::Truncated { needed, available } => {
+                write!(f, "truncated (needs {needed} bytes, {available} left)")
+            }
             DecodeErrorKind::UnknownTag(tag) => write!(f, "unknown tag {}", tag_text(*tag)),
             DecodeErrorKind::InvalidLength(len) => {
                 write!(f, "invalid length or count {len}")

@@ -21,7 +21,9 @@ impl fmt::Display for Lsn {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid LSN {input:?}: expected two hexadecimal numbers separated by '/', like 16/B374D848")]
+#[error(
+    "invalid LSN {input:?}: expected two hexadecimal numbers separated by '/', like 16/B374D848"
+)]
 pub struct ParseLsnError {
     input: String,
 }
@@ -66,7 +68,18 @@ mod tests {
 
     #[test]
     fn rejects_malformed() {
-        for text in ["", "/", "1/", "/1", "1", "1/2/3", "G/0", "1/100000000", "-1/0", "1 /2"] {
+        for text in [
+            "",
+            "/",
+            "1/",
+            "/1",
+            "1",
+            "1/2/3",
+            "G/0",
+            "1/100000000",
+            "-1/0",
+            "1 /2",
+        ] {
             let err = text.parse::<Lsn>().unwrap_err();
             assert!(err.to_string().contains("invalid LSN"), "{text}: {err}");
         }

@@ -363,7 +363,8 @@ pub fn decode(buf: Bytes, context: Context) -> Result<LogicalMessage, DecodeErro
                 .ok()
                 .filter(|&n| n <= c.remaining() / 10)
                 .ok_or_else(|| {
-                    let mut e = c.error("column count", DecodeErrorKind::InvalidLength(count.into()));
+                    let mut e =
+                        c.error("column count", DecodeErrorKind::InvalidLength(count.into()));
                     e.offset = count_at;
                     e
                 })?;
@@ -455,8 +456,10 @@ pub fn decode(buf: Bytes, context: Context) -> Result<LogicalMessage, DecodeErro
                 .ok()
                 .filter(|&n| n <= c.remaining() / 4)
                 .ok_or_else(|| {
-                    let mut e =
-                        c.error("relation count", DecodeErrorKind::InvalidLength(count.into()));
+                    let mut e = c.error(
+                        "relation count",
+                        DecodeErrorKind::InvalidLength(count.into()),
+                    );
                     e.offset = count_at;
                     e
                 })?;

@@ -165,7 +165,13 @@ fn relation_replica_identities() {
         (b'f', ReplicaIdentity::Full),
         (b'i', ReplicaIdentity::Index),
     ] {
-        let m = Msg::tag(b'R').u32(1).str("").str("t").u8(byte).i16(0).bytes();
+        let m = Msg::tag(b'R')
+            .u32(1)
+            .str("")
+            .str("t")
+            .u8(byte)
+            .i16(0)
+            .bytes();
         match decode(m, outside()).unwrap() {
             LogicalMessage::Relation(r) => {
                 assert_eq!(r.replica_identity, want);
@@ -174,14 +180,28 @@ fn relation_replica_identities() {
             other => panic!("{other:?}"),
         }
     }
-    let m = Msg::tag(b'R').u32(1).str("").str("t").u8(b'x').i16(0).bytes();
+    let m = Msg::tag(b'R')
+        .u32(1)
+        .str("")
+        .str("t")
+        .u8(b'x')
+        .i16(0)
+        .bytes();
     let err = decode(m, outside()).unwrap_err();
-    assert_eq!((err.message, err.field, err.offset), ("Relation", "replica identity", 8));
+    assert_eq!(
+        (err.message, err.field, err.offset),
+        ("Relation", "replica identity", 8)
+    );
 }
 
 #[test]
 fn type_message() {
-    let m = Msg::tag(b'Y').u32(5).u32(16400).str("public").str("mood").bytes();
+    let m = Msg::tag(b'Y')
+        .u32(5)
+        .u32(16400)
+        .str("public")
+        .str("mood")
+        .bytes();
     assert_eq!(
         decode(m, streamed()).unwrap(),
         LogicalMessage::Type(TypeInfo {
@@ -210,7 +230,13 @@ fn insert() {
         }
         other => panic!("{other:?}"),
     }
-    let m = Msg::tag(b'I').u32(9).u32(16384).u8(b'N').i16(1).text(b"x").bytes();
+    let m = Msg::tag(b'I')
+        .u32(9)
+        .u32(16384)
+        .u8(b'N')
+        .i16(1)
+        .text(b"x")
+        .bytes();
     match decode(m, streamed()).unwrap() {
         LogicalMessage::Insert(i) => assert_eq!(i.xid, Some(9)),
         other => panic!("{other:?}"),
@@ -220,11 +246,20 @@ fn insert() {
 #[test]
 fn update_variants() {
     // No old tuple.
-    let m = Msg::tag(b'U').u32(1).u8(b'N').i16(2).text(b"1").u8(b'u').bytes();
+    let m = Msg::tag(b'U')
+        .u32(1)
+        .u8(b'N')
+        .i16(2)
+        .text(b"1")
+        .u8(b'u')
+        .bytes();
     match decode(m, outside()).unwrap() {
         LogicalMessage::Update(u) => {
             assert!(u.old.is_none());
-            assert_eq!(texts(&u.new), vec![Some("1".into()), Some("<unchanged>".into())]);
+            assert_eq!(
+                texts(&u.new),
+                vec![Some("1".into()), Some("<unchanged>".into())]
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -269,7 +304,14 @@ fn update_variants() {
         other => panic!("{other:?}"),
     }
     // Old tuple not followed by 'N'.
-    let m = Msg::tag(b'U').u32(1).u8(b'K').i16(1).text(b"a").u8(b'K').i16(0).bytes();
+    let m = Msg::tag(b'U')
+        .u32(1)
+        .u8(b'K')
+        .i16(1)
+        .text(b"a")
+        .u8(b'K')
+        .i16(0)
+        .bytes();
     let err = decode(m, outside()).unwrap_err();
     assert_eq!(err.field, "new tuple marker");
     assert_eq!(err.kind, DecodeErrorKind::UnknownTag(b'K'));
@@ -320,7 +362,13 @@ fn truncate_options() {
 
 #[test]
 fn logical_decoding_message() {
-    let m = Msg::tag(b'M').u8(1).u64(5).str("app").i32(3).raw(b"a\0b").bytes();
+    let m = Msg::tag(b'M')
+        .u8(1)
+        .u64(5)
+        .str("app")
+        .i32(3)
+        .raw(b"a\0b")
+        .bytes();
     assert_eq!(
         decode(m, outside()).unwrap(),
         LogicalMessage::Message(DecodingMessage {
@@ -407,7 +455,13 @@ fn stream_abort_with_and_without_parallel_fields() {
 
 #[test]
 fn two_phase_messages() {
-    let m = Msg::tag(b'b').u64(1).u64(2).u64(3).u32(4).str("gid-1").bytes();
+    let m = Msg::tag(b'b')
+        .u64(1)
+        .u64(2)
+        .u64(3)
+        .u32(4)
+        .str("gid-1")
+        .bytes();
     assert_eq!(
         decode(m, outside()).unwrap(),
         LogicalMessage::BeginPrepare(BeginPrepare {
@@ -426,17 +480,35 @@ fn two_phase_messages() {
         xid: 4,
         gid: "gid-1".into(),
     };
-    let m = Msg::tag(b'P').u8(0).u64(1).u64(2).u64(3).u32(4).str("gid-1");
+    let m = Msg::tag(b'P')
+        .u8(0)
+        .u64(1)
+        .u64(2)
+        .u64(3)
+        .u32(4)
+        .str("gid-1");
     assert_eq!(
         decode(m.bytes(), outside()).unwrap(),
         LogicalMessage::Prepare(prepare.clone())
     );
-    let m = Msg::tag(b'p').u8(0).u64(1).u64(2).u64(3).u32(4).str("gid-1");
+    let m = Msg::tag(b'p')
+        .u8(0)
+        .u64(1)
+        .u64(2)
+        .u64(3)
+        .u32(4)
+        .str("gid-1");
     assert_eq!(
         decode(m.bytes(), outside()).unwrap(),
         LogicalMessage::StreamPrepare(prepare)
     );
-    let m = Msg::tag(b'K').u8(0).u64(5).u64(6).u64(7).u32(4).str("gid-1");
+    let m = Msg::tag(b'K')
+        .u8(0)
+        .u64(5)
+        .u64(6)
+        .u64(7)
+        .u32(4)
+        .str("gid-1");
     assert_eq!(
         decode(m.bytes(), outside()).unwrap(),
         LogicalMessage::CommitPrepared(CommitPrepared {
@@ -448,7 +520,14 @@ fn two_phase_messages() {
             gid: "gid-1".into()
         })
     );
-    let m = Msg::tag(b'r').u8(0).u64(2).u64(8).u64(3).u64(9).u32(4).str("gid-1");
+    let m = Msg::tag(b'r')
+        .u8(0)
+        .u64(2)
+        .u64(8)
+        .u64(3)
+        .u64(9)
+        .u32(4)
+        .str("gid-1");
     assert_eq!(
         decode(m.bytes(), outside()).unwrap(),
         LogicalMessage::RollbackPrepared(RollbackPrepared {
@@ -474,13 +553,19 @@ fn decoder_follows_stream_blocks() {
         };
         m.u32(1).u8(b'N').i16(1).text(b"v").bytes()
     };
-    assert!(matches!(d.decode(insert(None)).unwrap(), LogicalMessage::Insert(i) if i.xid.is_none()));
+    assert!(
+        matches!(d.decode(insert(None)).unwrap(), LogicalMessage::Insert(i) if i.xid.is_none())
+    );
     d.decode(Msg::tag(b'S').u32(50).u8(1).bytes()).unwrap();
     assert!(d.in_stream_block());
-    assert!(matches!(d.decode(insert(Some(50))).unwrap(), LogicalMessage::Insert(i) if i.xid == Some(50)));
+    assert!(
+        matches!(d.decode(insert(Some(50))).unwrap(), LogicalMessage::Insert(i) if i.xid == Some(50))
+    );
     d.decode(Msg::tag(b'E').bytes()).unwrap();
     assert!(!d.in_stream_block());
-    assert!(matches!(d.decode(insert(None)).unwrap(), LogicalMessage::Insert(i) if i.xid.is_none()));
+    assert!(
+        matches!(d.decode(insert(None)).unwrap(), LogicalMessage::Insert(i) if i.xid.is_none())
+    );
 }
 
 #[test]
@@ -488,28 +573,96 @@ fn malformed_messages_name_message_field_and_offset() {
     let cases: Vec<(Bytes, &str, &str, usize)> = vec![
         (Bytes::new(), "pgoutput", "message tag", 0),
         (Msg::tag(b'Z').bytes(), "pgoutput", "message tag", 0),
-        (Msg::tag(b'B').u64(1).bytes(), "Begin", "commit timestamp", 9),
-        (Msg::tag(b'C').u8(0).u64(1).u64(2).u64(3).u8(9).bytes(), "Commit", "end of message", 26),
-        (Msg::tag(b'O').u64(1).raw(b"no-nul").bytes(), "Origin", "origin name", 9),
-        (Msg::tag(b'O').u64(1).raw(b"\xff\xfe\0").bytes(), "Origin", "origin name", 9),
         (
-            Msg::tag(b'R').u32(1).str("s").str("t").u8(b'd').i16(300).bytes(),
+            Msg::tag(b'B').u64(1).bytes(),
+            "Begin",
+            "commit timestamp",
+            9,
+        ),
+        (
+            Msg::tag(b'C').u8(0).u64(1).u64(2).u64(3).u8(9).bytes(),
+            "Commit",
+            "end of message",
+            26,
+        ),
+        (
+            Msg::tag(b'O').u64(1).raw(b"no-nul").bytes(),
+            "Origin",
+            "origin name",
+            9,
+        ),
+        (
+            Msg::tag(b'O').u64(1).raw(b"\xff\xfe\0").bytes(),
+            "Origin",
+            "origin name",
+            9,
+        ),
+        (
+            Msg::tag(b'R')
+                .u32(1)
+                .str("s")
+                .str("t")
+                .u8(b'd')
+                .i16(300)
+                .bytes(),
             "Relation",
             "column count",
             10,
         ),
         (
-            Msg::tag(b'R').u32(1).str("s").str("t").u8(b'd').i16(-1).bytes(),
+            Msg::tag(b'R')
+                .u32(1)
+                .str("s")
+                .str("t")
+                .u8(b'd')
+                .i16(-1)
+                .bytes(),
             "Relation",
             "column count",
             10,
         ),
-        (Msg::tag(b'I').u32(1).u8(b'X').bytes(), "Insert", "new tuple marker", 5),
-        (Msg::tag(b'I').u32(1).u8(b'N').i16(1).text(b"a").u8(0).bytes(), "Insert", "end of message", 14),
-        (Msg::tag(b'M').u8(1).u64(1).str("p").i32(10).bytes(), "Message", "content", 12),
-        (Msg::tag(b'S').u32(1).bytes(), "Stream Start", "first segment flag", 5),
-        (Msg::tag(b'E').u8(0).bytes(), "Stream Stop", "end of message", 1),
-        (Msg::tag(b'K').u8(0).u64(1).u64(2).u64(3).u32(4).bytes(), "Commit Prepared", "gid", 30),
+        (
+            Msg::tag(b'I').u32(1).u8(b'X').bytes(),
+            "Insert",
+            "new tuple marker",
+            5,
+        ),
+        (
+            Msg::tag(b'I')
+                .u32(1)
+                .u8(b'N')
+                .i16(1)
+                .text(b"a")
+                .u8(0)
+                .bytes(),
+            "Insert",
+            "end of message",
+            14,
+        ),
+        (
+            Msg::tag(b'M').u8(1).u64(1).str("p").i32(10).bytes(),
+            "Message",
+            "content",
+            12,
+        ),
+        (
+            Msg::tag(b'S').u32(1).bytes(),
+            "Stream Start",
+            "first segment flag",
+            5,
+        ),
+        (
+            Msg::tag(b'E').u8(0).bytes(),
+            "Stream Stop",
+            "end of message",
+            1,
+        ),
+        (
+            Msg::tag(b'K').u8(0).u64(1).u64(2).u64(3).u32(4).bytes(),
+            "Commit Prepared",
+            "gid",
+            30,
+        ),
     ];
     for (bytes, message, field, offset) in cases {
         let err = decode(bytes.clone(), outside()).unwrap_err();
@@ -524,7 +677,9 @@ fn malformed_messages_name_message_field_and_offset() {
     let err = decode(Msg::tag(b'O').u64(1).raw(b"\xff\0").bytes(), outside()).unwrap_err();
     assert_eq!(err.kind, DecodeErrorKind::InvalidUtf8);
     assert_eq!(
-        decode(Msg::tag(b'Z').bytes(), outside()).unwrap_err().to_string(),
+        decode(Msg::tag(b'Z').bytes(), outside())
+            .unwrap_err()
+            .to_string(),
         "malformed pgoutput message: message tag at byte offset 0: unknown tag 'Z' (0x5a)"
     );
 }

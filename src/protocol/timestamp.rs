@@ -49,7 +49,10 @@ mod tests {
     fn epoch_is_2000() {
         assert_eq!(PgTimestamp(0).to_rfc3339(), "2000-01-01T00:00:00.000000Z");
         let t = PgTimestamp(86_400_000_000 + 1);
-        assert_eq!(PgTimestamp::from_system_time(t.to_system_time().unwrap()), t);
+        assert_eq!(
+            PgTimestamp::from_system_time(t.to_system_time().unwrap()),
+            t
+        );
         assert_eq!(PgTimestamp(-1).to_rfc3339(), "1999-12-31T23:59:59.999999Z");
     }
 }

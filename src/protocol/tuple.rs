@@ -55,12 +55,11 @@ impl Tuple {
             match cursor.u8("tuple value kind").map_err(with_column)? {
                 b'n' | b'u' => {}
                 b't' | b'b' => {
-                    cursor
-                        .counted_bytes("tuple value")
-                        .map_err(with_column)?;
+                    cursor.counted_bytes("tuple value").map_err(with_column)?;
                 }
                 other => {
-                    let mut e = cursor.error("tuple value kind", DecodeErrorKind::UnknownTag(other));
+                    let mut e =
+                        cursor.error("tuple value kind", DecodeErrorKind::UnknownTag(other));
                     e.offset -= 1;
                     return Err(with_column(e));
                 }
@@ -142,7 +141,9 @@ mod tests {
 
     #[test]
     fn reads_every_value_kind() {
-        let mut raw = vec![0, 4, b'n', b'u', b't', 0, 0, 0, 2, b'h', b'i', b'b', 0, 0, 0, 1, 0xff];
+        let mut raw = vec![
+            0, 4, b'n', b'u', b't', 0, 0, 0, 2, b'h', b'i', b'b', 0, 0, 0, 1, 0xff,
+        ];
         raw.extend_from_slice(b"after");
         let mut c = Cursor::new(Bytes::from(raw), "Insert");
         let tuple = Tuple::decode(&mut c).unwrap();
@@ -172,7 +173,10 @@ mod tests {
         let err = decode(&[0, 2, b'n', b'x']).unwrap_err();
         assert_eq!(err.kind, DecodeErrorKind::UnknownTag(b'x'));
         assert_eq!((err.column, err.offset), (Some(2), 3));
-        assert!(err.to_string().contains("of column 2 at byte offset 3"), "{err}");
+        assert!(
+            err.to_string().contains("of column 2 at byte offset 3"),
+            "{err}"
+        );
 
         let err = decode(&[0, 1, b't', 0, 0, 0, 9, b'a']).unwrap_err();
         assert_eq!(err.kind, DecodeErrorKind::InvalidLength(9));

@@ -142,8 +142,13 @@ mod tests {
         let err = ReplicationFrame::parse(Bytes::from_static(b"z")).unwrap_err();
         assert_eq!(err.kind, DecodeErrorKind::UnknownTag(b'z'));
         let err = ReplicationFrame::parse(Bytes::from_static(b"w\0\0")).unwrap_err();
-        assert_eq!((err.message, err.field, err.offset), ("XLogData", "WAL start", 1));
-        assert!(err.to_string().starts_with("malformed XLogData message: WAL start at byte offset 1"));
+        assert_eq!(
+            (err.message, err.field, err.offset),
+            ("XLogData", "WAL start", 1)
+        );
+        assert!(err
+            .to_string()
+            .starts_with("malformed XLogData message: WAL start at byte offset 1"));
     }
 
     #[test]

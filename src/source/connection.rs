@@ -133,10 +133,15 @@ pub struct ReplicationConnection {
 
 impl ReplicationConnection {
     /// Opens a `replication=database` session with the given connection settings.
-    pub async fn connect(config: &tokio_postgres::Config, max_message_bytes: usize) -> Result<Self> {
+    pub async fn connect(
+        config: &tokio_postgres::Config,
+        max_message_bytes: usize,
+    ) -> Result<Self> {
         let user = config
             .get_user()
-            .ok_or_else(|| Error::definite("source connection: no user given (set user= or PGUSER)"))?
+            .ok_or_else(|| {
+                Error::definite("source connection: no user given (set user= or PGUSER)")
+            })?
             .to_owned();
         let dbname = config.get_dbname().unwrap_or(&user).to_owned();
         if config.get_ssl_mode() == SslMode::Require {
@@ -187,8 +192,9 @@ impl ReplicationConnection {
         loop {
             if self.read.len() >= 5 {
                 let tag = self.read[0];
-                let len = u32::from_be_bytes([self.read[1], self.read[2], self.read[3], self.read[4]])
-                    as usize;
+                let len =
+                    u32::from_be_bytes([self.read[1], self.read[2], self.read[3], self.read[4]])
+                        as usize;
                 if len < 4 {
                     return Err(Error::definite(format!(
                         "source {} sent a protocol message with invalid length {len}",
@@ -426,7 +432,9 @@ impl ReplicationConnection {
                         backend::Message::ErrorResponse(e) => server_error(e.fields()),
                         _ => unreachable_error(),
                     };
-                    return Err(e.into_error(&format!("source {} ended replication", self.endpoint)));
+                    return Err(
+                        e.into_error(&format!("source {} ended replication", self.endpoint))
+                    );
                 }
                 other => {
                     return Err(Error::definite(format!(
@@ -480,12 +488,19 @@ pub fn parse_server_version(text: &str) -> u32 {
     }
 }
 
-async fn open_stream(config: &tokio_postgres::Config, timeout: Duration) -> Result<(Stream, String)> {
+async fn open_stream(
+    config: &tokio_postgres::Config,
+    timeout: Duration,
+) -> Result<(Stream, String)> {
     let hosts = config.get_hosts();
     let ports = config.get_ports();
     let mut last_err = None;
     let default_hosts = [Host::Tcp("localhost".into())];
-    let hosts: &[Host] = if hosts.is_empty() { &default_hosts } else { hosts };
+    let hosts: &[Host] = if hosts.is_empty() {
+        &default_hosts
+    } else {
+        hosts
+    };
     for (i, host) in hosts.iter().enumerate() {
         let port = ports
             .get(i)
@@ -495,12 +510,15 @@ async fn open_stream(config: &tokio_postgres::Config, timeout: Duration) -> Resu
         match host {
             Host::Tcp(name) => {
                 let endpoint = format!("{name}:{port}");
-                match tokio::time::timeout(timeout, TcpStream::connect((name.as_str(), port))).await {
+                match tokio::time::timeout(timeout, TcpStream::connect((name.as_str(), port))).await
+                {
                     Ok(Ok(s)) => {
                         let _ = s.set_nodelay(true);
                         return Ok((Stream::Tcp(s), endpoint));
                     }
-                    Ok(Err(e)) => last_err = Some(Error::io(format!("connecting to source {endpoint}"), e)),
+                    Ok(Err(e)) => {
+                        last_err = Some(Error::io(format!("connecting to source {endpoint}"), e))
+                    }
                     Err(_) => {
                         last_err = Some(Error::transient(format!(
                             "connecting to source {endpoint}: timed out after {}",
@@ -514,7 +532,9 @@ async fn open_stream(config: &tokio_postgres::Config, timeout: Duration) -> Resu
                 let endpoint = path.display().to_string();
                 match tokio::net::UnixStream::connect(&path).await {
                     Ok(s) => return Ok((Stream::Unix(s), endpoint)),
-                    Err(e) => last_err = Some(Error::io(format!("connecting to source {endpoint}"), e)),
+                    Err(e) => {
+                        last_err = Some(Error::io(format!("connecting to source {endpoint}"), e))
+                    }
                 }
             }
         }
@@ -528,7 +548,10 @@ mod tests {
 
     #[test]
     fn server_versions() {
-        assert_eq!(parse_server_version("15.4 (Debian 15.4-1.pgdg120+1)"), 150004);
+        assert_eq!(
+            parse_server_version("15.4 (Debian 15.4-1.pgdg120+1)"),
+            150004
+        );
         assert_eq!(parse_server_version("10.23"), 100023);
         assert_eq!(parse_server_version("18beta1"), 180000);
         assert_eq!(parse_server_version("9.6.24"), 90624);

@@ -38,7 +38,10 @@ pub struct ReplicationSession {
 }
 
 impl ReplicationSession {
-    pub async fn connect(config: &tokio_postgres::Config, max_message_bytes: usize) -> Result<Self> {
+    pub async fn connect(
+        config: &tokio_postgres::Config,
+        max_message_bytes: usize,
+    ) -> Result<Self> {
         let conn = ReplicationConnection::connect(config, max_message_bytes).await?;
         if conn.server_version < 100000 {
             return Err(Error::definite(format!(
@@ -124,11 +127,14 @@ impl ReplicationSession {
             .map(|p| quote_literal(p))
             .collect::<Vec<_>>()
             .join(", ");
-        let sql = format!(
-            "SELECT pubname FROM pg_catalog.pg_publication WHERE pubname IN ({list})"
-        );
+        let sql =
+            format!("SELECT pubname FROM pg_catalog.pg_publication WHERE pubname IN ({list})");
         let r = self.conn.simple_query(&sql).await?;
-        let found: Vec<&str> = r.rows.iter().filter_map(|row| row.first()?.as_deref()).collect();
+        let found: Vec<&str> = r
+            .rows
+            .iter()
+            .filter_map(|row| row.first()?.as_deref())
+            .collect();
         let missing: Vec<&String> = publications
             .iter()
             .filter(|p| !found.contains(&p.as_str()))
@@ -198,7 +204,12 @@ impl ReplicationStream {
         }
     }
 
-    pub async fn send_status(&mut self, written: Lsn, flushed: Lsn, reply_requested: bool) -> Result<()> {
+    pub async fn send_status(
+        &mut self,
+        written: Lsn,
+        flushed: Lsn,
+        reply_requested: bool,
+    ) -> Result<()> {
         self.buf.clear();
         StandbyStatusUpdate {
             write: written,

@@ -92,25 +92,43 @@ impl TestDb {
     }
 
     pub fn source_conninfo(&self) -> String {
-        format!("host=127.0.0.1 port={} user=postgres dbname={}", self.source_port, self.name)
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname={}",
+            self.source_port, self.name
+        )
     }
 
     pub fn target_conninfo(&self) -> String {
-        format!("host=127.0.0.1 port={} user=postgres dbname={}", self.target_port, self.name)
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname={}",
+            self.target_port, self.name
+        )
     }
 
     /// The same DDL on both sides.
     pub async fn both(&self, sql: &str) {
-        self.source.batch_execute(sql).await.unwrap_or_else(|e| panic!("source: {e}\n{sql}"));
-        self.target.batch_execute(sql).await.unwrap_or_else(|e| panic!("target: {e}\n{sql}"));
+        self.source
+            .batch_execute(sql)
+            .await
+            .unwrap_or_else(|e| panic!("source: {e}\n{sql}"));
+        self.target
+            .batch_execute(sql)
+            .await
+            .unwrap_or_else(|e| panic!("target: {e}\n{sql}"));
     }
 
     pub async fn source_sql(&self, sql: &str) {
-        self.source.batch_execute(sql).await.unwrap_or_else(|e| panic!("source: {e:?}\n{sql}"));
+        self.source
+            .batch_execute(sql)
+            .await
+            .unwrap_or_else(|e| panic!("source: {e:?}\n{sql}"));
     }
 
     pub async fn target_sql(&self, sql: &str) {
-        self.target.batch_execute(sql).await.unwrap_or_else(|e| panic!("target: {e:?}\n{sql}"));
+        self.target
+            .batch_execute(sql)
+            .await
+            .unwrap_or_else(|e| panic!("target: {e:?}\n{sql}"));
     }
 
     /// Creates the publication and the slot (before any workload, so all of it streams).
@@ -192,7 +210,13 @@ impl TestDb {
 }
 
 async fn rows(client: &Client, sql: &str) -> Vec<String> {
-    client.query(sql, &[]).await.unwrap().iter().map(|r| r.get::<_, String>(0)).collect()
+    client
+        .query(sql, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect()
 }
 
 pub async fn run_with_deadline(mut cmd: Command, seconds: u64) -> Output {
