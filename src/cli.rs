@@ -70,6 +70,15 @@ pub struct RunArgs {
     /// Configuration file (not available yet).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Shortest wait before reconnecting after a transient error (connection lost, server restart).
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub retry_min: Duration,
+    /// Longest wait between reconnect attempts (the wait doubles up to this).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub retry_max: Duration,
+    /// Give up after this many consecutive failed attempts (0: never give up).
+    #[arg(long, default_value = "0")]
+    pub max_retries: u32,
     /// How often to report progress to the source when nothing else prompts it.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub status_interval: Duration,

@@ -262,8 +262,7 @@ impl LocalCluster {
     pub fn keep_until_exit(mut self) -> (u16, PathBuf, u32) {
         /// (bin dir, data dir, owner) of each cluster to stop at exit.
         type ExitEntry = (PathBuf, PathBuf, Option<(u32, u32)>);
-        static EXIT_LIST: Mutex<Vec<ExitEntry>> =
-            Mutex::new(Vec::new());
+        static EXIT_LIST: Mutex<Vec<ExitEntry>> = Mutex::new(Vec::new());
         static REGISTERED: std::sync::Once = std::sync::Once::new();
         extern "C" fn stop_all() {
             let list = match EXIT_LIST.lock() {
@@ -293,6 +292,21 @@ impl LocalCluster {
         self.stopped = true; // Drop must not stop it now.
         (self.port, self.data_dir.clone(), self.major)
     }
+}
+
+/// Restarts a running cluster by its directory (`pg_ctl restart -m mode`), keeping its port.
+pub fn restart_cluster(bin: &Path, data_dir: &Path, mode: &str) -> io::Result<()> {
+    let mut cmd = Command::new(bin.join("pg_ctl"));
+    cmd.current_dir(std::env::temp_dir())
+        .arg("-D")
+        .arg(data_dir)
+        .arg("-l")
+        .arg(data_dir.join("server.log"))
+        .args(["-w", "-t", "120", "-m", mode, "restart"]);
+    if let Some((uid, gid)) = postgres_user()? {
+        cmd.uid(uid).gid(gid);
+    }
+    check(cmd.output()?, "pg_ctl restart").map(drop)
 }
 
 impl Drop for LocalCluster {

@@ -15,5 +15,6 @@ pub mod migrations;
 pub mod protocol;
 pub mod relation;
 pub mod replicate;
+pub mod retry;
 pub mod source;
 pub mod sql;

@@ -1,4 +1,5 @@
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tokio::sync::watch;
@@ -7,6 +8,7 @@ use tracing_subscriber::EnvFilter;
 use pgapply::cli::{Cli, Command, RunArgs, Streaming};
 use pgapply::error::{Error, ErrorClass};
 use pgapply::replicate::{run, RunConfig};
+use pgapply::retry::Backoff;
 use pgapply::{conninfo, demo};
 
 /// Exit codes (documented in the README): 0 done, 1 a definite error (fix something and rerun),
@@ -121,7 +123,37 @@ async fn run_command(args: RunArgs) -> Result<(), Error> {
                 .map_err(|e| Error::definite(format!("--endpos: {e}")))?,
         );
     }
-    let outcome = run(config, shutdown_signal(), None).await?;
-    tracing::info!(reason = ?outcome.reason, flushed_lsn = %outcome.flushed, "done");
-    Ok(())
+    let mut shutdown = shutdown_signal();
+    let mut backoff = Backoff::new(args.retry_min, args.retry_max);
+    loop {
+        let started = Instant::now();
+        match run(config.clone(), shutdown.clone(), None).await {
+            Ok(outcome) => {
+                tracing::info!(reason = ?outcome.reason, flushed_lsn = %outcome.flushed, "done");
+                return Ok(());
+            }
+            Err(e) if e.is_transient() && !*shutdown.borrow() => {
+                if started.elapsed() > Duration::from_secs(60) {
+                    backoff.reset();
+                }
+                if args.max_retries > 0 && backoff.attempts >= args.max_retries {
+                    return Err(
+                        e.context(format!("giving up after {} attempts", backoff.attempts + 1))
+                    );
+                }
+                let delay = backoff.next_delay();
+                tracing::warn!(
+                    error = %e,
+                    attempt = backoff.attempts,
+                    retry_in = %humantime::format_duration(Duration::from_millis(delay.as_millis() as u64)),
+                    "transient error; reconnecting and resuming from the recorded position"
+                );
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.changed() => return Ok(()),
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }

@@ -205,6 +205,7 @@ pub async fn run(
         endpos: config.endpos,
         status_interval: config.status_interval,
         progress,
+        last_heard: Instant::now(),
     };
     let read_result = reader.run(&mut shutdown).await;
     // Closing the queue lets the applier finish what it has and stop.
@@ -310,6 +311,8 @@ struct Reader<'a> {
     endpos: Option<Lsn>,
     status_interval: Duration,
     progress: Option<watch::Sender<RunProgress>>,
+    /// When the source last sent anything.
+    last_heard: Instant,
 }
 
 enum Step {
@@ -359,12 +362,22 @@ impl Reader<'_> {
                 _ = self.applier_done.changed() => continue,
                 frame = self.stream.next_frame() => {
                     let frame = frame?.ok_or_else(|| Error::transient(format!(
-                        "source {} ended the replication stream", self.stream.endpoint())))?;
+                        "source {} ended the replication stream (server shutting down?)", self.stream.endpoint())))?;
                     if let Step::Stop(reason) = self.on_frame(frame).await? {
                         return Ok(reason);
                     }
                 }
-                _ = status.tick() => self.send_status(false).await?,
+                _ = status.tick() => {
+                    // Ask for a reply each time, so a silent source is noticed.
+                    if self.last_heard.elapsed() > self.silence_limit() {
+                        return Err(Error::transient(format!(
+                            "source {} sent nothing for {}: the connection is presumed lost",
+                            self.stream.endpoint(),
+                            humantime::format_duration(self.silence_limit())
+                        )));
+                    }
+                    self.send_status(true).await?
+                }
                 _ = probe.tick(), if self.endpos.is_some() && !self.in_transaction => {
                     self.send_status(true).await?
                 }
@@ -377,7 +390,13 @@ impl Reader<'_> {
         }
     }
 
+    /// How long the source may stay silent although we ask it to reply at every status update.
+    fn silence_limit(&self) -> Duration {
+        (self.status_interval * 3).max(Duration::from_secs(30))
+    }
+
     async fn on_frame(&mut self, frame: ReplicationFrame) -> Result<Step> {
+        self.last_heard = Instant::now();
         match frame {
             ReplicationFrame::Keepalive {
                 wal_end,

@@ -420,7 +420,9 @@ impl ReplicationConnection {
             let (tag, body) = self.read_message().await?;
             match tag {
                 b'd' => return Ok(Some(body)),
-                b'c' => return Ok(None),
+                // CopyDone ends the stream; a walsender that is shutting down (server stop)
+                // sends CommandComplete without CopyDone.
+                b'c' | b'C' => return Ok(None),
                 b'N' | b'S' => {
                     if let Ok(backend::Message::NoticeResponse(n)) = self.parse(tag, &body) {
                         let n = server_error(n.fields());

@@ -17,6 +17,8 @@ pub struct Clusters {
     pub target_port: u16,
     pub source_dir: std::path::PathBuf,
     pub source_bin: std::path::PathBuf,
+    pub target_dir: std::path::PathBuf,
+    pub target_bin: std::path::PathBuf,
 }
 
 /// Source binaries: PGAPPLY_SOURCE_PG_BIN, else the default; target: PGAPPLY_TARGET_PG_BIN.
@@ -30,9 +32,11 @@ pub fn clusters() -> &'static Clusters {
         let target_bin = std::env::var_os("PGAPPLY_TARGET_PG_BIN")
             .map(Into::into)
             .unwrap_or(default);
+        let target_bin_dir: std::path::PathBuf = target_bin;
         let source = LocalCluster::start(&source_bin, &[]).expect("start source cluster");
-        let target = LocalCluster::start(&target_bin, &[]).expect("start target cluster");
+        let target = LocalCluster::start(&target_bin_dir, &[]).expect("start target cluster");
         let source_dir = source.data_dir.clone();
+        let target_dir = target.data_dir.clone();
         let (source_port, _, _) = source.keep_until_exit();
         let (target_port, _, _) = target.keep_until_exit();
         Clusters {
@@ -40,6 +44,8 @@ pub fn clusters() -> &'static Clusters {
             target_port,
             source_dir,
             source_bin,
+            target_dir,
+            target_bin: target_bin_dir,
         }
     })
 }
@@ -51,6 +57,14 @@ pub async fn connect(port: u16, db: &str) -> Client {
         .unwrap_or_else(|e| panic!("connect {conninfo}: {e}"));
     tokio::spawn(connection);
     client
+}
+
+/// A connection, or `None` while the server is not accepting them.
+pub async fn connect_maybe(port: u16, db: &str) -> Option<Client> {
+    let conninfo = format!("host=127.0.0.1 port={port} user=postgres dbname={db}");
+    let (client, connection) = tokio_postgres::connect(&conninfo, NoTls).await.ok()?;
+    tokio::spawn(connection);
+    Some(client)
 }
 
 /// A database of the same name on both clusters, and a slot name of its own.
@@ -84,6 +98,17 @@ impl TestDb {
             source_port: c.source_port,
             target_port: c.target_port,
             name,
+        }
+    }
+
+    /// New connections to the same databases (after a server restart).
+    pub async fn reconnect(other: &TestDb) -> TestDb {
+        TestDb {
+            name: other.name.clone(),
+            source_port: other.source_port,
+            target_port: other.target_port,
+            source: connect(other.source_port, &other.name).await,
+            target: connect(other.target_port, &other.name).await,
         }
     }
 
@@ -165,7 +190,10 @@ impl TestDb {
             .arg(self.slot())
             .args(["--status-interval", "1s"])
             .args(extra)
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                std::env::var("PGAPPLY_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .kill_on_drop(true);
         cmd
     }
@@ -231,9 +259,19 @@ pub async fn run_with_deadline(mut cmd: Command, seconds: u64) -> Output {
     }
 }
 
+/// Starts pgapply in the background; its log goes to a file in the temp directory (named in the
+/// test output) so a failing test can be diagnosed.
 pub fn spawn(mut cmd: Command) -> Child {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "pgapply-test-{}-{}.log",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let log = std::fs::File::create(&path).expect("log file");
+    eprintln!("pgapply log: {}", path.display());
     cmd.stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        .stderr(log)
         .spawn()
         .expect("spawn pgapply")
 }
