@@ -58,6 +58,20 @@ pub struct RunArgs {
     /// Create the slot (pgoutput) if it does not exist.
     #[arg(long)]
     pub create_slot: bool,
+    /// Copy the published tables' existing rows first (creates the slot with a snapshot), then
+    /// stream from that point.
+    #[arg(long)]
+    pub copy_data: bool,
+    /// Tables (or parts of large tables) copied at once during --copy-data.
+    #[arg(long, default_value = "4")]
+    pub copy_jobs: usize,
+    /// With --copy-data: tables larger than this many 8 kB pages are copied in parallel page
+    /// ranges (PostgreSQL 14+ sources).
+    #[arg(long, default_value = "16384")]
+    pub copy_split_pages: i64,
+    /// With --copy-data: empty target tables that already hold rows instead of refusing.
+    #[arg(long)]
+    pub truncate_target: bool,
     /// Exit 0 once every transaction committed before this LSN is applied.
     #[arg(long, value_name = "LSN")]
     pub endpos: Option<String>,

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod cluster;
 pub mod compare;
 pub mod conninfo;
+pub mod copy;
 pub mod demo;
 pub mod error;
 pub mod migrations;

@@ -115,6 +115,10 @@ async fn run_command(args: RunArgs) -> Result<(), Error> {
         args.slot,
     );
     config.create_slot = args.create_slot;
+    config.copy_data = args.copy_data;
+    config.copy.jobs = args.copy_jobs.max(1);
+    config.copy.truncate_target = args.truncate_target;
+    config.copy.split_pages = args.copy_split_pages.max(1);
     config.status_interval = args.status_interval;
     if let Some(endpos) = args.endpos {
         config.endpos = Some(

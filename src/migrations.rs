@@ -9,11 +9,18 @@ use tokio_postgres::Client;
 use crate::error::{Error, Result};
 
 /// (version, name, SQL), in order. New migrations are appended, never edited.
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "progress",
-    include_str!("../migrations/0001_progress.sql"),
-)];
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "progress",
+        include_str!("../migrations/0001_progress.sql"),
+    ),
+    (
+        2,
+        "copy_state",
+        include_str!("../migrations/0002_copy_state.sql"),
+    ),
+];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.
 const LOCK_KEY: i64 = 0x0070_6761_7070_6c79;

@@ -24,6 +24,7 @@ use tokio_postgres::NoTls;
 use crate::apply::applier::{ApplyStats, Envelope};
 use crate::apply::{Applier, ApplySettings, ProgressMode, ProgressStore};
 use crate::conninfo;
+use crate::copy::{self, CopySettings, CopyStatus};
 use crate::error::{Error, Result};
 use crate::protocol::pgoutput::LogicalMessage;
 use crate::protocol::{Lsn, MessageDecoder, ReplicationFrame};
@@ -44,6 +45,9 @@ pub struct RunConfig {
     /// Largest protocol message accepted from the source.
     pub max_message_bytes: usize,
     pub apply: ApplySettings,
+    /// Copy the published tables' existing rows first (`--copy-data`).
+    pub copy_data: bool,
+    pub copy: CopySettings,
 }
 
 impl RunConfig {
@@ -64,6 +68,8 @@ impl RunConfig {
             queue_bytes: 64 * 1024 * 1024,
             max_message_bytes: 1024 * 1024 * 1024 + 1024,
             apply: ApplySettings::default(),
+            copy_data: false,
+            copy: CopySettings::default(),
         }
     }
 }
@@ -129,12 +135,53 @@ pub async fn run(
         .await
         .map_err(|e| e.context(format!("source {}", conninfo::describe(&config.source))))?;
     let identity = session.identify_system().await?;
-    session
-        .ensure_slot(&config.slot, config.create_slot, &identity.database)
-        .await?;
     session.check_publications(&config.publications).await?;
 
-    let (store, resume) = ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
+    let (store, mut resume) =
+        ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
+    let copy_status = copy::status(&setup, &config.slot).await?;
+    if config.copy_data && copy_status != CopyStatus::Done {
+        if session.slot_exists(&config.slot).await? {
+            if copy_status == CopyStatus::Incomplete || !resume.is_valid() {
+                // Nothing was applied from this slot: a new one with a fresh snapshot loses nothing.
+                session.drop_slot(&config.slot).await?;
+            } else {
+                return Err(Error::definite(format!(
+                    "--copy-data creates slot {:?} with a snapshot of the data, but the slot exists and pgapply has already applied changes from it: run without --copy-data, or drop the slot and the target data to start over",
+                    config.slot
+                )));
+            }
+        }
+        if copy_status == CopyStatus::Incomplete {
+            copy::reset_interrupted(&setup, &config.slot).await?;
+        }
+        let snapshot = session.create_slot_with_snapshot(&config.slot).await?;
+        copy::copy_tables(
+            &config.source,
+            &pool,
+            &config.target,
+            &config.slot,
+            &config.publications,
+            &snapshot.snapshot_name,
+            &config.copy,
+            session.server_version() / 10000,
+        )
+        .await?;
+        store
+            .set_position(&setup, snapshot.consistent_point)
+            .await?;
+        resume = snapshot.consistent_point;
+    } else {
+        if copy_status == CopyStatus::Incomplete {
+            return Err(Error::definite(format!(
+                "the initial copy for slot {:?} was interrupted and cannot continue: rerun with --copy-data to start it over",
+                config.slot
+            )));
+        }
+        session
+            .ensure_slot(&config.slot, config.create_slot, &identity.database)
+            .await?;
+    }
     drop(setup);
     let protocol_version = protocol_version_for(session.server_version());
     tracing::info!(

@@ -114,6 +114,28 @@ impl ProgressStore {
         Ok(())
     }
 
+    /// Sets the position outside any apply transaction (after an initial copy).
+    pub async fn set_position(&self, client: &Client, lsn: Lsn) -> Result<()> {
+        let text = lsn.to_string();
+        if let ProgressMode::Origin { name } = &self.mode {
+            client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn)",
+                    &[name, &text],
+                )
+                .await
+                .map_err(|e| Error::postgres("recording the copy's position on the target", e))?;
+        }
+        client
+            .execute(
+                "UPDATE pgapply.progress SET lsn = $2::text::pg_lsn, updated_at = now() WHERE slot_name = $1",
+                &[&self.slot, &text],
+            )
+            .await
+            .map_err(|e| Error::postgres("recording the copy's position on the target", e))?;
+        Ok(())
+    }
+
     /// The statement that records `($1 lsn, $2 commit time)` inside the current transaction.
     pub fn record_sql(&self) -> String {
         match &self.mode {

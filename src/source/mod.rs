@@ -33,6 +33,13 @@ pub fn protocol_version_for(server_version: u32) -> u32 {
     }
 }
 
+/// A new slot's starting point and the snapshot that shows the data as of that point.
+#[derive(Debug, Clone)]
+pub struct ExportedSnapshot {
+    pub consistent_point: Lsn,
+    pub snapshot_name: String,
+}
+
 pub struct ReplicationSession {
     conn: ReplicationConnection,
 }
@@ -117,6 +124,56 @@ impl ReplicationSession {
                 "replication slot {slot:?} belongs to database {slot_db:?}, but the source connection is to database {database:?}"
             )));
         }
+        Ok(())
+    }
+
+    pub async fn slot_exists(&mut self, slot: &str) -> Result<bool> {
+        let sql = format!(
+            "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
+            quote_literal(slot)
+        );
+        Ok(!self.conn.simple_query(&sql).await?.rows.is_empty())
+    }
+
+    /// Creates the slot and exports the snapshot of its consistent point. The snapshot stays
+    /// importable (SET TRANSACTION SNAPSHOT) until the next command on this session.
+    pub async fn create_slot_with_snapshot(&mut self, slot: &str) -> Result<ExportedSnapshot> {
+        let sql = format!(
+            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput EXPORT_SNAPSHOT",
+            quote_ident(slot)
+        );
+        let r =
+            self.conn.simple_query(&sql).await.map_err(|e| {
+                e.context(format!("creating replication slot {slot:?} on the source"))
+            })?;
+        let consistent_point = r
+            .first("consistent_point")
+            .unwrap_or_default()
+            .parse()
+            .map_err(|e| {
+                Error::definite(format!(
+                    "CREATE_REPLICATION_SLOT returned a bad consistent point: {e}"
+                ))
+            })?;
+        let snapshot_name = r
+            .first("snapshot_name")
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| Error::definite("CREATE_REPLICATION_SLOT exported no snapshot"))?
+            .to_owned();
+        tracing::info!(slot, %consistent_point, snapshot = %snapshot_name, "created logical replication slot with an exported snapshot");
+        Ok(ExportedSnapshot {
+            consistent_point,
+            snapshot_name,
+        })
+    }
+
+    pub async fn drop_slot(&mut self, slot: &str) -> Result<()> {
+        let sql = format!("DROP_REPLICATION_SLOT {}", quote_ident(slot));
+        self.conn
+            .simple_query(&sql)
+            .await
+            .map_err(|e| e.context(format!("dropping replication slot {slot:?} on the source")))?;
+        tracing::info!(slot, "dropped replication slot");
         Ok(())
     }
 

@@ -1,0 +1,384 @@
+#!/usr/bin/env bash
+# Catch-up benchmark: pgapply against PostgreSQL's built-in logical replication
+# subscriber, both applying the same pgbench (tpcb-like) backlog. See bench/README.md.
+#
+# Environment:
+#   SCALE=10 TXNS=150000 ROUNDS=3 CLIENTS=4   workload size
+#   PGAPPLY_BIN      use this binary instead of `cargo build --release`
+#   PG_BIN           PostgreSQL 15 bin dir (default /usr/lib/postgresql/15/bin)
+#   CATCHUP_TIMEOUT  seconds an applier may take per round before the run fails (default 3600)
+#   RESULTS          markdown output (default bench/results/latest.md)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PG_BIN="${PG_BIN:-/usr/lib/postgresql/15/bin}"
+SCALE="${SCALE:-10}"
+TXNS="${TXNS:-150000}"
+ROUNDS="${ROUNDS:-3}"
+CLIENTS="${CLIENTS:-4}"
+CATCHUP_TIMEOUT="${CATCHUP_TIMEOUT:-3600}"
+RESULTS="${RESULTS:-$ROOT/bench/results/latest.md}"
+ROWS_PER_TXN=4   # tpcb-like: 3 UPDATEs + 1 INSERT change rows (the SELECT does not)
+
+log() { echo "bench: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT; do
+    [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
+done
+PER_CLIENT=$((TXNS / CLIENTS))
+[ "$PER_CLIENT" -ge 1 ] || die "TXNS ($TXNS) must be at least CLIENTS ($CLIENTS)"
+NTXN=$((PER_CLIENT * CLIENTS))   # transactions per round actually run
+JOBS=2
+[ "$CLIENTS" -ge 2 ] || JOBS=1
+for p in initdb pg_ctl postgres psql pgbench; do
+    [ -x "$PG_BIN/$p" ] || die "$PG_BIN/$p not found (set PG_BIN)"
+done
+PSQL="$PG_BIN/psql"
+
+IS_ROOT=0
+if [ "$(id -u)" = 0 ]; then
+    IS_ROOT=1
+    id postgres >/dev/null 2>&1 || die "running as root needs a 'postgres' OS user"
+fi
+as_pg() {  # server programs must not run as root
+    if [ "$IS_ROOT" = 1 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+# ---------------------------------------------------------------------------
+# 1. the binary
+
+if [ -n "${PGAPPLY_BIN:-}" ]; then
+    BIN="$PGAPPLY_BIN"
+else
+    log "building pgapply (release)"
+    (cd "$ROOT" && cargo build --release --quiet)
+    BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/pgapply"
+fi
+[ -x "$BIN" ] || die "pgapply binary not found at $BIN"
+case "$BIN" in /*) ;; *) BIN="$PWD/$BIN" ;; esac
+mkdir -p "$(dirname "$RESULTS")"
+case "$RESULTS" in /*) ;; *) RESULTS="$PWD/$RESULTS" ;; esac
+
+# ---------------------------------------------------------------------------
+# 2. throwaway clusters
+
+cd /tmp   # the postgres user must be able to read the current directory
+WORK="$(mktemp -d /tmp/pgapply-bench.XXXXXX)"
+chmod 755 "$WORK"
+if [ "$IS_ROOT" = 1 ]; then chown postgres: "$WORK"; fi
+
+DATADIRS=()
+SAMPLER_PID=""
+cleanup() {
+    local d
+    if [ -n "$SAMPLER_PID" ]; then kill "$SAMPLER_PID" 2>/dev/null || true; fi
+    for d in "${DATADIRS[@]+"${DATADIRS[@]}"}"; do
+        as_pg "$PG_BIN/pg_ctl" -D "$d" -m immediate -w stop >/dev/null 2>&1 || true
+    done
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() {
+    local p
+    while :; do
+        p=$((20000 + RANDOM % 40000))
+        if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+            echo "$p"
+            return
+        fi
+    done
+}
+
+PORT=""
+start_cluster() {  # name -> sets PORT
+    local name="$1" dir="$WORK/$1"
+    mkdir -p "$dir"
+    if [ "$IS_ROOT" = 1 ]; then chown postgres: "$dir"; fi
+    as_pg "$PG_BIN/initdb" -D "$dir/data" --locale=C -E UTF8 -A trust -U postgres >"$dir/initdb.log" 2>&1 ||
+        { cat "$dir/initdb.log" >&2; die "initdb failed for $name"; }
+    PORT="$(free_port)"
+    cat >>"$dir/data/postgresql.conf" <<EOF
+
+# added by bench/run.sh
+port = $PORT
+listen_addresses = '127.0.0.1'
+unix_socket_directories = '$dir/data'
+wal_level = logical
+max_wal_senders = 10
+max_replication_slots = 10
+max_worker_processes = 16
+max_logical_replication_workers = 8
+shared_buffers = 256MB
+max_wal_size = 8GB
+checkpoint_timeout = 1h
+EOF
+    DATADIRS+=("$dir/data")
+    as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 start >/dev/null ||
+        { cat "$dir/server.log" >&2 || true; die "server start failed for $name"; }
+}
+
+q() {  # port db sql -> unaligned output
+    "$PSQL" -X -q -At -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$1" -U postgres -d "$2" -c "$3"
+}
+
+start_cluster source
+SRC_PORT="$PORT"
+start_cluster target
+TGT_PORT="$PORT"
+TGT_LOG="$WORK/target/server.log"
+TGT_POSTMASTER="$(head -n 1 "$WORK/target/data/postmaster.pid")"
+SRC_CONN="host=127.0.0.1 port=$SRC_PORT user=postgres dbname=bench"
+log "source on port $SRC_PORT, target on port $TGT_PORT, work dir $WORK"
+
+# ---------------------------------------------------------------------------
+# 3. schema and initial data
+
+pgbench_init() {  # port db
+    "$PG_BIN/pgbench" -i -q -s "$SCALE" -h 127.0.0.1 -p "$1" -U postgres "$2" >"$WORK/init-$2.log" 2>&1 ||
+        { cat "$WORK/init-$2.log" >&2; die "pgbench -i failed for $2"; }
+    q "$1" "$2" "ALTER TABLE pgbench_history ADD COLUMN hid bigserial PRIMARY KEY" >/dev/null
+    q "$1" "$2" "TRUNCATE pgbench_history" >/dev/null
+}
+
+log "initialising pgbench scale $SCALE on source and target"
+q "$SRC_PORT" postgres "CREATE DATABASE bench" >/dev/null
+pgbench_init "$SRC_PORT" bench
+q "$TGT_PORT" postgres "CREATE DATABASE target_builtin" >/dev/null
+pgbench_init "$TGT_PORT" target_builtin
+# Same deterministic data: copy it, so both targets start byte-for-byte equal.
+q "$TGT_PORT" postgres "CREATE DATABASE target_pgapply TEMPLATE target_builtin" >/dev/null
+
+q "$SRC_PORT" bench "CREATE PUBLICATION bench FOR ALL TABLES" >/dev/null
+q "$SRC_PORT" bench "SELECT pg_create_logical_replication_slot('builtin_slot', 'pgoutput')" >/dev/null
+q "$SRC_PORT" bench "SELECT pg_create_logical_replication_slot('pgapply_slot', 'pgoutput')" >/dev/null
+q "$TGT_PORT" target_builtin "CREATE SUBSCRIPTION builtin_sub CONNECTION '$SRC_CONN' PUBLICATION bench
+    WITH (copy_data = false, create_slot = false, slot_name = 'builtin_slot', enabled = false, synchronous_commit = off)" >/dev/null
+
+CHECK_SQL="SELECT (SELECT sum(abalance) || ' ' || count(*) FROM pgbench_accounts)
+    || ' ' || (SELECT sum(tbalance) FROM pgbench_tellers) || ' ' || (SELECT sum(bbalance) FROM pgbench_branches)
+    || ' ' || (SELECT count(*) FROM pgbench_history)"
+INIT_SRC="$(q "$SRC_PORT" bench "$CHECK_SQL")"
+for db in target_builtin target_pgapply; do
+    [ "$(q "$TGT_PORT" "$db" "$CHECK_SQL")" = "$INIT_SRC" ] || die "initial data of $db differs from the source"
+done
+q "$SRC_PORT" bench "CHECKPOINT" >/dev/null
+
+# ---------------------------------------------------------------------------
+# helpers for the rounds
+
+now() { echo "$EPOCHREALTIME"; }
+calc() { awk "BEGIN { printf \"%.${2:-3}f\", $1 }"; }
+CLK_TCK="$(getconf CLK_TCK)"
+
+proc_cpu_ticks() {  # pid -> utime+stime in clock ticks (empty when gone)
+    local stat f
+    { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 0
+    read -r -a f <<<"${stat##*) }"   # fields from #3 (state) on: utime is #14, stime #15
+    echo $((f[11] + f[12]))
+}
+
+wait_slot_inactive() {  # slot
+    local i
+    for ((i = 0; i < 600; i++)); do
+        [ "$(q "$SRC_PORT" bench "SELECT active FROM pg_replication_slots WHERE slot_name = '$1'")" = f ] && return
+        sleep 0.1
+    done
+    die "slot $1 still in use after 60s"
+}
+
+wait_confirmed() {  # slot lsn: blocks until the slot's confirmed_flush_lsn reaches lsn (polls every 50ms)
+    "$PSQL" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$SRC_PORT" -U postgres -d bench >/dev/null <<SQL
+DO \$\$
+DECLARE deadline timestamptz := clock_timestamp() + interval '$CATCHUP_TIMEOUT seconds';
+BEGIN
+    WHILE coalesce((SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '$1') < '$2'::pg_lsn, true) LOOP
+        IF clock_timestamp() > deadline THEN
+            RAISE EXCEPTION 'slot $1 did not reach $2 within $CATCHUP_TIMEOUT s';
+        END IF;
+        PERFORM pg_sleep(0.05);
+    END LOOP;
+END
+\$\$;
+SQL
+}
+
+# Background sampler: CPU of the target backends serving target_pgapply. Every 50ms it lists the
+# target postmaster's children, keeps those whose process title is a client backend of
+# target_pgapply (what pg_stat_activity shows as datname = target_pgapply), and remembers each
+# one's latest utime+stime. On SIGTERM it samples once more and writes "ticks backends" to $1.
+sample_backends() {  # outfile
+    set +e
+    trap - EXIT
+    local out="$1" stop=0 pid title total=0 stat
+    local -a kids f
+    local -A ticks=()
+    trap 'stop=1' TERM
+    while :; do
+        kids=()
+        { read -r -a kids <"/proc/$TGT_POSTMASTER/task/$TGT_POSTMASTER/children"; } 2>/dev/null
+        for pid in "${kids[@]+"${kids[@]}"}"; do
+            title=""
+            { read -r -d '' title <"/proc/$pid/cmdline"; } 2>/dev/null
+            case "$title" in "postgres: postgres target_pgapply "*) ;; *) continue ;; esac
+            { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || continue
+            read -r -a f <<<"${stat##*) }"
+            ticks[$pid]=$((f[11] + f[12]))
+        done
+        [ "$stop" = 1 ] && break
+        sleep 0.05
+    done
+    for pid in "${!ticks[@]}"; do total=$((total + ticks[$pid])); done
+    echo "$total ${#ticks[@]}" >"$out"
+}
+
+# Results per round r: SECS_<applier>[r], CPU_<applier>[r] (seconds).
+declare -a SECS_builtin SECS_pgapply CPU_builtin CPU_pgapply CPUNOTE_pgapply WAL_MB SRC_TPS ORDER
+LAST_WORKER_PID=""
+
+run_builtin() {  # round end_lsn
+    local r="$1" end="$2" t0 t1 pid ticks starts_before starts_after
+    starts_before="$(grep -c 'apply worker for subscription "builtin_sub" has started' "$TGT_LOG" || true)"
+    t0="$(now)"
+    q "$TGT_PORT" target_builtin "ALTER SUBSCRIPTION builtin_sub ENABLE" >/dev/null
+    wait_confirmed builtin_slot "$end"
+    t1="$(now)"
+    pid="$(q "$TGT_PORT" target_builtin "SELECT pid FROM pg_stat_subscription WHERE subname = 'builtin_sub' AND relid IS NULL")"
+    [ -n "$pid" ] || die "round $r: no built-in apply worker running after catch-up"
+    # The worker starts fresh at ENABLE, so its cumulative CPU is this round's CPU.
+    ticks="$(proc_cpu_ticks "$pid")"
+    q "$TGT_PORT" target_builtin "ALTER SUBSCRIPTION builtin_sub DISABLE" >/dev/null
+    starts_after="$(grep -c 'apply worker for subscription "builtin_sub" has started' "$TGT_LOG" || true)"
+    if [ "$pid" = "$LAST_WORKER_PID" ] || [ $((starts_after - starts_before)) -gt 1 ]; then
+        log "warning: round $r: the built-in apply worker restarted during catch-up; its CPU is undercounted"
+    fi
+    LAST_WORKER_PID="$pid"
+    SECS_builtin[r]="$(calc "$t1 - $t0")"
+    CPU_builtin[r]="$(calc "${ticks:-0} / $CLK_TCK" 2)"
+    wait_slot_inactive builtin_slot
+}
+
+run_pgapply() {  # round end_lsn
+    local r="$1" end="$2" rc=0 wall user sys bticks nback
+    local plog="$WORK/pgapply-round$r.log" sample="$WORK/sample-round$r"
+    sample_backends "$sample" &
+    SAMPLER_PID=$!
+    local TIMEFORMAT='%3R %3U %3S'
+    { time "$BIN" run --source "$SRC_CONN" \
+        --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=target_pgapply" \
+        --publication bench --slot pgapply_slot --endpos "$end" --status-interval 1s \
+        >"$plog" 2>&1; } 2>"$WORK/time-round$r" || rc=$?
+    kill -TERM "$SAMPLER_PID"
+    wait "$SAMPLER_PID" || true
+    SAMPLER_PID=""
+    if [ "$rc" != 0 ]; then
+        tail -n 30 "$plog" >&2
+        die "round $r: pgapply exited with status $rc (log above)"
+    fi
+    read -r wall user sys <"$WORK/time-round$r"
+    read -r bticks nback <"$sample"
+    SECS_pgapply[r]="$wall"
+    CPU_pgapply[r]="$(calc "$user + $sys + $bticks / $CLK_TCK" 2)"
+    CPUNOTE_pgapply[r]="pgapply $(calc "$user + $sys" 2) s + $nback target backend(s) $(calc "$bticks / $CLK_TCK" 2) s"
+    wait_slot_inactive pgapply_slot
+}
+
+# ---------------------------------------------------------------------------
+# 4. rounds
+
+log "$ROUNDS round(s) of $NTXN tpcb-like transactions ($CLIENTS clients x $PER_CLIENT, -j $JOBS)"
+for ((r = 1; r <= ROUNDS; r++)); do
+    start_lsn="$(q "$SRC_PORT" bench "SELECT pg_current_wal_flush_lsn()")"
+    "$PG_BIN/pgbench" -n -t "$PER_CLIENT" -c "$CLIENTS" -j "$JOBS" -h 127.0.0.1 -p "$SRC_PORT" -U postgres bench \
+        >"$WORK/pgbench-round$r.log" 2>&1 || { cat "$WORK/pgbench-round$r.log" >&2; die "pgbench failed"; }
+    end_lsn="$(q "$SRC_PORT" bench "SELECT pg_current_wal_flush_lsn()")"
+    WAL_MB[r]="$(q "$SRC_PORT" bench "SELECT round(pg_wal_lsn_diff('$end_lsn', '$start_lsn') / 1048576.0, 1)")"
+    SRC_TPS[r]="$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' "$WORK/pgbench-round$r.log" | head -n 1)"
+    if ((r % 2 == 1)); then ORDER[r]="builtin pgapply"; else ORDER[r]="pgapply builtin"; fi
+    log "round $r: workload done (${WAL_MB[r]} MB WAL, end $end_lsn); order: ${ORDER[r]}"
+    for a in ${ORDER[r]}; do
+        q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null   # every phase starts right after a checkpoint
+        "run_$a" "$r" "$end_lsn"
+    done
+    log "round $r: built-in ${SECS_builtin[r]} s, pgapply ${SECS_pgapply[r]} s"
+done
+
+# ---------------------------------------------------------------------------
+# 6. report
+
+median() { tr ' ' '\n' | sed '/^$/d' | sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "n/a"; else if (NR % 2) printf "%.2f", v[(NR + 1) / 2]; else printf "%.2f", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+
+PG_VERSION="$(q "$SRC_PORT" bench "SHOW server_version")"
+GIT_REV="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+if [ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ]; then GIT_REV="$GIT_REV (modified)"; fi
+CPU_MODEL="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)"
+
+speed_ratios="" cpu_ratios=""
+TABLE=""
+for ((r = 1; r <= ROUNDS; r++)); do
+    TABLE+=$'\n'"Round $r: order ${ORDER[r]/ /, then }; ${WAL_MB[r]} MB source WAL; source pgbench ${SRC_TPS[r]:-?} tps"$'\n\n'
+    TABLE+="| applier  | seconds | txn/s | row changes/s | CPU s | CPU s/1k txn |"$'\n'
+    TABLE+="|----------|--------:|------:|--------------:|------:|-------------:|"$'\n'
+    for a in builtin pgapply; do
+        secs="SECS_$a[$r]" cpu="CPU_$a[$r]"
+        secs="${!secs}" cpu="${!cpu}"
+        name=built-in
+        [ "$a" = pgapply ] && name=pgapply
+        TABLE+="$(printf '| %-8s | %7.2f | %5.0f | %13.0f | %5.2f | %12.3f |' "$name" "$secs" \
+            "$(calc "$NTXN / $secs" 1)" "$(calc "$NTXN * $ROWS_PER_TXN / $secs" 1)" "$cpu" \
+            "$(calc "$cpu / ($NTXN / 1000)" 4)")"$'\n'
+    done
+    sr="$(calc "${SECS_builtin[r]} / ${SECS_pgapply[r]}" 2)"
+    if [ "$(calc "${CPU_builtin[r]} > 0" 0)" = 1 ]; then cr="$(calc "${CPU_pgapply[r]} / ${CPU_builtin[r]}" 2)"; else cr="n/a"; fi
+    speed_ratios+=" $sr"
+    [ "$cr" = n/a ] || cpu_ratios+=" $cr"
+    TABLE+=$'\n'"pgapply/built-in: throughput x$sr, CPU x$cr (pgapply CPU: ${CPUNOTE_pgapply[r]})"$'\n'
+done
+MED_SPEED="$(echo "$speed_ratios" | median)"
+MED_CPU="$(echo "$cpu_ratios" | median)"
+SUMMARY="Median pgapply/built-in over $ROUNDS round(s): throughput x$MED_SPEED, CPU x$MED_CPU (throughput > 1: pgapply faster; CPU < 1: pgapply cheaper)"
+CEILING="Source ceiling (how fast the source alone can decode and send the backlog): not measured yet"
+
+# ---------------------------------------------------------------------------
+# 7. correctness
+
+RES_SRC="$(q "$SRC_PORT" bench "$CHECK_SQL")"
+RES_BUILTIN="$(q "$TGT_PORT" target_builtin "$CHECK_SQL")"
+RES_PGAPPLY="$(q "$TGT_PORT" target_pgapply "$CHECK_SQL")"
+if [ "$RES_SRC" = "$RES_BUILTIN" ] && [ "$RES_SRC" = "$RES_PGAPPLY" ]; then VERDICT=MATCH; else VERDICT=MISMATCH; fi
+
+{
+    echo "# pgapply catch-up benchmark"
+    echo
+    echo "$(date -u '+%Y-%m-%d %H:%M UTC'), pgapply $GIT_REV, made by bench/run.sh"
+    echo
+    echo "- machine: $(nproc) CPUs ($CPU_MODEL), kernel $(uname -r)"
+    echo "- PostgreSQL $PG_VERSION, source and target clusters on the same machine"
+    echo "- SCALE=$SCALE TXNS=$TXNS ($NTXN run) ROUNDS=$ROUNDS CLIENTS=$CLIENTS; row changes = $ROWS_PER_TXN per transaction (3 UPDATE + 1 INSERT)"
+    echo "- built-in: subscription with synchronous_commit = off, timed from ENABLE until the slot's confirmed_flush_lsn reaches the round's end LSN; CPU = apply worker"
+    echo "- pgapply: \`pgapply run --endpos\`, timed until it exits; CPU = pgapply process + its target backends (sampled every 50ms)"
+    echo "$TABLE"
+    echo "$SUMMARY"
+    echo
+    echo "$CEILING"
+    echo
+    echo "Correctness (sum(abalance) count(accounts) sum(tbalance) sum(bbalance) count(history)): $VERDICT"
+    echo
+    echo "- source: $RES_SRC"
+    echo "- target_builtin: $RES_BUILTIN"
+    echo "- target_pgapply: $RES_PGAPPLY"
+} >"$RESULTS"
+
+echo
+echo "pgapply catch-up benchmark: SCALE=$SCALE, $NTXN txns/round, $ROUNDS round(s), $CLIENTS clients; PostgreSQL $PG_VERSION; $(nproc) CPUs; kernel $(uname -r)"
+echo "row changes/s counts $ROWS_PER_TXN row changes per tpcb-like transaction (3 UPDATE + 1 INSERT)"
+echo "$TABLE"
+echo "$SUMMARY"
+echo "$CEILING"
+echo
+echo "correctness: source [$RES_SRC] built-in [$RES_BUILTIN] pgapply [$RES_PGAPPLY]"
+echo "$VERDICT"
+echo "results written to $RESULTS"
+[ "$VERDICT" = MATCH ] || exit 1

@@ -1,0 +1,654 @@
+//! Initial copy (`pgapply run --copy-data`): the published tables' existing rows, copied in the
+//! snapshot of the slot's consistent point, so that streaming from that point neither misses nor
+//! repeats a change.
+//!
+//! The slot is created on the replication session with EXPORT_SNAPSHOT; copy workers import that
+//! snapshot (`SET TRANSACTION SNAPSHOT` in REPEATABLE READ transactions on ordinary connections)
+//! and stream `COPY ... TO STDOUT` from the source into `COPY ... FROM STDIN` on the target, chunk
+//! by chunk, so memory stays bounded whatever the table size. Several tables, and several page
+//! ranges of a large table, are copied at once (`--copy-jobs`). Row filters and column lists of
+//! the publications (PostgreSQL 15+) apply to the copy as they do to the stream.
+//!
+//! State per table is kept in `pgapply.copy_state`. A copy that was interrupted cannot continue
+//! (its snapshot is gone), so it is started over: the slot is dropped, the tables emptied, and the
+//! copy runs again.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::Pool;
+use futures_util::{pin_mut, SinkExt, StreamExt};
+use tokio::sync::Mutex;
+use tokio_postgres::{Client, IsolationLevel, NoTls};
+
+use crate::error::{Error, Result};
+use crate::sql::{qualified_name, quote_ident, quote_literal};
+
+#[derive(Debug, Clone)]
+pub struct CopySettings {
+    /// Copy jobs running at once.
+    pub jobs: usize,
+    /// Empty non-empty target tables instead of refusing.
+    pub truncate_target: bool,
+    /// Tables with more pages than this are split into page ranges (PostgreSQL 14+ sources).
+    pub split_pages: i64,
+}
+
+impl Default for CopySettings {
+    fn default() -> Self {
+        CopySettings {
+            jobs: 4,
+            truncate_target: false,
+            split_pages: 16_384,
+        }
+    }
+}
+
+/// A published table as the copy sees it.
+#[derive(Debug, Clone)]
+pub struct PublishedTable {
+    pub schema: String,
+    pub name: String,
+    /// Published columns in table order, with their types (`format_type`).
+    pub columns: Vec<(String, String)>,
+    /// The publications' row filter (ORed), or none.
+    pub row_filter: Option<String>,
+    pub pages: i64,
+}
+
+impl PublishedTable {
+    pub fn qualified(&self) -> String {
+        qualified_name(&self.schema, &self.name)
+    }
+
+    fn column_list(&self) -> String {
+        self.columns
+            .iter()
+            .map(|(c, _)| quote_ident(c))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// What the target says about a slot's initial copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyStatus {
+    /// Never started.
+    None,
+    /// Started but not finished: must start over.
+    Incomplete,
+    Done,
+}
+
+pub async fn status(target: &Client, slot: &str) -> Result<CopyStatus> {
+    let row = target
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE state <> 'done') FROM pgapply.copy_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+    let (all, unfinished): (i64, i64) = (row.get(0), row.get(1));
+    Ok(match (all, unfinished) {
+        (0, _) => CopyStatus::None,
+        (_, 0) => CopyStatus::Done,
+        _ => CopyStatus::Incomplete,
+    })
+}
+
+/// The tables of `publications`, with their published columns and row filters.
+pub async fn published_tables(
+    source: &Client,
+    publications: &[String],
+) -> Result<Vec<PublishedTable>> {
+    let context = |e| Error::postgres("listing the published tables on the source", e);
+    let version: i32 = source
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(context)?
+        .get(0);
+    let sql = if version >= 150000 {
+        "SELECT schemaname::text, tablename::text, attnames::text[], rowfilter FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1)"
+    } else {
+        "SELECT schemaname::text, tablename::text, NULL::text[], NULL::text FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1)"
+    };
+    let rows = source.query(sql, &[&publications]).await.map_err(context)?;
+    // One table may be in several publications: columns are the union, filters are ORed, and
+    // "no list" / "no filter" wins.
+    struct Merged {
+        columns: Option<Vec<String>>,
+        filters: Option<Vec<String>>,
+    }
+    let mut merged: Vec<((String, String), Merged)> = Vec::new();
+    for row in rows {
+        let key: (String, String) = (row.get(0), row.get(1));
+        let columns: Option<Vec<String>> = row.get(2);
+        let filter: Option<String> = row.get(3);
+        let index = match merged.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                merged.push((
+                    key.clone(),
+                    Merged {
+                        columns: Some(Vec::new()),
+                        filters: Some(Vec::new()),
+                    },
+                ));
+                merged.len() - 1
+            }
+        };
+        let entry = &mut merged[index].1;
+        match (&mut entry.columns, columns) {
+            (Some(all), Some(cols)) => all.extend(cols),
+            (slot, None) => *slot = None,
+            (None, _) => {}
+        }
+        match (&mut entry.filters, filter) {
+            (Some(all), Some(f)) => all.push(f),
+            (slot, None) => *slot = None,
+            (None, _) => {}
+        }
+    }
+    let mut tables = Vec::with_capacity(merged.len());
+    for ((schema, name), m) in merged {
+        let qualified = qualified_name(&schema, &name);
+        let info = source
+            .query(
+                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), c.relpages::int8 \
+                 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid \
+                 WHERE c.oid = $1::text::regclass AND a.attnum > 0 AND NOT a.attisdropped \
+                   AND (to_jsonb(a) ->> 'attgenerated') IS DISTINCT FROM 's' \
+                 ORDER BY a.attnum",
+                &[&qualified],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("reading the columns of {qualified} on the source"), e))?;
+        let pages = info.first().map_or(0, |r| r.get::<_, i64>(2));
+        let columns = info
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+            .filter(|(c, _)| m.columns.as_ref().is_none_or(|list| list.contains(c)))
+            .collect();
+        let row_filter = m.filters.filter(|f| !f.is_empty()).map(|f| {
+            f.iter()
+                .map(|x| format!("({x})"))
+                .collect::<Vec<_>>()
+                .join(" OR ")
+        });
+        tables.push(PublishedTable {
+            schema,
+            name,
+            columns,
+            row_filter,
+            pages,
+        });
+    }
+    Ok(tables)
+}
+
+/// Checks the target tables: they exist with the published columns, and are empty (or are emptied
+/// with `truncate`). Returns per table whether binary COPY can be used (same column types).
+async fn prepare_target(
+    target: &Client,
+    tables: &[PublishedTable],
+    truncate: bool,
+    same_major: bool,
+) -> Result<Vec<bool>> {
+    let mut binary = Vec::with_capacity(tables.len());
+    let mut not_empty = Vec::new();
+    for table in tables {
+        let qualified = table.qualified();
+        let rows = target
+            .query(
+                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), (to_jsonb(a) ->> 'attgenerated') \
+                 FROM pg_catalog.pg_attribute a \
+                 WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+                &[&qualified],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("reading table {qualified} on the target"), e))?;
+        if rows.is_empty() {
+            return Err(Error::definite(format!(
+                "table {qualified} is published by the source but does not exist on the target: create it first (for example with `pgapply schema` or pg_dump --schema-only)"
+            )));
+        }
+        let mut same_types = same_major;
+        for (column, source_type) in &table.columns {
+            let found = rows.iter().find(|r| r.get::<_, String>(0) == *column);
+            let Some(found) = found else {
+                return Err(Error::definite(format!(
+                    "column {} of table {qualified} is published by the source but does not exist on the target: add it on the target",
+                    quote_ident(column)
+                )));
+            };
+            let generated: Option<String> = found.get(2);
+            if generated.is_some_and(|g| !g.is_empty()) {
+                return Err(Error::definite(format!(
+                    "column {} of target table {qualified} is a generated column, but the source publishes values for it",
+                    quote_ident(column)
+                )));
+            }
+            if found.get::<_, String>(1) != *source_type {
+                same_types = false;
+            }
+        }
+        binary.push(same_types);
+        let has_rows = target
+            .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {qualified})"), &[])
+            .await
+            .map_err(|e| Error::postgres(format!("reading table {qualified} on the target"), e))?
+            .get::<_, bool>(0);
+        if has_rows {
+            not_empty.push(qualified);
+        }
+    }
+    if !not_empty.is_empty() {
+        if !truncate {
+            return Err(Error::definite(format!(
+                "target table {} is not empty: the initial copy needs empty tables; empty them, or run with --truncate-target to let pgapply do it",
+                not_empty.join(", ")
+            )));
+        }
+        target
+            .batch_execute(&format!("TRUNCATE {}", not_empty.join(", ")))
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    format!("emptying {} on the target", not_empty.join(", ")),
+                    e,
+                )
+            })?;
+        tracing::info!(tables = %not_empty.join(", "), "emptied target tables (--truncate-target)");
+    }
+    Ok(binary)
+}
+
+/// One unit of copy work: a table, or a page range of it.
+struct CopyJob {
+    table: usize,
+    pages: Option<(i64, i64)>,
+}
+
+struct TableProgress {
+    rows: AtomicU64,
+    bytes: AtomicU64,
+    jobs_left: AtomicU64,
+}
+
+/// Empties the tables a previous, interrupted copy wrote into, and forgets its state.
+pub async fn reset_interrupted(target: &Client, slot: &str) -> Result<()> {
+    let context = |e| Error::postgres("resetting an interrupted initial copy on the target", e);
+    let rows = target
+        .query(
+            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?;
+    let mut tables = Vec::new();
+    for row in rows {
+        let (schema, name): (String, String) = (row.get(0), row.get(1));
+        let qualified = qualified_name(&schema, &name);
+        let exists: bool = target
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+            .await
+            .map_err(context)?
+            .get(0);
+        if exists {
+            tables.push(qualified);
+        }
+    }
+    if !tables.is_empty() {
+        target
+            .batch_execute(&format!("TRUNCATE {}", tables.join(", ")))
+            .await
+            .map_err(context)?;
+    }
+    target
+        .execute(
+            "DELETE FROM pgapply.copy_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?;
+    tracing::warn!(slot, tables = %tables.join(", "), "the previous initial copy was interrupted: starting it over");
+    Ok(())
+}
+
+/// Copies every published table as of `snapshot`. The caller keeps the exporting replication
+/// session idle until this returns.
+#[allow(clippy::too_many_arguments)]
+pub async fn copy_tables(
+    source_config: &tokio_postgres::Config,
+    target_pool: &Pool,
+    target_config: &tokio_postgres::Config,
+    slot: &str,
+    publications: &[String],
+    snapshot: &str,
+    settings: &CopySettings,
+    source_major: u32,
+) -> Result<Vec<PublishedTable>> {
+    let source = connect_source(source_config).await?;
+    let target = crate::replicate::target_connection(target_pool, target_config).await?;
+    let target_major: u32 = target
+        .query_one(
+            "SELECT current_setting('server_version_num')::int / 10000",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the target's version", e))?
+        .get::<_, i32>(0) as u32;
+    let tables = published_tables(&source, publications).await?;
+    let binary = prepare_target(
+        &target,
+        &tables,
+        settings.truncate_target,
+        source_major == target_major,
+    )
+    .await?;
+    for table in &tables {
+        target
+            .execute(
+                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state) VALUES ($1, $2, $3, 'pending') \
+                 ON CONFLICT (slot_name, schema_name, table_name) DO UPDATE SET state = 'pending', rows_copied = 0, bytes_copied = 0",
+                &[&slot, &table.schema, &table.name],
+            )
+            .await
+            .map_err(|e| Error::postgres("recording the initial copy on the target", e))?;
+    }
+    drop(target);
+
+    // Large tables are split by page ranges; TID range scans make that cheap from PostgreSQL 14.
+    let mut jobs = Vec::new();
+    let jobs_wanted = settings.jobs.max(1) as i64;
+    for (i, table) in tables.iter().enumerate() {
+        if source_major >= 14 && table.pages > settings.split_pages && jobs_wanted > 1 {
+            let chunk = (table.pages / jobs_wanted)
+                .max(settings.split_pages / 4)
+                .max(1);
+            let mut start = 0;
+            while start <= table.pages {
+                let end = start + chunk;
+                // The last range is open-ended: the table may have grown since relpages was set.
+                let last = end > table.pages;
+                jobs.push(CopyJob {
+                    table: i,
+                    pages: Some((start, if last { i64::MAX } else { end })),
+                });
+                start = end;
+            }
+        } else {
+            jobs.push(CopyJob {
+                table: i,
+                pages: None,
+            });
+        }
+    }
+    let progress: Vec<Arc<TableProgress>> = tables
+        .iter()
+        .enumerate()
+        .map(|(i, _)| {
+            Arc::new(TableProgress {
+                rows: AtomicU64::new(0),
+                bytes: AtomicU64::new(0),
+                jobs_left: AtomicU64::new(jobs.iter().filter(|j| j.table == i).count() as u64),
+            })
+        })
+        .collect();
+    let total_jobs = jobs.len();
+    tracing::info!(
+        tables = tables.len(),
+        jobs = total_jobs,
+        workers = settings.jobs,
+        "starting the initial copy"
+    );
+    let queue = Arc::new(Mutex::new(jobs.into_iter()));
+    let tables = Arc::new(tables);
+    let binary = Arc::new(binary);
+    let started = Instant::now();
+
+    let reporter = {
+        let tables = tables.clone();
+        let progress = progress.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                for (table, p) in tables.iter().zip(progress.iter()) {
+                    let left = p.jobs_left.load(Ordering::Relaxed);
+                    let rows = p.rows.load(Ordering::Relaxed);
+                    let bytes = p.bytes.load(Ordering::Relaxed);
+                    if left > 0 && bytes > 0 {
+                        let secs = started.elapsed().as_secs_f64().max(0.001);
+                        let estimate = (table.pages.max(1) as f64) * 8192.0;
+                        let eta = if (bytes as f64) < estimate {
+                            format!("{:.0}s", (estimate - bytes as f64) / (bytes as f64 / secs))
+                        } else {
+                            "soon".into()
+                        };
+                        tracing::info!(
+                            table = %table.qualified(),
+                            rows,
+                            megabytes = bytes / 1_000_000,
+                            rate_mb_s = format!("{:.1}", bytes as f64 / 1e6 / secs),
+                            eta = %eta,
+                            "copying"
+                        );
+                    }
+                }
+            }
+        })
+    };
+
+    let mut workers = Vec::new();
+    for _ in 0..settings.jobs.max(1).min(total_jobs.max(1)) {
+        let queue = queue.clone();
+        let tables = tables.clone();
+        let binary = binary.clone();
+        let progress = progress.clone();
+        let source_config = source_config.clone();
+        let target_config = target_config.clone();
+        let pool = target_pool.clone();
+        let slot = slot.to_owned();
+        let snapshot = snapshot.to_owned();
+        workers.push(tokio::spawn(async move {
+            let mut source = connect_source(&source_config).await?;
+            let mut target = crate::replicate::target_connection(&pool, &target_config).await?;
+            loop {
+                let job = queue.lock().await.next();
+                let Some(job) = job else {
+                    return Ok::<(), Error>(());
+                };
+                let table = &tables[job.table];
+                copy_one(
+                    &mut source,
+                    &mut target,
+                    table,
+                    job.pages,
+                    binary[job.table],
+                    &snapshot,
+                    &slot,
+                    &progress[job.table],
+                )
+                .await?;
+            }
+        }));
+    }
+    let mut failure = None;
+    for w in workers {
+        match w.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                failure.get_or_insert(e);
+            }
+            Err(e) => {
+                failure.get_or_insert(Error::definite(format!("a copy worker failed: {e}")));
+            }
+        }
+    }
+    reporter.abort();
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let rows: u64 = progress
+        .iter()
+        .map(|p| p.rows.load(Ordering::Relaxed))
+        .sum();
+    let bytes: u64 = progress
+        .iter()
+        .map(|p| p.bytes.load(Ordering::Relaxed))
+        .sum();
+    tracing::info!(
+        tables = tables.len(),
+        rows,
+        megabytes = bytes / 1_000_000,
+        seconds = format!("{:.1}", started.elapsed().as_secs_f64()),
+        "initial copy done"
+    );
+    Ok(Arc::try_unwrap(tables).unwrap_or_else(|t| (*t).clone()))
+}
+
+async fn connect_source(config: &tokio_postgres::Config) -> Result<Client> {
+    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+        Error::postgres(
+            format!("connecting to source {}", crate::conninfo::describe(config)),
+            e,
+        )
+    })?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "source copy connection ended");
+        }
+    });
+    client
+        .batch_execute(
+            "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3",
+        )
+        .await
+        .map_err(|e| Error::postgres("configuring a source copy session", e))?;
+    Ok(client)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn copy_one(
+    source: &mut Client,
+    target: &mut deadpool_postgres::Object,
+    table: &PublishedTable,
+    pages: Option<(i64, i64)>,
+    binary: bool,
+    snapshot: &str,
+    slot: &str,
+    progress: &TableProgress,
+) -> Result<()> {
+    let qualified = table.qualified();
+    let columns = table.column_list();
+    let mut conditions = Vec::new();
+    if let Some(filter) = &table.row_filter {
+        conditions.push(format!("({filter})"));
+    }
+    if let Some((start, end)) = pages {
+        conditions.push(format!("ctid >= '({start},0)'::tid"));
+        if end != i64::MAX {
+            conditions.push(format!("ctid < '({end},0)'::tid"));
+        }
+    }
+    let filter = if conditions.is_empty() {
+        String::new()
+    } else {
+        format!(" WHERE {}", conditions.join(" AND "))
+    };
+    let format = if binary { " (FORMAT binary)" } else { "" };
+    let copy_out = format!("COPY (SELECT {columns} FROM {qualified}{filter}) TO STDOUT{format}");
+    let copy_in = format!("COPY {qualified} ({columns}) FROM STDIN{format}");
+    let what = match pages {
+        Some((s, e)) if e != i64::MAX => format!("{qualified} pages {s}..{e}"),
+        Some((s, _)) => format!("{qualified} pages {s}.."),
+        None => qualified.clone(),
+    };
+    let src_err = |e| Error::postgres(format!("copying {what} from the source"), e);
+    let dst_err = |e| Error::postgres(format!("copying {what} into the target"), e);
+
+    let source_tx = source
+        .build_transaction()
+        .isolation_level(IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await
+        .map_err(src_err)?;
+    source_tx
+        .batch_execute(&format!(
+            "SET TRANSACTION SNAPSHOT {}",
+            quote_literal(snapshot)
+        ))
+        .await
+        .map_err(src_err)?;
+    let target_tx = target.transaction().await.map_err(dst_err)?;
+    target_tx
+        .batch_execute("SET LOCAL session_replication_role = replica")
+        .await
+        .map_err(dst_err)?;
+    target_tx
+        .execute(
+            "UPDATE pgapply.copy_state SET state = 'copying', started_at = coalesce(started_at, now()) \
+             WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
+            &[&slot, &table.schema, &table.name],
+        )
+        .await
+        .map_err(dst_err)?;
+    let out = source_tx.copy_out(&copy_out).await.map_err(src_err)?;
+    let sink = target_tx
+        .copy_in::<_, bytes::Bytes>(&copy_in)
+        .await
+        .map_err(dst_err)?;
+    pin_mut!(out);
+    pin_mut!(sink);
+    let mut bytes = 0u64;
+    while let Some(chunk) = out.next().await {
+        let chunk = chunk.map_err(src_err)?;
+        bytes += chunk.len() as u64;
+        progress
+            .bytes
+            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        sink.send(chunk).await.map_err(dst_err)?;
+    }
+    let rows = sink.finish().await.map_err(dst_err)?;
+    progress.rows.fetch_add(rows, Ordering::Relaxed);
+    let last = progress.jobs_left.fetch_sub(1, Ordering::SeqCst) == 1;
+    target_tx
+        .execute(
+            "UPDATE pgapply.copy_state SET rows_copied = rows_copied + $4, bytes_copied = bytes_copied + $5, \
+                    state = CASE WHEN $6 THEN 'done' ELSE state END, \
+                    finished_at = CASE WHEN $6 THEN now() ELSE finished_at END \
+             WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
+            &[&slot, &table.schema, &table.name, &(rows as i64), &(bytes as i64), &last],
+        )
+        .await
+        .map_err(dst_err)?;
+    target_tx.commit().await.map_err(dst_err)?;
+    source_tx.commit().await.map_err(src_err)?;
+    tracing::info!(table = %what, rows, "copied");
+    Ok(())
+}
+
+/// Per table: rows and state, for status output.
+pub async fn summary(target: &Client, slot: &str) -> Result<HashMap<String, (String, i64)>> {
+    let rows = target
+        .query(
+            "SELECT schema_name, table_name, state, rows_copied FROM pgapply.copy_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.copy_state", e))?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            (
+                qualified_name(&r.get::<_, String>(0), &r.get::<_, String>(1)),
+                (r.get(2), r.get(3)),
+            )
+        })
+        .collect())
+}

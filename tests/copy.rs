@@ -1,0 +1,197 @@
+//! Initial copy (`--copy-data`): existing rows, in the slot's snapshot, while the source keeps
+//! changing; row filters and column lists; interrupted copies start over; non-empty targets.
+
+mod common;
+
+use common::{connect, run_with_deadline, spawn, stderr, wait_for, TestDb};
+
+async fn setup(db: &TestDb) {
+    db.both(
+        "CREATE TABLE big (id int PRIMARY KEY, pad text); \
+         CREATE TABLE nopk (a int, b text); ALTER TABLE nopk REPLICA IDENTITY FULL; \
+         CREATE TABLE filtered (id int PRIMARY KEY, a text, secret text);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO big SELECT g, repeat(md5(g::text), 4) FROM generate_series(1, 60000) g; \
+         INSERT INTO nopk SELECT g % 100, 'x' FROM generate_series(1, 1000) g; \
+         INSERT INTO filtered SELECT g, 'a' || g, 's' || g FROM generate_series(1, 1000) g; \
+         ANALYZE big;",
+    )
+    .await;
+    db.source_sql(
+        "CREATE PUBLICATION p FOR TABLE big, nopk; \
+         CREATE PUBLICATION pf FOR TABLE filtered (id, a) WHERE (id % 2 = 0);",
+    )
+    .await;
+}
+
+async fn text_value(c: &tokio_postgres::Client, sql: &str) -> Option<String> {
+    c.query_one(sql, &[])
+        .await
+        .ok()
+        .and_then(|r| r.get::<_, Option<String>>(0))
+}
+
+/// The target holds exactly the published rows (even ids) and columns (no `secret`) of `filtered`.
+async fn filtered_matches(db: &TestDb) -> bool {
+    let s = text_value(&db.source, "SELECT md5(string_agg(id || ':' || a || '-', ',' ORDER BY id)) FROM filtered WHERE id % 2 = 0").await;
+    let t = text_value(&db.target, "SELECT md5(string_agg(id || ':' || a || coalesce(secret, '-'), ',' ORDER BY id)) FROM filtered").await;
+    s.is_some() && s == t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_while_the_source_changes_then_stream() {
+    let db = TestDb::new("copy").await;
+    setup(&db).await;
+    // Writers keep changing the source during the copy.
+    let writer = {
+        let client = connect(db.source_port, &db.name).await;
+        tokio::spawn(async move {
+            for i in 0..300 {
+                client
+                    .batch_execute(&format!(
+                        "BEGIN; UPDATE big SET pad = 'changed {i}' WHERE id = {}; INSERT INTO big VALUES ({}, 'new'); \
+                         DELETE FROM nopk WHERE ctid = (SELECT ctid FROM nopk LIMIT 1); INSERT INTO nopk VALUES ({i}, 'w'); \
+                         INSERT INTO filtered VALUES ({}, 'n', 's'); COMMIT;",
+                        i * 97 % 60000 + 1,
+                        100000 + i,
+                        5000 + i
+                    ))
+                    .await
+                    .expect("writer");
+            }
+        })
+    };
+    let mut child = spawn(db.pgapply(
+        "p,pf",
+        &[
+            "--copy-data",
+            "--create-slot",
+            "--copy-jobs",
+            "3",
+            "--copy-split-pages",
+            "200",
+        ],
+    ));
+    writer.await.expect("writer");
+    let target_matches = || async {
+        let (s, t) = db.digest("big").await;
+        let (s2, t2) = db.digest("nopk").await;
+        s == t && s2 == t2 && filtered_matches(&db).await
+    };
+    wait_for(
+        "target to match the source after copy and catch-up",
+        120,
+        target_matches,
+    )
+    .await;
+    let pid = child.id().expect("pid") as i32;
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(child.wait().await.expect("wait").success());
+    // The big table was copied in page ranges.
+    let jobs: i64 = db
+        .target
+        .query_one(
+            "SELECT count(*) FROM pgapply.copy_state WHERE state = 'done'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(jobs, 3);
+    // Streaming goes on after a restart without --copy-data, and a second --copy-data does not copy again.
+    db.source_sql("INSERT INTO big VALUES (999999, 'after')")
+        .await;
+    db.sync("p,pf").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p,pf", &["--copy-data", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("big").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interrupted_copy_starts_over() {
+    let db = TestDb::new("copykill").await;
+    db.both(
+        &(1..=8)
+            .map(|i| format!("CREATE TABLE t{i} (id int PRIMARY KEY, pad text);"))
+            .collect::<String>(),
+    )
+    .await;
+    db.source_sql(
+        &(1..=8)
+            .map(|i| {
+                format!(
+                    "INSERT INTO t{i} SELECT g, repeat('x', 200) FROM generate_series(1, 40000) g;"
+                )
+            })
+            .collect::<String>(),
+    )
+    .await;
+    db.source_sql(&format!(
+        "CREATE PUBLICATION p FOR TABLE {}",
+        (1..=8)
+            .map(|i| format!("t{i}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+    .await;
+    let mut child = spawn(db.pgapply("p", &["--copy-data", "--copy-jobs", "1"]));
+    wait_for("the copy to be under way", 60, || async {
+        db.target
+            .query_one("SELECT count(*) FILTER (WHERE state = 'done') > 0 AND count(*) FILTER (WHERE state <> 'done') > 0 FROM pgapply.copy_state", &[])
+            .await
+            .map(|r| r.get::<_, Option<bool>>(0) == Some(true))
+            .unwrap_or(false)
+    })
+    .await;
+    child.start_kill().expect("kill -9");
+    child.wait().await.expect("wait");
+    // Without --copy-data the interrupted copy is refused with a clear message.
+    let out = run_with_deadline(db.pgapply("p", &[]), 60).await;
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("interrupted"), "{}", stderr(&out));
+    db.source_sql("UPDATE t1 SET pad = 'changed' WHERE id < 100")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 120).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    for i in 1..=8 {
+        db.assert_same(&format!("t{i}")).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_empty_target_is_refused_unless_truncate_target() {
+    let db = TestDb::new("copyfull").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.source_sql("INSERT INTO t VALUES (1, 'source'); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    db.target_sql("INSERT INTO t VALUES (2, 'stale')").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("\"public\".\"t\"")
+            && err.contains("not empty")
+            && err.contains("--truncate-target"),
+        "{err}"
+    );
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &["--copy-data", "--truncate-target", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("t").await;
+}
