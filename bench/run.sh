@@ -7,6 +7,7 @@
 #   PGAPPLY_BIN      use this binary instead of `cargo build --release`
 #   PG_BIN           PostgreSQL 15 bin dir (default /usr/lib/postgresql/15/bin)
 #   CATCHUP_TIMEOUT  seconds an applier may take per round before the run fails (default 3600)
+#   SHARED_BUFFERS   shared_buffers of both clusters (default 1GB)
 #   RESULTS          markdown output (default bench/results/latest.md)
 set -euo pipefail
 
@@ -17,6 +18,7 @@ TXNS="${TXNS:-150000}"
 ROUNDS="${ROUNDS:-3}"
 CLIENTS="${CLIENTS:-4}"
 CATCHUP_TIMEOUT="${CATCHUP_TIMEOUT:-3600}"
+SHARED_BUFFERS="${SHARED_BUFFERS:-1GB}"
 RESULTS="${RESULTS:-$ROOT/bench/results/latest.md}"
 ROWS_PER_TXN=4   # tpcb-like: 3 UPDATEs + 1 INSERT change rows (the SELECT does not)
 
@@ -111,7 +113,7 @@ max_wal_senders = 10
 max_replication_slots = 10
 max_worker_processes = 16
 max_logical_replication_workers = 8
-shared_buffers = 256MB
+shared_buffers = $SHARED_BUFFERS
 max_wal_size = 8GB
 checkpoint_timeout = 1h
 EOF
@@ -146,10 +148,23 @@ pgbench_init() {  # port db
 log "initialising pgbench scale $SCALE on source and target"
 q "$SRC_PORT" postgres "CREATE DATABASE bench" >/dev/null
 pgbench_init "$SRC_PORT" bench
-q "$TGT_PORT" postgres "CREATE DATABASE target_builtin" >/dev/null
-pgbench_init "$TGT_PORT" target_builtin
-# Same deterministic data: copy it, so both targets start byte-for-byte equal.
-q "$TGT_PORT" postgres "CREATE DATABASE target_pgapply TEMPLATE target_builtin" >/dev/null
+q "$TGT_PORT" postgres "CREATE DATABASE bench_template" >/dev/null
+pgbench_init "$TGT_PORT" bench_template
+# pgbench -i is deterministic; copying one initialised database makes both targets start
+# byte-for-byte equal, and equally cold until the prewarm below.
+for db in target_builtin target_pgapply; do
+    q "$TGT_PORT" postgres "CREATE DATABASE $db TEMPLATE bench_template" >/dev/null
+done
+q "$TGT_PORT" postgres "DROP DATABASE bench_template" >/dev/null
+if [ -f "$("$PG_BIN/pg_config" --sharedir 2>/dev/null)/extension/pg_prewarm.control" ]; then
+    for db in target_builtin target_pgapply; do
+        q "$TGT_PORT" "$db" "CREATE EXTENSION pg_prewarm" >/dev/null
+        q "$TGT_PORT" "$db" "SELECT sum(pg_prewarm(c.oid)) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname = 'public' AND c.relname LIKE 'pgbench%' AND c.relkind IN ('r', 'i')" >/dev/null
+    done
+else
+    log "pg_prewarm not available: target tables start cold in shared_buffers"
+fi
 
 q "$SRC_PORT" bench "CREATE PUBLICATION bench FOR ALL TABLES" >/dev/null
 q "$SRC_PORT" bench "SELECT pg_create_logical_replication_slot('builtin_slot', 'pgoutput')" >/dev/null
@@ -170,7 +185,7 @@ q "$SRC_PORT" bench "CHECKPOINT" >/dev/null
 # helpers for the rounds
 
 now() { echo "$EPOCHREALTIME"; }
-calc() { awk "BEGIN { printf \"%.${2:-3}f\", $1 }"; }
+calc() { awk "BEGIN { printf(\"%.${2:-3}f\", ($1)) }"; }
 CLK_TCK="$(getconf CLK_TCK)"
 
 proc_cpu_ticks() {  # pid -> utime+stime in clock ticks (empty when gone)
@@ -237,11 +252,20 @@ sample_backends() {  # outfile
 # Results per round r: SECS_<applier>[r], CPU_<applier>[r] (seconds).
 declare -a SECS_builtin SECS_pgapply CPU_builtin CPU_pgapply CPUNOTE_pgapply WAL_MB SRC_TPS ORDER
 LAST_WORKER_PID=""
+LAST_ENABLE_AT=""
+RETRY_MS="$(q "$TGT_PORT" postgres "SELECT setting FROM pg_settings WHERE name = 'wal_retrieve_retry_interval'")"
 
 run_builtin() {  # round end_lsn
-    local r="$1" end="$2" t0 t1 pid ticks starts_before starts_after
+    local r="$1" end="$2" t0 t1 pid ticks starts_before starts_after pause
+    # The launcher starts apply workers at most once per wal_retrieve_retry_interval; wait that
+    # out (untimed) so ENABLE is not held back by the previous round's start.
+    if [ -n "$LAST_ENABLE_AT" ]; then
+        pause="$(calc "$RETRY_MS / 1000 + 0.3 - ($(now) - $LAST_ENABLE_AT)")"
+        if [ "$(calc "($pause > 0)" 0)" = 1 ]; then sleep "$pause"; fi
+    fi
     starts_before="$(grep -c 'apply worker for subscription "builtin_sub" has started' "$TGT_LOG" || true)"
     t0="$(now)"
+    LAST_ENABLE_AT="$t0"
     q "$TGT_PORT" target_builtin "ALTER SUBSCRIPTION builtin_sub ENABLE" >/dev/null
     wait_confirmed builtin_slot "$end"
     t1="$(now)"
@@ -295,7 +319,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
         >"$WORK/pgbench-round$r.log" 2>&1 || { cat "$WORK/pgbench-round$r.log" >&2; die "pgbench failed"; }
     end_lsn="$(q "$SRC_PORT" bench "SELECT pg_current_wal_flush_lsn()")"
     WAL_MB[r]="$(q "$SRC_PORT" bench "SELECT round(pg_wal_lsn_diff('$end_lsn', '$start_lsn') / 1048576.0, 1)")"
-    SRC_TPS[r]="$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' "$WORK/pgbench-round$r.log" | head -n 1)"
+    SRC_TPS[r]="$(sed -n 's/^tps = \([0-9]*\).*/\1/p' "$WORK/pgbench-round$r.log" | head -n 1)"
     if ((r % 2 == 1)); then ORDER[r]="builtin pgapply"; else ORDER[r]="pgapply builtin"; fi
     log "round $r: workload done (${WAL_MB[r]} MB WAL, end $end_lsn); order: ${ORDER[r]}"
     for a in ${ORDER[r]}; do

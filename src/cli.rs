@@ -18,84 +18,129 @@ pub struct Cli {
     /// Log level or filter (as RUST_LOG): error, warn, info, debug, trace.
     #[arg(long, global = true, env = "PGAPPLY_LOG_LEVEL")]
     pub log_level: Option<String>,
+
+    /// Log as text lines (default) or JSON objects.
+    #[arg(long, global = true, value_enum, env = "PGAPPLY_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
 }
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Stream a publication from the source into the target.
     Run(RunArgs),
+    /// Check the configuration and both servers before running, and list every problem found.
+    Check(RunArgs),
+    /// Show each slot's progress as recorded on the target.
+    Status(StatusArgs),
     /// Start two throwaway local clusters, mirror a live workload between them, and show that both
     /// sides match.
     Demo(DemoArgs),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Streaming {
     Off,
     On,
     Parallel,
 }
 
-#[derive(Debug, Args)]
+/// `pgapply run`. Every setting can also come from the environment (`PGAPPLY_<NAME>`) or from the
+/// `--config` file (same names with underscores); a flag wins over the environment, which wins
+/// over the file.
+#[derive(Debug, Args, Default)]
 pub struct RunArgs {
+    /// Configuration file (TOML).
+    #[arg(long, env = "PGAPPLY_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Source connection: libpq key=value string or postgres:// URL.
     #[arg(long, env = "PGAPPLY_SOURCE")]
-    pub source: String,
+    pub source: Option<String>,
     /// Target connection: libpq key=value string or postgres:// URL.
     #[arg(long, env = "PGAPPLY_TARGET")]
-    pub target: String,
+    pub target: Option<String>,
+    /// File holding the source password (instead of PGPASSWORD or ~/.pgpass).
+    #[arg(long, env = "PGAPPLY_SOURCE_PASSWORD_FILE")]
+    pub source_password_file: Option<PathBuf>,
+    /// File holding the target password.
+    #[arg(long, env = "PGAPPLY_TARGET_PASSWORD_FILE")]
+    pub target_password_file: Option<PathBuf>,
     /// Publication name(s) on the source, comma separated, taken as given (case and spaces kept).
-    #[arg(
-        long,
-        env = "PGAPPLY_PUBLICATION",
-        value_delimiter = ',',
-        required = true
-    )]
+    #[arg(long, env = "PGAPPLY_PUBLICATION", value_delimiter = ',')]
     pub publication: Vec<String>,
     /// Logical replication slot on the source.
     #[arg(long, env = "PGAPPLY_SLOT")]
-    pub slot: String,
+    pub slot: Option<String>,
     /// Create the slot (pgoutput) if it does not exist.
-    #[arg(long)]
+    #[arg(long, env = "PGAPPLY_CREATE_SLOT")]
     pub create_slot: bool,
     /// Copy the published tables' existing rows first (creates the slot with a snapshot), then
     /// stream from that point.
-    #[arg(long)]
+    #[arg(long, env = "PGAPPLY_COPY_DATA")]
     pub copy_data: bool,
-    /// Tables (or parts of large tables) copied at once during --copy-data.
-    #[arg(long, default_value = "4")]
-    pub copy_jobs: usize,
+    /// Tables (or parts of large tables) copied at once during --copy-data [default: 4].
+    #[arg(long, env = "PGAPPLY_COPY_JOBS")]
+    pub copy_jobs: Option<usize>,
     /// With --copy-data: tables larger than this many 8 kB pages are copied in parallel page
-    /// ranges (PostgreSQL 14+ sources).
-    #[arg(long, default_value = "16384")]
-    pub copy_split_pages: i64,
+    /// ranges (PostgreSQL 14+ sources) [default: 16384].
+    #[arg(long, env = "PGAPPLY_COPY_SPLIT_PAGES")]
+    pub copy_split_pages: Option<i64>,
     /// With --copy-data: empty target tables that already hold rows instead of refusing.
-    #[arg(long)]
+    #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET")]
     pub truncate_target: bool,
     /// Exit 0 once every transaction committed before this LSN is applied.
-    #[arg(long, value_name = "LSN")]
+    #[arg(long, value_name = "LSN", env = "PGAPPLY_ENDPOS")]
     pub endpos: Option<String>,
     /// Stream large in-progress transactions (not available yet: off only).
-    #[arg(long, value_enum, default_value = "off")]
-    pub streaming: Streaming,
+    #[arg(long, value_enum, env = "PGAPPLY_STREAMING")]
+    pub streaming: Option<Streaming>,
     /// Replicate prepared transactions (not available yet).
-    #[arg(long)]
+    #[arg(long, env = "PGAPPLY_TWO_PHASE")]
     pub two_phase: bool,
-    /// Configuration file (not available yet).
+    /// Target connections applying transactions (1 for now).
+    #[arg(long, env = "PGAPPLY_APPLY_WORKERS")]
+    pub apply_workers: Option<usize>,
+    /// Shortest wait before reconnecting after a transient error [default: 1s].
+    #[arg(long, env = "PGAPPLY_RETRY_MIN", value_parser = humantime::parse_duration)]
+    pub retry_min: Option<Duration>,
+    /// Longest wait between reconnect attempts; the wait doubles up to this [default: 60s].
+    #[arg(long, env = "PGAPPLY_RETRY_MAX", value_parser = humantime::parse_duration)]
+    pub retry_max: Option<Duration>,
+    /// Give up after this many consecutive failed attempts; 0 never gives up [default: 0].
+    #[arg(long, env = "PGAPPLY_MAX_RETRIES")]
+    pub max_retries: Option<u32>,
+    /// How often to report progress to the source when nothing else prompts it [default: 10s].
+    #[arg(long, env = "PGAPPLY_STATUS_INTERVAL", value_parser = humantime::parse_duration)]
+    pub status_interval: Option<Duration>,
+    /// Serve Prometheus metrics (/metrics) and liveness (/healthz) on this address.
+    #[arg(long, env = "PGAPPLY_METRICS_ADDR", value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
+}
+
+/// `pgapply status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Target connection (where pgapply keeps its state).
+    #[arg(long, env = "PGAPPLY_TARGET")]
+    pub target: String,
+    /// Source connection: adds lag in bytes.
+    #[arg(long, env = "PGAPPLY_SOURCE")]
+    pub source: Option<String>,
+    /// Only this slot.
     #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Shortest wait before reconnecting after a transient error (connection lost, server restart).
-    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
-    pub retry_min: Duration,
-    /// Longest wait between reconnect attempts (the wait doubles up to this).
-    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
-    pub retry_max: Duration,
-    /// Give up after this many consecutive failed attempts (0: never give up).
-    #[arg(long, default_value = "0")]
-    pub max_retries: u32,
-    /// How often to report progress to the source when nothing else prompts it.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
-    pub status_interval: Duration,
+    pub slot: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -51,6 +51,9 @@ impl Default for CopySettings {
 pub struct PublishedTable {
     pub schema: String,
     pub name: String,
+    /// Where it goes on the target (the same name unless mapped).
+    pub target_schema: String,
+    pub target_name: String,
     /// Published columns in table order, with their types (`format_type`).
     pub columns: Vec<(String, String)>,
     /// The publications' row filter (ORed), or none.
@@ -61,6 +64,10 @@ pub struct PublishedTable {
 impl PublishedTable {
     pub fn qualified(&self) -> String {
         qualified_name(&self.schema, &self.name)
+    }
+
+    pub fn target_qualified(&self) -> String {
+        qualified_name(&self.target_schema, &self.target_name)
     }
 
     fn column_list(&self) -> String {
@@ -102,6 +109,7 @@ pub async fn status(target: &Client, slot: &str) -> Result<CopyStatus> {
 pub async fn published_tables(
     source: &Client,
     publications: &[String],
+    table_map: &crate::config::TableMap,
 ) -> Result<Vec<PublishedTable>> {
     let context = |e| Error::postgres("listing the published tables on the source", e);
     let version: i32 = source
@@ -177,9 +185,15 @@ pub async fn published_tables(
                 .collect::<Vec<_>>()
                 .join(" OR ")
         });
+        let (target_schema, target_name) = table_map
+            .get(&(schema.clone(), name.clone()))
+            .cloned()
+            .unwrap_or_else(|| (schema.clone(), name.clone()));
         tables.push(PublishedTable {
             schema,
             name,
+            target_schema,
+            target_name,
             columns,
             row_filter,
             pages,
@@ -199,7 +213,7 @@ async fn prepare_target(
     let mut binary = Vec::with_capacity(tables.len());
     let mut not_empty = Vec::new();
     for table in tables {
-        let qualified = table.qualified();
+        let qualified = table.target_qualified();
         let rows = target
             .query(
                 "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), (to_jsonb(a) ->> 'attgenerated') \
@@ -278,7 +292,11 @@ struct TableProgress {
 }
 
 /// Empties the tables a previous, interrupted copy wrote into, and forgets its state.
-pub async fn reset_interrupted(target: &Client, slot: &str) -> Result<()> {
+pub async fn reset_interrupted(
+    target: &Client,
+    slot: &str,
+    table_map: &crate::config::TableMap,
+) -> Result<()> {
     let context = |e| Error::postgres("resetting an interrupted initial copy on the target", e);
     let rows = target
         .query(
@@ -289,7 +307,8 @@ pub async fn reset_interrupted(target: &Client, slot: &str) -> Result<()> {
         .map_err(context)?;
     let mut tables = Vec::new();
     for row in rows {
-        let (schema, name): (String, String) = (row.get(0), row.get(1));
+        let key: (String, String) = (row.get(0), row.get(1));
+        let (schema, name) = table_map.get(&key).cloned().unwrap_or(key);
         let qualified = qualified_name(&schema, &name);
         let exists: bool = target
             .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
@@ -328,6 +347,7 @@ pub async fn copy_tables(
     publications: &[String],
     snapshot: &str,
     settings: &CopySettings,
+    table_map: &crate::config::TableMap,
     source_major: u32,
 ) -> Result<Vec<PublishedTable>> {
     let source = connect_source(source_config).await?;
@@ -340,7 +360,7 @@ pub async fn copy_tables(
         .await
         .map_err(|e| Error::postgres("reading the target's version", e))?
         .get::<_, i32>(0) as u32;
-    let tables = published_tables(&source, publications).await?;
+    let tables = published_tables(&source, publications, table_map).await?;
     let binary = prepare_target(
         &target,
         &tables,
@@ -562,7 +582,10 @@ async fn copy_one(
     };
     let format = if binary { " (FORMAT binary)" } else { "" };
     let copy_out = format!("COPY (SELECT {columns} FROM {qualified}{filter}) TO STDOUT{format}");
-    let copy_in = format!("COPY {qualified} ({columns}) FROM STDIN{format}");
+    let copy_in = format!(
+        "COPY {} ({columns}) FROM STDIN{format}",
+        table.target_qualified()
+    );
     let what = match pages {
         Some((s, e)) if e != i64::MAX => format!("{qualified} pages {s}..{e}"),
         Some((s, _)) => format!("{qualified} pages {s}.."),
@@ -616,6 +639,7 @@ async fn copy_one(
     }
     let rows = sink.finish().await.map_err(dst_err)?;
     progress.rows.fetch_add(rows, Ordering::Relaxed);
+    crate::metrics::METRICS.copied(&qualified, rows, bytes);
     let last = progress.jobs_left.fetch_sub(1, Ordering::SeqCst) == 1;
     target_tx
         .execute(

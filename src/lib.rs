@@ -5,13 +5,16 @@
 //! -> flushed position back to the source. See docs/design.md.
 
 pub mod apply;
+pub mod check;
 pub mod cli;
 pub mod cluster;
 pub mod compare;
+pub mod config;
 pub mod conninfo;
 pub mod copy;
 pub mod demo;
 pub mod error;
+pub mod metrics;
 pub mod migrations;
 pub mod protocol;
 pub mod relation;
@@ -19,3 +22,4 @@ pub mod replicate;
 pub mod retry;
 pub mod source;
 pub mod sql;
+pub mod status;

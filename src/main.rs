@@ -5,34 +5,56 @@ use clap::Parser;
 use tokio::sync::watch;
 use tracing_subscriber::EnvFilter;
 
-use pgapply::cli::{Cli, Command, RunArgs, Streaming};
+use pgapply::cli::{Cli, Command, LogFormat, RunArgs};
+use pgapply::config::{self, FileConfig};
 use pgapply::error::{Error, ErrorClass};
-use pgapply::replicate::{run, RunConfig};
+use pgapply::replicate::run;
 use pgapply::retry::Backoff;
-use pgapply::{conninfo, demo};
+use pgapply::{check, demo, metrics, status};
 
 /// Exit codes (documented in the README): 0 done, 1 a definite error (fix something and rerun),
 /// 2 bad command line, 3 a transient error that did not clear (rerunning may work).
 const EXIT_DEFINITE: u8 = 1;
+const EXIT_USAGE: u8 = 2;
 const EXIT_TRANSIENT: u8 = 3;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = match &cli.log_level {
+    // The file may set the log level, so it is read before logging starts.
+    let config_path = match &cli.command {
+        Command::Run(a) | Command::Check(a) => a.config.clone(),
+        _ => None,
+    };
+    let file = match config_path.as_deref().map(FileConfig::load).transpose() {
+        Ok(f) => f.unwrap_or_default(),
+        Err(e) => {
+            eprintln!("pgapply: error: {e}");
+            return ExitCode::from(EXIT_DEFINITE);
+        }
+    };
+    let level = cli.log_level.clone().or_else(|| file.log_level.clone());
+    let filter = match &level {
         Some(level) => EnvFilter::try_new(level),
         None => EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new("info")),
     };
     let filter = match filter {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("pgapply: error: invalid --log-level: {e}");
-            return ExitCode::from(2);
+            eprintln!("pgapply: error: invalid log level {level:?}: {e}");
+            return ExitCode::from(EXIT_USAGE);
         }
     };
-    tracing_subscriber::fmt()
+    let format = cli
+        .log_format
+        .or(file.log_format)
+        .unwrap_or(LogFormat::Text);
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -45,7 +67,9 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Run(args) => run_command(args).await,
+            Command::Run(args) => run_command(args, file).await,
+            Command::Check(args) => check::check_command(&args, &file).await,
+            Command::Status(args) => status::status_command(&args).await,
             Command::Demo(args) => demo::demo(args.duration, args.pg_bin).await,
         }
     });
@@ -82,53 +106,13 @@ fn shutdown_signal() -> watch::Receiver<bool> {
     rx
 }
 
-async fn run_command(args: RunArgs) -> Result<(), Error> {
-    if args.streaming != Streaming::Off {
-        return Err(Error::definite(
-            "--streaming on/parallel is not available in this version yet; use --streaming off (large transactions are applied at commit)",
-        ));
-    }
-    if args.two_phase {
-        return Err(Error::definite(
-            "--two-phase is not available in this version yet; prepared transactions are applied when they commit",
-        ));
-    }
-    if args.config.is_some() {
-        return Err(Error::definite(
-            "--config is not available in this version yet; give the settings as flags or PGAPPLY_* environment variables",
-        ));
-    }
-    let publications: Vec<String> = args
-        .publication
-        .into_iter()
-        .filter(|p| !p.is_empty())
-        .collect();
-    if publications.is_empty() {
-        return Err(Error::definite(
-            "--publication: give at least one publication name",
-        ));
-    }
-    let mut config = RunConfig::new(
-        conninfo::parse("source", &args.source)?,
-        conninfo::parse("target", &args.target)?,
-        publications,
-        args.slot,
-    );
-    config.create_slot = args.create_slot;
-    config.copy_data = args.copy_data;
-    config.copy.jobs = args.copy_jobs.max(1);
-    config.copy.truncate_target = args.truncate_target;
-    config.copy.split_pages = args.copy_split_pages.max(1);
-    config.status_interval = args.status_interval;
-    if let Some(endpos) = args.endpos {
-        config.endpos = Some(
-            endpos
-                .parse()
-                .map_err(|e| Error::definite(format!("--endpos: {e}")))?,
-        );
+async fn run_command(args: RunArgs, file: FileConfig) -> Result<(), Error> {
+    let (config, service) = config::resolve(&args, &file)?;
+    if let Some(addr) = &service.metrics_addr {
+        metrics::serve(addr).await?;
     }
     let mut shutdown = shutdown_signal();
-    let mut backoff = Backoff::new(args.retry_min, args.retry_max);
+    let mut backoff = Backoff::new(service.retry_min, service.retry_max);
     loop {
         let started = Instant::now();
         match run(config.clone(), shutdown.clone(), None).await {
@@ -140,11 +124,12 @@ async fn run_command(args: RunArgs) -> Result<(), Error> {
                 if started.elapsed() > Duration::from_secs(60) {
                     backoff.reset();
                 }
-                if args.max_retries > 0 && backoff.attempts >= args.max_retries {
+                if service.max_retries > 0 && backoff.attempts >= service.max_retries {
                     return Err(
                         e.context(format!("giving up after {} attempts", backoff.attempts + 1))
                     );
                 }
+                metrics::METRICS.reconnects.inc();
                 let delay = backoff.next_delay();
                 tracing::warn!(
                     error = %e,

@@ -20,6 +20,7 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "copy_state",
         include_str!("../migrations/0002_copy_state.sql"),
     ),
+    (3, "status", include_str!("../migrations/0003_status.sql")),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.
@@ -78,4 +79,27 @@ pub async fn apply(client: &mut Client) -> Result<()> {
     }
     tx.commit().await.map_err(context)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_migration_file_is_listed_in_order() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".sql"))
+            .collect();
+        files.sort();
+        assert_eq!(files.len(), super::MIGRATIONS.len(), "{files:?}");
+        for (i, (version, _, _)) in super::MIGRATIONS.iter().enumerate() {
+            assert_eq!(*version as usize, i + 1);
+            assert!(
+                files[i].starts_with(&format!("{version:04}_")),
+                "{}",
+                files[i]
+            );
+        }
+    }
 }

@@ -76,12 +76,21 @@ fn source_schema(rel: &Relation) -> &str {
 
 #[derive(Default)]
 pub struct RelationCache {
+    /// Source (schema, table) -> target (schema, table), where they differ.
+    table_map: Arc<crate::config::TableMap>,
     relations: HashMap<Oid, Arc<RelationEntry>>,
     types: HashMap<Oid, TypeInfo>,
     generation: u64,
 }
 
 impl RelationCache {
+    pub fn new(table_map: Arc<crate::config::TableMap>) -> Self {
+        RelationCache {
+            table_map,
+            ..Default::default()
+        }
+    }
+
     pub fn get(&self, oid: Oid) -> Result<&Arc<RelationEntry>> {
         self.relations.get(&oid).ok_or_else(|| {
             Error::definite(format!(
@@ -108,11 +117,17 @@ impl RelationCache {
         catalog: &Client,
     ) -> Result<Arc<RelationEntry>> {
         let schema = source_schema(&relation).to_owned();
-        let target = load_target_table(catalog, &schema, &relation.name).await?;
+        let (target_schema, target_name) = self
+            .table_map
+            .get(&(schema.clone(), relation.name.clone()))
+            .cloned()
+            .unwrap_or_else(|| (schema.clone(), relation.name.clone()));
+        let target = load_target_table(catalog, &target_schema, &target_name).await?;
         let shown = qualified_name(&schema, &relation.name);
         let target = target.ok_or_else(|| {
             Error::definite(format!(
-                "table {shown} is published by the source but does not exist on the target: create it on the target with the same columns (for example with pg_dump --schema-only)"
+                "table {shown} is published by the source but target table {} does not exist: create it on the target with the same columns (for example with `pgapply schema` or pg_dump --schema-only)",
+                qualified_name(&target_schema, &target_name)
             ))
         })?;
         let mut quoted_columns = Vec::with_capacity(relation.columns.len());

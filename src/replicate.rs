@@ -26,6 +26,7 @@ use crate::apply::{Applier, ApplySettings, ProgressMode, ProgressStore};
 use crate::conninfo;
 use crate::copy::{self, CopySettings, CopyStatus};
 use crate::error::{Error, Result};
+use crate::metrics::METRICS;
 use crate::protocol::pgoutput::LogicalMessage;
 use crate::protocol::{Lsn, MessageDecoder, ReplicationFrame};
 use crate::source::{protocol_version_for, ReplicationSession, ReplicationStream};
@@ -48,6 +49,8 @@ pub struct RunConfig {
     /// Copy the published tables' existing rows first (`--copy-data`).
     pub copy_data: bool,
     pub copy: CopySettings,
+    /// Source table -> target table, where they differ.
+    pub table_map: crate::config::TableMap,
 }
 
 impl RunConfig {
@@ -70,6 +73,7 @@ impl RunConfig {
             apply: ApplySettings::default(),
             copy_data: false,
             copy: CopySettings::default(),
+            table_map: Default::default(),
         }
     }
 }
@@ -153,7 +157,7 @@ pub async fn run(
             }
         }
         if copy_status == CopyStatus::Incomplete {
-            copy::reset_interrupted(&setup, &config.slot).await?;
+            copy::reset_interrupted(&setup, &config.slot, &config.table_map).await?;
         }
         let snapshot = session.create_slot_with_snapshot(&config.slot).await?;
         copy::copy_tables(
@@ -164,6 +168,7 @@ pub async fn run(
             &config.publications,
             &snapshot.snapshot_name,
             &config.copy,
+            &config.table_map,
             session.server_version() / 10000,
         )
         .await?;
@@ -213,6 +218,7 @@ pub async fn run(
         resume,
         config.apply.clone(),
         applied_tx,
+        Arc::new(config.table_map.clone()),
     )
     .await?;
     let mut stream = session
@@ -226,6 +232,12 @@ pub async fn run(
         tracker_conn,
         applied_rx,
         durable_tx,
+    ));
+
+    let heartbeat = tokio::spawn(heartbeat(
+        target_connection(&pool, &config.target).await?,
+        config.slot.clone(),
+        config.status_interval,
     ));
 
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -262,6 +274,7 @@ pub async fn run(
         Err(e) => return Err(Error::definite(format!("the apply task failed: {e}"))),
     };
     tracker.abort();
+    heartbeat.abort();
 
     // Last word to the source: what is durable now.
     let durable = match store.durable_position(applier.client()).await {
@@ -281,6 +294,10 @@ pub async fn run(
     }
     drop(reader);
     stream.close().await;
+    if let Ok(client) = target_connection(&pool, &config.target).await {
+        let mut last = HeartbeatCounts::default();
+        let _ = write_heartbeat(&client, &config.slot, "stopped", &mut last, true).await;
+    }
 
     apply_result?;
     let reason = read_result?;
@@ -297,6 +314,88 @@ pub async fn run(
         flushed,
         stats: applier.stats.clone(),
     })
+}
+
+/// Counters already added to `pgapply.progress` by this process.
+#[derive(Default)]
+struct HeartbeatCounts {
+    transactions: u64,
+    inserts: u64,
+    updates: u64,
+    deletes: u64,
+    truncates: u64,
+}
+
+/// Records state and counters for `pgapply status`, every status interval.
+async fn heartbeat(client: Object, slot: String, every: Duration) {
+    let mut tick = tokio::time::interval(every.min(Duration::from_secs(10)));
+    let mut last = HeartbeatCounts::default();
+    loop {
+        tick.tick().await;
+        if let Err(e) = write_heartbeat(&client, &slot, "streaming", &mut last, false).await {
+            tracing::warn!(error = %e, "could not record the heartbeat on the target");
+        }
+    }
+}
+
+async fn write_heartbeat(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    state: &str,
+    last: &mut HeartbeatCounts,
+    only_state: bool,
+) -> Result<()> {
+    if only_state {
+        client
+            .execute(
+                "UPDATE pgapply.progress SET state = $2, pid = NULL, heartbeat_at = now() WHERE slot_name = $1",
+                &[&slot, &state],
+            )
+            .await
+            .map_err(|e| Error::postgres("recording the heartbeat", e))?;
+        return Ok(());
+    }
+    let m = &*METRICS;
+    let now = HeartbeatCounts {
+        transactions: m.transactions.get(),
+        inserts: m.inserts.get(),
+        updates: m.updates.get(),
+        deletes: m.deletes.get(),
+        truncates: m.truncates.get(),
+    };
+    let delta = |a: u64, b: u64| (a.saturating_sub(b)) as i64;
+    let applied = Lsn(m.applied_lsn.get());
+    let received = Lsn(m.received_lsn.get());
+    let commit = crate::protocol::PgTimestamp(m.last_commit_time.get() as i64);
+    let conflicts = m
+        .conflicts
+        .lock()
+        .map(|c| serde_json::to_string(&*c).unwrap_or_else(|_| "{}".into()))
+        .unwrap_or_else(|_| "{}".into());
+    client
+        .execute(
+            "UPDATE pgapply.progress SET state = $2, pid = $3,                  applied_lsn = CASE WHEN $4::text = '0/0' THEN applied_lsn ELSE $4::text::pg_lsn END,                  received_lsn = CASE WHEN $5::text = '0/0' THEN received_lsn ELSE $5::text::pg_lsn END,                  last_commit_time = CASE WHEN $6::bigint = 0 THEN last_commit_time ELSE $7::text::timestamptz END,                  lag_seconds = $8, transactions = transactions + $9, inserts = inserts + $10,                  updates = updates + $11, deletes = deletes + $12, truncates = truncates + $13,                  conflicts = $14::text::jsonb, heartbeat_at = now()              WHERE slot_name = $1",
+            &[
+                &slot,
+                &state,
+                &(std::process::id() as i32),
+                &applied.to_string(),
+                &received.to_string(),
+                &commit.0,
+                &commit.to_rfc3339(),
+                &(m.lag_millis.get() as f64 / 1000.0),
+                &delta(now.transactions, last.transactions),
+                &delta(now.inserts, last.inserts),
+                &delta(now.updates, last.updates),
+                &delta(now.deletes, last.deletes),
+                &delta(now.truncates, last.truncates),
+                &conflicts,
+            ],
+        )
+        .await
+        .map_err(|e| Error::postgres("recording the heartbeat", e))?;
+    *last = now;
+    Ok(())
 }
 
 /// Turns the applier's committed position into the target's durable position.
@@ -324,6 +423,7 @@ async fn track_durable(
         };
         match position {
             Ok(lsn) => {
+                METRICS.flushed_lsn.set_max(lsn.0);
                 durable.send_if_modified(|d| {
                     let advanced = lsn > *d;
                     if advanced {
@@ -379,6 +479,9 @@ impl Reader<'_> {
     async fn send_status(&mut self, reply_requested: bool) -> Result<()> {
         let durable = *self.durable.borrow();
         let flushed = self.flush_position(durable);
+        METRICS.received_lsn.set_max(self.received.0);
+        METRICS.flushed_lsn.set_max(flushed.0);
+        METRICS.update_lag(self.keepalive_end.0.max(self.received.0));
         if let Some(p) = &self.progress {
             p.send_replace(RunProgress { durable: flushed });
         }

@@ -10,6 +10,7 @@ use tokio_postgres::{Client, Statement};
 use super::progress::ProgressStore;
 use super::statement::{build_sql, ColumnSet, Operation, RowMatch, Shape, WireValue};
 use crate::error::{describe_postgres, Error, Result};
+use crate::metrics::METRICS;
 use crate::protocol::pgoutput::{
     Begin, Commit, Delete, Insert, LogicalMessage, Oid, OldRow, Truncate, Update,
 };
@@ -162,6 +163,7 @@ impl Applier {
         resume: Lsn,
         settings: ApplySettings,
         applied: watch::Sender<Lsn>,
+        table_map: Arc<crate::config::TableMap>,
     ) -> Result<Self> {
         progress.setup_session(&client).await?;
         client
@@ -188,7 +190,7 @@ impl Applier {
             catalog,
             progress,
             settings,
-            relations: RelationCache::default(),
+            relations: RelationCache::new(table_map),
             statements: HashMap::new(),
             full_as_text: HashSet::new(),
             begin,
@@ -374,6 +376,7 @@ impl Applier {
             row_match: RowMatch::Key,
         };
         self.stats.inserts += 1;
+        METRICS.inserts.inc();
         self.queue(&entry, shape, params, "INSERT", xid, commit_lsn, None)
             .await
     }
@@ -475,6 +478,7 @@ impl Applier {
             row_match: row_match.clone(),
         };
         self.stats.updates += 1;
+        METRICS.updates.inc();
         self.queue(
             &entry,
             shape,
@@ -504,6 +508,7 @@ impl Applier {
             row_match: row_match.clone(),
         };
         self.stats.deletes += 1;
+        METRICS.deletes.inc();
         self.queue(
             &entry,
             shape,
@@ -539,6 +544,7 @@ impl Applier {
         })?;
         tracing::debug!(xid, commit_lsn = %commit_lsn, tables = %tables.join(", "), "truncate");
         self.stats.truncates += 1;
+        METRICS.truncates.inc();
         self.push(Pending {
             statement,
             params: Vec::new(),
@@ -648,6 +654,11 @@ impl Applier {
                     if let Some(about) = &pending.about {
                         if about.key.is_some() {
                             self.stats.missing_rows += 1;
+                            METRICS.conflict(if about.operation == "UPDATE" {
+                                "update_missing"
+                            } else {
+                                "delete_missing"
+                            });
                             tracing::warn!(
                                 table = %about.relation.target.qualified,
                                 key = %about.describe_key(),
@@ -711,6 +722,11 @@ impl Applier {
         });
         self.send_pipeline().await?;
         self.stats.transactions += group.transactions;
+        let m = &*METRICS;
+        m.transactions.add(group.transactions);
+        m.applied_lsn.set(end_lsn.0);
+        m.last_commit_time.set(commit_time.0.max(0) as u64);
+        m.apply_latency.observe(group.started.elapsed());
         self.applied.send_replace(end_lsn);
         self.resume = self.resume.max(end_lsn);
         Ok(())

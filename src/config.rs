@@ -1,0 +1,306 @@
+//! Settings: command-line flags, `PGAPPLY_*` environment variables, a TOML file, defaults — in that
+//! order of precedence. clap handles flag > environment; this module adds the file and defaults,
+//! and resolves everything into the [`RunConfig`] the worker runs with.
+//!
+//! The file uses the flags' names with underscores (`status_interval = "10s"`); unknown keys are
+//! errors that name the key and line, durations are humantime ("500ms", "10s", "5m").
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::cli::{LogFormat, RunArgs, Streaming};
+use crate::conninfo;
+use crate::error::{Error, Result};
+use crate::replicate::RunConfig;
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Duration>, D::Error> {
+    let text: Option<String> = Option::deserialize(d)?;
+    text.map(|t| {
+        humantime::parse_duration(&t).map_err(|e| {
+            serde::de::Error::custom(format!(
+                "invalid duration {t:?}: {e} (write it like \"500ms\", \"10s\" or \"5m\")"
+            ))
+        })
+    })
+    .transpose()
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryFile {
+    #[serde(default, deserialize_with = "duration")]
+    pub min: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub max: Option<Duration>,
+    pub max_attempts: Option<u32>,
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TableFile {
+    /// Target table for this source table: `schema.table`.
+    pub target: Option<String>,
+}
+
+/// The TOML configuration file.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub source: Option<String>,
+    pub target: Option<String>,
+    pub source_password_file: Option<PathBuf>,
+    pub target_password_file: Option<PathBuf>,
+    pub publications: Option<Vec<String>>,
+    pub slot: Option<String>,
+    pub create_slot: Option<bool>,
+    pub copy_data: Option<bool>,
+    pub copy_jobs: Option<usize>,
+    pub copy_split_pages: Option<i64>,
+    pub truncate_target: Option<bool>,
+    pub streaming: Option<Streaming>,
+    pub two_phase: Option<bool>,
+    pub apply_workers: Option<usize>,
+    #[serde(default, deserialize_with = "duration")]
+    pub status_interval: Option<Duration>,
+    pub metrics_addr: Option<String>,
+    pub log_level: Option<String>,
+    pub log_format: Option<LogFormat>,
+    pub retry: Option<RetryFile>,
+    /// Per source table (`schema.table`): settings such as the target table name.
+    pub tables: Option<BTreeMap<String, TableFile>>,
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<FileConfig> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::definite(format!("--config: cannot read {}: {e}", path.display()))
+        })?;
+        Self::parse(&text).map_err(|e| e.context(format!("--config {}", path.display())))
+    }
+
+    pub fn parse(text: &str) -> Result<FileConfig> {
+        toml::from_str(text).map_err(|e| {
+            // toml's message names the key and shows the line; keep it on one line.
+            let message = e.message().to_owned();
+            let position = e
+                .span()
+                .map(|span| {
+                    let before = &text[..span.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    format!("line {line}: ")
+                })
+                .unwrap_or_default();
+            Error::definite(format!("{position}{message}"))
+        })
+    }
+}
+
+/// Source table -> target table, both `(schema, table)`.
+pub type TableMap = HashMap<(String, String), (String, String)>;
+
+/// Splits `schema.table`; either part may be double-quoted (`"my.schema"."T"`). Names are taken
+/// exactly as written (no case folding).
+pub fn parse_table_name(text: &str) -> Result<(String, String)> {
+    let mut parts = Vec::new();
+    let mut current = String::new();
+    let mut quoted = false;
+    let mut chars = text.trim().chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                chars.next();
+                current.push('"');
+            }
+            '"' => quoted = !quoted,
+            '.' if !quoted => parts.push(std::mem::take(&mut current)),
+            _ => current.push(c),
+        }
+    }
+    parts.push(current);
+    match parts.as_slice() {
+        [schema, table] if !schema.is_empty() && !table.is_empty() && !quoted => {
+            Ok((schema.clone(), table.clone()))
+        }
+        _ => Err(Error::definite(format!(
+            "invalid table name {text:?}: write it as schema.table (quote parts that contain dots: \"my.schema\".\"t\")"
+        ))),
+    }
+}
+
+fn read_password_file(path: &Path, which: &str) -> Result<String> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Error::definite(format!(
+            "{which} password file {}: cannot read it: {e}",
+            path.display()
+        ))
+    })?;
+    Ok(text.trim_end_matches(['\n', '\r']).to_owned())
+}
+
+/// Everything `pgapply run` needs besides the run configuration itself.
+#[derive(Debug, Clone)]
+pub struct ServiceSettings {
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+    pub max_retries: u32,
+    pub metrics_addr: Option<String>,
+}
+
+/// Flags and environment (already merged by clap) over the file over defaults.
+pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceSettings)> {
+    let missing = |what: &str, key: &str| {
+        Error::definite(format!(
+            "no {what} given: use --{} (or PGAPPLY_{}), or `{key} = ...` in the config file",
+            key.replace('_', "-"),
+            key.to_uppercase()
+        ))
+    };
+    let source_text = args
+        .source
+        .clone()
+        .or_else(|| file.source.clone())
+        .ok_or_else(|| missing("source connection", "source"))?;
+    let target_text = args
+        .target
+        .clone()
+        .or_else(|| file.target.clone())
+        .ok_or_else(|| missing("target connection", "target"))?;
+    let mut source = conninfo::parse("source", &source_text)?;
+    let mut target = conninfo::parse("target", &target_text)?;
+    if let Some(path) = args
+        .source_password_file
+        .as_ref()
+        .or(file.source_password_file.as_ref())
+    {
+        source.password(read_password_file(path, "source")?);
+    }
+    if let Some(path) = args
+        .target_password_file
+        .as_ref()
+        .or(file.target_password_file.as_ref())
+    {
+        target.password(read_password_file(path, "target")?);
+    }
+    let publications: Vec<String> = if !args.publication.is_empty() {
+        args.publication.clone()
+    } else {
+        file.publications.clone().unwrap_or_default()
+    }
+    .into_iter()
+    .filter(|p| !p.is_empty())
+    .collect();
+    if publications.is_empty() {
+        return Err(missing("publication", "publication"));
+    }
+    let slot = args
+        .slot
+        .clone()
+        .or_else(|| file.slot.clone())
+        .ok_or_else(|| missing("slot", "slot"))?;
+    let mut config = RunConfig::new(source, target, publications, slot);
+    config.create_slot = args.create_slot || file.create_slot.unwrap_or(false);
+    config.copy_data = args.copy_data || file.copy_data.unwrap_or(false);
+    config.copy.truncate_target = args.truncate_target || file.truncate_target.unwrap_or(false);
+    if let Some(jobs) = args.copy_jobs.or(file.copy_jobs) {
+        config.copy.jobs = jobs.max(1);
+    }
+    if let Some(pages) = args.copy_split_pages.or(file.copy_split_pages) {
+        config.copy.split_pages = pages.max(1);
+    }
+    if let Some(interval) = args.status_interval.or(file.status_interval) {
+        if interval.is_zero() {
+            return Err(Error::definite("status_interval must be more than 0s"));
+        }
+        config.status_interval = interval;
+    }
+    if let Some(endpos) = &args.endpos {
+        config.endpos = Some(
+            endpos
+                .parse()
+                .map_err(|e| Error::definite(format!("--endpos: {e}")))?,
+        );
+    }
+    let streaming = args.streaming.or(file.streaming).unwrap_or(Streaming::Off);
+    if streaming != Streaming::Off {
+        return Err(Error::definite(
+            "--streaming on/parallel is not available in this version yet; use --streaming off (large transactions are applied at commit)",
+        ));
+    }
+    if args.two_phase || file.two_phase.unwrap_or(false) {
+        return Err(Error::definite(
+            "--two-phase is not available in this version yet; prepared transactions are applied when they commit",
+        ));
+    }
+    if args.apply_workers.or(file.apply_workers).unwrap_or(1) > 1 {
+        return Err(Error::definite(
+            "apply_workers > 1 is not available in this version yet; use 1",
+        ));
+    }
+    for (source_name, table) in file.tables.iter().flatten() {
+        let from = parse_table_name(source_name)?;
+        if let Some(to) = &table.target {
+            config.table_map.insert(from, parse_table_name(to)?);
+        }
+    }
+    let retry = file.retry.clone().unwrap_or_default();
+    let service = ServiceSettings {
+        retry_min: args
+            .retry_min
+            .or(retry.min)
+            .unwrap_or(Duration::from_secs(1)),
+        retry_max: args
+            .retry_max
+            .or(retry.max)
+            .unwrap_or(Duration::from_secs(60)),
+        max_retries: args.max_retries.or(retry.max_attempts).unwrap_or(0),
+        metrics_addr: args
+            .metrics_addr
+            .clone()
+            .or_else(|| file.metrics_addr.clone()),
+    };
+    Ok((config, service))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_key_names_key_and_line() {
+        let err = FileConfig::parse("slot = \"s\"\nstatus_intervall = \"5s\"\n").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("line 2") && text.contains("status_intervall"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn bad_duration_is_named() {
+        let err = FileConfig::parse("status_interval = \"ten seconds\"").unwrap_err();
+        assert!(
+            err.to_string().contains("invalid duration \"ten seconds\""),
+            "{err}"
+        );
+        let ok = FileConfig::parse("status_interval = \"250ms\"\n[retry]\nmax = \"2m\"").unwrap();
+        assert_eq!(ok.status_interval, Some(Duration::from_millis(250)));
+        assert_eq!(ok.retry.unwrap().max, Some(Duration::from_secs(120)));
+    }
+
+    #[test]
+    fn table_names() {
+        assert_eq!(
+            parse_table_name("public.t").unwrap(),
+            ("public".into(), "t".into())
+        );
+        assert_eq!(
+            parse_table_name("\"my.schema\".\"Ta\"\"ble\"").unwrap(),
+            ("my.schema".into(), "Ta\"ble".into())
+        );
+        assert!(parse_table_name("t").is_err());
+        assert!(parse_table_name("a.b.c").is_err());
+    }
+}

@@ -1,0 +1,309 @@
+//! Prometheus metrics (`--metrics-addr`): `/metrics` in the text exposition format and `/healthz`
+//! for liveness. The exposition format is a few lines of text, so it is written here directly
+//! rather than through a metrics framework and an HTTP stack (see docs/design.md).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::error::{Error, Result};
+
+pub const RECEIVED_LSN: &str = "pgapply_received_lsn";
+pub const APPLIED_LSN: &str = "pgapply_applied_lsn";
+pub const FLUSHED_LSN: &str = "pgapply_flushed_lsn";
+pub const LAG_BYTES: &str = "pgapply_lag_bytes";
+pub const LAG_SECONDS: &str = "pgapply_lag_seconds";
+pub const TRANSACTIONS: &str = "pgapply_transactions_total";
+pub const ROWS: &str = "pgapply_rows_total";
+pub const APPLY_LATENCY: &str = "pgapply_apply_latency_seconds";
+pub const SPILLED_BYTES: &str = "pgapply_spilled_bytes_total";
+pub const RECONNECTS: &str = "pgapply_reconnects_total";
+pub const CONFLICTS: &str = "pgapply_conflicts_total";
+pub const COPY_ROWS: &str = "pgapply_copy_rows_total";
+pub const COPY_BYTES: &str = "pgapply_copy_bytes_total";
+
+#[derive(Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.add(1);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Default)]
+pub struct Gauge(AtomicU64);
+
+impl Gauge {
+    pub fn set(&self, v: u64) {
+        self.0.store(v, Ordering::Relaxed);
+    }
+    pub fn set_max(&self, v: u64) {
+        self.0.fetch_max(v, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+const LATENCY_BUCKETS: [f64; 12] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+#[derive(Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; 12],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (i, upper) in LATENCY_BUCKETS.iter().enumerate() {
+            if secs <= *upper {
+                self.buckets[i].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+}
+
+/// All of pgapply's metrics. One process runs one worker, so they are process-wide.
+#[derive(Default)]
+pub struct Metrics {
+    pub received_lsn: Gauge,
+    pub applied_lsn: Gauge,
+    pub flushed_lsn: Gauge,
+    /// Source WAL end (from keepalives) minus the flushed position.
+    pub lag_bytes: Gauge,
+    /// Milliseconds between now and the commit time of the last applied transaction, while behind.
+    pub lag_millis: Gauge,
+    /// Commit time of the last applied source transaction: µs since 2000-01-01.
+    pub last_commit_time: Gauge,
+    pub transactions: Counter,
+    pub inserts: Counter,
+    pub updates: Counter,
+    pub deletes: Counter,
+    pub truncates: Counter,
+    pub apply_latency: Histogram,
+    pub spilled_bytes: Counter,
+    pub reconnects: Counter,
+    pub conflicts: Mutex<BTreeMap<&'static str, u64>>,
+    pub copy: Mutex<BTreeMap<String, (u64, u64)>>,
+}
+
+pub static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(Metrics::default);
+
+impl Metrics {
+    pub fn conflict(&self, kind: &'static str) {
+        if let Ok(mut c) = self.conflicts.lock() {
+            *c.entry(kind).or_default() += 1;
+        }
+    }
+
+    pub fn copied(&self, table: &str, rows: u64, bytes: u64) {
+        if let Ok(mut c) = self.copy.lock() {
+            let e = c.entry(table.to_owned()).or_default();
+            e.0 += rows;
+            e.1 += bytes;
+        }
+    }
+
+    /// Recomputes the lag gauges from the positions and the last commit time.
+    pub fn update_lag(&self, source_wal_end: u64) {
+        let applied = self.applied_lsn.get();
+        let received = self.received_lsn.get().max(source_wal_end);
+        self.lag_bytes
+            .set(source_wal_end.saturating_sub(self.flushed_lsn.get()));
+        let behind = received > applied;
+        let last = self.last_commit_time.get();
+        let lag = if behind && last > 0 {
+            let now = crate::protocol::PgTimestamp::now().0.max(0) as u64;
+            now.saturating_sub(last) / 1000
+        } else {
+            0
+        };
+        self.lag_millis.set(lag);
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut gauge = |name: &str, help: &str, v: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        gauge(
+            RECEIVED_LSN,
+            "Highest source WAL position received (LSN as a number).",
+            self.received_lsn.get() as f64,
+        );
+        gauge(
+            APPLIED_LSN,
+            "Source position of the last transaction committed on the target.",
+            self.applied_lsn.get() as f64,
+        );
+        gauge(
+            FLUSHED_LSN,
+            "Source position durable on the target and reported to the source.",
+            self.flushed_lsn.get() as f64,
+        );
+        gauge(
+            LAG_BYTES,
+            "Source WAL end minus the flushed position, in bytes.",
+            self.lag_bytes.get() as f64,
+        );
+        gauge(
+            LAG_SECONDS,
+            "Age of the last applied source commit while changes are pending.",
+            self.lag_millis.get() as f64 / 1000.0,
+        );
+        let mut counter = |name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        };
+        counter(
+            TRANSACTIONS,
+            "Source transactions applied.",
+            self.transactions.get(),
+        );
+        counter(
+            SPILLED_BYTES,
+            "Bytes of streamed transactions spooled to disk.",
+            self.spilled_bytes.get(),
+        );
+        counter(
+            RECONNECTS,
+            "Reconnects after transient errors.",
+            self.reconnects.get(),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {ROWS} Row changes applied, by operation.\n# TYPE {ROWS} counter"
+        );
+        for (op, c) in [
+            ("insert", &self.inserts),
+            ("update", &self.updates),
+            ("delete", &self.deletes),
+            ("truncate", &self.truncates),
+        ] {
+            let _ = writeln!(out, "{ROWS}{{operation=\"{op}\"}} {}", c.get());
+        }
+        let _ = writeln!(out, "# HELP {CONFLICTS} Conflicts found while applying, by type.\n# TYPE {CONFLICTS} counter");
+        if let Ok(c) = self.conflicts.lock() {
+            for kind in [
+                "insert_exists",
+                "update_exists",
+                "update_missing",
+                "delete_missing",
+                "multiple_unique_conflicts",
+            ] {
+                let _ = writeln!(
+                    out,
+                    "{CONFLICTS}{{type=\"{kind}\"}} {}",
+                    c.get(kind).copied().unwrap_or(0)
+                );
+            }
+        }
+        let _ = writeln!(out, "# HELP {APPLY_LATENCY} Time to apply and commit one target transaction.\n# TYPE {APPLY_LATENCY} histogram");
+        for (i, upper) in LATENCY_BUCKETS.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{APPLY_LATENCY}_bucket{{le=\"{upper}\"}} {}",
+                self.apply_latency.buckets[i].load(Ordering::Relaxed)
+            );
+        }
+        let count = self.apply_latency.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{APPLY_LATENCY}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            out,
+            "{APPLY_LATENCY}_sum {}\n{APPLY_LATENCY}_count {count}",
+            self.apply_latency.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(out, "# HELP {COPY_ROWS} Rows copied by the initial copy, per table.\n# TYPE {COPY_ROWS} counter");
+        let copy = self.copy.lock().map(|c| c.clone()).unwrap_or_default();
+        for (table, (rows, _)) in &copy {
+            let _ = writeln!(
+                out,
+                "{COPY_ROWS}{{table=\"{}\"}} {rows}",
+                escape_label(table)
+            );
+        }
+        let _ = writeln!(out, "# HELP {COPY_BYTES} Bytes copied by the initial copy, per table.\n# TYPE {COPY_BYTES} counter");
+        for (table, (_, bytes)) in &copy {
+            let _ = writeln!(
+                out,
+                "{COPY_BYTES}{{table=\"{}\"}} {bytes}",
+                escape_label(table)
+            );
+        }
+        out
+    }
+}
+
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Binds `addr` and serves metrics in the background.
+pub async fn serve(addr: &str) -> Result<()> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::definite(format!("--metrics-addr {addr}: cannot listen there: {e}")))?;
+    tracing::info!(addr = %addr, "serving metrics on /metrics and liveness on /healthz");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut request = Vec::with_capacity(512);
+                let mut buf = [0u8; 1024];
+                let read = tokio::time::timeout(Duration::from_secs(5), async {
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                })
+                .await;
+                if read.is_err() {
+                    return;
+                }
+                let line = String::from_utf8_lossy(&request);
+                let path = line.split_whitespace().nth(1).unwrap_or("/");
+                let (status, content_type, body) = match path {
+                    "/metrics" => ("200 OK", "text/plain; version=0.0.4", METRICS.render()),
+                    "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),
+                    _ => ("404 Not Found", "text/plain", "not found\n".to_owned()),
+                };
+                let response = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,178 @@
+//! `pgapply status`: each slot's progress as the running worker records it on the target (a
+//! heartbeat every status interval), plus lag in bytes when the source is given.
+
+use serde::Serialize;
+use tokio_postgres::NoTls;
+
+use crate::cli::StatusArgs;
+use crate::conninfo;
+use crate::error::{Error, Result};
+
+#[derive(Debug, Serialize)]
+pub struct SlotStatus {
+    pub slot: String,
+    pub state: String,
+    pub pid: Option<i32>,
+    pub applied_lsn: Option<String>,
+    pub last_commit_time: Option<String>,
+    pub heartbeat_age_seconds: Option<f64>,
+    pub lag_seconds: Option<f64>,
+    /// With --source: the source's WAL position minus the applied position.
+    pub lag_bytes: Option<i64>,
+    pub transactions: i64,
+    pub inserts: i64,
+    pub updates: i64,
+    pub deletes: i64,
+    pub truncates: i64,
+    pub conflicts: serde_json::Value,
+    pub copy: Vec<CopyTableStatus>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CopyTableStatus {
+    pub table: String,
+    pub state: String,
+    pub rows: i64,
+    pub bytes: i64,
+}
+
+async fn connect(role: &str, conninfo_text: &str) -> Result<tokio_postgres::Client> {
+    let config = conninfo::parse(role, conninfo_text)?;
+    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+        Error::postgres(
+            format!("connecting to {role} {}", conninfo::describe(&config)),
+            e,
+        )
+    })?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+pub async fn collect(args: &StatusArgs) -> Result<Vec<SlotStatus>> {
+    let target = connect("target", &args.target).await?;
+    let exists: bool = target
+        .query_one("SELECT to_regclass('pgapply.progress') IS NOT NULL", &[])
+        .await
+        .map_err(|e| Error::postgres("reading pgapply's state on the target", e))?
+        .get(0);
+    if !exists {
+        return Err(Error::definite(
+            "the target has no pgapply state (schema pgapply): pgapply has not run against this database yet",
+        ));
+    }
+    let rows = target
+        .query(
+            "SELECT slot_name, coalesce(state, 'unknown'), pid, \
+                    greatest(lsn, applied_lsn)::text, \
+                    to_char(last_commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+                    extract(epoch FROM now() - heartbeat_at)::float8, lag_seconds, \
+                    transactions, inserts, updates, deletes, truncates, conflicts::text \
+             FROM pgapply.progress WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
+            &[&args.slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
+    let source = match &args.source {
+        Some(s) => Some(connect("source", s).await?),
+        None => None,
+    };
+    let mut out = Vec::new();
+    for row in rows {
+        let slot: String = row.get(0);
+        let applied: Option<String> = row.get(3);
+        let lag_bytes = match (&source, &applied) {
+            (Some(src), Some(lsn)) => Some(
+                src.query_one(
+                    "SELECT (pg_current_wal_lsn() - $1::text::pg_lsn)::int8",
+                    &[lsn],
+                )
+                .await
+                .map_err(|e| Error::postgres("reading the source WAL position", e))?
+                .get::<_, i64>(0)
+                .max(0),
+            ),
+            _ => None,
+        };
+        let copy_rows = target
+            .query(
+                "SELECT schema_name, table_name, state, rows_copied, bytes_copied FROM pgapply.copy_state \
+                 WHERE slot_name = $1 ORDER BY schema_name, table_name",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+        let conflicts: String = row.get(12);
+        out.push(SlotStatus {
+            slot,
+            state: row.get(1),
+            pid: row.get(2),
+            applied_lsn: applied,
+            last_commit_time: row.get(4),
+            heartbeat_age_seconds: row.get(5),
+            lag_seconds: row.get(6),
+            lag_bytes,
+            transactions: row.get(7),
+            inserts: row.get(8),
+            updates: row.get(9),
+            deletes: row.get(10),
+            truncates: row.get(11),
+            conflicts: serde_json::from_str(&conflicts).unwrap_or(serde_json::Value::Null),
+            copy: copy_rows
+                .iter()
+                .map(|r| CopyTableStatus {
+                    table: crate::sql::qualified_name(
+                        &r.get::<_, String>(0),
+                        &r.get::<_, String>(1),
+                    ),
+                    state: r.get(2),
+                    rows: r.get(3),
+                    bytes: r.get(4),
+                })
+                .collect(),
+        });
+    }
+    Ok(out)
+}
+
+pub async fn status_command(args: &StatusArgs) -> Result<()> {
+    let slots = collect(args).await?;
+    if args.json {
+        let text = serde_json::to_string_pretty(&slots)
+            .map_err(|e| Error::definite(format!("encoding status as JSON: {e}")))?;
+        println!("{text}");
+        return Ok(());
+    }
+    if slots.is_empty() {
+        println!("no pgapply slots recorded on the target");
+    }
+    for s in &slots {
+        let heartbeat = s
+            .heartbeat_age_seconds
+            .map(|a| format!(", last heartbeat {a:.0}s ago"))
+            .unwrap_or_default();
+        let pid = s.pid.map(|p| format!(", pid {p}")).unwrap_or_default();
+        println!("slot {}: {}{pid}{heartbeat}", s.slot, s.state);
+        println!(
+            "  applied up to {} (source commit {})",
+            s.applied_lsn.as_deref().unwrap_or("-"),
+            s.last_commit_time.as_deref().unwrap_or("-")
+        );
+        let bytes = s
+            .lag_bytes
+            .map(|b| format!("{b} bytes"))
+            .unwrap_or_else(|| "? bytes (give --source)".into());
+        println!("  lag {bytes}, {:.1} s", s.lag_seconds.unwrap_or(0.0));
+        println!(
+            "  applied {} transactions: {} inserts, {} updates, {} deletes, {} truncates",
+            s.transactions, s.inserts, s.updates, s.deletes, s.truncates
+        );
+        println!("  conflicts {}", s.conflicts);
+        for c in &s.copy {
+            println!(
+                "  copy {} {}: {} rows, {} bytes",
+                c.table, c.state, c.rows, c.bytes
+            );
+        }
+    }
+    Ok(())
+}

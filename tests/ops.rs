@@ -1,0 +1,338 @@
+//! Operating pgapply: config file and precedence, `check`, `status`, metrics, JSON logs.
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpListener;
+
+use common::{run_with_deadline, spawn, stderr, wait_for, TestDb};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+
+fn pgapply() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.kill_on_drop(true);
+    cmd
+}
+
+fn write_config(text: &str) -> tempfile_path::Path {
+    tempfile_path::Path::new(text)
+}
+
+/// A config file in the temp directory, removed on drop.
+mod tempfile_path {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    pub struct Path(pub std::path::PathBuf);
+    impl Path {
+        pub fn new(text: &str) -> Path {
+            static N: AtomicUsize = AtomicUsize::new(0);
+            let p = std::env::temp_dir().join(format!(
+                "pgapply-config-{}-{}.toml",
+                std::process::id(),
+                N.fetch_add(1, Ordering::SeqCst)
+            ));
+            let mut f = std::fs::File::create(&p).unwrap();
+            std::io::Write::write_all(&mut f, text.as_bytes()).unwrap();
+            Path(p)
+        }
+        pub fn arg(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+    impl Drop for Path {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_file_and_precedence() {
+    let db = TestDb::new("cfg").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1), (2)").await;
+    let endpos = db.source_wal().await;
+    // The file names a wrong slot and publication; the environment fixes the publication and a
+    // flag fixes the slot: flag > environment > file.
+    let config = write_config(&format!(
+        "source = \"{}\"\ntarget = \"{}\"\nslot = \"wrong_slot\"\npublications = [\"wrong_pub\"]\nstatus_interval = \"1s\"\n\n[retry]\nmin = \"100ms\"\nmax = \"1s\"\n",
+        db.source_conninfo(),
+        db.target_conninfo()
+    ));
+    let mut cmd = pgapply();
+    cmd.arg("run")
+        .arg("--config")
+        .arg(config.arg())
+        .args(["--slot", &db.slot(), "--endpos", &endpos])
+        .env("PGAPPLY_SLOT", "also_wrong")
+        .env("PGAPPLY_PUBLICATION", "p");
+    let out = run_with_deadline(cmd, 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("t").await;
+
+    // A typo is an error naming the key and the line.
+    let bad = write_config("slot = \"s\"\nstatus_intervall = \"1s\"\n");
+    let mut cmd = pgapply();
+    cmd.arg("run").arg("--config").arg(bad.arg());
+    let out = run_with_deadline(cmd, 30).await;
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("status_intervall") && err.contains("line 2"),
+        "{err}"
+    );
+
+    // A bad duration names the value.
+    let bad = write_config("status_interval = \"soon\"\n");
+    let mut cmd = pgapply();
+    cmd.arg("run").arg("--config").arg(bad.arg());
+    let out = run_with_deadline(cmd, 30).await;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("invalid duration \"soon\""),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_name_mapping() {
+    let db = TestDb::new("tmap").await;
+    db.source_sql("CREATE TABLE src_t (id int PRIMARY KEY, v text)")
+        .await;
+    db.target_sql(
+        "CREATE SCHEMA archive; CREATE TABLE archive.\"Dst T\" (id int PRIMARY KEY, v text)",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE src_t").await;
+    db.source_sql(
+        "INSERT INTO src_t VALUES (1, 'a'), (2, 'b'); UPDATE src_t SET v = 'c' WHERE id = 1;",
+    )
+    .await;
+    let config = write_config("[tables.\"public.src_t\"]\ntarget = 'archive.\"Dst T\"'\n");
+    let endpos = db.source_wal().await;
+    let mut cmd = db.pgapply("p", &["--endpos", &endpos]);
+    cmd.arg("--config").arg(config.arg());
+    let out = run_with_deadline(cmd, 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows = db
+        .count(
+            &db.target,
+            "SELECT count(*) FROM archive.\"Dst T\" WHERE v IN ('c', 'b')",
+        )
+        .await;
+    assert_eq!(rows, 2);
+}
+
+async fn http_get(port: u16, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect metrics");
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(-1.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_metrics_move_with_the_workload() {
+    let db = TestDb::new("obs").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v int)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = spawn(db.pgapply("p", &["--metrics-addr", &addr]));
+    wait_for("metrics endpoint", 30, || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    })
+    .await;
+    assert!(http_get(port, "/healthz").await.ends_with("ok\n"));
+    let before = http_get(port, "/metrics").await;
+    assert_eq!(
+        metric(&before, "pgapply_transactions_total"),
+        0.0,
+        "{before}"
+    );
+    for i in 0..20 {
+        db.source_sql(&format!(
+            "INSERT INTO t VALUES ({i}, {i}); UPDATE t SET v = v + 1 WHERE id = {i};"
+        ))
+        .await;
+    }
+    wait_for("metrics to count 20 transactions", 60, || async {
+        let m = http_get(port, "/metrics").await;
+        metric(&m, "pgapply_transactions_total") >= 20.0
+            && m.contains("pgapply_rows_total{operation=\"insert\"} 20")
+            && metric(&m, "pgapply_flushed_lsn") > 0.0
+    })
+    .await;
+    let m = http_get(port, "/metrics").await;
+    assert!(
+        m.contains("# TYPE pgapply_apply_latency_seconds histogram"),
+        "{m}"
+    );
+    // status reads the heartbeat the worker writes every status interval.
+    wait_for("status to show the transactions", 30, || async {
+        let out = run_with_deadline(
+            {
+                let mut c = pgapply();
+                c.args([
+                    "status",
+                    "--json",
+                    "--target",
+                    &db.target_conninfo(),
+                    "--source",
+                    &db.source_conninfo(),
+                ]);
+                c
+            },
+            30,
+        )
+        .await;
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&out.stdout) else {
+            return false;
+        };
+        let s = &v[0];
+        s["slot"] == db.slot().as_str()
+            && s["state"] == "streaming"
+            && s["transactions"].as_i64() >= Some(20)
+            && s["inserts"].as_i64() == Some(20)
+            && s["lag_bytes"].as_i64().is_some()
+    })
+    .await;
+    let out = run_with_deadline(
+        {
+            let mut c = pgapply();
+            c.args(["status", "--target", &db.target_conninfo()]);
+            c
+        },
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("slot {}: streaming", db.slot())),
+        "{text}"
+    );
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(child.wait().await.unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_log_lines_parse() {
+    let db = TestDb::new("jsonlog").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--log-format", "json"]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let err = stderr(&out);
+    let mut lines = 0;
+    for line in err.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(v["level"].is_string() && v["message"].is_string(), "{line}");
+        lines += 1;
+    }
+    assert!(lines >= 2);
+    assert!(err.contains("\"slot\":\""), "structured fields: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_lists_every_problem() {
+    let db = TestDb::new("check").await;
+    db.source_sql(
+        "CREATE TABLE keyless (a int, b text); \
+         CREATE TABLE only_source (id int PRIMARY KEY); \
+         CREATE TABLE cols (id int PRIMARY KEY, extra text, n int); \
+         CREATE TABLE good (id int PRIMARY KEY, v text);",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE keyless (a int, b text); CREATE TABLE cols (id int PRIMARY KEY, n point); \
+         CREATE TABLE good (id int PRIMARY KEY, v varchar(20));",
+    )
+    .await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE keyless, only_source, cols, good")
+        .await;
+    let out = run_with_deadline(
+        db.pgapply("p,missing_pub", &["--check-only-placeholder"]),
+        30,
+    )
+    .await;
+    // Unknown flag: clap refuses with exit 2 (keeps the command line honest).
+    assert_eq!(out.status.code(), Some(2));
+
+    let mut cmd = pgapply();
+    cmd.args([
+        "check",
+        "--source",
+        &db.source_conninfo(),
+        "--target",
+        &db.target_conninfo(),
+    ])
+    .args(["--publication", "p,missing_pub", "--slot", &db.slot()]);
+    let out = run_with_deadline(cmd, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    for expected in [
+        "publication \"missing_pub\" does not exist",
+        &format!("replication slot \"{}\" does not exist", db.slot()),
+        "table \"public\".\"keyless\" has no primary key",
+        "table \"public\".\"only_source\" does not exist on the target",
+        "column \"extra\" of \"public\".\"cols\" is published but missing",
+        "column \"n\" of \"public\".\"cols\" is integer on the source but point on the target",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+    assert!(
+        text.contains("ok       table \"public\".\"good\" matches"),
+        "{text}"
+    );
+
+    // All fixed: no problems.
+    db.target_sql(
+        "DROP TABLE keyless, cols; CREATE TABLE cols (id int PRIMARY KEY, extra text, n bigint);",
+    )
+    .await;
+    db.source_sql("DROP PUBLICATION p; CREATE PUBLICATION p FOR TABLE cols, good")
+        .await;
+    let mut cmd = pgapply();
+    cmd.args([
+        "check",
+        "--source",
+        &db.source_conninfo(),
+        "--target",
+        &db.target_conninfo(),
+    ])
+    .args(["--publication", "p", "--slot", &db.slot(), "--create-slot"]);
+    let out = run_with_deadline(cmd, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(text.contains("no problems found"), "{text}");
+    let _ = std::io::stdout().flush();
+}
