@@ -69,7 +69,7 @@ async fn table_missing_on_target() {
     db.source_sql("INSERT INTO only_here VALUES (1)").await;
     expect_failure(
         db.pgapply("p", &[]),
-        &["\"public\".\"only_here\"", "does not exist on the target"],
+        &["\"public\".\"only_here\"", "does not exist", "create it on the target"],
     )
     .await;
 }
