@@ -100,12 +100,27 @@ pub struct RunArgs {
     /// Exit 0 once every transaction committed before this LSN is applied.
     #[arg(long, value_name = "LSN", env = "PGAPPLY_ENDPOS")]
     pub endpos: Option<String>,
-    /// Stream large in-progress transactions (not available yet: off only).
+    /// Receive large transactions while they run (PostgreSQL 14+), spooled until they commit
+    /// [default: on for a 14+ source, else off].
     #[arg(long, value_enum, env = "PGAPPLY_STREAMING")]
     pub streaming: Option<Streaming>,
-    /// Replicate prepared transactions (not available yet).
+    /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).
     #[arg(long, env = "PGAPPLY_TWO_PHASE")]
     pub two_phase: bool,
+    /// Receive values in binary form when every published column has the same built-in type on
+    /// both sides and both run the same major version (PostgreSQL 14+); text otherwise.
+    #[arg(long, env = "PGAPPLY_BINARY")]
+    pub binary: bool,
+    /// Receive logical decoding messages (pg_logical_emit_message) and log them (PostgreSQL 14+).
+    #[arg(long, env = "PGAPPLY_MESSAGES")]
+    pub messages: bool,
+    /// `none`: only changes made on the source itself, not ones it replicated from elsewhere
+    /// (loop prevention, PostgreSQL 16+) [default: any].
+    #[arg(long, env = "PGAPPLY_ORIGIN", value_name = "any|none")]
+    pub origin: Option<String>,
+    /// Directory for spooled streamed transactions [default: the temp directory].
+    #[arg(long, env = "PGAPPLY_SPOOL_DIR")]
+    pub spool_dir: Option<PathBuf>,
     /// Target connections applying transactions (1 for now).
     #[arg(long, env = "PGAPPLY_APPLY_WORKERS")]
     pub apply_workers: Option<usize>,

@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer};
 
 use crate::cli::{LogFormat, RunArgs, Streaming};
+
 use crate::conninfo;
 use crate::error::{Error, Result};
 use crate::replicate::RunConfig;
@@ -62,6 +63,10 @@ pub struct FileConfig {
     pub truncate_target: Option<bool>,
     pub streaming: Option<Streaming>,
     pub two_phase: Option<bool>,
+    pub binary: Option<bool>,
+    pub messages: Option<bool>,
+    pub origin: Option<String>,
+    pub spool_dir: Option<PathBuf>,
     pub apply_workers: Option<usize>,
     #[serde(default, deserialize_with = "duration")]
     pub status_interval: Option<Duration>,
@@ -223,17 +228,22 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
                 .map_err(|e| Error::definite(format!("--endpos: {e}")))?,
         );
     }
-    let streaming = args.streaming.or(file.streaming).unwrap_or(Streaming::Off);
-    if streaming != Streaming::Off {
-        return Err(Error::definite(
-            "--streaming on/parallel is not available in this version yet; use --streaming off (large transactions are applied at commit)",
-        ));
-    }
-    if args.two_phase || file.two_phase.unwrap_or(false) {
-        return Err(Error::definite(
-            "--two-phase is not available in this version yet; prepared transactions are applied when they commit",
-        ));
-    }
+    config.requested = crate::source::options::Requested {
+        streaming: args.streaming.or(file.streaming),
+        two_phase: args.two_phase || file.two_phase.unwrap_or(false),
+        binary: args.binary || file.binary.unwrap_or(false),
+        messages: args.messages || file.messages.unwrap_or(false),
+        origin_none: match args.origin.clone().or_else(|| file.origin.clone()).as_deref() {
+            None | Some("any") => false,
+            Some("none") => true,
+            Some(other) => {
+                return Err(Error::definite(format!(
+                    "origin {other:?}: use \"any\" (every change) or \"none\" (only changes made on the source itself)"
+                )))
+            }
+        },
+    };
+    config.spool_dir = args.spool_dir.clone().or_else(|| file.spool_dir.clone());
     if args.apply_workers.or(file.apply_workers).unwrap_or(1) > 1 {
         return Err(Error::definite(
             "apply_workers > 1 is not available in this version yet; use 1",

@@ -22,14 +22,15 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use tokio_postgres::NoTls;
 
 use crate::apply::applier::{ApplyStats, Envelope};
-use crate::apply::{Applier, ApplySettings, ProgressMode, ProgressStore};
+use crate::apply::{Applier, ApplierOptions, ApplySettings, ProgressMode, ProgressStore};
 use crate::conninfo;
 use crate::copy::{self, CopySettings, CopyStatus};
 use crate::error::{Error, Result};
 use crate::metrics::METRICS;
 use crate::protocol::pgoutput::LogicalMessage;
 use crate::protocol::{Lsn, MessageDecoder, ReplicationFrame};
-use crate::source::{protocol_version_for, ReplicationSession, ReplicationStream};
+use crate::source::options::{negotiate, Requested};
+use crate::source::{ReplicationSession, ReplicationStream};
 
 #[derive(Debug, Clone)]
 pub struct RunConfig {
@@ -51,6 +52,10 @@ pub struct RunConfig {
     pub copy: CopySettings,
     /// Source table -> target table, where they differ.
     pub table_map: crate::config::TableMap,
+    /// Streaming, two-phase, binary, messages, origin: as asked; negotiated per server.
+    pub requested: Requested,
+    /// Where streamed transactions are spooled (default: a directory under the temp dir).
+    pub spool_dir: Option<std::path::PathBuf>,
 }
 
 impl RunConfig {
@@ -74,6 +79,8 @@ impl RunConfig {
             copy_data: false,
             copy: CopySettings::default(),
             table_map: Default::default(),
+            requested: Requested::default(),
+            spool_dir: None,
         }
     }
 }
@@ -140,6 +147,13 @@ pub async fn run(
         .map_err(|e| e.context(format!("source {}", conninfo::describe(&config.source))))?;
     let identity = session.identify_system().await?;
     session.check_publications(&config.publications).await?;
+    let mut negotiated = negotiate(session.server_version(), &config.requested)?;
+    if negotiated.binary {
+        if let Some(reason) = binary_unsafe(&config, session.server_version()).await? {
+            tracing::info!(reason = %reason, "binary transfer off: values are sent as text");
+            negotiated.binary = false;
+        }
+    }
 
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
@@ -159,7 +173,9 @@ pub async fn run(
         if copy_status == CopyStatus::Incomplete {
             copy::reset_interrupted(&setup, &config.slot, &config.table_map).await?;
         }
-        let snapshot = session.create_slot_with_snapshot(&config.slot).await?;
+        let snapshot = session
+            .create_slot_with_snapshot(&config.slot, negotiated.two_phase)
+            .await?;
         copy::copy_tables(
             &config.source,
             &pool,
@@ -184,17 +200,25 @@ pub async fn run(
             )));
         }
         session
-            .ensure_slot(&config.slot, config.create_slot, &identity.database)
+            .ensure_slot(
+                &config.slot,
+                config.create_slot,
+                &identity.database,
+                negotiated.two_phase,
+            )
             .await?;
     }
     drop(setup);
-    let protocol_version = protocol_version_for(session.server_version());
+    tracing::info!(
+        negotiated = %negotiated.describe(),
+        "replication options for this source"
+    );
     tracing::info!(
         source = %conninfo::describe(&config.source),
         target = %conninfo::describe(&config.target),
         slot = %config.slot,
         server_version = session.server_version(),
-        protocol_version,
+        protocol_version = negotiated.protocol_version,
         progress = match &store.mode { ProgressMode::Origin { .. } => "replication origin", ProgressMode::Table => "pgapply.progress table" },
         resume_lsn = %resume,
         "starting replication"
@@ -219,10 +243,18 @@ pub async fn run(
         config.apply.clone(),
         applied_tx,
         Arc::new(config.table_map.clone()),
+        ApplierOptions {
+            slot: config.slot.clone(),
+            two_phase: negotiated.two_phase,
+            log_messages: negotiated.messages,
+            spool_dir: config.spool_dir.clone().unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("pgapply-spool-{}", config.slot))
+            }),
+        },
     )
     .await?;
     let mut stream = session
-        .start(&config.slot, resume, protocol_version, &config.publications)
+        .start(&config.slot, resume, &negotiated, &config.publications)
         .await?;
 
     let (durable_tx, durable_rx) = watch::channel(resume);
@@ -254,7 +286,7 @@ pub async fn run(
         tx: Some(tx),
         budget: Arc::new(Semaphore::new(config.queue_bytes)),
         queue_bytes: config.queue_bytes,
-        decoder: MessageDecoder::new(false),
+        decoder: MessageDecoder::new(negotiated.abort_info()),
         durable: durable_rx.clone(),
         applier_done: applier_done_rx,
         in_transaction: false,
@@ -314,6 +346,74 @@ pub async fn run(
         flushed,
         stats: applier.stats.clone(),
     })
+}
+
+/// Why binary transfer cannot be used for these publications, if it cannot: every published
+/// column must have a built-in type (whose binary format does not embed cluster-specific OIDs),
+/// the same type on the target, and both servers the same major version.
+async fn binary_unsafe(config: &RunConfig, source_version: u32) -> Result<Option<String>> {
+    let (source, connection) = config
+        .source
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(|e| Error::postgres("connecting to the source", e))?;
+    tokio::spawn(connection);
+    let (target, connection) = config
+        .target
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(|e| Error::postgres("connecting to the target", e))?;
+    tokio::spawn(connection);
+    let target_version: i32 = target
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(|e| Error::postgres("reading the target's version", e))?
+        .get(0);
+    if target_version as u32 / 10000 != source_version / 10000 {
+        return Ok(Some(format!(
+            "source and target run different major versions ({} and {})",
+            source_version / 10000,
+            target_version / 10000
+        )));
+    }
+    let tables = copy::published_tables(&source, &config.publications, &config.table_map).await?;
+    for table in &tables {
+        let rows = source
+            .query(
+                "SELECT a.attname::text, a.atttypid < 10000 FROM pg_attribute a                  WHERE a.attrelid = $1::text::regclass AND a.attnum > 0 AND NOT a.attisdropped",
+                &[&table.qualified()],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading published column types on the source", e))?;
+        for row in rows {
+            if !row.get::<_, bool>(1) {
+                return Ok(Some(format!(
+                    "column {} of {} has a user-defined type",
+                    crate::sql::quote_ident(&row.get::<_, String>(0)),
+                    table.qualified()
+                )));
+            }
+        }
+        for (column, source_type) in &table.columns {
+            let target_type: Option<String> = target
+                .query_opt(
+                    "SELECT pg_catalog.format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2",
+                    &[&table.target_qualified(), column],
+                )
+                .await
+                .map_err(|e| Error::postgres("reading column types on the target", e))?
+                .map(|r| r.get(0));
+            if target_type.as_deref() != Some(source_type.as_str()) {
+                return Ok(Some(format!(
+                    "column {} of {} has type {source_type} on the source and {} on the target",
+                    crate::sql::quote_ident(column),
+                    table.qualified(),
+                    target_type.as_deref().unwrap_or("none")
+                )));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// Counters already added to `pgapply.progress` by this process.
@@ -570,31 +670,68 @@ impl Reader<'_> {
             } => {
                 self.received = self.received.max(wal_start);
                 let size = data.len();
+                let raw = data.clone();
                 let message = self.decoder.decode(data).map_err(|e| {
                     Error::definite(format!(
                         "source {} sent a message at {wal_start} that pgapply cannot decode: {e}",
                         self.stream.endpoint()
                     ))
                 })?;
+                let endpos = self.endpos;
+                let reached = |lsn: Lsn| endpos.is_some_and(|e| lsn >= e);
                 let mut stop_after = false;
                 match &message {
                     LogicalMessage::Begin(b) => {
-                        if let Some(endpos) = self.endpos {
-                            if b.final_lsn >= endpos {
-                                return Ok(Step::Stop(StopReason::EndPosition));
-                            }
+                        if reached(b.final_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.in_transaction = true;
+                    }
+                    LogicalMessage::BeginPrepare(b) => {
+                        if reached(b.prepare_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.in_transaction = true;
                     }
                     LogicalMessage::Commit(c) => {
                         self.in_transaction = false;
                         self.forwarded_end = c.end_lsn;
-                        self.received = self.received.max(c.end_lsn);
-                        stop_after = self.endpos.is_some_and(|e| c.end_lsn >= e);
+                        stop_after = reached(c.end_lsn);
+                    }
+                    LogicalMessage::Prepare(p) => {
+                        self.in_transaction = false;
+                        self.forwarded_end = p.end_lsn;
+                        stop_after = reached(p.end_lsn);
+                    }
+                    LogicalMessage::StreamCommit(c) => {
+                        if reached(c.commit_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.forwarded_end = c.end_lsn;
+                        stop_after = reached(c.end_lsn);
+                    }
+                    LogicalMessage::StreamPrepare(p) => {
+                        if reached(p.prepare_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.forwarded_end = p.end_lsn;
+                        stop_after = reached(p.end_lsn);
+                    }
+                    LogicalMessage::CommitPrepared(c) => {
+                        if reached(c.commit_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.forwarded_end = c.end_lsn;
+                        stop_after = reached(c.end_lsn);
+                    }
+                    LogicalMessage::RollbackPrepared(r) => {
+                        self.forwarded_end = r.rollback_end_lsn;
+                        stop_after = reached(r.rollback_end_lsn);
                     }
                     _ => {}
                 }
-                self.forward(message, size).await?;
+                self.received = self.received.max(self.forwarded_end);
+                self.forward(message, raw, size).await?;
                 if stop_after {
                     return Ok(Step::Stop(StopReason::EndPosition));
                 }
@@ -605,7 +742,12 @@ impl Reader<'_> {
 
     /// Hands a message to the applier, waiting while the queue is over its byte budget; status
     /// updates keep going meanwhile so the source does not time us out.
-    async fn forward(&mut self, message: LogicalMessage, size: usize) -> Result<()> {
+    async fn forward(
+        &mut self,
+        message: LogicalMessage,
+        raw: bytes::Bytes,
+        size: usize,
+    ) -> Result<()> {
         let cost = size.clamp(1, self.queue_bytes) as u32;
         let permit = match self.budget.clone().try_acquire_many_owned(cost) {
             Ok(permit) => permit,
@@ -618,6 +760,7 @@ impl Reader<'_> {
             // A closed channel means the applier stopped; the caller reports why.
             let _ = tx.send(Envelope {
                 message,
+                raw,
                 permit: Some(permit),
             });
         }

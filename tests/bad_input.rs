@@ -69,7 +69,11 @@ async fn table_missing_on_target() {
     db.source_sql("INSERT INTO only_here VALUES (1)").await;
     expect_failure(
         db.pgapply("p", &[]),
-        &["\"public\".\"only_here\"", "does not exist", "create it on the target"],
+        &[
+            "\"public\".\"only_here\"",
+            "does not exist",
+            "create it on the target",
+        ],
     )
     .await;
 }
@@ -153,13 +157,38 @@ async fn password_from_environment_and_scram() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streaming_and_two_phase_refused_for_now() {
+async fn features_the_source_lacks_and_bad_values_are_refused() {
     let db = TestDb::new("refused").await;
-    expect_failure(db.pgapply("p", &["--streaming", "on"]), &["--streaming"]).await;
-    expect_failure(db.pgapply("p", &["--two-phase"]), &["--two-phase"]).await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let version: i32 = db
+        .source
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap()
+        .get(0);
+    if version < 160000 {
+        expect_failure(
+            db.pgapply("p", &["--streaming", "parallel"]),
+            &["--streaming parallel needs a PostgreSQL 16"],
+        )
+        .await;
+    }
+    if version < 150000 {
+        expect_failure(
+            db.pgapply("p", &["--two-phase"]),
+            &["--two-phase needs a PostgreSQL 15"],
+        )
+        .await;
+    }
     expect_failure(
         db.pgapply("p", &["--endpos", "zz"]),
         &["--endpos", "invalid LSN"],
+    )
+    .await;
+    expect_failure(
+        db.pgapply("p", &["--origin", "sometimes"]),
+        &["origin \"sometimes\""],
     )
     .await;
 }

@@ -8,11 +8,12 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tokio_postgres::{Client, Statement};
 
 use super::progress::ProgressStore;
+use super::spool::Spool;
 use super::statement::{build_sql, ColumnSet, Operation, RowMatch, Shape, WireValue};
 use crate::error::{describe_postgres, Error, Result};
 use crate::metrics::METRICS;
 use crate::protocol::pgoutput::{
-    Begin, Commit, Delete, Insert, LogicalMessage, Oid, OldRow, Truncate, Update,
+    Begin, Commit, Delete, Insert, LogicalMessage, Oid, OldRow, Truncate, Update, Xid,
 };
 use crate::protocol::{Lsn, PgTimestamp, Tuple, Value};
 use crate::relation::{RelationCache, RelationEntry};
@@ -22,6 +23,8 @@ use crate::sql::quote_ident;
 /// message's bytes against the queue's byte budget until the applier is done with it.
 pub struct Envelope {
     pub message: LogicalMessage,
+    /// The message's bytes as received: what streamed transactions spool.
+    pub raw: bytes::Bytes,
     pub permit: Option<OwnedSemaphorePermit>,
 }
 
@@ -153,6 +156,23 @@ pub struct Applier {
     current: Option<SourceTransaction>,
     applied: watch::Sender<Lsn>,
     pub stats: ApplyStats,
+    /// Streamed transactions waiting for their Stream Commit.
+    spool: Spool,
+    /// The streamed transaction whose block is being received (Stream Start .. Stop).
+    streaming: Option<Xid>,
+    /// The slot, for the names of prepared transactions.
+    slot: String,
+    /// Log logical decoding messages at info level (`--messages`).
+    log_messages: bool,
+}
+
+/// What the session negotiated that the applier needs to know.
+#[derive(Debug, Clone)]
+pub struct ApplierOptions {
+    pub slot: String,
+    pub two_phase: bool,
+    pub log_messages: bool,
+    pub spool_dir: std::path::PathBuf,
 }
 
 impl Applier {
@@ -164,8 +184,26 @@ impl Applier {
         settings: ApplySettings,
         applied: watch::Sender<Lsn>,
         table_map: Arc<crate::config::TableMap>,
+        options: ApplierOptions,
     ) -> Result<Self> {
         progress.setup_session(&client).await?;
+        if options.two_phase {
+            let row = client
+                .query_one(
+                    "SELECT current_setting('max_prepared_transactions')::int",
+                    &[],
+                )
+                .await
+                .map_err(|e| {
+                    Error::postgres("reading max_prepared_transactions on the target", e)
+                })?;
+            if row.get::<_, i32>(0) == 0 {
+                return Err(Error::definite(
+                    "--two-phase needs prepared transactions on the target, but its max_prepared_transactions is 0: set it above 0 in postgresql.conf and restart the target",
+                ));
+            }
+        }
+        let spool = Spool::open(options.spool_dir.clone())?;
         client
             .batch_execute(
                 "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; \
@@ -202,6 +240,10 @@ impl Applier {
             current: None,
             applied,
             stats: ApplyStats::default(),
+            spool,
+            streaming: None,
+            slot: options.slot,
+            log_messages: options.log_messages,
         })
     }
 
@@ -217,8 +259,11 @@ impl Applier {
     /// closes is rolled back on the target; complete ones are committed.
     pub async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
         while let Some(envelope) = rx.recv().await {
-            let is_commit = matches!(envelope.message, LogicalMessage::Commit(_));
-            self.handle(envelope.message).await?;
+            let is_commit = matches!(
+                envelope.message,
+                LogicalMessage::Commit(_) | LogicalMessage::StreamCommit(_)
+            );
+            self.dispatch(envelope.message, envelope.raw).await?;
             drop(envelope.permit);
             if is_commit && self.group_should_close(rx.is_empty()) {
                 self.commit_group().await?;
@@ -229,6 +274,264 @@ impl Applier {
         } else if self.group.is_some() {
             self.commit_group().await?;
         }
+        Ok(())
+    }
+
+    /// Routes a message: inside a streamed block it is spooled; stream and two-phase control
+    /// messages are handled here; everything else is applied.
+    async fn dispatch(&mut self, message: LogicalMessage, raw: bytes::Bytes) -> Result<()> {
+        match message {
+            LogicalMessage::StreamStart(s) => {
+                self.spool.start(s.xid, s.first_segment);
+                self.streaming = Some(s.xid);
+                Ok(())
+            }
+            LogicalMessage::StreamStop => {
+                self.streaming = None;
+                Ok(())
+            }
+            LogicalMessage::StreamAbort(a) => {
+                tracing::debug!(
+                    xid = a.xid,
+                    subxid = a.subxid,
+                    "streamed transaction aborted"
+                );
+                self.spool.abort(a.xid, a.subxid)
+            }
+            LogicalMessage::StreamCommit(c) => self.stream_commit(c).await,
+            LogicalMessage::BeginPrepare(b) => self.begin_prepare(b).await,
+            LogicalMessage::Prepare(p) => self.prepare(p).await,
+            LogicalMessage::StreamPrepare(p) => self.stream_prepare(p).await,
+            LogicalMessage::CommitPrepared(c) => {
+                self.finish_prepared(c.xid, &c.gid, c.end_lsn, c.commit_time, true)
+                    .await
+            }
+            LogicalMessage::RollbackPrepared(r) => {
+                self.finish_prepared(r.xid, &r.gid, r.rollback_end_lsn, r.rollback_time, false)
+                    .await
+            }
+            // A non-transactional message is sent at once, outside any block.
+            LogicalMessage::Message(m) if !m.transactional() => {
+                self.handle(LogicalMessage::Message(m)).await
+            }
+            message => match self.streaming {
+                Some(xid) => {
+                    let subxid = streamed_xid(&message);
+                    self.spool.append(xid, subxid, raw)
+                }
+                None => self.handle(message).await,
+            },
+        }
+    }
+
+    /// Applies a committed streamed transaction from the spool, as one source transaction.
+    async fn stream_commit(&mut self, c: crate::protocol::pgoutput::StreamCommit) -> Result<()> {
+        self.begin(Begin {
+            final_lsn: c.commit_lsn,
+            commit_time: c.commit_time,
+            xid: c.xid,
+        })?;
+        self.replay_spool(c.xid).await?;
+        self.on_commit(Commit {
+            flags: c.flags,
+            commit_lsn: c.commit_lsn,
+            end_lsn: c.end_lsn,
+            commit_time: c.commit_time,
+        })
+    }
+
+    async fn replay_spool(&mut self, xid: Xid) -> Result<()> {
+        let mut replay = self.spool.take(xid)?;
+        let context = crate::protocol::pgoutput::Context {
+            in_stream_block: true,
+            abort_info: false,
+        };
+        let mut count = 0u64;
+        while let Some(raw) = replay.next_message()? {
+            let message = crate::protocol::pgoutput::decode(raw, context).map_err(|e| {
+                Error::definite(format!("replaying streamed transaction {xid}: {e}"))
+            })?;
+            self.handle(message).await?;
+            count += 1;
+        }
+        tracing::debug!(xid, messages = count, "replayed streamed transaction");
+        Ok(())
+    }
+
+    /// The name of the target's prepared transaction for a source transaction.
+    fn gid(&self, xid: Xid) -> String {
+        format!("pgapply_{}_{}", self.slot, xid)
+    }
+
+    async fn prepared_exists(&self, gid: &str) -> Result<bool> {
+        let row = self
+            .catalog
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_prepared_xacts WHERE gid = $1)",
+                &[&gid],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading pg_prepared_xacts on the target", e))?;
+        Ok(row.get(0))
+    }
+
+    /// Begin Prepare: a transaction of its own (never grouped), ended by PREPARE TRANSACTION.
+    async fn begin_prepare(&mut self, b: crate::protocol::pgoutput::BeginPrepare) -> Result<()> {
+        self.commit_group().await?;
+        let gid = self.gid(b.xid);
+        self.begin(Begin {
+            final_lsn: b.prepare_lsn,
+            commit_time: b.prepare_time,
+            xid: b.xid,
+        })?;
+        // Prepared before a restart: it survives on the target, so it is not applied again.
+        if self.prepared_exists(&gid).await? {
+            tracing::info!(gid = %gid, source_gid = %b.gid, "transaction already prepared on the target");
+            if let Some(t) = &mut self.current {
+                t.skip = true;
+            }
+            self.pending.clear();
+            self.group = None;
+        }
+        Ok(())
+    }
+
+    async fn prepare(&mut self, p: crate::protocol::pgoutput::Prepare) -> Result<()> {
+        let Some(txn) = self.current.take() else {
+            return Err(Error::definite(format!(
+                "the source sent Prepare {} without Begin Prepare; this is a protocol error",
+                p.gid
+            )));
+        };
+        if txn.skip {
+            return Ok(());
+        }
+        self.prepare_group(p.xid, p.end_lsn, p.prepare_time).await
+    }
+
+    async fn stream_prepare(&mut self, p: crate::protocol::pgoutput::Prepare) -> Result<()> {
+        self.commit_group().await?;
+        let gid = self.gid(p.xid);
+        let already = self.prepared_exists(&gid).await?;
+        self.begin(Begin {
+            final_lsn: p.prepare_lsn,
+            commit_time: p.prepare_time,
+            xid: p.xid,
+        })?;
+        let skip = already || self.current.as_ref().is_some_and(|t| t.skip);
+        if skip {
+            self.spool.discard(p.xid);
+            self.current = None;
+            self.pending.clear();
+            self.group = None;
+            return Ok(());
+        }
+        self.replay_spool(p.xid).await?;
+        self.current = None;
+        self.prepare_group(p.xid, p.end_lsn, p.prepare_time).await
+    }
+
+    /// Ends the open group with PREPARE TRANSACTION instead of COMMIT.
+    async fn prepare_group(&mut self, xid: Xid, end_lsn: Lsn, time: PgTimestamp) -> Result<()> {
+        let gid = self.gid(xid);
+        self.pending.push(Pending {
+            statement: self.record.clone(),
+            params: vec![
+                WireValue::Text(end_lsn.to_string().into()),
+                WireValue::Text(time.to_rfc3339().into()),
+            ],
+            about: None,
+        });
+        self.send_pipeline().await?;
+        self.client
+            .batch_execute(&format!(
+                "PREPARE TRANSACTION {}",
+                crate::sql::quote_literal(&gid)
+            ))
+            .await
+            .map_err(|e| {
+                Error::postgres(format!("preparing transaction {gid} on the target"), e)
+            })?;
+        self.group = None;
+        tracing::debug!(gid = %gid, %end_lsn, "prepared");
+        self.applied.send_replace(end_lsn);
+        self.resume = self.resume.max(end_lsn);
+        Ok(())
+    }
+
+    /// COMMIT PREPARED or ROLLBACK PREPARED, recording the position.
+    async fn finish_prepared(
+        &mut self,
+        xid: Xid,
+        source_gid: &str,
+        end_lsn: Lsn,
+        time: PgTimestamp,
+        commit: bool,
+    ) -> Result<()> {
+        self.commit_group().await?;
+        let gid = self.gid(xid);
+        let verb = if commit {
+            "COMMIT PREPARED"
+        } else {
+            "ROLLBACK PREPARED"
+        };
+        if !self.prepared_exists(&gid).await? {
+            if !(self.resume.is_valid() && end_lsn <= self.resume) {
+                tracing::warn!(gid = %gid, source_gid, "{verb}: the transaction is not prepared on the target; assuming it was finished before a restart");
+            }
+            return Ok(());
+        }
+        let lsn = end_lsn.to_string();
+        let at = time.to_rfc3339();
+        let finish = format!("{verb} {}", crate::sql::quote_literal(&gid));
+        match &self.progress.mode {
+            // The session's origin position is taken by the COMMIT/ROLLBACK PREPARED record.
+            super::progress::ProgressMode::Origin { .. } => {
+                self.client
+                    .execute(
+                        &self.record,
+                        &[
+                            &WireValue::Text(lsn.clone().into()),
+                            &WireValue::Text(at.clone().into()),
+                        ],
+                    )
+                    .await
+                    .map_err(|e| Error::postgres("recording the position on the target", e))?;
+                self.client
+                    .batch_execute(&finish)
+                    .await
+                    .map_err(|e| Error::postgres(format!("{verb} {gid} on the target"), e))?;
+            }
+            super::progress::ProgressMode::Table => {
+                self.client
+                    .batch_execute(&finish)
+                    .await
+                    .map_err(|e| Error::postgres(format!("{verb} {gid} on the target"), e))?;
+                self.client
+                    .batch_execute("BEGIN")
+                    .await
+                    .map_err(|e| Error::postgres("recording the position on the target", e))?;
+                self.client
+                    .execute(
+                        &self.record,
+                        &[&WireValue::Text(lsn.into()), &WireValue::Text(at.into())],
+                    )
+                    .await
+                    .map_err(|e| Error::postgres("recording the position on the target", e))?;
+                self.client
+                    .batch_execute("COMMIT")
+                    .await
+                    .map_err(|e| Error::postgres("recording the position on the target", e))?;
+            }
+        }
+        tracing::debug!(gid = %gid, %end_lsn, "{verb}");
+        if commit {
+            self.stats.transactions += 1;
+            METRICS.transactions.inc();
+        }
+        METRICS.applied_lsn.set(end_lsn.0);
+        self.applied.send_replace(end_lsn);
+        self.resume = self.resume.max(end_lsn);
         Ok(())
     }
 
@@ -270,11 +573,16 @@ impl Applier {
                 Ok(())
             }
             LogicalMessage::Message(m) => {
-                tracing::debug!(prefix = %m.prefix, lsn = %m.lsn, transactional = m.transactional(), bytes = m.content.len(), "logical decoding message");
+                // The hook point for logical decoding messages: logged.
+                if self.log_messages {
+                    tracing::info!(prefix = %m.prefix, lsn = %m.lsn, transactional = m.transactional(), bytes = m.content.len(), "logical decoding message");
+                } else {
+                    tracing::debug!(prefix = %m.prefix, lsn = %m.lsn, transactional = m.transactional(), bytes = m.content.len(), "logical decoding message");
+                }
                 Ok(())
             }
             other => Err(Error::definite(format!(
-                "the source sent a {} message, but pgapply did not ask for streaming or two-phase transactions; this is a protocol error",
+                "the source sent a {} message where pgapply did not expect one; this is a protocol error",
                 other.name()
             ))),
         }
@@ -740,5 +1048,19 @@ impl Applier {
             }
         }
         self.current = None;
+    }
+}
+
+/// The Xid a change carries inside a streamed block (the subtransaction's, for its changes).
+fn streamed_xid(message: &LogicalMessage) -> Option<Xid> {
+    match message {
+        LogicalMessage::Relation(r) => r.xid,
+        LogicalMessage::Type(t) => t.xid,
+        LogicalMessage::Insert(i) => i.xid,
+        LogicalMessage::Update(u) => u.xid,
+        LogicalMessage::Delete(d) => d.xid,
+        LogicalMessage::Truncate(t) => t.xid,
+        LogicalMessage::Message(m) => m.xid,
+        _ => None,
     }
 }

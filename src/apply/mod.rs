@@ -12,5 +12,6 @@ pub mod applier;
 pub mod progress;
 pub mod statement;
 
-pub use applier::{Applier, ApplySettings};
+pub use applier::{Applier, ApplierOptions, ApplySettings};
 pub use progress::{ProgressMode, ProgressStore};
+pub mod spool;

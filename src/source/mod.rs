@@ -6,12 +6,13 @@
 //! standby status updates.
 
 pub mod connection;
+pub mod options;
 
 use bytes::BytesMut;
 
 use crate::error::{Error, Result};
 use crate::protocol::{Lsn, PgTimestamp, ReplicationFrame, StandbyStatusUpdate};
-use crate::sql::{quote_ident, quote_literal, quote_replication_literal};
+use crate::sql::{quote_ident, quote_literal};
 use connection::ReplicationConnection;
 
 /// What IDENTIFY_SYSTEM says about the source.
@@ -21,16 +22,6 @@ pub struct SystemIdentity {
     pub timeline: u32,
     pub wal_position: Lsn,
     pub database: String,
-}
-
-/// The pgoutput protocol version to ask for: the highest the server speaks.
-pub fn protocol_version_for(server_version: u32) -> u32 {
-    match server_version / 10000 {
-        v if v >= 16 => 4,
-        15 => 3,
-        14 => 2,
-        _ => 1,
-    }
 }
 
 /// A new slot's starting point and the snapshot that shows the data as of that point.
@@ -88,9 +79,20 @@ impl ReplicationSession {
 
     /// Checks the slot: it must exist (or be created with `create`), be logical, use pgoutput and
     /// belong to the connected database.
-    pub async fn ensure_slot(&mut self, slot: &str, create: bool, database: &str) -> Result<()> {
+    pub async fn ensure_slot(
+        &mut self,
+        slot: &str,
+        create: bool,
+        database: &str,
+        two_phase: bool,
+    ) -> Result<()> {
+        let two_phase_column = if self.conn.server_version >= 140000 {
+            "two_phase::text"
+        } else {
+            "'false'"
+        };
         let sql = format!(
-            "SELECT slot_type, plugin, database FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
+            "SELECT slot_type, plugin, database, {two_phase_column} AS two_phase FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
             quote_literal(slot)
         );
         let r = self.conn.simple_query(&sql).await?;
@@ -101,10 +103,17 @@ impl ReplicationSession {
                     self.conn.endpoint
                 )));
             }
-            let sql = format!(
-                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput NOEXPORT_SNAPSHOT",
-                quote_ident(slot)
-            );
+            let sql = if two_phase {
+                format!(
+                    "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (TWO_PHASE, SNAPSHOT 'nothing')",
+                    quote_ident(slot)
+                )
+            } else {
+                format!(
+                    "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput NOEXPORT_SNAPSHOT",
+                    quote_ident(slot)
+                )
+            };
             self.conn.simple_query(&sql).await.map_err(|e| {
                 e.context(format!("creating replication slot {slot:?} on the source"))
             })?;
@@ -124,6 +133,11 @@ impl ReplicationSession {
                 "replication slot {slot:?} belongs to database {slot_db:?}, but the source connection is to database {database:?}"
             )));
         }
+        if two_phase && r.first("two_phase") != Some("true") {
+            return Err(Error::definite(format!(
+                "replication slot {slot:?} was created without two-phase support, which --two-phase needs: drop it and let pgapply create it (--create-slot), or run without --two-phase"
+            )));
+        }
         Ok(())
     }
 
@@ -137,11 +151,22 @@ impl ReplicationSession {
 
     /// Creates the slot and exports the snapshot of its consistent point. The snapshot stays
     /// importable (SET TRANSACTION SNAPSHOT) until the next command on this session.
-    pub async fn create_slot_with_snapshot(&mut self, slot: &str) -> Result<ExportedSnapshot> {
-        let sql = format!(
-            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput EXPORT_SNAPSHOT",
-            quote_ident(slot)
-        );
+    pub async fn create_slot_with_snapshot(
+        &mut self,
+        slot: &str,
+        two_phase: bool,
+    ) -> Result<ExportedSnapshot> {
+        let sql = if two_phase {
+            format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (TWO_PHASE, SNAPSHOT 'export')",
+                quote_ident(slot)
+            )
+        } else {
+            format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput EXPORT_SNAPSHOT",
+                quote_ident(slot)
+            )
+        };
         let r =
             self.conn.simple_query(&sql).await.map_err(|e| {
                 e.context(format!("creating replication slot {slot:?} on the source"))
@@ -215,22 +240,14 @@ impl ReplicationSession {
         mut self,
         slot: &str,
         start: Lsn,
-        protocol_version: u32,
+        negotiated: &options::Negotiated,
         publications: &[String],
     ) -> Result<ReplicationStream> {
-        // publication_names is parsed by the server as a list of identifiers, so each name is
-        // quoted as an identifier, and the list as a whole as a string literal.
-        let names = publications
-            .iter()
-            .map(|p| quote_ident(p))
-            .collect::<Vec<_>>()
-            .join(",");
         let sql = format!(
-            "START_REPLICATION SLOT {} LOGICAL {} (proto_version '{}', publication_names {})",
+            "START_REPLICATION SLOT {} LOGICAL {} ({})",
             quote_ident(slot),
             start,
-            protocol_version,
-            quote_replication_literal(&names)
+            negotiated.options_sql(publications)
         );
         tracing::debug!(command = %sql, "starting replication");
         self.conn

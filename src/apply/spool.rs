@@ -1,0 +1,339 @@
+//! Spooling of streamed (in-progress) transactions: their messages are kept, in the order
+//! received, until Stream Commit applies them or Stream Abort discards them.
+//!
+//! Each transaction keeps a bounded in-memory buffer; past it, its messages go to a file under the
+//! spool directory, so memory stays flat whatever the transaction's size. Messages are stored as
+//! the raw pgoutput bytes (length-prefixed on disk) and decoded again when replayed. A
+//! subtransaction's abort cuts the spool back to where that subtransaction's first change was,
+//! as PostgreSQL's own apply worker does: anything after it belongs to the aborted subtransaction
+//! or its children. Files are removed after use, and the directory is emptied at start-up.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::PathBuf;
+
+use bytes::Bytes;
+
+use crate::error::{Error, Result};
+use crate::metrics::METRICS;
+use crate::protocol::pgoutput::Xid;
+
+/// Bytes of one transaction kept in memory before it goes to disk.
+const MEMORY_PER_TRANSACTION: usize = 4 * 1024 * 1024;
+
+struct SpooledTransaction {
+    /// Messages not yet written to the file.
+    memory: Vec<Bytes>,
+    memory_bytes: usize,
+    file: Option<(PathBuf, BufWriter<File>)>,
+    /// Bytes written to the file.
+    file_bytes: u64,
+    /// Messages written to the file.
+    file_messages: usize,
+    /// Per subtransaction: where its first change is in the whole spooled stream (file, then
+    /// memory), as (serialized bytes before it, messages before it).
+    subtransactions: Vec<(Xid, u64, usize)>,
+}
+
+impl SpooledTransaction {
+    fn new() -> Self {
+        SpooledTransaction {
+            memory: Vec::new(),
+            memory_bytes: 0,
+            file: None,
+            file_bytes: 0,
+            file_messages: 0,
+            subtransactions: Vec::new(),
+        }
+    }
+}
+
+pub struct Spool {
+    dir: PathBuf,
+    transactions: HashMap<Xid, SpooledTransaction>,
+}
+
+/// Messages of one committed streamed transaction, in order: file first, then memory.
+pub struct Replay {
+    file: Option<(PathBuf, BufReader<File>)>,
+    memory: std::vec::IntoIter<Bytes>,
+}
+
+impl Replay {
+    pub fn next_message(&mut self) -> Result<Option<Bytes>> {
+        if let Some((path, reader)) = &mut self.file {
+            let mut len = [0u8; 4];
+            match reader.read_exact(&mut len) {
+                Ok(()) => {
+                    let len = u32::from_be_bytes(len) as usize;
+                    let mut buf = vec![0u8; len];
+                    reader.read_exact(&mut buf).map_err(|e| {
+                        Error::definite(format!("reading spool file {}: {e}", path.display()))
+                    })?;
+                    return Ok(Some(Bytes::from(buf)));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    let _ = std::fs::remove_file(&*path);
+                    self.file = None;
+                }
+                Err(e) => {
+                    return Err(Error::definite(format!(
+                        "reading spool file {}: {e}",
+                        path.display()
+                    )))
+                }
+            }
+        }
+        Ok(self.memory.next())
+    }
+}
+
+impl Drop for Replay {
+    fn drop(&mut self) {
+        if let Some((path, _)) = &self.file {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Spool {
+    /// A spool in `dir`, emptied of files left by an earlier run.
+    pub fn open(dir: PathBuf) -> Result<Spool> {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            Error::definite(format!(
+                "cannot create spool directory {}: {e} (set --spool-dir)",
+                dir.display()
+            ))
+        })?;
+        Ok(Spool {
+            dir,
+            transactions: HashMap::new(),
+        })
+    }
+
+    /// Stream Start: a first segment starts the transaction afresh.
+    pub fn start(&mut self, xid: Xid, first_segment: bool) {
+        if first_segment {
+            self.discard(xid);
+        }
+        self.transactions
+            .entry(xid)
+            .or_insert_with(SpooledTransaction::new);
+    }
+
+    /// Appends a message of transaction `xid`; `subxid` is the xid the message carries.
+    pub fn append(&mut self, xid: Xid, subxid: Option<Xid>, raw: Bytes) -> Result<()> {
+        let dir = self.dir.clone();
+        let t = self
+            .transactions
+            .entry(xid)
+            .or_insert_with(SpooledTransaction::new);
+        if let Some(sub) = subxid.filter(|s| *s != xid) {
+            if !t.subtransactions.iter().any(|(x, ..)| *x == sub) {
+                let bytes = t.file_bytes + (t.memory_bytes + 4 * t.memory.len()) as u64;
+                let messages = t.file_messages + t.memory.len();
+                t.subtransactions.push((sub, bytes, messages));
+            }
+        }
+        t.memory_bytes += raw.len();
+        t.memory.push(raw);
+        if t.memory_bytes > MEMORY_PER_TRANSACTION {
+            flush_to_file(&dir, xid, t)?;
+        }
+        Ok(())
+    }
+
+    /// Stream Abort: the whole transaction (`subxid == xid`) or one subtransaction.
+    pub fn abort(&mut self, xid: Xid, subxid: Xid) -> Result<()> {
+        if xid == subxid {
+            self.discard(xid);
+            return Ok(());
+        }
+        let Some(t) = self.transactions.get_mut(&xid) else {
+            return Ok(());
+        };
+        let Some(pos) = t.subtransactions.iter().position(|(x, ..)| *x == subxid) else {
+            // No change of that subtransaction was streamed: nothing to undo.
+            return Ok(());
+        };
+        let (_, cut_bytes, cut_messages) = t.subtransactions[pos];
+        t.subtransactions.truncate(pos);
+        if cut_messages < t.file_messages {
+            // The cut is inside the file: truncate it and drop everything in memory.
+            if let Some((path, writer)) = &mut t.file {
+                writer.flush().map_err(|e| spool_error(path, e))?;
+                writer
+                    .get_ref()
+                    .set_len(cut_bytes)
+                    .map_err(|e| spool_error(path, e))?;
+                // Appends continue at the new end.
+                let file = OpenOptions::new()
+                    .append(true)
+                    .open(&*path)
+                    .map_err(|e| spool_error(path, e))?;
+                *writer = BufWriter::with_capacity(256 * 1024, file);
+            }
+            t.file_bytes = cut_bytes;
+            t.file_messages = cut_messages;
+            t.memory.clear();
+            t.memory_bytes = 0;
+        } else {
+            t.memory.truncate(cut_messages - t.file_messages);
+            t.memory_bytes = t.memory.iter().map(Bytes::len).sum();
+        }
+        Ok(())
+    }
+
+    /// Stream Commit / Stream Prepare: the transaction's messages, in order; removed from the spool.
+    pub fn take(&mut self, xid: Xid) -> Result<Replay> {
+        let Some(mut t) = self.transactions.remove(&xid) else {
+            return Ok(Replay {
+                file: None,
+                memory: Vec::new().into_iter(),
+            });
+        };
+        let file = match t.file.take() {
+            Some((path, mut writer)) => {
+                writer.flush().map_err(|e| spool_error(&path, e))?;
+                drop(writer);
+                let reader = File::open(&path).map_err(|e| spool_error(&path, e))?;
+                Some((path, BufReader::with_capacity(256 * 1024, reader)))
+            }
+            None => None,
+        };
+        Ok(Replay {
+            file,
+            memory: std::mem::take(&mut t.memory).into_iter(),
+        })
+    }
+
+    pub fn discard(&mut self, xid: Xid) {
+        if let Some(t) = self.transactions.remove(&xid) {
+            if let Some((path, _)) = t.file {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+
+    /// Transactions being spooled.
+    pub fn len(&self) -> usize {
+        self.transactions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.transactions.is_empty()
+    }
+}
+
+impl Drop for Spool {
+    fn drop(&mut self) {
+        let xids: Vec<Xid> = self.transactions.keys().copied().collect();
+        for xid in xids {
+            self.discard(xid);
+        }
+    }
+}
+
+fn spool_error(path: &std::path::Path, e: std::io::Error) -> Error {
+    Error::definite(format!("spool file {}: {e}", path.display()))
+}
+
+fn flush_to_file(dir: &std::path::Path, xid: Xid, t: &mut SpooledTransaction) -> Result<()> {
+    if t.file.is_none() {
+        let path = dir.join(format!("xid-{xid}.spool"));
+        let file = File::create(&path).map_err(|e| spool_error(&path, e))?;
+        t.file = Some((path, BufWriter::with_capacity(256 * 1024, file)));
+    }
+    let Some((path, writer)) = &mut t.file else {
+        return Ok(());
+    };
+    for raw in t.memory.drain(..) {
+        writer
+            .write_all(&(raw.len() as u32).to_be_bytes())
+            .and_then(|_| writer.write_all(&raw))
+            .map_err(|e| spool_error(path, e))?;
+        t.file_bytes += 4 + raw.len() as u64;
+        t.file_messages += 1;
+        METRICS.spilled_bytes.add(4 + raw.len() as u64);
+    }
+    t.memory_bytes = 0;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(replay: &mut Replay) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        while let Some(m) = replay.next_message().unwrap() {
+            out.push(m.to_vec());
+        }
+        out
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("pgapply-spool-test-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn memory_only_subtransaction_abort() {
+        let mut s = Spool::open(dir("mem")).unwrap();
+        s.start(10, true);
+        s.append(10, Some(10), Bytes::from_static(b"a")).unwrap();
+        s.append(10, Some(11), Bytes::from_static(b"b")).unwrap();
+        s.append(10, Some(11), Bytes::from_static(b"c")).unwrap();
+        s.append(10, Some(12), Bytes::from_static(b"d")).unwrap();
+        s.abort(10, 12).unwrap();
+        s.append(10, Some(10), Bytes::from_static(b"e")).unwrap();
+        s.abort(10, 99).unwrap();
+        let mut r = s.take(10).unwrap();
+        assert_eq!(
+            messages(&mut r),
+            vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec(), b"e".to_vec()]
+        );
+    }
+
+    #[test]
+    fn large_transaction_goes_to_disk_and_aborts_cut_the_file() {
+        let d = dir("disk");
+        let mut s = Spool::open(d.clone()).unwrap();
+        s.start(5, true);
+        let big = Bytes::from(vec![7u8; 1024 * 1024]);
+        for _ in 0..6 {
+            s.append(5, Some(5), big.clone()).unwrap();
+        }
+        // A subtransaction whose changes start in memory and end up in the file.
+        s.append(5, Some(6), Bytes::from_static(b"sub")).unwrap();
+        for _ in 0..5 {
+            s.append(5, Some(6), big.clone()).unwrap();
+        }
+        assert!(
+            std::fs::read_dir(&d).unwrap().count() == 1,
+            "spilled to a file"
+        );
+        s.abort(5, 6).unwrap();
+        s.append(5, Some(5), Bytes::from_static(b"tail")).unwrap();
+        let mut r = s.take(5).unwrap();
+        let got = messages(&mut r);
+        assert_eq!(got.len(), 7);
+        assert!(got[..6].iter().all(|m| m.len() == 1024 * 1024));
+        assert_eq!(got[6], b"tail");
+        drop(r);
+        assert_eq!(
+            std::fs::read_dir(&d).unwrap().count(),
+            0,
+            "file removed after use"
+        );
+        // Whole-transaction abort removes everything.
+        s.start(8, true);
+        for _ in 0..6 {
+            s.append(8, Some(8), big.clone()).unwrap();
+        }
+        s.abort(8, 8).unwrap();
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0);
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

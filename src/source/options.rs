@@ -1,0 +1,230 @@
+//! What to ask the walsender for: protocol version and pgoutput options, from what the user asked
+//! and what the server supports. Asking for a feature the server lacks is a clear error; what is
+//! chosen, and why, is logged at start-up.
+
+use crate::cli::Streaming;
+use crate::error::{Error, Result};
+use crate::sql::{quote_ident, quote_replication_literal};
+
+/// What the user asked for (`None` streaming: the default for the server).
+#[derive(Debug, Clone, Default)]
+pub struct Requested {
+    pub streaming: Option<Streaming>,
+    pub two_phase: bool,
+    pub binary: bool,
+    pub messages: bool,
+    /// Only changes that originated on the source itself (`origin = none`, PostgreSQL 16+).
+    pub origin_none: bool,
+}
+
+/// What this session uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Negotiated {
+    pub protocol_version: u32,
+    pub streaming: Streaming,
+    pub two_phase: bool,
+    pub binary: bool,
+    pub messages: bool,
+    pub origin_none: bool,
+}
+
+impl Negotiated {
+    /// Stream Abort carries abort LSN and time (protocol 4 with streaming = parallel).
+    pub fn abort_info(&self) -> bool {
+        self.streaming == Streaming::Parallel && self.protocol_version >= 4
+    }
+
+    /// The START_REPLICATION option list.
+    pub fn options_sql(&self, publications: &[String]) -> String {
+        // publication_names is parsed by the server as a list of identifiers, so each name is
+        // quoted as an identifier, and the list as a whole as a string literal.
+        let names = publications
+            .iter()
+            .map(|p| quote_ident(p))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut options = vec![
+            format!("proto_version '{}'", self.protocol_version),
+            format!("publication_names {}", quote_replication_literal(&names)),
+        ];
+        match self.streaming {
+            Streaming::Off => {}
+            Streaming::On => options.push("streaming 'on'".into()),
+            Streaming::Parallel => options.push("streaming 'parallel'".into()),
+        }
+        if self.two_phase {
+            options.push("two_phase 'on'".into());
+        }
+        if self.binary {
+            options.push("binary 'true'".into());
+        }
+        if self.messages {
+            options.push("messages 'true'".into());
+        }
+        if self.origin_none {
+            options.push("origin 'none'".into());
+        }
+        options.join(", ")
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "protocol {}, streaming {}, two-phase {}, binary {}, messages {}, origin {}",
+            self.protocol_version,
+            match self.streaming {
+                Streaming::Off => "off",
+                Streaming::On => "on",
+                Streaming::Parallel => "parallel (received as it arrives, applied at commit)",
+            },
+            on_off(self.two_phase),
+            on_off(self.binary),
+            on_off(self.messages),
+            if self.origin_none { "none" } else { "any" }
+        )
+    }
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// `server_version` as `server_version_num` (150004).
+pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiated> {
+    let major = server_version / 10000;
+    let protocol_version = match major {
+        m if m >= 16 => 4,
+        15 => 3,
+        14 => 2,
+        _ => 1,
+    };
+    let needs = |feature: &str, min: u32| -> Result<()> {
+        if major < min {
+            Err(Error::definite(format!(
+                "{feature} needs a PostgreSQL {min} or later source; this source runs PostgreSQL {major}: leave it out"
+            )))
+        } else {
+            Ok(())
+        }
+    };
+    let streaming = match requested.streaming {
+        None if major >= 14 => Streaming::On,
+        None => Streaming::Off,
+        Some(Streaming::Off) => Streaming::Off,
+        Some(Streaming::On) => {
+            needs("--streaming on", 14)?;
+            Streaming::On
+        }
+        Some(Streaming::Parallel) => {
+            needs("--streaming parallel", 16)?;
+            Streaming::Parallel
+        }
+    };
+    if requested.two_phase {
+        needs("--two-phase", 15)?;
+    }
+    if requested.binary {
+        needs("--binary", 14)?;
+    }
+    if requested.messages {
+        needs("--messages", 14)?;
+    }
+    if requested.origin_none {
+        needs("--origin none", 16)?;
+    }
+    Ok(Negotiated {
+        protocol_version,
+        streaming,
+        two_phase: requested.two_phase,
+        binary: requested.binary,
+        messages: requested.messages,
+        origin_none: requested.origin_none,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_and_defaults() {
+        let n = negotiate(130011, &Requested::default()).unwrap();
+        assert_eq!((n.protocol_version, n.streaming), (1, Streaming::Off));
+        let n = negotiate(140005, &Requested::default()).unwrap();
+        assert_eq!((n.protocol_version, n.streaming), (2, Streaming::On));
+        let n = negotiate(
+            180001,
+            &Requested {
+                streaming: Some(Streaming::Parallel),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(n.protocol_version, 4);
+        assert!(n.abort_info());
+        assert!(n
+            .options_sql(&["My Pub".into()])
+            .contains("streaming 'parallel'"));
+    }
+
+    #[test]
+    fn unsupported_features_are_named() {
+        let err = negotiate(
+            150000,
+            &Requested {
+                streaming: Some(Streaming::Parallel),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("--streaming parallel needs a PostgreSQL 16"),
+            "{err}"
+        );
+        let err = negotiate(
+            140000,
+            &Requested {
+                two_phase: true,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("--two-phase needs a PostgreSQL 15"),
+            "{err}"
+        );
+        let err = negotiate(
+            130000,
+            &Requested {
+                binary: true,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("--binary"), "{err}");
+    }
+
+    #[test]
+    fn options_sql_quotes_publications() {
+        let n = negotiate(
+            150000,
+            &Requested {
+                streaming: Some(Streaming::Off),
+                two_phase: true,
+                binary: true,
+                messages: true,
+                origin_none: false,
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            n.options_sql(&["a".into(), "it's \"x\"".into()]),
+            "proto_version '3', publication_names '\"a\",\"it''s \"\"x\"\"\"', two_phase 'on', binary 'true', messages 'true'"
+        );
+    }
+}
