@@ -242,8 +242,8 @@ pub async fn run(
         resume,
         config.apply.clone(),
         applied_tx,
-        Arc::new(config.table_map.clone()),
         ApplierOptions {
+            table_map: Arc::new(config.table_map.clone()),
             slot: config.slot.clone(),
             two_phase: negotiated.two_phase,
             log_messages: negotiated.messages,

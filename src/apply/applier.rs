@@ -173,6 +173,8 @@ pub struct ApplierOptions {
     pub two_phase: bool,
     pub log_messages: bool,
     pub spool_dir: std::path::PathBuf,
+    /// Source table -> target table, where they differ.
+    pub table_map: Arc<crate::config::TableMap>,
 }
 
 impl Applier {
@@ -183,7 +185,6 @@ impl Applier {
         resume: Lsn,
         settings: ApplySettings,
         applied: watch::Sender<Lsn>,
-        table_map: Arc<crate::config::TableMap>,
         options: ApplierOptions,
     ) -> Result<Self> {
         progress.setup_session(&client).await?;
@@ -228,7 +229,7 @@ impl Applier {
             catalog,
             progress,
             settings,
-            relations: RelationCache::new(table_map),
+            relations: RelationCache::new(options.table_map.clone()),
             statements: HashMap::new(),
             full_as_text: HashSet::new(),
             begin,
