@@ -1,0 +1,336 @@
+//! Large and in-progress transactions (streaming), prepared transactions (two-phase), binary
+//! values, logical decoding messages. Own test binary: the source streams after 64 kB
+//! (`logical_decoding_work_mem`), which would change what other tests exercise.
+
+mod common;
+
+use std::sync::OnceLock;
+
+use common::{connect, run_with_deadline, spawn, stderr, wait_for, TestDb};
+
+/// Makes the source stream any transaction larger than 64 kB (once per test binary).
+async fn small_decoding_memory() -> i32 {
+    static DONE: OnceLock<i32> = OnceLock::new();
+    if let Some(v) = DONE.get() {
+        return *v;
+    }
+    let c = common::clusters();
+    let admin = connect(c.source_port, "postgres").await;
+    let version: i32 = admin
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap()
+        .get(0);
+    if version >= 130000 {
+        admin
+            .batch_execute("ALTER SYSTEM SET logical_decoding_work_mem = '64kB'")
+            .await
+            .unwrap();
+        admin
+            .batch_execute("SELECT pg_reload_conf()")
+            .await
+            .unwrap();
+    }
+    *DONE.get_or_init(|| version)
+}
+
+async fn pgapply_version_or_skip(what: &str, min: i32) -> bool {
+    let v = small_decoding_memory().await;
+    if v < min {
+        eprintln!(
+            "skipped: {what} needs a PostgreSQL {} source, this one is {}",
+            min / 10000,
+            v / 10000
+        );
+        return false;
+    }
+    true
+}
+
+fn spool_dir(db: &TestDb) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("pgapply-test-spool-{}", db.name))
+}
+
+fn spool_files(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_streamed_transactions_with_aborts() {
+    if !pgapply_version_or_skip("streaming", 140000).await {
+        return;
+    }
+    let db = TestDb::new("streamed").await;
+    db.both("CREATE TABLE s (id int PRIMARY KEY, who text, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE s").await;
+    let a = connect(db.source_port, &db.name).await;
+    let b = connect(db.source_port, &db.name).await;
+    let pad = "repeat(md5(g::text), 3)";
+    a.batch_execute(&format!(
+        "BEGIN; INSERT INTO s SELECT g, 'a', {pad} FROM generate_series(1, 3000) g;"
+    ))
+    .await
+    .unwrap();
+    b.batch_execute(&format!(
+        "BEGIN; INSERT INTO s SELECT g, 'b', {pad} FROM generate_series(100001, 103000) g;"
+    ))
+    .await
+    .unwrap();
+    a.batch_execute(&format!("SAVEPOINT x; INSERT INTO s SELECT g, 'a-aborted', {pad} FROM generate_series(3001, 6000) g; ROLLBACK TO SAVEPOINT x;")).await.unwrap();
+    db.source_sql("INSERT INTO s VALUES (-1, 'small', 'between')")
+        .await;
+    b.batch_execute(&format!("SAVEPOINT y; UPDATE s SET pad = 'b-updated' WHERE id > 102000; SAVEPOINT z; DELETE FROM s WHERE id > 102500; RELEASE SAVEPOINT z; INSERT INTO s SELECT g, 'b-more', {pad} FROM generate_series(103001, 104000) g; COMMIT;")).await.unwrap();
+    a.batch_execute(&format!("INSERT INTO s SELECT g, 'a-after', {pad} FROM generate_series(6001, 7000) g; UPDATE s SET who = 'a-updated' WHERE id <= 1000; COMMIT;")).await.unwrap();
+    // A whole streamed transaction that aborts.
+    a.batch_execute(&format!("BEGIN; INSERT INTO s SELECT g, 'gone', {pad} FROM generate_series(200001, 205000) g; ROLLBACK;")).await.unwrap();
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--spool-dir", &dir_arg]),
+        120,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("streaming on"),
+        "negotiated streaming: {}",
+        stderr(&out)
+    );
+    db.assert_same("s").await;
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM s WHERE who IN ('a-aborted', 'gone')"
+        )
+        .await,
+        0
+    );
+    // ids 1..1000 and -1 (the small transaction committed in between).
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM s WHERE who = 'a-updated'")
+            .await,
+        1001
+    );
+    assert_eq!(spool_files(&dir), 0, "spool files are removed after use");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_a_streamed_transaction_and_during_replay() {
+    if !pgapply_version_or_skip("streaming", 140000).await {
+        return;
+    }
+    let db = TestDb::new("streamkill").await;
+    db.both("CREATE TABLE k (id int PRIMARY KEY, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k").await;
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let big = connect(db.source_port, &db.name).await;
+    let mut child = spawn(db.pgapply("p", &["--spool-dir", &dir_arg]));
+    // 1. Killed while a streamed transaction is still arriving (its spool file exists).
+    big.batch_execute(
+        "BEGIN; INSERT INTO k SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 20000) g;",
+    )
+    .await
+    .unwrap();
+    wait_for(
+        "the streamed transaction to be spooled to disk",
+        60,
+        || async { spool_files(&dir) > 0 },
+    )
+    .await;
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    big.batch_execute(
+        "INSERT INTO k SELECT g, 'tail' FROM generate_series(20001, 21000) g; COMMIT;",
+    )
+    .await
+    .unwrap();
+    // 2. Killed while the committed transaction is being replayed from the spool.
+    let mut child = spawn(db.pgapply("p", &["--spool-dir", &dir_arg]));
+    wait_for("the transaction to be received again", 60, || async {
+        spool_files(&dir) > 0
+    })
+    .await;
+    wait_for("the replay to start", 60, || async {
+        spool_files(&dir) == 0
+            || db
+                .count(
+                    &db.target,
+                    "SELECT count(*) FROM pgapply.progress WHERE applied_lsn IS NOT NULL",
+                )
+                .await
+                >= 0
+    })
+    .await;
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    db.sync("p").await;
+    db.assert_same("k").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM k").await, 21000);
+}
+
+/// Peak RSS of the pgapply processes this test binary waited for, in kB.
+fn children_max_rss_kb() -> i64 {
+    // SAFETY: getrusage with a valid pointer to a zeroed struct.
+    unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage);
+        usage.ru_maxrss
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_stays_flat_for_a_huge_transaction() {
+    if !pgapply_version_or_skip("streaming", 140000).await {
+        return;
+    }
+    let rows: i64 = std::env::var("PGAPPLY_BIG_TXN_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200_000);
+    let db = TestDb::new("bigtxn").await;
+    db.both("CREATE TABLE big (id int PRIMARY KEY, v int, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE big").await;
+    db.source_sql(&format!(
+        "BEGIN; INSERT INTO big SELECT g, 0, repeat('x', 100) FROM generate_series(1, {rows}) g; \
+         UPDATE big SET v = 1 WHERE id % 2 = 0; COMMIT;"
+    ))
+    .await;
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--spool-dir", &dir_arg]),
+        900,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("big").await;
+    let rss_mb = children_max_rss_kb() / 1024;
+    eprintln!("peak RSS of pgapply for a {rows}-row transaction: {rss_mb} MB");
+    // The bound does not depend on the transaction's size: the queue (64 MB of messages at most),
+    // 4 MB of spool memory, statement batches and the runtime.
+    assert!(rss_mb < 160, "peak RSS {rss_mb} MB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
+    if !pgapply_version_or_skip("two-phase", 150000).await {
+        return;
+    }
+    let db = TestDb::new("twophase").await;
+    db.both("CREATE TABLE tp (id int PRIMARY KEY, v text)")
+        .await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE tp").await;
+    // pgapply creates the slot with two-phase support.
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--two-phase", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql("INSERT INTO tp VALUES (0, 'ordinary')").await;
+    db.source_sql("BEGIN; INSERT INTO tp VALUES (1, 'committed'); PREPARE TRANSACTION 'src-1';")
+        .await;
+    db.source_sql("BEGIN; INSERT INTO tp VALUES (2, 'rolled back'); PREPARE TRANSACTION 'src-2';")
+        .await;
+    db.source_sql("COMMIT PREPARED 'src-1'").await;
+    db.source_sql("ROLLBACK PREPARED 'src-2'").await;
+    db.source_sql("BEGIN; INSERT INTO tp VALUES (3, 'pending'); PREPARE TRANSACTION 'src-3';")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--two-phase", "--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // src-3 is prepared on the target too, not committed.
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'pgapply_%'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM tp WHERE id = 3")
+            .await,
+        0
+    );
+    // pgapply stopped between prepare and commit prepared: the prepared transaction is found again.
+    db.source_sql("COMMIT PREPARED 'src-3'").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--two-phase", "--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("tp").await;
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM pg_prepared_xacts")
+            .await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_values_give_the_same_rows_as_text() {
+    if !pgapply_version_or_skip("binary", 140000).await {
+        return;
+    }
+    let db = TestDb::new("binary").await;
+    db.both(
+        "CREATE TABLE b (id int PRIMARY KEY, i8 bigint, n numeric, f float8, r real, t text, vc varchar(20), \
+         by bytea, ts timestamptz, d date, iv interval, j jsonb, arr int[], tarr text[], u uuid, ip inet, bo bool, \
+         tm time, bits bit varying(8), m money, pt point);",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE b").await;
+    db.source_sql(
+        r#"INSERT INTO b VALUES
+        (1, 9223372036854775807, 12345678901234567890.123456789, 'NaN', '-Infinity', 'tëxt', 'vc', '\x00ff', '2024-02-29 12:00:00.123456+00',
+         '4713-01-01 BC', '1 mon -2 days 03:00', '{"a": [1, null]}', '{1,NULL,3}', '{"x,y", NULL}', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11',
+         '::1/128', true, '23:59:59.999999', B'101', '-12.34', '(1.5,2)'),
+        (2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+        UPDATE b SET t = 'updated', f = 1e-300 WHERE id = 1;"#,
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--binary", "--messages", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("binary on"), "binary was negotiated: {log}");
+    db.assert_same("b").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_falls_back_to_text_for_user_types_and_messages_are_logged() {
+    if !pgapply_version_or_skip("binary", 140000).await {
+        return;
+    }
+    let db = TestDb::new("binfallback").await;
+    db.both("CREATE TYPE mood AS ENUM ('sad', 'happy'); CREATE TABLE e (id int PRIMARY KEY, m mood, a mood[])").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE e").await;
+    db.source_sql("INSERT INTO e VALUES (1, 'happy', '{sad,happy}'); SELECT pg_logical_emit_message(true, 'app-prefix', 'payload'); SELECT pg_logical_emit_message(false, 'app-nontx', 'payload');").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--binary", "--messages", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("binary transfer off") && log.contains("user-defined type"),
+        "{log}"
+    );
+    assert!(
+        log.contains("app-prefix") && log.contains("app-nontx"),
+        "messages logged: {log}"
+    );
+    db.assert_same("e").await;
+}
