@@ -32,6 +32,8 @@ pub enum Command {
     Check(RunArgs),
     /// Show each slot's progress as recorded on the target.
     Status(StatusArgs),
+    /// Skip one failing source transaction on purpose (by its commit LSN, printed by the error).
+    Skip(SkipArgs),
     /// Start two throwaway local clusters, mirror a live workload between them, and show that both
     /// sides match.
     Demo(DemoArgs),
@@ -139,6 +141,20 @@ pub struct RunArgs {
     /// Serve Prometheus metrics (/metrics) and liveness (/healthz) on this address.
     #[arg(long, env = "PGAPPLY_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
+}
+
+/// `pgapply skip`.
+#[derive(Debug, Args)]
+pub struct SkipArgs {
+    /// Target connection (where pgapply keeps its state).
+    #[arg(long, env = "PGAPPLY_TARGET")]
+    pub target: String,
+    /// The slot whose worker should skip the transaction.
+    #[arg(long, env = "PGAPPLY_SLOT")]
+    pub slot: String,
+    /// Commit LSN of the source transaction to skip.
+    #[arg(long)]
+    pub lsn: String,
 }
 
 /// `pgapply status`.

@@ -44,6 +44,8 @@ pub struct RetryFile {
 pub struct TableFile {
     /// Target table for this source table: `schema.table`.
     pub target: Option<String>,
+    /// Conflict policies for this table, over the global ones.
+    pub conflicts: Option<crate::apply::conflict::PoliciesFile>,
 }
 
 /// The TOML configuration file.
@@ -74,6 +76,8 @@ pub struct FileConfig {
     pub log_level: Option<String>,
     pub log_format: Option<LogFormat>,
     pub retry: Option<RetryFile>,
+    /// Conflict policies for every table.
+    pub conflicts: Option<crate::apply::conflict::PoliciesFile>,
     /// Per source table (`schema.table`): settings such as the target table name.
     pub tables: Option<BTreeMap<String, TableFile>>,
 }
@@ -249,8 +253,23 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
             "apply_workers > 1 is not available in this version yet; use 1",
         ));
     }
+    use crate::apply::conflict::Policies;
+    let global = Policies::merge(
+        Policies::default(),
+        &file.conflicts.clone().unwrap_or_default(),
+        "[conflicts]",
+    )?;
+    config.policies.global = global;
     for (source_name, table) in file.tables.iter().flatten() {
         let from = parse_table_name(source_name)?;
+        if let Some(policies) = &table.conflicts {
+            let merged = Policies::merge(
+                global,
+                policies,
+                &format!("[tables.{source_name:?}.conflicts]"),
+            )?;
+            config.policies.tables.insert(from.clone(), merged);
+        }
         if let Some(to) = &table.target {
             config.table_map.insert(from, parse_table_name(to)?);
         }

@@ -72,6 +72,12 @@ impl Error {
         &self.message
     }
 
+    /// Adds advice after the message.
+    pub fn context_after(mut self, advice: impl fmt::Display) -> Self {
+        self.message = format!("{}; {advice}", self.message);
+        self
+    }
+
     /// Adds what was being done in front of the message.
     pub fn context(mut self, context: impl fmt::Display) -> Self {
         self.message = format!("{context}: {}", self.message);

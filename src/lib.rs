@@ -20,6 +20,7 @@ pub mod protocol;
 pub mod relation;
 pub mod replicate;
 pub mod retry;
+pub mod skip;
 pub mod source;
 pub mod sql;
 pub mod status;

@@ -10,7 +10,7 @@ use pgapply::config::{self, FileConfig};
 use pgapply::error::{Error, ErrorClass};
 use pgapply::replicate::run;
 use pgapply::retry::Backoff;
-use pgapply::{check, demo, metrics, status};
+use pgapply::{check, demo, metrics, skip, status};
 
 /// Exit codes (documented in the README): 0 done, 1 a definite error (fix something and rerun),
 /// 2 bad command line, 3 a transient error that did not clear (rerunning may work).
@@ -70,6 +70,7 @@ fn main() -> ExitCode {
             Command::Run(args) => run_command(args, file).await,
             Command::Check(args) => check::check_command(&args, &file).await,
             Command::Status(args) => status::status_command(&args).await,
+            Command::Skip(args) => skip::skip_command(&args).await,
             Command::Demo(args) => demo::demo(args.duration, args.pg_bin).await,
         }
     });

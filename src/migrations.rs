@@ -21,6 +21,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("../migrations/0002_copy_state.sql"),
     ),
     (3, "status", include_str!("../migrations/0003_status.sql")),
+    (
+        4,
+        "conflicts",
+        include_str!("../migrations/0004_conflicts.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

@@ -56,6 +56,8 @@ pub struct RunConfig {
     pub requested: Requested,
     /// Where streamed transactions are spooled (default: a directory under the temp dir).
     pub spool_dir: Option<std::path::PathBuf>,
+    /// Conflict policies, global and per table.
+    pub policies: crate::apply::conflict::PolicyMap,
 }
 
 impl RunConfig {
@@ -81,6 +83,7 @@ impl RunConfig {
             table_map: Default::default(),
             requested: Requested::default(),
             spool_dir: None,
+            policies: Default::default(),
         }
     }
 }
@@ -244,6 +247,10 @@ pub async fn run(
         applied_tx,
         ApplierOptions {
             table_map: Arc::new(config.table_map.clone()),
+            policies: Arc::new(config.policies.clone()),
+            skip_lsn: store
+                .skip_lsn(&*target_connection(&pool, &config.target).await?)
+                .await?,
             slot: config.slot.clone(),
             two_phase: negotiated.two_phase,
             log_messages: negotiated.messages,
@@ -266,10 +273,12 @@ pub async fn run(
         durable_tx,
     ));
 
+    let reported = Arc::new(tokio::sync::Mutex::new(HeartbeatCounts::default()));
     let heartbeat = tokio::spawn(heartbeat(
         target_connection(&pool, &config.target).await?,
         config.slot.clone(),
         config.status_interval,
+        reported.clone(),
     ));
 
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -327,8 +336,8 @@ pub async fn run(
     drop(reader);
     stream.close().await;
     if let Ok(client) = target_connection(&pool, &config.target).await {
-        let mut last = HeartbeatCounts::default();
-        let _ = write_heartbeat(&client, &config.slot, "stopped", &mut last, true).await;
+        let mut last = reported.lock().await;
+        let _ = write_heartbeat(&client, &config.slot, "stopped", &mut last).await;
     }
 
     apply_result?;
@@ -427,12 +436,17 @@ struct HeartbeatCounts {
 }
 
 /// Records state and counters for `pgapply status`, every status interval.
-async fn heartbeat(client: Object, slot: String, every: Duration) {
+async fn heartbeat(
+    client: Object,
+    slot: String,
+    every: Duration,
+    reported: Arc<tokio::sync::Mutex<HeartbeatCounts>>,
+) {
     let mut tick = tokio::time::interval(every.min(Duration::from_secs(10)));
-    let mut last = HeartbeatCounts::default();
     loop {
         tick.tick().await;
-        if let Err(e) = write_heartbeat(&client, &slot, "streaming", &mut last, false).await {
+        let mut last = reported.lock().await;
+        if let Err(e) = write_heartbeat(&client, &slot, "streaming", &mut last).await {
             tracing::warn!(error = %e, "could not record the heartbeat on the target");
         }
     }
@@ -443,18 +457,7 @@ async fn write_heartbeat(
     slot: &str,
     state: &str,
     last: &mut HeartbeatCounts,
-    only_state: bool,
 ) -> Result<()> {
-    if only_state {
-        client
-            .execute(
-                "UPDATE pgapply.progress SET state = $2, pid = NULL, heartbeat_at = now() WHERE slot_name = $1",
-                &[&slot, &state],
-            )
-            .await
-            .map_err(|e| Error::postgres("recording the heartbeat", e))?;
-        return Ok(());
-    }
     let m = &*METRICS;
     let now = HeartbeatCounts {
         transactions: m.transactions.get(),
@@ -472,13 +475,14 @@ async fn write_heartbeat(
         .lock()
         .map(|c| serde_json::to_string(&*c).unwrap_or_else(|_| "{}".into()))
         .unwrap_or_else(|_| "{}".into());
+    let pid = (state == "streaming").then_some(std::process::id() as i32);
     client
         .execute(
             "UPDATE pgapply.progress SET state = $2, pid = $3,                  applied_lsn = CASE WHEN $4::text = '0/0' THEN applied_lsn ELSE $4::text::pg_lsn END,                  received_lsn = CASE WHEN $5::text = '0/0' THEN received_lsn ELSE $5::text::pg_lsn END,                  last_commit_time = CASE WHEN $6::bigint = 0 THEN last_commit_time ELSE $7::text::timestamptz END,                  lag_seconds = $8, transactions = transactions + $9, inserts = inserts + $10,                  updates = updates + $11, deletes = deletes + $12, truncates = truncates + $13,                  conflicts = $14::text::jsonb, heartbeat_at = now()              WHERE slot_name = $1",
             &[
                 &slot,
                 &state,
-                &(std::process::id() as i32),
+                &pid,
                 &applied.to_string(),
                 &received.to_string(),
                 &commit.0,

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tokio_postgres::{Client, Statement};
 
+use super::conflict::{ConflictRecord, ConflictType, Policy, PolicyMap};
 use super::progress::ProgressStore;
 use super::spool::Spool;
-use super::statement::{build_sql, ColumnSet, Operation, RowMatch, Shape, WireValue};
+use super::statement::{build_sql, ColumnSet, OnConflict, Operation, RowMatch, Shape, WireValue};
 use crate::error::{describe_postgres, Error, Result};
 use crate::metrics::METRICS;
 use crate::protocol::pgoutput::{
@@ -63,8 +64,11 @@ pub struct ApplyStats {
 struct SourceTransaction {
     xid: u32,
     final_lsn: Lsn,
+    commit_time: PgTimestamp,
     /// Already applied before a restart: its changes are dropped.
     skip: bool,
+    /// Skipped on request (`pgapply skip`): recorded when its commit arrives.
+    skip_requested: bool,
 }
 
 /// The target transaction being built: one or more whole source transactions.
@@ -88,8 +92,21 @@ struct ChangeInfo {
     operation: &'static str,
     xid: u32,
     commit_lsn: Lsn,
+    commit_time: PgTimestamp,
     /// For UPDATE/DELETE: the values that identify the row (for the "no row" warning).
     key: Option<(RowMatch, Vec<Value>)>,
+    /// The new row (INSERT, UPDATE), for conflict records.
+    remote: Option<Tuple>,
+    /// Which row count means a conflict, and what to do about it.
+    signal: Option<Signal>,
+}
+
+/// A statement's row count that means a conflict.
+#[derive(Debug, Clone, Copy)]
+struct Signal {
+    conflict: ConflictType,
+    policy: Policy,
+    when_rows: u64,
 }
 
 impl ChangeInfo {
@@ -101,8 +118,14 @@ impl ChangeInfo {
     }
 
     fn describe_key(&self) -> String {
-        let Some((row_match, old)) = &self.key else {
-            return String::new();
+        let from_remote;
+        let (row_match, old) = match (&self.key, &self.remote) {
+            (Some((m, old)), _) => (m, old),
+            (None, Some(new)) => {
+                from_remote = (RowMatch::Key, new.values().collect::<Vec<Value>>());
+                (&from_remote.0, &from_remote.1)
+            }
+            (None, None) => return String::new(),
         };
         let entry = &self.relation;
         let columns: Vec<usize> = match row_match {
@@ -164,6 +187,13 @@ pub struct Applier {
     slot: String,
     /// Log logical decoding messages at info level (`--messages`).
     log_messages: bool,
+    policies: Arc<PolicyMap>,
+    /// The commit LSN of a transaction to skip on purpose (`pgapply skip`).
+    skip_lsn: Option<Lsn>,
+    /// Conflicts met in the open group, recorded once it commits.
+    conflicts: Vec<ConflictRecord>,
+    /// Transactions of the open group skipped on request: (xid, commit LSN, commit time).
+    skip_records: Vec<(u32, Lsn, PgTimestamp)>,
 }
 
 /// What the session negotiated that the applier needs to know.
@@ -175,6 +205,8 @@ pub struct ApplierOptions {
     pub spool_dir: std::path::PathBuf,
     /// Source table -> target table, where they differ.
     pub table_map: Arc<crate::config::TableMap>,
+    pub policies: Arc<PolicyMap>,
+    pub skip_lsn: Option<Lsn>,
 }
 
 impl Applier {
@@ -245,6 +277,10 @@ impl Applier {
             streaming: None,
             slot: options.slot,
             log_messages: options.log_messages,
+            policies: options.policies,
+            skip_lsn: options.skip_lsn,
+            conflicts: Vec::new(),
+            skip_records: Vec::new(),
         })
     }
 
@@ -357,6 +393,59 @@ impl Applier {
         }
         tracing::debug!(xid, messages = count, "replayed streamed transaction");
         Ok(())
+    }
+
+    /// How to get past a transaction that cannot be applied.
+    fn skip_hint(&self, commit_lsn: Lsn) -> String {
+        format!(
+            "to skip this source transaction on purpose, run: pgapply skip --target ... --slot {} --lsn {commit_lsn} (then start pgapply again)",
+            self.slot
+        )
+    }
+
+    /// Writes the conflicts of the group that just committed to pgapply.conflicts.
+    async fn record_conflicts(&mut self) {
+        let records = std::mem::take(&mut self.conflicts);
+        for record in records {
+            let local_row: Option<String> = match &record.local_row_query {
+                Some((sql, params)) => self
+                    .catalog
+                    .query_opt(
+                        sql.as_str(),
+                        &params
+                            .iter()
+                            .map(|p| p as &(dyn tokio_postgres::types::ToSql + Sync))
+                            .collect::<Vec<_>>(),
+                    )
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|r| r.get(0)),
+                None => None,
+            };
+            let result = self
+                .catalog
+                .execute(
+                    "INSERT INTO pgapply.conflicts (slot_name, relation, conflict_type, key, local_row, remote_row, \
+                         source_lsn, source_commit_time, policy) \
+                     VALUES ($1, $2, $3, $4, $5::text::jsonb, $6::text::jsonb, $7::text::pg_lsn, $8::text::timestamptz, $9)",
+                    &[
+                        &self.slot,
+                        &record.relation,
+                        &record.conflict_type,
+                        &record.key,
+                        &local_row,
+                        &record.remote_row,
+                        &record.source_lsn.to_string(),
+                        &record.source_commit_time.map(|t| t.to_rfc3339()),
+                        &record.policy,
+                    ],
+                )
+                .await;
+            if let Err(e) = result {
+                tracing::warn!(error = %describe_postgres(&e), "could not record a conflict in pgapply.conflicts");
+            }
+        }
     }
 
     /// The name of the target's prepared transaction for a source transaction.
@@ -614,10 +703,17 @@ impl Applier {
                 about: None,
             });
         }
+        let skip_requested = !skip && self.skip_lsn == Some(b.final_lsn);
+        if skip_requested {
+            tracing::warn!(xid = b.xid, commit_lsn = %b.final_lsn, "skipping this source transaction as requested (pgapply skip)");
+            // The group opened above (if any) records the skip when the commit arrives.
+        }
         self.current = Some(SourceTransaction {
             xid: b.xid,
             final_lsn: b.final_lsn,
-            skip,
+            commit_time: b.commit_time,
+            skip: skip || skip_requested,
+            skip_requested,
         });
         Ok(())
     }
@@ -629,6 +725,11 @@ impl Applier {
                 c.commit_lsn
             ))
         })?;
+        if txn.skip_requested {
+            self.skip_lsn = None;
+            self.record_requested_skip(&txn, c.end_lsn, c.commit_time);
+            return Ok(());
+        }
         if txn.skip {
             return Ok(());
         }
@@ -639,13 +740,35 @@ impl Applier {
         Ok(())
     }
 
-    fn in_transaction(&self, what: &str) -> Result<Option<(u32, Lsn)>> {
+    /// A transaction skipped with `pgapply skip`: its position is recorded (so it stays skipped),
+    /// the request is cleared and the skip is logged in pgapply.conflicts, all in the group.
+    fn record_requested_skip(&mut self, txn: &SourceTransaction, end_lsn: Lsn, time: PgTimestamp) {
+        if self.group.is_none() {
+            self.group = Some(Group {
+                started: Instant::now(),
+                statements: 0,
+                last_commit: None,
+                transactions: 0,
+            });
+            self.pending.push(Pending {
+                statement: self.begin.clone(),
+                params: Vec::new(),
+                about: None,
+            });
+        }
+        self.skip_records.push((txn.xid, txn.final_lsn, time));
+        if let Some(group) = &mut self.group {
+            group.last_commit = Some((end_lsn, time));
+        }
+    }
+
+    fn in_transaction(&self, what: &str) -> Result<Option<(u32, Lsn, PgTimestamp)>> {
         match &self.current {
             None => Err(Error::definite(format!(
                 "the source sent {what} outside a transaction; this is a protocol error"
             ))),
             Some(t) if t.skip => Ok(None),
-            Some(t) => Ok(Some((t.xid, t.final_lsn))),
+            Some(t) => Ok(Some((t.xid, t.final_lsn, t.commit_time))),
         }
     }
 
@@ -662,7 +785,7 @@ impl Applier {
     }
 
     async fn insert(&mut self, insert: Insert) -> Result<()> {
-        let Some((xid, commit_lsn)) = self.in_transaction("Insert")? else {
+        let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Insert")? else {
             return Ok(());
         };
         let entry = self.relations.get(insert.relation)?.clone();
@@ -677,17 +800,54 @@ impl Applier {
                 ))
             })?);
         }
+        let policy = self.policies_for(&entry).insert_exists;
+        let (on_conflict, signal) = match policy {
+            Policy::Error => (OnConflict::Plain, None),
+            Policy::Skip | Policy::KeepLocal => (OnConflict::InsertDoNothing, Some(0)),
+            Policy::ApplyRemote => {
+                if entry.key_columns.is_empty() {
+                    return Err(Error::definite(format!(
+                        "conflict policy insert_exists = \"apply_remote\" needs a replica identity key on table {}, which has none",
+                        entry.display_name()
+                    )));
+                }
+                (OnConflict::InsertOverwrite, Some(1))
+            }
+        };
         let shape = Shape {
             relation: entry.source.oid,
             generation: entry.generation,
             operation: Operation::Insert,
             unchanged: ColumnSet::default(),
             row_match: RowMatch::Key,
+            on_conflict,
         };
         self.stats.inserts += 1;
         METRICS.inserts.inc();
-        self.queue(&entry, shape, params, "INSERT", xid, commit_lsn, None)
-            .await
+        let about = ChangeInfo {
+            relation: entry.clone(),
+            operation: "INSERT",
+            xid,
+            commit_lsn,
+            commit_time,
+            key: None,
+            remote: Some(insert.new),
+            signal: signal.map(|when_rows| Signal {
+                conflict: ConflictType::InsertExists,
+                policy,
+                when_rows,
+            }),
+        };
+        self.queue(&entry, shape, params, about).await
+    }
+
+    fn policies_for(&self, entry: &RelationEntry) -> super::conflict::Policies {
+        let schema = if entry.source.namespace.is_empty() {
+            "pg_catalog"
+        } else {
+            &entry.source.namespace
+        };
+        self.policies.for_table(schema, &entry.source.name)
     }
 
     /// Values that find the old row, and how to match them.
@@ -760,7 +920,7 @@ impl Applier {
     }
 
     async fn update(&mut self, update: Update) -> Result<()> {
-        let Some((xid, commit_lsn)) = self.in_transaction("Update")? else {
+        let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Update")? else {
             return Ok(());
         };
         let entry = self.relations.get(update.relation)?.clone();
@@ -779,29 +939,44 @@ impl Applier {
         }
         let (row_match, old_values) =
             self.row_match(&entry, update.old.as_ref(), &update.new, &mut params)?;
+        let policy = self.policies_for(&entry).update_missing;
+        // The missing row can be inserted only when the new row is complete.
+        let (on_conflict, signal) = match policy {
+            Policy::ApplyRemote if unchanged.is_empty() => {
+                (OnConflict::UpdateOrInsert, (Policy::ApplyRemote, 1))
+            }
+            Policy::ApplyRemote => (OnConflict::Plain, (Policy::Skip, 0)),
+            other => (OnConflict::Plain, (other, 0)),
+        };
         let shape = Shape {
             relation: entry.source.oid,
             generation: entry.generation,
             operation: Operation::Update,
             unchanged,
             row_match: row_match.clone(),
+            on_conflict,
         };
         self.stats.updates += 1;
         METRICS.updates.inc();
-        self.queue(
-            &entry,
-            shape,
-            params,
-            "UPDATE",
+        let about = ChangeInfo {
+            relation: entry.clone(),
+            operation: "UPDATE",
             xid,
             commit_lsn,
-            Some((row_match, old_values)),
-        )
-        .await
+            commit_time,
+            key: Some((row_match, old_values)),
+            remote: Some(update.new),
+            signal: Some(Signal {
+                conflict: ConflictType::UpdateMissing,
+                policy: signal.0,
+                when_rows: signal.1,
+            }),
+        };
+        self.queue(&entry, shape, params, about).await
     }
 
     async fn delete(&mut self, delete: Delete) -> Result<()> {
-        let Some((xid, commit_lsn)) = self.in_transaction("Delete")? else {
+        let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Delete")? else {
             return Ok(());
         };
         let entry = self.relations.get(delete.relation)?.clone();
@@ -815,23 +990,29 @@ impl Applier {
             operation: Operation::Delete,
             unchanged: ColumnSet::default(),
             row_match: row_match.clone(),
+            on_conflict: OnConflict::Plain,
         };
         self.stats.deletes += 1;
         METRICS.deletes.inc();
-        self.queue(
-            &entry,
-            shape,
-            params,
-            "DELETE",
+        let about = ChangeInfo {
+            relation: entry.clone(),
+            operation: "DELETE",
             xid,
             commit_lsn,
-            Some((row_match, old_values)),
-        )
-        .await
+            commit_time,
+            key: Some((row_match, old_values)),
+            remote: None,
+            signal: Some(Signal {
+                conflict: ConflictType::DeleteMissing,
+                policy: self.policies_for(&entry).delete_missing,
+                when_rows: 0,
+            }),
+        };
+        self.queue(&entry, shape, params, about).await
     }
 
     async fn truncate(&mut self, truncate: Truncate) -> Result<()> {
-        let Some((xid, commit_lsn)) = self.in_transaction("Truncate")? else {
+        let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Truncate")? else {
             return Ok(());
         };
         let mut tables = Vec::with_capacity(truncate.relations.len());
@@ -851,7 +1032,7 @@ impl Applier {
                 e,
             )
         })?;
-        tracing::debug!(xid, commit_lsn = %commit_lsn, tables = %tables.join(", "), "truncate");
+        tracing::debug!(xid, commit_lsn = %commit_lsn, commit_time = %commit_time.to_rfc3339(), tables = %tables.join(", "), "truncate");
         self.stats.truncates += 1;
         METRICS.truncates.inc();
         self.push(Pending {
@@ -862,25 +1043,14 @@ impl Applier {
         .await
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn queue(
         &mut self,
         entry: &Arc<RelationEntry>,
         shape: Shape,
         params: Vec<WireValue>,
-        operation: &'static str,
-        xid: u32,
-        commit_lsn: Lsn,
-        key: Option<(RowMatch, Vec<Value>)>,
+        about: ChangeInfo,
     ) -> Result<()> {
         let statement = self.statement(entry, shape).await?;
-        let about = ChangeInfo {
-            relation: entry.clone(),
-            operation,
-            xid,
-            commit_lsn,
-            key,
-        };
         self.push(Pending {
             statement,
             params,
@@ -959,33 +1129,55 @@ impl Applier {
         let mut failure: Option<Error> = None;
         for (pending, result) in batch.iter().zip(results) {
             match result {
-                Ok(0) => {
-                    if let Some(about) = &pending.about {
-                        if about.key.is_some() {
-                            self.stats.missing_rows += 1;
-                            METRICS.conflict(if about.operation == "UPDATE" {
-                                "update_missing"
-                            } else {
-                                "delete_missing"
-                            });
-                            tracing::warn!(
-                                table = %about.relation.target.qualified,
-                                key = %about.describe_key(),
-                                xid = about.xid,
-                                commit_lsn = %about.commit_lsn,
-                                "{} found no row on the target; skipped", about.operation
-                            );
-                        }
+                Ok(rows) => {
+                    let Some(about) = &pending.about else {
+                        continue;
+                    };
+                    let Some(signal) = about.signal else { continue };
+                    if rows != signal.when_rows {
+                        continue;
                     }
+                    let kind = signal.conflict.name();
+                    if signal.policy == Policy::Error {
+                        if failure.is_none() {
+                            failure = Some(Error::definite(format!(
+                                "{kind}: {} found no row for key {} and the conflict policy for {kind} is error: {}",
+                                about.describe(),
+                                about.describe_key(),
+                                self.skip_hint(about.commit_lsn)
+                            )));
+                        }
+                        continue;
+                    }
+                    if matches!(
+                        signal.conflict,
+                        ConflictType::UpdateMissing | ConflictType::DeleteMissing
+                    ) {
+                        self.stats.missing_rows += 1;
+                    }
+                    METRICS.conflict(kind);
+                    tracing::warn!(
+                        table = %about.relation.target.qualified,
+                        key = %about.describe_key(),
+                        xid = about.xid,
+                        commit_lsn = %about.commit_lsn,
+                        conflict = kind,
+                        policy = signal.policy.name(),
+                        "{} met a conflict ({kind}); resolved by policy {}", about.operation, signal.policy.name()
+                    );
+                    self.conflicts.push(conflict_record(about, signal));
                 }
-                Ok(_) => {}
                 Err(e) => {
                     if failure.is_none() {
                         let what = match &pending.about {
                             Some(about) => about.describe(),
                             None => "a statement".to_owned(),
                         };
-                        failure = Some(Error::postgres(format!("applying {what}"), e));
+                        let mut err = Error::postgres(format!("applying {what}"), e);
+                        if let Some(about) = &pending.about {
+                            err = err.context_after(self.skip_hint(about.commit_lsn));
+                        }
+                        failure = Some(err);
                     }
                 }
             }
@@ -994,6 +1186,8 @@ impl Applier {
             Some(e) => {
                 self.group = None;
                 self.current = None;
+                self.conflicts.clear();
+                self.skip_records.clear();
                 // The transaction is aborted on the server; end it so the session stays usable.
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 Err(e)
@@ -1016,6 +1210,27 @@ impl Applier {
             });
             return self.send_pipeline().await;
         };
+        for (xid, lsn, time) in std::mem::take(&mut self.skip_records) {
+            let clear = self
+                .client
+                .prepare(
+                    "WITH cleared AS (UPDATE pgapply.progress SET skip_lsn = NULL WHERE slot_name = $1) \
+                     INSERT INTO pgapply.conflicts (slot_name, conflict_type, key, source_lsn, source_commit_time, policy) \
+                     VALUES ($1, 'skipped_transaction', $2, $3::text::pg_lsn, $4::text::timestamptz, 'skip')",
+                )
+                .await
+                .map_err(|e| Error::postgres("recording a skipped transaction", e))?;
+            self.pending.push(Pending {
+                statement: clear,
+                params: vec![
+                    WireValue::Text(self.slot.clone().into()),
+                    WireValue::Text(format!("xid {xid}").into()),
+                    WireValue::Text(lsn.to_string().into()),
+                    WireValue::Text(time.to_rfc3339().into()),
+                ],
+                about: None,
+            });
+        }
         self.pending.push(Pending {
             statement: self.record.clone(),
             params: vec![
@@ -1030,6 +1245,9 @@ impl Applier {
             about: None,
         });
         self.send_pipeline().await?;
+        if !self.conflicts.is_empty() {
+            self.record_conflicts().await;
+        }
         self.stats.transactions += group.transactions;
         let m = &*METRICS;
         m.transactions.add(group.transactions);
@@ -1043,6 +1261,8 @@ impl Applier {
 
     async fn rollback(&mut self) {
         self.pending.clear();
+        self.conflicts.clear();
+        self.skip_records.clear();
         if self.group.take().is_some() {
             if let Err(e) = self.client.batch_execute("ROLLBACK").await {
                 tracing::warn!(error = %describe_postgres(&e), "rolling back the open target transaction failed");
@@ -1063,5 +1283,65 @@ fn streamed_xid(message: &LogicalMessage) -> Option<Xid> {
         LogicalMessage::Truncate(t) => t.xid,
         LogicalMessage::Message(m) => m.xid,
         _ => None,
+    }
+}
+
+/// What to write to pgapply.conflicts for a conflict met by `about`.
+fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
+    let entry = &about.relation;
+    let remote_row = about.remote.as_ref().map(|tuple| {
+        let mut object = serde_json::Map::new();
+        for (i, value) in tuple.values().enumerate() {
+            let Some(column) = entry.source.columns.get(i) else {
+                break;
+            };
+            let v = match value {
+                Value::Null => serde_json::Value::Null,
+                Value::Text(t) => {
+                    serde_json::Value::String(String::from_utf8_lossy(&t).into_owned())
+                }
+                Value::Binary(_) => serde_json::Value::String("<binary>".into()),
+                Value::UnchangedToast => serde_json::Value::String("<unchanged>".into()),
+            };
+            object.insert(column.name.clone(), v);
+        }
+        serde_json::Value::Object(object).to_string()
+    });
+    // The target's row, for an INSERT that found one and left it in place.
+    let local_row_query = match (signal.conflict, signal.policy, &about.remote) {
+        (ConflictType::InsertExists, Policy::Skip | Policy::KeepLocal, Some(tuple))
+            if !entry.key_columns.is_empty() =>
+        {
+            let values: Vec<Value> = tuple.values().collect();
+            let mut params = Vec::new();
+            let mut conditions = Vec::new();
+            for (n, &k) in entry.key_columns.iter().enumerate() {
+                conditions.push(format!("{} = ${}", entry.quoted_columns[k], n + 1));
+                params.push(match values.get(k) {
+                    Some(Value::Text(t)) => WireValue::Text(t.clone()),
+                    Some(Value::Binary(b)) => WireValue::Binary(b.clone()),
+                    _ => WireValue::Null,
+                });
+            }
+            Some((
+                format!(
+                    "SELECT to_jsonb(t)::text FROM {} t WHERE {}",
+                    entry.target.qualified,
+                    conditions.join(" AND ")
+                ),
+                params,
+            ))
+        }
+        _ => None,
+    };
+    ConflictRecord {
+        relation: entry.target.qualified.clone(),
+        conflict_type: signal.conflict.name(),
+        key: about.describe_key(),
+        local_row_query,
+        remote_row,
+        source_lsn: about.commit_lsn,
+        source_commit_time: Some(about.commit_time),
+        policy: signal.policy.name(),
     }
 }

@@ -14,4 +14,5 @@ pub mod statement;
 
 pub use applier::{Applier, ApplierOptions, ApplySettings};
 pub use progress::{ProgressMode, ProgressStore};
+pub mod conflict;
 pub mod spool;

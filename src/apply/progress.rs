@@ -114,6 +114,19 @@ impl ProgressStore {
         Ok(())
     }
 
+    /// The commit LSN of a transaction to skip on purpose (`pgapply skip`), if one is set.
+    pub async fn skip_lsn(&self, client: &Client) -> Result<Option<Lsn>> {
+        let row = client
+            .query_one(
+                "SELECT skip_lsn::text FROM pgapply.progress WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
+        let lsn = parse_lsn(row.get(0))?;
+        Ok(lsn.is_valid().then_some(lsn))
+    }
+
     /// Sets the position outside any apply transaction (after an initial copy).
     pub async fn set_position(&self, client: &Client, lsn: Lsn) -> Result<()> {
         let text = lsn.to_string();

@@ -128,6 +128,21 @@ pub struct Shape {
     /// UPDATE: source columns left out of SET (unchanged TOAST values).
     pub unchanged: ColumnSet,
     pub row_match: RowMatch,
+    pub on_conflict: OnConflict,
+}
+
+/// How a statement deals with a conflict itself (see `apply::conflict`). The statement's row
+/// count then tells whether the conflict happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OnConflict {
+    /// Plain statement: an INSERT conflict is an error; an UPDATE/DELETE conflict changes 0 rows.
+    Plain,
+    /// INSERT ... ON CONFLICT DO NOTHING: 0 rows when the key existed.
+    InsertDoNothing,
+    /// INSERT ... ON CONFLICT (key) DO UPDATE, counted by a SELECT: 1 row when the key existed.
+    InsertOverwrite,
+    /// UPDATE, or INSERT of the new row when none matched: 1 row when it was inserted.
+    UpdateOrInsert,
 }
 
 /// Types without a default equality operator, or whose `=` is not identity (geometric `=`
@@ -164,16 +179,65 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                 .map(|_| format!("${}", next()))
                 .collect::<Vec<_>>()
                 .join(", ");
-            format!("INSERT INTO {table} ({columns}) VALUES ({values})")
+            let insert = format!("INSERT INTO {table} ({columns}) VALUES ({values})");
+            match shape.on_conflict {
+                OnConflict::InsertDoNothing => format!("{insert} ON CONFLICT DO NOTHING"),
+                OnConflict::InsertOverwrite => {
+                    let keys = entry
+                        .key_columns
+                        .iter()
+                        .map(|&c| entry.quoted_columns[c].clone())
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    let mut set: Vec<String> = (0..ncols)
+                        .filter(|c| !entry.key_columns.contains(c))
+                        .map(|c| format!("{0} = EXCLUDED.{0}", entry.quoted_columns[c]))
+                        .collect();
+                    if set.is_empty() {
+                        set = entry
+                            .key_columns
+                            .iter()
+                            .map(|&c| format!("{0} = EXCLUDED.{0}", entry.quoted_columns[c]))
+                            .collect();
+                    }
+                    format!(
+                        "WITH ins AS ({insert} ON CONFLICT ({keys}) DO UPDATE SET {} RETURNING xmax) \
+                         SELECT 1 FROM ins WHERE xmax::text <> '0'",
+                        set.join(", ")
+                    )
+                }
+                _ => insert,
+            }
         }
         Operation::Update => {
-            let set = (0..ncols)
+            let set_columns: Vec<usize> = (0..ncols)
                 .filter(|c| !shape.unchanged.contains(*c))
-                .map(|c| format!("{} = ${}", entry.quoted_columns[c], next()))
+                .collect();
+            let set = set_columns
+                .iter()
+                .map(|&c| format!("{} = ${}", entry.quoted_columns[c], next()))
                 .collect::<Vec<_>>()
                 .join(", ");
             let filter = row_filter(entry, &shape.row_match, &mut next);
-            format!("UPDATE {table} SET {set} WHERE {filter}")
+            let update = format!("UPDATE {table} SET {set} WHERE {filter}");
+            if shape.on_conflict == OnConflict::UpdateOrInsert {
+                // The SET parameters ($1..) are the whole new row: reused for the INSERT.
+                let columns = set_columns
+                    .iter()
+                    .map(|&c| entry.quoted_columns[c].clone())
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let values = (1..=set_columns.len())
+                    .map(|i| format!("${i}"))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                format!(
+                    "WITH upd AS ({update} RETURNING 1) INSERT INTO {table} ({columns}) \
+                     SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM upd)"
+                )
+            } else {
+                update
+            }
         }
         Operation::Delete => {
             let filter = row_filter(entry, &shape.row_match, &mut next);

@@ -1,0 +1,181 @@
+//! Conflict policies (PostgreSQL 18's taxonomy), the conflict table, and skipping a transaction.
+
+mod common;
+
+use common::{run_with_deadline, stderr, TestDb};
+use tokio::process::Command;
+
+fn config_file(name: &str, text: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!(
+        "pgapply-conflicts-{}-{name}.toml",
+        std::process::id()
+    ));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+async fn sync_with(db: &TestDb, extra: &[&str]) -> std::process::Output {
+    let endpos = db.source_wal().await;
+    let mut args = vec!["--endpos", endpos.as_str()];
+    args.extend_from_slice(extra);
+    run_with_deadline(db.pgapply("p", &args), 60).await
+}
+
+async fn conflicts(db: &TestDb) -> Vec<(String, String, Option<String>, Option<String>)> {
+    db.target
+        .query(
+            "SELECT conflict_type, policy, local_row::text, remote_row::text FROM pgapply.conflicts ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_resolve_and_record_conflicts() {
+    let db = TestDb::new("policies").await;
+    db.both("CREATE TABLE kl (id int PRIMARY KEY, v text); CREATE TABLE ar (id int PRIMARY KEY, v text);").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE kl, ar").await;
+    db.target_sql("INSERT INTO kl VALUES (1, 'local'); INSERT INTO ar VALUES (1, 'local');")
+        .await;
+    db.source_sql(
+        "INSERT INTO kl VALUES (1, 'remote'), (2, 'two'); INSERT INTO ar VALUES (1, 'remote'), (2, 'two'); \
+         DELETE FROM kl WHERE id = 2;",
+    )
+    .await;
+    // Rows the target lacks: an update (inserted under apply_remote for ar) and a delete.
+    db.target_sql("DELETE FROM ar WHERE id = 2").await;
+    let config = config_file(
+        "a",
+        "[conflicts]\ninsert_exists = \"keep_local\"\nupdate_missing = \"skip\"\n\n[tables.\"public.ar\".conflicts]\ninsert_exists = \"apply_remote\"\nupdate_missing = \"apply_remote\"\n",
+    );
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql("UPDATE ar SET v = 'two again' WHERE id = 2; DELETE FROM kl WHERE id = 99; INSERT INTO kl VALUES (99, 'x'); DELETE FROM kl WHERE id = 99;").await;
+    db.target_sql("DELETE FROM ar WHERE id = 2").await;
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let kl: Vec<(i32, String)> = db
+        .target
+        .query("SELECT id, v FROM kl ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        kl,
+        vec![(1, "local".to_string())],
+        "keep_local kept the target's row"
+    );
+    let ar: Vec<(i32, String)> = db
+        .target
+        .query("SELECT id, v FROM ar ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        ar,
+        vec![(1, "remote".to_string()), (2, "two again".to_string())],
+        "apply_remote made the target match"
+    );
+    let recorded = conflicts(&db).await;
+    let kinds: Vec<(&str, &str)> = recorded
+        .iter()
+        .map(|(k, p, ..)| (k.as_str(), p.as_str()))
+        .collect();
+    assert!(
+        kinds.contains(&("insert_exists", "keep_local")),
+        "{recorded:?}"
+    );
+    assert!(
+        kinds.contains(&("insert_exists", "apply_remote")),
+        "{recorded:?}"
+    );
+    assert!(
+        kinds.contains(&("update_missing", "apply_remote")),
+        "{recorded:?}"
+    );
+    let keep = recorded
+        .iter()
+        .find(|(k, p, ..)| k == "insert_exists" && p == "keep_local")
+        .unwrap();
+    assert_eq!(keep.2.as_deref(), Some("{\"v\": \"local\", \"id\": 1}"));
+    assert!(keep.3.as_deref().unwrap().contains("\"remote\""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_policy_stops_and_skip_gets_past_one_transaction() {
+    let db = TestDb::new("skip").await;
+    db.both("CREATE TABLE k (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k").await;
+    db.target_sql("INSERT INTO k VALUES (2, 'local')").await;
+    db.source_sql("INSERT INTO k VALUES (1, 'a')").await;
+    db.source_sql("INSERT INTO k VALUES (2, 'b'), (3, 'c')")
+        .await;
+    db.source_sql("INSERT INTO k VALUES (4, 'd')").await;
+    let out = sync_with(&db, &[]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    let lsn = err
+        .split("--lsn ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no --lsn hint in: {err}"))
+        .to_owned();
+    let mut skip = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    skip.args([
+        "skip",
+        "--target",
+        &db.target_conninfo(),
+        "--slot",
+        &db.slot(),
+        "--lsn",
+        &lsn,
+    ]);
+    let out = run_with_deadline(skip, 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<(i32, String)> = db
+        .target
+        .query("SELECT id, v FROM k ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![(1, "a".into()), (2, "local".into()), (4, "d".into())]
+    );
+    let recorded = conflicts(&db).await;
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(recorded[0].0, "skipped_transaction");
+    // The request is used up; later runs apply normally.
+    db.source_sql("INSERT INTO k VALUES (5, 'e')").await;
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM k").await, 4);
+
+    // update_missing = error: stops, naming table, key and the way out.
+    db.target_sql("DELETE FROM k WHERE id = 5").await;
+    db.source_sql("UPDATE k SET v = 'E' WHERE id = 5").await;
+    let config = config_file("b", "[conflicts]\nupdate_missing = \"error\"\n");
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("update_missing")
+            && err.contains("\"public\".\"k\"")
+            && err.contains("(\"id\")=(5)")
+            && err.contains("pgapply skip"),
+        "{err}"
+    );
+}
