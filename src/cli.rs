@@ -34,6 +34,12 @@ pub enum Command {
     Status(StatusArgs),
     /// Skip one failing source transaction on purpose (by its commit LSN, printed by the error).
     Skip(SkipArgs),
+    /// Compare the published tables on source and target, chunk by chunk.
+    Verify(VerifyArgs),
+    /// Finish a migration: wait for lag, optionally freeze writes, drain, copy sequences, verify.
+    Cutover(CutoverArgs),
+    /// Create the published tables' definitions on the target with pg_dump --schema-only.
+    Schema(SchemaArgs),
     /// Start two throwaway local clusters, mirror a live workload between them, and show that both
     /// sides match.
     Demo(DemoArgs),
@@ -141,6 +147,81 @@ pub struct RunArgs {
     /// Serve Prometheus metrics (/metrics) and liveness (/healthz) on this address.
     #[arg(long, env = "PGAPPLY_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
+}
+
+/// `pgapply verify`.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    /// Source connection.
+    #[arg(long, env = "PGAPPLY_SOURCE")]
+    pub source: String,
+    /// Target connection.
+    #[arg(long, env = "PGAPPLY_TARGET")]
+    pub target: String,
+    /// Publication name(s) whose tables are compared.
+    #[arg(
+        long,
+        env = "PGAPPLY_PUBLICATION",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub publication: Vec<String>,
+    /// Configuration file, for table name mapping.
+    #[arg(long, env = "PGAPPLY_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Rows per compared chunk.
+    #[arg(long, default_value = "10000")]
+    pub chunk_rows: i64,
+    /// Tables compared at once.
+    #[arg(long, default_value = "4")]
+    pub jobs: usize,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `pgapply cutover`.
+#[derive(Debug, Args)]
+pub struct CutoverArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Lag (bytes, e.g. 16MB) below which the cutover proceeds.
+    #[arg(long, default_value = "1MB")]
+    pub max_lag: String,
+    /// Give up if the lag or the drain takes longer than this.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+    /// Make these source roles read-only and end their sessions before draining.
+    #[arg(long, value_delimiter = ',', value_name = "ROLE,...")]
+    pub freeze_writes: Vec<String>,
+    /// Copy every sequence of the source database, not just those owned by published tables.
+    #[arg(long)]
+    pub all_sequences: bool,
+    /// Prepare replication from the target back to the source (publication and slot on the target).
+    #[arg(long)]
+    pub reverse: bool,
+}
+
+/// `pgapply schema`.
+#[derive(Debug, Args)]
+pub struct SchemaArgs {
+    /// Source connection.
+    #[arg(long, env = "PGAPPLY_SOURCE")]
+    pub source: String,
+    /// Target connection.
+    #[arg(long, env = "PGAPPLY_TARGET")]
+    pub target: String,
+    /// Publication name(s) whose tables are copied.
+    #[arg(
+        long,
+        env = "PGAPPLY_PUBLICATION",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub publication: Vec<String>,
+    /// pre-data (tables, types, sequences), post-data (indexes, constraints, triggers) or all.
+    #[arg(long, default_value = "all")]
+    pub section: String,
 }
 
 /// `pgapply skip`.

@@ -6,11 +6,12 @@ use tokio::sync::watch;
 use tracing_subscriber::EnvFilter;
 
 use pgapply::cli::{Cli, Command, LogFormat, RunArgs};
+use pgapply::cli::{CutoverArgs, VerifyArgs};
 use pgapply::config::{self, FileConfig};
 use pgapply::error::{Error, ErrorClass};
 use pgapply::replicate::run;
 use pgapply::retry::Backoff;
-use pgapply::{check, demo, metrics, skip, status};
+use pgapply::{check, conninfo, cutover, demo, metrics, schema, skip, status, verify};
 
 /// Exit codes (documented in the README): 0 done, 1 a definite error (fix something and rerun),
 /// 2 bad command line, 3 a transient error that did not clear (rerunning may work).
@@ -23,6 +24,8 @@ fn main() -> ExitCode {
     // The file may set the log level, so it is read before logging starts.
     let config_path = match &cli.command {
         Command::Run(a) | Command::Check(a) => a.config.clone(),
+        Command::Cutover(a) => a.run.config.clone(),
+        Command::Verify(a) => a.config.clone(),
         _ => None,
     };
     let file = match config_path.as_deref().map(FileConfig::load).transpose() {
@@ -71,6 +74,18 @@ fn main() -> ExitCode {
             Command::Check(args) => check::check_command(&args, &file).await,
             Command::Status(args) => status::status_command(&args).await,
             Command::Skip(args) => skip::skip_command(&args).await,
+            Command::Verify(args) => verify_command(args, file).await,
+            Command::Cutover(args) => cutover_command(args, file).await,
+            Command::Schema(args) => {
+                let source = conninfo::parse("source", &args.source);
+                let target = conninfo::parse("target", &args.target);
+                match (source, target) {
+                    (Ok(s), Ok(t)) => {
+                        schema::schema(&s, &t, &args.publication, &args.section).await
+                    }
+                    (Err(e), _) | (_, Err(e)) => Err(e),
+                }
+            }
             Command::Demo(args) => demo::demo(args.duration, args.pg_bin).await,
         }
     });
@@ -146,4 +161,42 @@ async fn run_command(args: RunArgs, file: FileConfig) -> Result<(), Error> {
             Err(e) => return Err(e),
         }
     }
+}
+
+async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error> {
+    let source = conninfo::parse("source", &args.source)?;
+    let target = conninfo::parse("target", &args.target)?;
+    let mut table_map = config::TableMap::new();
+    for (name, table) in file.tables.iter().flatten() {
+        if let Some(to) = &table.target {
+            table_map.insert(
+                config::parse_table_name(name)?,
+                config::parse_table_name(to)?,
+            );
+        }
+    }
+    let settings = verify::VerifySettings {
+        chunk_rows: args.chunk_rows.max(1),
+        jobs: args.jobs.max(1),
+        ..Default::default()
+    };
+    let results =
+        verify::verify(&source, &target, &args.publication, &table_map, &settings).await?;
+    verify::report(&results, args.json)
+}
+
+async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Error> {
+    let (config, _) = config::resolve(&args.run, &file)?;
+    let settings = cutover::CutoverSettings {
+        max_lag_bytes: cutover::parse_size(&args.max_lag)?,
+        timeout: args.timeout,
+        freeze_roles: args
+            .freeze_writes
+            .into_iter()
+            .filter(|r| !r.is_empty())
+            .collect(),
+        all_sequences: args.all_sequences,
+        reverse: args.reverse,
+    };
+    cutover::cutover(config, settings, verify::VerifySettings::default()).await
 }

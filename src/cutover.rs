@@ -1,0 +1,327 @@
+//! `pgapply cutover`: the steps that turn a running mirror into a finished migration.
+//!
+//! 1. Wait until the slot's lag is below `--max-lag`, showing it as it falls.
+//! 2. Optionally freeze writes (`--freeze-writes ROLE,...`): those roles get
+//!    `default_transaction_read_only = on` and their sessions are ended. Undo with
+//!    `ALTER ROLE <role> RESET default_transaction_read_only`.
+//! 3. Take the source's flushed WAL position as the end and drain replication to it: wait for the
+//!    running worker to confirm it, or, when none runs, apply up to it here.
+//! 4. Copy sequences (owned by published tables, or all with `--all-sequences`): the source's
+//!    `last_value` and `is_called`, not max(column).
+//! 5. Verify the tables (`pgapply verify`).
+//! 6. With `--reverse`, prepare replication from the new primary back to the old one.
+//!
+//! It exits 0 only if every step succeeded.
+
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio_postgres::{Client, NoTls};
+
+use crate::config::TableMap;
+use crate::conninfo;
+use crate::copy::published_tables;
+use crate::error::{Error, Result};
+use crate::protocol::Lsn;
+use crate::replicate::{run, RunConfig};
+use crate::sql::quote_ident;
+use crate::verify::{self, VerifySettings};
+
+#[derive(Debug, Clone)]
+pub struct CutoverSettings {
+    pub max_lag_bytes: u64,
+    pub timeout: Duration,
+    pub freeze_roles: Vec<String>,
+    pub all_sequences: bool,
+    pub reverse: bool,
+}
+
+async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
+    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+        Error::postgres(
+            format!("connecting to {role} {}", conninfo::describe(config)),
+            e,
+        )
+    })?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+/// Slot state on the source: (active, confirmed flush, source WAL position).
+async fn slot_state(source: &Client, slot: &str) -> Result<(bool, Lsn, Lsn)> {
+    let row = source
+        .query_opt(
+            "SELECT active, coalesce(confirmed_flush_lsn, '0/0')::text, pg_current_wal_lsn()::text \
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the slot on the source", e))?
+        .ok_or_else(|| Error::definite(format!("replication slot {slot:?} does not exist on the source")))?;
+    let parse = |t: String| t.parse::<Lsn>().map_err(|e| Error::definite(e.to_string()));
+    Ok((row.get(0), parse(row.get(1))?, parse(row.get(2))?))
+}
+
+/// Sizes like "16MB", "512kB", "1GB" or plain bytes.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: u64 = number.parse().map_err(|_| {
+        Error::definite(format!(
+            "invalid size {text:?}: write it like 16MB, 512kB or 1048576"
+        ))
+    })?;
+    let factor = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" | "k" => 1024,
+        "mb" | "m" => 1024 * 1024,
+        "gb" | "g" => 1024 * 1024 * 1024,
+        _ => {
+            return Err(Error::definite(format!(
+                "invalid size {text:?}: units are B, kB, MB, GB"
+            )))
+        }
+    };
+    Ok(n * factor)
+}
+
+pub async fn cutover(
+    run_config: RunConfig,
+    settings: CutoverSettings,
+    verify_settings: VerifySettings,
+) -> Result<()> {
+    let source = connect(&run_config.source, "source").await?;
+    let target = connect(&run_config.target, "target").await?;
+    let slot = run_config.slot.clone();
+    let started = Instant::now();
+    let deadline = started + settings.timeout;
+
+    // 1. Lag.
+    let (active, _, _) = slot_state(&source, &slot).await?;
+    if active {
+        loop {
+            let (_, confirmed, current) = slot_state(&source, &slot).await?;
+            let lag = current.0.saturating_sub(confirmed.0);
+            println!("step 1: lag {lag} bytes (source at {current}, confirmed {confirmed})");
+            if lag <= settings.max_lag_bytes {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::definite(format!(
+                    "step 1: lag stayed above {} bytes for {}: is pgapply keeping up? (pgapply status)",
+                    settings.max_lag_bytes,
+                    humantime::format_duration(settings.timeout)
+                )));
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    } else {
+        println!("step 1: no worker is streaming slot {slot:?}; this command applies the remaining changes itself");
+    }
+
+    // 2. Freeze writes.
+    for role in &settings.freeze_roles {
+        source
+            .batch_execute(&format!(
+                "ALTER ROLE {} SET default_transaction_read_only = on",
+                quote_ident(role)
+            ))
+            .await
+            .map_err(|e| Error::postgres(format!("step 2: making role {role:?} read-only"), e))?;
+        let ended = source
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1 AND pid <> pg_backend_pid()",
+                &[role],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("step 2: ending the sessions of role {role:?}"), e))?;
+        println!(
+            "step 2: role {role:?} is read-only now and {ended} session(s) ended; undo with: ALTER ROLE {} RESET default_transaction_read_only",
+            quote_ident(role)
+        );
+    }
+
+    // 3. Drain to the end position.
+    let end: Lsn = source
+        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
+        .await
+        .map_err(|e| Error::postgres("step 3: reading the source's WAL position", e))?
+        .get::<_, String>(0)
+        .parse()
+        .map_err(|e: crate::protocol::ParseLsnError| Error::definite(e.to_string()))?;
+    println!("step 3: draining replication to {end}");
+    let (active, _, _) = slot_state(&source, &slot).await?;
+    if active {
+        loop {
+            let (_, confirmed, _) = slot_state(&source, &slot).await?;
+            if confirmed >= end {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::definite(format!(
+                    "step 3: the worker did not confirm {end} in time (confirmed {confirmed})"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    } else {
+        let mut config = run_config.clone();
+        config.endpos = Some(end);
+        let (_stop, stop_rx) = watch::channel(false);
+        run(config, stop_rx, None)
+            .await
+            .map_err(|e| e.context("step 3"))?;
+    }
+    println!("step 3: everything up to {end} is applied");
+
+    // 4. Sequences.
+    let copied = copy_sequences(
+        &source,
+        &target,
+        &run_config.publications,
+        &run_config.table_map,
+        settings.all_sequences,
+    )
+    .await?;
+    println!("step 4: copied {copied} sequence(s)");
+
+    // 5. Verify.
+    let results = verify::verify(
+        &run_config.source,
+        &run_config.target,
+        &run_config.publications,
+        &run_config.table_map,
+        &verify_settings,
+    )
+    .await?;
+    verify::report(&results, false).map_err(|e| e.context("step 5"))?;
+    println!("step 5: {} table(s) verified", results.len());
+
+    // 6. Reverse replication.
+    if settings.reverse {
+        prepare_reverse(&target, &run_config).await?;
+    }
+    println!(
+        "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Copies sequence states from source to target. Returns how many.
+pub async fn copy_sequences(
+    source: &Client,
+    target: &Client,
+    publications: &[String],
+    table_map: &TableMap,
+    all: bool,
+) -> Result<usize> {
+    let tables: Vec<String> = published_tables(source, publications, table_map)
+        .await?
+        .iter()
+        .map(|t| t.qualified())
+        .collect();
+    let rows = source
+        .query(
+            "SELECT n.nspname::text, c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg_toast%' \
+               AND ($1 OR EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid \
+                    AND d.deptype IN ('a', 'i') AND d.refobjid = ANY (ARRAY(SELECT x::regclass::oid FROM unnest($2::text[]) x)))) \
+             ORDER BY 1, 2",
+            &[&all, &tables],
+        )
+        .await
+        .map_err(|e| Error::postgres("step 4: listing sequences on the source", e))?;
+    let mut count = 0;
+    for row in rows {
+        let name = crate::sql::qualified_name(&row.get::<_, String>(0), &row.get::<_, String>(1));
+        let state = source
+            .query_one(&format!("SELECT last_value, is_called FROM {name}"), &[])
+            .await
+            .map_err(|e| {
+                Error::postgres(format!("step 4: reading sequence {name} on the source"), e)
+            })?;
+        let (value, called): (i64, bool) = (state.get(0), state.get(1));
+        target
+            .execute(
+                "SELECT setval($1::text::regclass, $2, $3)",
+                &[&name, &value, &called],
+            )
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    format!("step 4: setting sequence {name} on the target (does it exist there?)"),
+                    e,
+                )
+            })?;
+        count += 1;
+    }
+    Ok(count)
+}
+
+/// Publication and slot on the target (the new primary), for replication back to the source.
+async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
+    let tables = {
+        let (source, connection) = config
+            .source
+            .connect(NoTls)
+            .await
+            .map_err(|e| Error::postgres("connecting to the source", e))?;
+        tokio::spawn(connection);
+        published_tables(&source, &config.publications, &config.table_map).await?
+    };
+    let publication = format!("{}_reverse", config.slot);
+    let slot = format!("{}_reverse", config.slot);
+    let list = tables
+        .iter()
+        .map(|t| t.target_qualified())
+        .collect::<Vec<_>>()
+        .join(", ");
+    target
+        .batch_execute(&format!(
+            "DROP PUBLICATION IF EXISTS {p}; CREATE PUBLICATION {p} FOR TABLE {list}",
+            p = quote_ident(&publication)
+        ))
+        .await
+        .map_err(|e| {
+            Error::postgres("step 6: creating the reverse publication on the target", e)
+        })?;
+    let exists: bool = target
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("step 6: reading slots on the target", e))?
+        .get(0);
+    if !exists {
+        target
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    "step 6: creating the reverse slot on the target (wal_level = logical?)",
+                    e,
+                )
+            })?;
+    }
+    println!(
+        "step 6: reverse replication prepared: publication {publication:?} and slot {slot:?} on the target. To replicate back, run:\n  pgapply run --source <new primary> --target <old primary> --publication {publication} --slot {slot} --origin none"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes() {
+        assert_eq!(super::parse_size("16MB").unwrap(), 16 << 20);
+        assert_eq!(super::parse_size("512kB").unwrap(), 512 << 10);
+        assert_eq!(super::parse_size("100").unwrap(), 100);
+        assert!(super::parse_size("lots").is_err());
+    }
+}

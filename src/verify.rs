@@ -1,0 +1,369 @@
+//! `pgapply verify`: compares the published tables on both sides, chunk by chunk (ranges of the
+//! primary key; counts and an md5 of each chunk's rows), in parallel. Chunks that differ are
+//! checked again a few times, since replication may still be catching up, before they are
+//! reported with the key range that differs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio_postgres::{Client, NoTls};
+
+use crate::config::TableMap;
+use crate::conninfo;
+use crate::copy::{published_tables, PublishedTable};
+use crate::error::{Error, Result};
+use crate::sql::quote_ident;
+
+#[derive(Debug, Clone)]
+pub struct VerifySettings {
+    pub chunk_rows: i64,
+    pub jobs: usize,
+    /// Checks of a differing chunk before it is reported.
+    pub attempts: u32,
+    pub retry_delay: Duration,
+}
+
+impl Default for VerifySettings {
+    fn default() -> Self {
+        VerifySettings {
+            chunk_rows: 10_000,
+            jobs: 4,
+            attempts: 4,
+            retry_delay: Duration::from_secs(1),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TableResult {
+    pub table: String,
+    pub ok: bool,
+    pub source_rows: i64,
+    pub target_rows: i64,
+    pub chunks: usize,
+    /// Key ranges whose rows differ: `[from, to)` as text, `None` for an open end.
+    pub mismatches: Vec<(Option<String>, Option<String>)>,
+    pub note: Option<String>,
+}
+
+async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
+    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+        Error::postgres(
+            format!("connecting to {role} {}", conninfo::describe(config)),
+            e,
+        )
+    })?;
+    tokio::spawn(connection);
+    // The same text for the same value on both sides.
+    client
+        .batch_execute("SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET timezone = 'UTC'")
+        .await
+        .map_err(|e| Error::postgres(format!("configuring the {role} session"), e))?;
+    Ok(client)
+}
+
+/// Primary key columns of a source table (or of its replica identity index).
+async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(String, String)>> {
+    let rows = source
+        .query(
+            "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, NULL) \
+             FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
+             WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
+             ORDER BY i.indisprimary DESC, array_position(i.indkey::int2[], a.attnum)",
+            &[&table.qualified()],
+        )
+        .await
+        .map_err(|e| Error::postgres(format!("reading the key of {}", table.qualified()), e))?;
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for r in rows {
+        let k: (String, String) = (r.get(0), r.get(1));
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    // Only keys that are published can be compared.
+    if keys
+        .iter()
+        .all(|(k, _)| table.columns.iter().any(|(c, _)| c == k))
+    {
+        Ok(keys)
+    } else {
+        Ok(Vec::new())
+    }
+}
+
+struct Chunk {
+    from: Option<Vec<String>>,
+    to: Option<Vec<String>>,
+}
+
+fn row_expr(keys: &[(String, String)]) -> String {
+    format!(
+        "({})",
+        keys.iter()
+            .map(|(k, _)| quote_ident(k))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+fn bound_expr(keys: &[(String, String)], first_param: usize) -> String {
+    format!(
+        "({})",
+        keys.iter()
+            .enumerate()
+            .map(|(i, (_, ty))| format!("${}::text::{ty}", first_param + i))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+async fn chunk_digest(
+    client: &Client,
+    table_sql: &str,
+    columns: &str,
+    keys: &[(String, String)],
+    filter: Option<&str>,
+    chunk: &Chunk,
+) -> Result<(i64, String)> {
+    let mut conditions = Vec::new();
+    let mut params: Vec<String> = Vec::new();
+    if let Some(f) = filter {
+        conditions.push(format!("({f})"));
+    }
+    if let Some(from) = &chunk.from {
+        conditions.push(format!(
+            "{} >= {}",
+            row_expr(keys),
+            bound_expr(keys, params.len() + 1)
+        ));
+        params.extend(from.iter().cloned());
+    }
+    if let Some(to) = &chunk.to {
+        conditions.push(format!(
+            "{} < {}",
+            row_expr(keys),
+            bound_expr(keys, params.len() + 1)
+        ));
+        params.extend(to.iter().cloned());
+    }
+    let filter = if conditions.is_empty() {
+        String::new()
+    } else {
+        format!(" WHERE {}", conditions.join(" AND "))
+    };
+    let order = if keys.is_empty() {
+        "r::text".to_owned()
+    } else {
+        keys.iter()
+            .map(|(k, _)| format!("r.{}", quote_ident(k)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let sql = format!(
+        "SELECT count(*), coalesce(md5(string_agg(r::text, E'\\n' ORDER BY {order})), '') \
+         FROM (SELECT {columns} FROM {table_sql}{filter}) r"
+    );
+    let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
+        .iter()
+        .map(|p| p as &(dyn tokio_postgres::types::ToSql + Sync))
+        .collect();
+    let row = client
+        .query_one(sql.as_str(), &params)
+        .await
+        .map_err(|e| Error::postgres(format!("reading {table_sql}"), e))?;
+    Ok((row.get(0), row.get(1)))
+}
+
+async fn verify_table(
+    source_config: tokio_postgres::Config,
+    target_config: tokio_postgres::Config,
+    table: PublishedTable,
+    settings: VerifySettings,
+) -> Result<TableResult> {
+    let source = connect(&source_config, "source").await?;
+    let target = connect(&target_config, "target").await?;
+    let keys = key_columns(&source, &table).await?;
+    let columns = table
+        .columns
+        .iter()
+        .map(|(c, _)| quote_ident(c))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut chunks = Vec::new();
+    let mut note = None;
+    if keys.is_empty() {
+        note = Some("no primary key: compared as one chunk".to_owned());
+        chunks.push(Chunk {
+            from: None,
+            to: None,
+        });
+    } else {
+        let key_list = keys
+            .iter()
+            .map(|(k, _)| format!("{}::text", quote_ident(k)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let order = keys
+            .iter()
+            .map(|(k, _)| quote_ident(k))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let filter = table
+            .row_filter
+            .as_ref()
+            .map(|f| format!(" WHERE ({f})"))
+            .unwrap_or_default();
+        let sql = format!(
+            "SELECT {key_list} FROM (SELECT *, row_number() OVER (ORDER BY {order}) AS pgapply_rn FROM {}{filter}) s \
+             WHERE pgapply_rn % $1 = 1 ORDER BY pgapply_rn",
+            table.qualified()
+        );
+        let rows = source
+            .query(sql.as_str(), &[&settings.chunk_rows.max(1)])
+            .await
+            .map_err(|e| Error::postgres(format!("chunking {}", table.qualified()), e))?;
+        let bounds: Vec<Vec<String>> = rows
+            .iter()
+            .map(|r| (0..keys.len()).map(|i| r.get::<_, String>(i)).collect())
+            .collect();
+        // Everything below the first bound (rows only the target has) is a chunk too.
+        let mut from: Option<Vec<String>> = None;
+        for b in bounds.iter().skip(1) {
+            chunks.push(Chunk {
+                from: from.clone(),
+                to: Some(b.clone()),
+            });
+            from = Some(b.clone());
+        }
+        chunks.push(Chunk { from, to: None });
+    }
+    let mut result = TableResult {
+        table: table.qualified(),
+        ok: true,
+        source_rows: 0,
+        target_rows: 0,
+        chunks: chunks.len(),
+        mismatches: Vec::new(),
+        note,
+    };
+    let source_table = table.qualified();
+    let target_table = table.target_qualified();
+    for chunk in &chunks {
+        let mut attempt = 0;
+        loop {
+            let s = chunk_digest(
+                &source,
+                &source_table,
+                &columns,
+                &keys,
+                table.row_filter.as_deref(),
+                chunk,
+            )
+            .await?;
+            let t = chunk_digest(&target, &target_table, &columns, &keys, None, chunk).await?;
+            attempt += 1;
+            if s == t || attempt >= settings.attempts {
+                result.source_rows += s.0;
+                result.target_rows += t.0;
+                if s != t {
+                    result.ok = false;
+                    let show =
+                        |b: &Option<Vec<String>>| b.as_ref().map(|v| format!("({})", v.join(", ")));
+                    result.mismatches.push((show(&chunk.from), show(&chunk.to)));
+                }
+                break;
+            }
+            tokio::time::sleep(settings.retry_delay).await;
+        }
+    }
+    Ok(result)
+}
+
+/// Verifies every table of the publications.
+pub async fn verify(
+    source: &tokio_postgres::Config,
+    target: &tokio_postgres::Config,
+    publications: &[String],
+    table_map: &TableMap,
+    settings: &VerifySettings,
+) -> Result<Vec<TableResult>> {
+    let client = connect(source, "source").await?;
+    let tables = published_tables(&client, publications, table_map).await?;
+    if tables.is_empty() {
+        return Err(Error::definite(
+            "the publications contain no tables to verify",
+        ));
+    }
+    let limit = Arc::new(Semaphore::new(settings.jobs.max(1)));
+    let mut tasks = Vec::new();
+    for table in tables {
+        let (s, t, settings, limit) = (
+            source.clone(),
+            target.clone(),
+            settings.clone(),
+            limit.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let _permit = limit.acquire_owned().await;
+            verify_table(s, t, table, settings).await
+        }));
+    }
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(
+            task.await
+                .map_err(|e| Error::definite(format!("a verify task failed: {e}")))??,
+        );
+    }
+    results.sort_by(|a, b| a.table.cmp(&b.table));
+    Ok(results)
+}
+
+/// Prints the results; an error if any table differs.
+pub fn report(results: &[TableResult], json: bool) -> Result<()> {
+    if json {
+        let text = serde_json::to_string_pretty(results)
+            .map_err(|e| Error::definite(format!("encoding JSON: {e}")))?;
+        println!("{text}");
+    } else {
+        for r in results {
+            if r.ok {
+                println!(
+                    "OK        {} ({} rows, {} chunks)",
+                    r.table, r.source_rows, r.chunks
+                );
+            } else {
+                println!(
+                    "MISMATCH  {}: source {} rows, target {} rows",
+                    r.table, r.source_rows, r.target_rows
+                );
+                for (from, to) in &r.mismatches {
+                    println!(
+                        "          key range [{} .. {})",
+                        from.as_deref().unwrap_or("start"),
+                        to.as_deref().unwrap_or("end")
+                    );
+                }
+            }
+            if let Some(note) = &r.note {
+                println!("          note: {note}");
+            }
+        }
+    }
+    let bad: Vec<&str> = results
+        .iter()
+        .filter(|r| !r.ok)
+        .map(|r| r.table.as_str())
+        .collect();
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::definite(format!(
+            "source and target differ in {}",
+            bad.join(", ")
+        )))
+    }
+}
