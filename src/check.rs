@@ -1,7 +1,7 @@
 //! `pgapply check`: validates the settings and both servers before anything runs, and lists every
 //! problem found (not just the first), each naming the object and what to do.
 
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 use crate::cli::RunArgs;
 use crate::config::{self, FileConfig};
@@ -26,13 +26,12 @@ impl Report {
 }
 
 async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
-        Error::postgres(
-            format!("connecting to {role} {}", conninfo::describe(config)),
-            e,
-        )
+    let client = crate::tls::connect(config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to {role} {}",
+            conninfo::describe(config)
+        ))
     })?;
-    tokio::spawn(connection);
     Ok(client)
 }
 

@@ -11,12 +11,140 @@ use crate::error::{Error, Result};
 
 /// Parses `conninfo` for the connection called `role` ("source" or "target").
 pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
-    let mut config = tokio_postgres::Config::from_str(conninfo).map_err(|e| {
+    let (rest, tls) = take_tls_settings(conninfo)
+        .map_err(|e| e.context(format!("--{role}: invalid connection string")))?;
+    let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
         // tokio-postgres' message names the bad key or value, never the password.
         Error::definite(format!("--{role}: invalid connection string: {e}"))
     })?;
     complete_from_environment(&mut config);
+    let mut tls = tls;
+    if tls.mode == crate::tls::SslMode::Prefer {
+        if let Some(mode) = env("PGSSLMODE") {
+            tls.mode = crate::tls::SslMode::parse(&mode)?;
+        }
+    }
+    if tls.root_cert.is_none() {
+        tls.root_cert = env("PGSSLROOTCERT").map(PathBuf::from);
+    }
+    config.ssl_mode(tls.mode.for_tokio_postgres());
+    crate::tls::register(&config, tls);
     Ok(config)
+}
+
+/// Takes `sslmode` and `sslrootcert` out of a connection string (key=value or URL): pgapply
+/// handles them itself (tokio-postgres knows neither verify-ca/verify-full nor sslrootcert).
+fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings)> {
+    let mut tls = crate::tls::TlsSettings::default();
+    let mut apply = |key: &str, value: &str| -> Result<bool> {
+        match key {
+            "sslmode" => {
+                tls.mode = crate::tls::SslMode::parse(value)?;
+                Ok(true)
+            }
+            "sslrootcert" => {
+                tls.root_cert = Some(PathBuf::from(value));
+                Ok(true)
+            }
+            "sslcert" | "sslkey" => Err(Error::definite(format!(
+                "{key}: client certificates are not supported yet; authenticate with a password"
+            ))),
+            _ => Ok(false),
+        }
+    };
+    let trimmed = conninfo.trim();
+    if trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://") {
+        let Some((base, query)) = trimmed.split_once('?') else {
+            return Ok((trimmed.to_owned(), tls));
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            if !apply(k, &percent_decode(v))? {
+                kept.push(pair);
+            }
+        }
+        let rest = if kept.is_empty() {
+            base.to_owned()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        };
+        return Ok((rest, tls));
+    }
+    // key = value pairs; values may be single-quoted with \' and \\ escapes.
+    let mut kept = String::new();
+    let chars: Vec<char> = trimmed.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        while i < chars.len() && chars[i].is_whitespace() {
+            i += 1;
+        }
+        let start = i;
+        while i < chars.len() && chars[i] != '=' && !chars[i].is_whitespace() {
+            i += 1;
+        }
+        let key: String = chars[start..i].iter().collect();
+        while i < chars.len() && chars[i].is_whitespace() {
+            i += 1;
+        }
+        if i >= chars.len() || chars[i] != '=' {
+            if !key.is_empty() {
+                // Let tokio-postgres report the malformed part.
+                kept.push_str(&chars[start..].iter().collect::<String>());
+            }
+            break;
+        }
+        i += 1;
+        while i < chars.len() && chars[i].is_whitespace() {
+            i += 1;
+        }
+        let value_start = i;
+        let mut value = String::new();
+        if i < chars.len() && chars[i] == '\'' {
+            i += 1;
+            while i < chars.len() && chars[i] != '\'' {
+                if chars[i] == '\\' && i + 1 < chars.len() {
+                    i += 1;
+                }
+                value.push(chars[i]);
+                i += 1;
+            }
+            i += 1;
+        } else {
+            while i < chars.len() && !chars[i].is_whitespace() {
+                if chars[i] == '\\' && i + 1 < chars.len() {
+                    i += 1;
+                }
+                value.push(chars[i]);
+                i += 1;
+            }
+        }
+        if !apply(&key, &value)? {
+            let raw: String = chars[start..i.min(chars.len())].iter().collect();
+            let _ = value_start;
+            kept.push_str(&raw);
+            kept.push(' ');
+        }
+    }
+    Ok((kept.trim_end().to_owned(), tls))
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Ok(b) = u8::from_str_radix(&text[i + 1..i + 3], 16) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn env(name: &str) -> Option<String> {
@@ -178,6 +306,33 @@ mod tests {
         assert!(!d.contains("hunter2"));
         let c = parse("target", "postgres://app:hunter2@h:1/d").unwrap();
         assert!(!describe(&c).contains("hunter2"));
+    }
+
+    #[test]
+    fn tls_settings_are_taken_out() {
+        let (rest, tls) =
+            take_tls_settings("host=h sslmode=verify-full sslrootcert='/a b/ca.crt' user=u")
+                .unwrap();
+        assert_eq!(rest, "host=h user=u");
+        assert_eq!(tls.mode, crate::tls::SslMode::VerifyFull);
+        assert_eq!(tls.root_cert, Some(PathBuf::from("/a b/ca.crt")));
+        let (rest, tls) = take_tls_settings(
+            "postgres://u@h/db?sslmode=verify-ca&sslrootcert=%2Ftmp%2Fca.crt&application_name=x",
+        )
+        .unwrap();
+        assert_eq!(rest, "postgres://u@h/db?application_name=x");
+        assert_eq!(tls.mode, crate::tls::SslMode::VerifyCa);
+        assert_eq!(tls.root_cert, Some(PathBuf::from("/tmp/ca.crt")));
+        assert!(take_tls_settings("sslmode=sometimes").is_err());
+        let c = parse(
+            "source",
+            "host=h sslmode=verify-full sslrootcert=/x user=u dbname=d",
+        )
+        .unwrap();
+        assert_eq!(
+            crate::tls::settings_for(&c).mode,
+            crate::tls::SslMode::VerifyFull
+        );
     }
 
     #[test]

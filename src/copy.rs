@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::Pool;
 use futures_util::{pin_mut, SinkExt, StreamExt};
 use tokio::sync::Mutex;
-use tokio_postgres::{Client, IsolationLevel, NoTls};
+use tokio_postgres::{Client, IsolationLevel};
 
 use crate::error::{Error, Result};
 use crate::sql::{qualified_name, quote_ident, quote_literal};
@@ -532,17 +532,12 @@ pub async fn copy_tables(
 }
 
 async fn connect_source(config: &tokio_postgres::Config) -> Result<Client> {
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
-        Error::postgres(
-            format!("connecting to source {}", crate::conninfo::describe(config)),
-            e,
-        )
+    let client = crate::tls::connect(config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to source {}",
+            crate::conninfo::describe(config)
+        ))
     })?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "source copy connection ended");
-        }
-    });
     client
         .batch_execute(
             "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3",

@@ -16,7 +16,7 @@
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 use crate::config::TableMap;
 use crate::conninfo;
@@ -37,13 +37,12 @@ pub struct CutoverSettings {
 }
 
 async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
-        Error::postgres(
-            format!("connecting to {role} {}", conninfo::describe(config)),
-            e,
-        )
+    let client = crate::tls::connect(config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to {role} {}",
+            conninfo::describe(config)
+        ))
     })?;
-    tokio::spawn(connection);
     Ok(client)
 }
 
@@ -263,12 +262,9 @@ pub async fn copy_sequences(
 /// Publication and slot on the target (the new primary), for replication back to the source.
 async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
     let tables = {
-        let (source, connection) = config
-            .source
-            .connect(NoTls)
+        let source = crate::tls::connect(&config.source)
             .await
-            .map_err(|e| Error::postgres("connecting to the source", e))?;
-        tokio::spawn(connection);
+            .map_err(|e| e.into_error("connecting to the source"))?;
         published_tables(&source, &config.publications, &config.table_map).await?
     };
     let publication = format!("{}_reverse", config.slot);

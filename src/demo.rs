@@ -4,7 +4,6 @@
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
-use tokio_postgres::NoTls;
 
 use crate::cluster::{find_pg_bin, LocalCluster};
 use crate::compare::table_digest;
@@ -23,11 +22,10 @@ const SCHEMA: &str = "CREATE TABLE public.orders (
 )";
 
 async fn connect(conninfo: &str) -> Result<tokio_postgres::Client> {
-    let (client, connection) = tokio_postgres::connect(conninfo, NoTls)
+    let config = conninfo::parse("demo", conninfo)?;
+    crate::tls::connect(&config)
         .await
-        .map_err(|e| Error::postgres("connecting to a demo cluster", e))?;
-    tokio::spawn(connection);
-    Ok(client)
+        .map_err(|e| e.into_error("connecting to a demo cluster"))
 }
 
 async fn wal_position(client: &tokio_postgres::Client) -> Result<Lsn> {

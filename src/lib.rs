@@ -26,4 +26,5 @@ pub mod skip;
 pub mod source;
 pub mod sql;
 pub mod status;
+pub mod tls;
 pub mod verify;

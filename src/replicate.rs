@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
 use tokio::sync::{mpsc, watch, Semaphore};
-use tokio_postgres::NoTls;
 
 use crate::apply::applier::{ApplyStats, Envelope};
 use crate::apply::{Applier, ApplierOptions, ApplySettings, ProgressMode, ProgressStore};
@@ -111,7 +110,7 @@ pub struct RunProgress {
 pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool> {
     let manager = Manager::from_config(
         target.clone(),
-        NoTls,
+        crate::tls::make_tls(target)?,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -361,18 +360,12 @@ pub async fn run(
 /// column must have a built-in type (whose binary format does not embed cluster-specific OIDs),
 /// the same type on the target, and both servers the same major version.
 async fn binary_unsafe(config: &RunConfig, source_version: u32) -> Result<Option<String>> {
-    let (source, connection) = config
-        .source
-        .connect(tokio_postgres::NoTls)
+    let source = crate::tls::connect(&config.source)
         .await
-        .map_err(|e| Error::postgres("connecting to the source", e))?;
-    tokio::spawn(connection);
-    let (target, connection) = config
-        .target
-        .connect(tokio_postgres::NoTls)
+        .map_err(|e| e.into_error("connecting to the source"))?;
+    let target = crate::tls::connect(&config.target)
         .await
-        .map_err(|e| Error::postgres("connecting to the target", e))?;
-    tokio::spawn(connection);
+        .map_err(|e| e.into_error("connecting to the target"))?;
     let target_version: i32 = target
         .query_one("SELECT current_setting('server_version_num')::int", &[])
         .await

@@ -8,8 +8,6 @@
 
 use std::path::PathBuf;
 
-use tokio_postgres::NoTls;
-
 use crate::conninfo;
 use crate::copy::published_tables;
 use crate::error::{Error, Result};
@@ -67,13 +65,12 @@ pub async fn schema(
     publications: &[String],
     section: &str,
 ) -> Result<()> {
-    let (source, connection) = source_config.connect(NoTls).await.map_err(|e| {
-        Error::postgres(
-            format!("connecting to source {}", conninfo::describe(source_config)),
-            e,
-        )
+    let source = crate::tls::connect(source_config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to source {}",
+            conninfo::describe(source_config)
+        ))
     })?;
-    tokio::spawn(connection);
     let source_major: i32 = source
         .query_one(
             "SELECT current_setting('server_version_num')::int / 10000",
@@ -169,13 +166,12 @@ pub async fn schema(
         .filter(|l| !l.starts_with('\\'))
         .collect::<Vec<_>>()
         .join("\n");
-    let (target, connection) = target_config.connect(NoTls).await.map_err(|e| {
-        Error::postgres(
-            format!("connecting to target {}", conninfo::describe(target_config)),
-            e,
-        )
+    let target = crate::tls::connect(target_config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to target {}",
+            conninfo::describe(target_config)
+        ))
     })?;
-    tokio::spawn(connection);
     // Schemas that already exist on the target (public) are fine.
     let sql = sql.replace("CREATE SCHEMA ", "CREATE SCHEMA IF NOT EXISTS ");
     target

@@ -4,8 +4,6 @@
 //! stored on the target; the worker reads it when it starts, drops that transaction's changes,
 //! records the skip in pgapply.conflicts and clears the request in the same target transaction.
 
-use tokio_postgres::NoTls;
-
 use crate::cli::SkipArgs;
 use crate::conninfo;
 use crate::error::{Error, Result};
@@ -17,13 +15,12 @@ pub async fn skip_command(args: &SkipArgs) -> Result<()> {
         .parse()
         .map_err(|e| Error::definite(format!("--lsn: {e}")))?;
     let config = conninfo::parse("target", &args.target)?;
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
-        Error::postgres(
-            format!("connecting to target {}", conninfo::describe(&config)),
-            e,
-        )
+    let client = crate::tls::connect(&config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to target {}",
+            conninfo::describe(&config)
+        ))
     })?;
-    tokio::spawn(connection);
     let updated = client
         .execute(
             "UPDATE pgapply.progress SET skip_lsn = $2::text::pg_lsn WHERE slot_name = $1",

@@ -2,7 +2,6 @@
 //! heartbeat every status interval), plus lag in bytes when the source is given.
 
 use serde::Serialize;
-use tokio_postgres::NoTls;
 
 use crate::cli::StatusArgs;
 use crate::conninfo;
@@ -38,13 +37,12 @@ pub struct CopyTableStatus {
 
 async fn connect(role: &str, conninfo_text: &str) -> Result<tokio_postgres::Client> {
     let config = conninfo::parse(role, conninfo_text)?;
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
-        Error::postgres(
-            format!("connecting to {role} {}", conninfo::describe(&config)),
-            e,
-        )
+    let client = crate::tls::connect(&config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to {role} {}",
+            conninfo::describe(&config)
+        ))
     })?;
-    tokio::spawn(connection);
     Ok(client)
 }
 

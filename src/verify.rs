@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use tokio::sync::Semaphore;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 use crate::config::TableMap;
 use crate::conninfo;
@@ -49,13 +49,12 @@ pub struct TableResult {
 }
 
 async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
-        Error::postgres(
-            format!("connecting to {role} {}", conninfo::describe(config)),
-            e,
-        )
+    let client = crate::tls::connect(config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to {role} {}",
+            conninfo::describe(config)
+        ))
     })?;
-    tokio::spawn(connection);
     // The same text for the same value on both sides.
     client
         .batch_execute("SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET timezone = 'UTC'")

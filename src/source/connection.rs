@@ -16,7 +16,7 @@ use postgres_protocol::authentication::sasl::{self, ScramSha256};
 use postgres_protocol::message::{backend, frontend};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio_postgres::config::{Host, SslMode};
+use tokio_postgres::config::Host;
 
 use crate::error::{Error, Result};
 
@@ -26,9 +26,13 @@ const STARTUP_OPTIONS: &str = "-c datestyle=ISO -c intervalstyle=postgres -c ext
 /// How much to ask the kernel for per read: large reads let the walsender batch its sends.
 const READ_CHUNK: usize = 256 * 1024;
 
+trait AsyncStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> AsyncStream for T {}
+
 enum Stream {
     Tcp(TcpStream),
     Unix(tokio::net::UnixStream),
+    Tls(Box<dyn AsyncStream>),
 }
 
 impl Stream {
@@ -36,6 +40,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.read_buf(buf).await,
             Stream::Unix(s) => s.read_buf(buf).await,
+            Stream::Tls(s) => s.read_buf(buf).await,
         }
     }
 
@@ -43,8 +48,57 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.write_all(buf).await,
             Stream::Unix(s) => s.write_all(buf).await,
+            Stream::Tls(s) => {
+                s.write_all(buf).await?;
+                s.flush().await
+            }
         }
     }
+}
+
+/// SSLRequest, then the TLS handshake when the server agrees (libpq's sslmode semantics).
+async fn negotiate_tls(
+    stream: Stream,
+    host: &str,
+    endpoint: &str,
+    config: &tokio_postgres::Config,
+) -> Result<Stream> {
+    use crate::tls::SslMode;
+    use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+    let settings = crate::tls::settings_for(config);
+    let Stream::Tcp(mut tcp) = stream else {
+        return Ok(stream);
+    };
+    if settings.mode == SslMode::Disable {
+        return Ok(Stream::Tcp(tcp));
+    }
+    let mut request = BytesMut::new();
+    frontend::ssl_request(&mut request);
+    tcp.write_all(&request)
+        .await
+        .map_err(|e| Error::io(format!("writing to source {endpoint}"), e))?;
+    let mut answer = [0u8; 1];
+    tcp.read_exact(&mut answer)
+        .await
+        .map_err(|e| Error::io(format!("reading from source {endpoint}"), e))?;
+    if answer[0] != b'S' {
+        if settings.mode == SslMode::Prefer {
+            return Ok(Stream::Tcp(tcp));
+        }
+        return Err(Error::definite(format!(
+            "source {endpoint} does not accept TLS connections, but sslmode requires TLS: enable ssl on the server, or use sslmode=prefer or disable"
+        )));
+    }
+    let mut maker = crate::tls::make_tls(config)?;
+    let connect =
+        <tokio_postgres_rustls::MakeRustlsConnect as MakeTlsConnect<TcpStream>>::make_tls_connect(
+            &mut maker, host,
+        )
+        .map_err(|e| Error::definite(format!("TLS setup for source {endpoint}: {e}")))?;
+    let tls = connect.connect(tcp).await.map_err(|e| {
+        Error::definite(format!("TLS handshake with source {endpoint} failed: {e}"))
+    })?;
+    Ok(Stream::Tls(Box::new(tls)))
 }
 
 /// The result of a simple query: column names and rows of text values.
@@ -144,16 +198,12 @@ impl ReplicationConnection {
             })?
             .to_owned();
         let dbname = config.get_dbname().unwrap_or(&user).to_owned();
-        if config.get_ssl_mode() == SslMode::Require {
-            return Err(Error::definite(
-                "source connection: sslmode=require is not supported by this build yet; use sslmode=disable or prefer",
-            ));
-        }
         let timeout = config
             .get_connect_timeout()
             .copied()
             .unwrap_or(Duration::from_secs(30));
-        let (stream, endpoint) = open_stream(config, timeout).await?;
+        let (stream, endpoint, host) = open_stream(config, timeout).await?;
+        let stream = negotiate_tls(stream, &host, &endpoint, config).await?;
         let mut conn = ReplicationConnection {
             stream,
             read: BytesMut::with_capacity(READ_CHUNK),
@@ -493,7 +543,7 @@ pub fn parse_server_version(text: &str) -> u32 {
 async fn open_stream(
     config: &tokio_postgres::Config,
     timeout: Duration,
-) -> Result<(Stream, String)> {
+) -> Result<(Stream, String, String)> {
     let hosts = config.get_hosts();
     let ports = config.get_ports();
     let mut last_err = None;
@@ -516,7 +566,7 @@ async fn open_stream(
                 {
                     Ok(Ok(s)) => {
                         let _ = s.set_nodelay(true);
-                        return Ok((Stream::Tcp(s), endpoint));
+                        return Ok((Stream::Tcp(s), endpoint, name.clone()));
                     }
                     Ok(Err(e)) => {
                         last_err = Some(Error::io(format!("connecting to source {endpoint}"), e))
@@ -533,7 +583,7 @@ async fn open_stream(
                 let path = dir.join(format!(".s.PGSQL.{port}"));
                 let endpoint = path.display().to_string();
                 match tokio::net::UnixStream::connect(&path).await {
-                    Ok(s) => return Ok((Stream::Unix(s), endpoint)),
+                    Ok(s) => return Ok((Stream::Unix(s), endpoint, String::new())),
                     Err(e) => {
                         last_err = Some(Error::io(format!("connecting to source {endpoint}"), e))
                     }

@@ -1,0 +1,288 @@
+//! TLS for every connection, with libpq's `sslmode` meanings and `sslrootcert`.
+//!
+//! tokio-postgres knows only disable/prefer/require, so `sslmode` and `sslrootcert` are read from the
+//! connection string here, and the rustls connector enforces the rest:
+//!
+//! | sslmode | encrypted | certificate checked | host name checked |
+//! | --- | --- | --- | --- |
+//! | disable | no | – | – |
+//! | prefer (default) | if the server offers it | only with a root certificate | no |
+//! | require | yes | only with a root certificate (as libpq) | no |
+//! | verify-ca | yes | yes | no |
+//! | verify-full | yes | yes | yes |
+//!
+//! The root certificate is `sslrootcert`, else `~/.postgresql/root.crt` when it exists.
+//!
+//! Connection strings are parsed in `conninfo`; the TLS part of each is kept here, per server
+//! (host, port, user, database), so that every connection to that server, from any module, gets
+//! the same connector through [`make_tls`] and [`connect`].
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use tokio_postgres::config::Host;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SslMode {
+    Disable,
+    #[default]
+    Prefer,
+    Require,
+    VerifyCa,
+    VerifyFull,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsSettings {
+    pub mode: SslMode,
+    pub root_cert: Option<PathBuf>,
+}
+
+impl SslMode {
+    pub fn parse(text: &str) -> Result<SslMode> {
+        Ok(match text {
+            "disable" => SslMode::Disable,
+            "allow" | "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            other => {
+                return Err(Error::definite(format!(
+                    "sslmode {other:?}: use disable, prefer, require, verify-ca or verify-full"
+                )))
+            }
+        })
+    }
+
+    /// What tokio-postgres is told; the verification is the connector's.
+    pub fn for_tokio_postgres(self) -> tokio_postgres::config::SslMode {
+        match self {
+            SslMode::Disable => tokio_postgres::config::SslMode::Disable,
+            SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+            _ => tokio_postgres::config::SslMode::Require,
+        }
+    }
+}
+
+type ServerKey = (String, u16, String, String);
+
+fn key(config: &tokio_postgres::Config) -> ServerKey {
+    let host = match config.get_hosts().first() {
+        Some(Host::Tcp(h)) => h.clone(),
+        Some(Host::Unix(p)) => p.display().to_string(),
+        None => String::new(),
+    };
+    (
+        host,
+        config.get_ports().first().copied().unwrap_or(5432),
+        config.get_user().unwrap_or_default().to_owned(),
+        config.get_dbname().unwrap_or_default().to_owned(),
+    )
+}
+
+fn registry() -> &'static Mutex<HashMap<ServerKey, TlsSettings>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<ServerKey, TlsSettings>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Remembers the TLS settings of a parsed connection string.
+pub fn register(config: &tokio_postgres::Config, settings: TlsSettings) {
+    if let Ok(mut r) = registry().lock() {
+        r.insert(key(config), settings);
+    }
+}
+
+pub fn settings_for(config: &tokio_postgres::Config) -> TlsSettings {
+    registry()
+        .lock()
+        .ok()
+        .and_then(|r| r.get(&key(config)).cloned())
+        .unwrap_or_default()
+}
+
+/// The rustls connector for a server, verifying as its `sslmode` says.
+pub fn make_tls(config: &tokio_postgres::Config) -> Result<MakeRustlsConnect> {
+    let settings = settings_for(config);
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let root = settings.root_cert.clone().or_else(|| {
+        std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".postgresql/root.crt"))
+            .filter(|p| p.exists())
+    });
+    let roots = match &root {
+        Some(path) => {
+            let mut store = RootCertStore::empty();
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+                .map_err(|e| {
+                    Error::definite(format!(
+                        "sslrootcert {}: cannot read it: {e}",
+                        path.display()
+                    ))
+                })?
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|e| {
+                    Error::definite(format!(
+                        "sslrootcert {}: not a PEM certificate file: {e}",
+                        path.display()
+                    ))
+                })?;
+            for cert in certs {
+                store.add(cert).map_err(|e| {
+                    Error::definite(format!(
+                        "sslrootcert {}: unusable certificate: {e}",
+                        path.display()
+                    ))
+                })?;
+            }
+            Some(Arc::new(store))
+        }
+        None => None,
+    };
+    let check = match (settings.mode, roots) {
+        (SslMode::VerifyCa | SslMode::VerifyFull, None) => {
+            return Err(Error::definite(
+                "sslmode=verify-ca and verify-full need a root certificate: set sslrootcert=/path/to/root.crt in the connection string (or put it at ~/.postgresql/root.crt)",
+            ))
+        }
+        (SslMode::VerifyFull, Some(roots)) => Check::Full(verifier(roots, &provider)?),
+        (_, Some(roots)) => Check::ChainOnly(verifier(roots, &provider)?),
+        (_, None) => Check::Nothing,
+    };
+    let client = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::definite(format!("TLS setup: {e}")))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(Verifier { check, provider }))
+        .with_no_client_auth();
+    Ok(MakeRustlsConnect::new(client))
+}
+
+fn verifier(
+    roots: Arc<RootCertStore>,
+    provider: &Arc<rustls::crypto::CryptoProvider>,
+) -> Result<Arc<WebPkiServerVerifier>> {
+    WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+        .build()
+        .map_err(|e| Error::definite(format!("TLS setup: {e}")))
+}
+
+#[derive(Debug)]
+enum Check {
+    /// sslmode=prefer/require without a root certificate: encryption only, as libpq does.
+    Nothing,
+    /// verify-ca (and require with a root certificate): the chain, not the host name.
+    ChainOnly(Arc<WebPkiServerVerifier>),
+    Full(Arc<WebPkiServerVerifier>),
+}
+
+#[derive(Debug)]
+struct Verifier {
+    check: Check,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl ServerCertVerifier for Verifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        match &self.check {
+            Check::Nothing => Ok(ServerCertVerified::assertion()),
+            Check::Full(v) => {
+                v.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+            }
+            Check::ChainOnly(v) => {
+                match v.verify_server_cert(
+                    end_entity,
+                    intermediates,
+                    server_name,
+                    ocsp_response,
+                    now,
+                ) {
+                    Err(rustls::Error::InvalidCertificate(
+                        CertificateError::NotValidForName
+                        | CertificateError::NotValidForNameContext { .. },
+                    )) => Ok(ServerCertVerified::assertion()),
+                    other => other,
+                }
+            }
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// An ordinary SQL connection, with the server's TLS settings; the connection task is spawned.
+pub async fn connect(
+    config: &tokio_postgres::Config,
+) -> std::result::Result<tokio_postgres::Client, ConnectError> {
+    let tls = make_tls(config).map_err(ConnectError::Setup)?;
+    let (client, connection) = config.connect(tls).await.map_err(ConnectError::Postgres)?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "connection ended");
+        }
+    });
+    Ok(client)
+}
+
+#[derive(Debug)]
+pub enum ConnectError {
+    Setup(Error),
+    Postgres(tokio_postgres::Error),
+}
+
+impl ConnectError {
+    /// As pgapply's error, with what was being done.
+    pub fn into_error(self, context: impl Into<String>) -> Error {
+        match self {
+            ConnectError::Setup(e) => e.context(context.into()),
+            ConnectError::Postgres(e) => Error::postgres(context, e),
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! TLS on both connections: sslmode require / verify-ca / verify-full with a root certificate made
+//! by the test (a throwaway CA), on servers that refuse plaintext; and the clear errors when the
+//! certificate or the server does not fit.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command as StdCommand;
+
+use common::{run_with_deadline, stderr};
+use pgapply::cluster::{find_pg_bin, LocalCluster};
+
+struct Certs {
+    dir: PathBuf,
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = StdCommand::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl (apt-get install openssl)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA and a server certificate for `localhost` (no IP address in it), and a second, unrelated CA.
+fn make_certs() -> Certs {
+    let dir = std::env::temp_dir().join(format!("pgapply-tls-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=pgapply test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ],
+    );
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=other CA",
+            "-keyout",
+            "other.key",
+            "-out",
+            "other.crt",
+        ],
+    );
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+    );
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=DNS:localhost\n").unwrap();
+    openssl(
+        &dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-out",
+            "server.crt",
+        ],
+    );
+    // The server reads its key as the postgres user; the key must not be readable by others.
+    let _ = StdCommand::new("chown")
+        .args(["-R", "postgres", dir.to_str().unwrap()])
+        .output();
+    let _ = StdCommand::new("chmod")
+        .args(["0600", dir.join("server.key").to_str().unwrap()])
+        .output();
+    let _ = StdCommand::new("chmod")
+        .args(["0755", dir.to_str().unwrap()])
+        .output();
+    let _ = StdCommand::new("chmod")
+        .args([
+            "0644",
+            dir.join("ca.crt").to_str().unwrap(),
+            dir.join("other.crt").to_str().unwrap(),
+        ])
+        .output();
+    Certs { dir }
+}
+
+fn tls_cluster(certs: &Certs) -> LocalCluster {
+    let bin = find_pg_bin().expect("PostgreSQL binaries");
+    let cert = format!(
+        "ssl_cert_file = '{}'",
+        certs.dir.join("server.crt").display()
+    );
+    let key = format!(
+        "ssl_key_file = '{}'",
+        certs.dir.join("server.key").display()
+    );
+    let cluster = LocalCluster::start(&bin, &["ssl = on", &cert, &key]).expect("start TLS cluster");
+    // Plaintext TCP connections are refused: a success below means TLS was used.
+    std::fs::write(
+        cluster.data_dir.join("pg_hba.conf"),
+        "local all all trust\nhostnossl all all 0.0.0.0/0 reject\nhostnossl replication all 0.0.0.0/0 reject\n\
+         hostssl all postgres 127.0.0.1/32 trust\nhostssl replication postgres 127.0.0.1/32 trust\n",
+    )
+    .unwrap();
+    let out = StdCommand::new("runuser")
+        .args(["-u", "postgres", "--"])
+        .arg(cluster.bin.join("pg_ctl"))
+        .arg("-D")
+        .arg(&cluster.data_dir)
+        .arg("reload")
+        .current_dir(std::env::temp_dir())
+        .output();
+    if out.is_err() || !out.as_ref().unwrap().status.success() {
+        // Not root: reload directly.
+        let _ = StdCommand::new(cluster.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(&cluster.data_dir)
+            .arg("reload")
+            .output();
+    }
+    cluster
+}
+
+async fn sql(conninfo: &str, text: &str) -> Vec<String> {
+    let config = pgapply::conninfo::parse("test", conninfo).unwrap();
+    let client = pgapply::tls::connect(&config)
+        .await
+        .map_err(|e| e.into_error("connect"))
+        .unwrap();
+    let mut out = Vec::new();
+    for m in client.simple_query(text).await.unwrap() {
+        if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+            out.push(r.get(0).unwrap_or("").to_owned());
+        }
+    }
+    out
+}
+
+fn pgapply(source: &str, target: &str, extra: &[&str]) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.args([
+        "run",
+        "--source",
+        source,
+        "--target",
+        target,
+        "--publication",
+        "p",
+        "--slot",
+        "tls_slot",
+    ])
+    .args(extra)
+    .kill_on_drop(true);
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_modes_on_both_connections() {
+    let certs = make_certs();
+    let source = tls_cluster(&certs);
+    let target = tls_cluster(&certs);
+    let ca = certs.dir.join("ca.crt");
+    let other = certs.dir.join("other.crt");
+    let conn = |port: u16, host: &str, mode: &str, root: &Path| {
+        format!(
+            "host={host} port={port} user=postgres dbname=postgres sslmode={mode} sslrootcert={}",
+            root.display()
+        )
+    };
+    let src_full = conn(source.port, "localhost", "verify-full", &ca);
+    let dst_full = conn(target.port, "localhost", "verify-full", &ca);
+    for c in [&src_full, &dst_full] {
+        sql(c, "CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    }
+    sql(&src_full, "CREATE PUBLICATION p FOR TABLE t").await;
+    sql(
+        &src_full,
+        "SELECT pg_create_logical_replication_slot('tls_slot', 'pgoutput')",
+    )
+    .await;
+    sql(&src_full, "INSERT INTO t VALUES (1, 'over TLS')").await;
+    let endpos = sql(&src_full, "SELECT pg_current_wal_lsn()::text")
+        .await
+        .remove(0);
+
+    // verify-full by host name: replication and SQL connections both encrypted and verified.
+    let out = run_with_deadline(pgapply(&src_full, &dst_full, &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        sql(&dst_full, "SELECT v FROM t").await,
+        vec!["over TLS".to_string()]
+    );
+
+    // verify-full by IP address: the certificate names localhost only.
+    let out = run_with_deadline(
+        pgapply(
+            &conn(source.port, "127.0.0.1", "verify-full", &ca),
+            &dst_full,
+            &["--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("TLS handshake with source 127.0.0.1") && err.to_lowercase().contains("name"),
+        "{err}"
+    );
+
+    // verify-ca checks the chain, not the name; require without a root certificate only encrypts.
+    sql(&src_full, "INSERT INTO t VALUES (2, 'verify-ca')").await;
+    let endpos = sql(&src_full, "SELECT pg_current_wal_lsn()::text")
+        .await
+        .remove(0);
+    let src_ca = conn(source.port, "127.0.0.1", "verify-ca", &ca);
+    let dst_require = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=require",
+        target.port
+    );
+    let out = run_with_deadline(pgapply(&src_ca, &dst_require, &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        sql(&dst_full, "SELECT count(*) FROM t").await,
+        vec!["2".to_string()]
+    );
+
+    // A certificate from another CA is refused, naming the server.
+    let out = run_with_deadline(
+        pgapply(
+            &conn(source.port, "localhost", "verify-ca", &other),
+            &dst_full,
+            &["--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("TLS handshake with source localhost"),
+        "{}",
+        stderr(&out)
+    );
+
+    // verify-full without a root certificate: told what to set.
+    let out = run_with_deadline(
+        pgapply(&format!("host=localhost port={} user=postgres dbname=postgres sslmode=verify-full sslrootcert=/nonexistent/root.crt", source.port), &dst_full, &[]),
+        60,
+    )
+    .await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("sslrootcert /nonexistent/root.crt"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_against_a_server_without_tls_fails_clearly() {
+    let c = common::clusters();
+    let source = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=require",
+        c.source_port
+    );
+    let target = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        c.target_port
+    );
+    let out = run_with_deadline(pgapply(&source, &target, &[]), 30).await;
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("does not accept TLS") || err.contains("TLS"),
+        "{err}"
+    );
+}
