@@ -1,0 +1,257 @@
+//! Fault injection: network cuts and stalls through a TCP proxy, idle periods with unrelated WAL,
+//! errors raised by the target (definite and transient). Every test ends with source == target.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{run_with_deadline, spawn, stderr, wait_for, TestDb};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// A TCP proxy on 127.0.0.1 in front of a server. `cut()` drops every open connection;
+/// `stall(true)` stops forwarding bytes (connections stay open) until `stall(false)`.
+struct Proxy {
+    port: u16,
+    generation: watch::Sender<u64>,
+    stalled: Arc<AtomicBool>,
+    connections: Arc<AtomicU64>,
+}
+
+impl Proxy {
+    async fn start(upstream: u16) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (generation, _) = watch::channel(0u64);
+        let stalled = Arc::new(AtomicBool::new(false));
+        let connections = Arc::new(AtomicU64::new(0));
+        let gen_tx = generation.clone();
+        let (stalled2, connections2) = (stalled.clone(), connections.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
+                    continue;
+                };
+                connections2.fetch_add(1, Ordering::SeqCst);
+                let mut cut = gen_tx.subscribe();
+                let stalled = stalled2.clone();
+                tokio::spawn(async move {
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let pump = |mut r: tokio::net::tcp::OwnedReadHalf,
+                                mut w: tokio::net::tcp::OwnedWriteHalf,
+                                stalled: Arc<AtomicBool>| async move {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            use tokio::io::AsyncReadExt;
+                            let n = match r.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            while stalled.load(Ordering::SeqCst) {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                            if w.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        _ = pump(cr, sw, stalled.clone()) => {}
+                        _ = pump(sr, cw, stalled) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Proxy {
+            port,
+            generation,
+            stalled,
+            connections,
+        }
+    }
+
+    fn cut(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    fn stall(&self, on: bool) {
+        self.stalled.store(on, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_cuts_and_stalls_are_ridden_out() {
+    let db = TestDb::new("netcut").await;
+    db.both("CREATE TABLE n (id int PRIMARY KEY, v int); CREATE TABLE f (a int, b text); ALTER TABLE f REPLICA IDENTITY FULL;").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE n, f").await;
+    let source_proxy = Proxy::start(db.source_port).await;
+    let target_proxy = Proxy::start(db.target_port).await;
+    let source = format!(
+        "host=127.0.0.1 port={} user=postgres dbname={}",
+        source_proxy.port, db.name
+    );
+    let target = format!(
+        "host=127.0.0.1 port={} user=postgres dbname={}",
+        target_proxy.port, db.name
+    );
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.args([
+        "run",
+        "--source",
+        &source,
+        "--target",
+        &target,
+        "--publication",
+        "p",
+        "--slot",
+        &db.slot(),
+    ])
+    .args([
+        "--status-interval",
+        "1s",
+        "--retry-min",
+        "50ms",
+        "--retry-max",
+        "500ms",
+    ])
+    .kill_on_drop(true);
+    let mut child = spawn(cmd);
+    let mut total = 0;
+    for round in 0..6 {
+        for i in 0..50 {
+            let id = round * 50 + i;
+            db.source_sql(&format!("INSERT INTO n VALUES ({id}, {id}); UPDATE n SET v = v + 1 WHERE id = {}; INSERT INTO f VALUES ({id}, 'x');", id / 2)).await;
+        }
+        total += 50;
+        match round % 3 {
+            0 => source_proxy.cut(),
+            1 => target_proxy.cut(),
+            _ => {
+                // A stall longer than nothing, shorter than the silence limit: no data is lost.
+                source_proxy.stall(true);
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                source_proxy.stall(false);
+            }
+        }
+        let expected = total as i64;
+        wait_for("target to catch up after the fault", 90, || async {
+            db.count(&db.target, "SELECT count(*) FROM f").await == expected
+        })
+        .await;
+    }
+    assert!(
+        source_proxy.connections.load(Ordering::SeqCst) >= 3,
+        "pgapply reconnected to the source"
+    );
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let _ = child.wait().await;
+    db.assert_same("n").await;
+    db.assert_same("f").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_publication_lets_the_slot_advance() {
+    let db = TestDb::new("idle").await;
+    db.both("CREATE TABLE published (id int PRIMARY KEY); CREATE TABLE other (id int)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE published").await;
+    db.source_sql("INSERT INTO published VALUES (1)").await;
+    let mut child = spawn(db.pgapply("p", &[]));
+    wait_for("the first row", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM published").await == 1
+    })
+    .await;
+    // Lots of WAL that is not published.
+    db.source_sql("INSERT INTO other SELECT generate_series(1, 20000)")
+        .await;
+    let wal = db.source_wal().await;
+    let slot = db.slot();
+    wait_for("the slot to confirm past the unpublished WAL", 60, || async {
+        db.source
+            .query_one(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot, &wal],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0))
+            .unwrap_or(false)
+    })
+    .await;
+    // And a change after the idle period is still applied.
+    db.source_sql("INSERT INTO published VALUES (2)").await;
+    wait_for("the row after the idle period", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM published").await == 2
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    db.assert_same("published").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_errors_definite_and_transient() {
+    let db = TestDb::new("trigger").await;
+    db.both("CREATE TABLE g (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE g").await;
+    // A trigger that refuses a row (definite) — replica triggers fire under session_replication_role = replica.
+    db.target_sql(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.v = 'bad' THEN RAISE EXCEPTION 'row refused by target trigger'; END IF; \
+           IF NEW.v = 'full' AND NOT EXISTS (SELECT 1 FROM pg_class WHERE relname = 'disk_ok') THEN \
+             RAISE EXCEPTION 'could not extend file' USING ERRCODE = 'disk_full'; END IF; \
+           RETURN NEW; END $$; \
+         CREATE TRIGGER refuse BEFORE INSERT ON g FOR EACH ROW EXECUTE FUNCTION refuse(); \
+         ALTER TABLE g ENABLE ALWAYS TRIGGER refuse;",
+    )
+    .await;
+    db.source_sql("INSERT INTO g VALUES (1, 'ok'); INSERT INTO g VALUES (2, 'bad');")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert_eq!(out.status.code(), Some(1), "definite: exit 1");
+    assert!(
+        stderr(&out).contains("row refused by target trigger")
+            && stderr(&out).contains("\"public\".\"g\""),
+        "{}",
+        stderr(&out)
+    );
+    db.target_sql("UPDATE g SET v = v WHERE false; CREATE OR REPLACE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.v = 'full' AND NOT EXISTS (SELECT 1 FROM pg_class WHERE relname = 'disk_ok') THEN \
+             RAISE EXCEPTION 'could not extend file' USING ERRCODE = 'disk_full'; END IF; RETURN NEW; END $$;").await;
+    // Disk full is transient: pgapply retries until the condition clears.
+    db.source_sql("INSERT INTO g VALUES (3, 'full')").await;
+    let endpos = db.source_wal().await;
+    let mut child = spawn(db.pgapply(
+        "p",
+        &[
+            "--endpos",
+            &endpos,
+            "--retry-min",
+            "100ms",
+            "--retry-max",
+            "300ms",
+        ],
+    ));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "still retrying while the disk is full"
+    );
+    db.target_sql("CREATE TABLE disk_ok ()").await;
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+    db.assert_same("g").await;
+}
