@@ -4,6 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tokio_postgres::{Client, Statement};
 
@@ -79,6 +80,20 @@ struct Group {
     last_commit: Option<(Lsn, PgTimestamp)>,
     transactions: u64,
 }
+
+/// Statements queued before they are handed to the connection together.
+const SUBMIT_CHUNK: usize = 64;
+
+type InFlight = std::pin::Pin<
+    Box<
+        dyn std::future::Future<
+                Output = (
+                    Option<ChangeInfo>,
+                    std::result::Result<u64, tokio_postgres::Error>,
+                ),
+            > + Send,
+    >,
+>;
 
 /// One queued statement and what to say about it if it fails or finds no row.
 struct Pending {
@@ -160,9 +175,14 @@ impl ChangeInfo {
 }
 
 pub struct Applier {
-    client: deadpool_postgres::Object,
+    client: Arc<deadpool_postgres::Object>,
     catalog: deadpool_postgres::Object,
     progress: ProgressStore,
+    /// Statements sent to the target whose results have not been checked yet, in order.
+    /// (In a mutex only so that the applier is `Sync`; it is always reached through `&mut self`.)
+    in_flight: std::sync::Mutex<futures_util::stream::FuturesOrdered<InFlight>>,
+    /// The first failure among them.
+    failure: Option<Error>,
     settings: ApplySettings,
     relations: RelationCache,
     statements: HashMap<Shape, Statement>,
@@ -257,8 +277,10 @@ impl Applier {
         let commit = prepare("COMMIT".into()).await?;
         let record = prepare(progress.record_sql()).await?;
         Ok(Applier {
-            client,
+            client: Arc::new(client),
             catalog,
+            in_flight: std::sync::Mutex::new(futures_util::stream::FuturesOrdered::new()),
+            failure: None,
             progress,
             settings,
             relations: RelationCache::new(options.table_map.clone()),
@@ -1064,8 +1086,12 @@ impl Applier {
         if let Some(g) = &mut self.group {
             g.statements += 1;
         }
-        if self.pending.len() >= self.settings.pipeline_statements {
-            self.send_pipeline().await?;
+        if self.pending.len() >= SUBMIT_CHUNK {
+            self.submit_pending();
+            if self.in_flight_mut().len() >= self.settings.pipeline_statements {
+                self.drain_to(self.settings.pipeline_statements / 2).await;
+            }
+            self.fail_if_failed().await?;
         }
         Ok(())
     }
@@ -1113,82 +1139,125 @@ impl Applier {
         Ok(statement)
     }
 
-    /// Sends every queued statement at once and checks every result.
-    async fn send_pipeline(&mut self) -> Result<()> {
-        if self.pending.is_empty() {
-            return Ok(());
+    /// Hands the queued statements to the connection without waiting for their results, so the
+    /// target executes them while the next ones are being built.
+    fn submit_pending(&mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        for pending in pending {
+            let client = self.client.clone();
+            let Pending {
+                statement,
+                params,
+                about,
+            } = pending;
+            self.in_flight_mut().push_back(Box::pin(async move {
+                let result = client.execute_raw(&statement, params.iter()).await;
+                (about, result)
+            }));
         }
-        let batch = std::mem::take(&mut self.pending);
-        let client: &Client = &self.client;
-        let results = futures_util::future::join_all(
-            batch
-                .iter()
-                .map(|p| client.execute_raw(&p.statement, p.params.iter())),
-        )
-        .await;
-        let mut failure: Option<Error> = None;
-        for (pending, result) in batch.iter().zip(results) {
-            match result {
-                Ok(rows) => {
-                    let Some(about) = &pending.about else {
-                        continue;
-                    };
-                    let Some(signal) = about.signal else { continue };
-                    if rows != signal.when_rows {
-                        continue;
-                    }
-                    let kind = signal.conflict.name();
-                    if signal.policy == Policy::Error {
-                        if failure.is_none() {
-                            failure = Some(Error::definite(format!(
-                                "{kind}: {} found no row for key {} and the conflict policy for {kind} is error: {}",
-                                about.describe(),
-                                about.describe_key(),
-                                self.skip_hint(about.commit_lsn)
-                            )));
-                        }
-                        continue;
-                    }
-                    if matches!(
-                        signal.conflict,
-                        ConflictType::UpdateMissing | ConflictType::DeleteMissing
-                    ) {
-                        self.stats.missing_rows += 1;
-                    }
-                    METRICS.conflict(kind);
-                    tracing::warn!(
-                        table = %about.relation.target.qualified,
-                        key = %about.describe_key(),
-                        xid = about.xid,
-                        commit_lsn = %about.commit_lsn,
-                        conflict = kind,
-                        policy = signal.policy.name(),
-                        "{} met a conflict ({kind}); resolved by policy {}", about.operation, signal.policy.name()
-                    );
-                    self.conflicts.push(conflict_record(about, signal));
+        // tokio-postgres sends a request when its future is first polled; poll now, in order.
+        let mut cx = std::task::Context::from_waker(futures_util::task::noop_waker_ref());
+        while let std::task::Poll::Ready(Some((about, result))) =
+            self.in_flight_mut().poll_next_unpin(&mut cx)
+        {
+            self.check_result(about, result);
+        }
+    }
+
+    fn in_flight_mut(&mut self) -> &mut futures_util::stream::FuturesOrdered<InFlight> {
+        self.in_flight
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Waits until at most `keep` statements are still in flight.
+    async fn drain_to(&mut self, keep: usize) {
+        while self.in_flight_mut().len() > keep {
+            match self.in_flight_mut().next().await {
+                Some((about, result)) => self.check_result(about, result),
+                None => break,
+            }
+        }
+    }
+
+    /// Notes what one statement's result means: a conflict, a failure, or nothing.
+    fn check_result(
+        &mut self,
+        about: Option<ChangeInfo>,
+        result: std::result::Result<u64, tokio_postgres::Error>,
+    ) {
+        match result {
+            Ok(rows) => {
+                let Some(about) = &about else { return };
+                let Some(signal) = about.signal else { return };
+                if rows != signal.when_rows {
+                    return;
                 }
-                Err(e) => {
-                    if failure.is_none() {
-                        let what = match &pending.about {
-                            Some(about) => about.describe(),
-                            None => "a statement".to_owned(),
-                        };
-                        let mut err = Error::postgres(format!("applying {what}"), e);
-                        if let Some(about) = &pending.about {
-                            err = err.context_after(self.skip_hint(about.commit_lsn));
-                        }
-                        failure = Some(err);
+                let kind = signal.conflict.name();
+                if signal.policy == Policy::Error {
+                    if self.failure.is_none() {
+                        self.failure = Some(Error::definite(format!(
+                            "{kind}: {} found no row for key {} and the conflict policy for {kind} is error: {}",
+                            about.describe(),
+                            about.describe_key(),
+                            self.skip_hint(about.commit_lsn)
+                        )));
                     }
+                    return;
+                }
+                if matches!(
+                    signal.conflict,
+                    ConflictType::UpdateMissing | ConflictType::DeleteMissing
+                ) {
+                    self.stats.missing_rows += 1;
+                }
+                METRICS.conflict(kind);
+                tracing::warn!(
+                    table = %about.relation.target.qualified,
+                    key = %about.describe_key(),
+                    xid = about.xid,
+                    commit_lsn = %about.commit_lsn,
+                    conflict = kind,
+                    policy = signal.policy.name(),
+                    "{}", conflict_sentence(about.operation, signal)
+                );
+                self.conflicts.push(conflict_record(about, signal));
+            }
+            Err(e) => {
+                if self.failure.is_none() {
+                    let what = match &about {
+                        Some(about) => about.describe(),
+                        None => "a statement".to_owned(),
+                    };
+                    let mut err = Error::postgres(format!("applying {what}"), e);
+                    if let Some(about) = &about {
+                        err = err.context_after(self.skip_hint(about.commit_lsn));
+                    }
+                    self.failure = Some(err);
                 }
             }
         }
-        match failure {
+    }
+
+    /// Sends every queued statement, waits for every result and checks them.
+    async fn send_pipeline(&mut self) -> Result<()> {
+        self.submit_pending();
+        self.drain_to(0).await;
+        self.fail_if_failed().await
+    }
+
+    /// After a failed statement the transaction is aborted on the server: end it, forget the
+    /// group, and report the first failure.
+    async fn fail_if_failed(&mut self) -> Result<()> {
+        match self.failure.take() {
             Some(e) => {
+                self.drain_to(0).await;
+                self.failure = None;
                 self.group = None;
                 self.current = None;
                 self.conflicts.clear();
                 self.skip_records.clear();
-                // The transaction is aborted on the server; end it so the session stays usable.
+                self.pending.clear();
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 Err(e)
             }
@@ -1343,5 +1412,25 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
         source_lsn: about.commit_lsn,
         source_commit_time: Some(about.commit_time),
         policy: signal.policy.name(),
+    }
+}
+
+/// A conflict in words, for the log.
+fn conflict_sentence(operation: &str, signal: Signal) -> String {
+    let kind = signal.conflict.name();
+    match (signal.conflict, signal.policy) {
+        (ConflictType::InsertExists, Policy::ApplyRemote) => {
+            format!("{operation} found an existing row on the target ({kind}); overwrote it (policy apply_remote)")
+        }
+        (ConflictType::InsertExists, p) => {
+            format!("{operation} found an existing row on the target ({kind}); kept the target's row (policy {})", p.name())
+        }
+        (_, Policy::ApplyRemote) => {
+            format!("{operation} found no row on the target ({kind}); inserted the new row (policy apply_remote)")
+        }
+        (_, p) => format!(
+            "{operation} found no row on the target ({kind}); skipped (policy {})",
+            p.name()
+        ),
     }
 }
