@@ -264,6 +264,19 @@ impl Applier {
             )
             .await
             .map_err(|e| Error::postgres("configuring the target apply session", e))?;
+        // Every statement is prepared once and run many times with simple key lookups: skip the
+        // custom plans PostgreSQL would otherwise make for the first executions (12+).
+        let version: i32 = client
+            .query_one("SELECT current_setting('server_version_num')::int", &[])
+            .await
+            .map_err(|e| Error::postgres("reading the target's version", e))?
+            .get(0);
+        if version >= 120000 {
+            client
+                .batch_execute("SET plan_cache_mode = force_generic_plan")
+                .await
+                .map_err(|e| Error::postgres("configuring the target apply session", e))?;
+        }
         let prepare = |sql: String| {
             let client = &client;
             async move {
