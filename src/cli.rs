@@ -65,7 +65,7 @@ pub enum Streaming {
 /// `pgapply run`. Every setting can also come from the environment (`PGAPPLY_<NAME>`) or from the
 /// `--config` file (same names with underscores); a flag wins over the environment, which wins
 /// over the file.
-#[derive(Debug, Args, Default)]
+#[derive(Debug, Clone, Args, Default)]
 pub struct RunArgs {
     /// Configuration file (TOML).
     #[arg(long, env = "PGAPPLY_CONFIG")]

@@ -3,7 +3,9 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tokio::sync::watch;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 use pgapply::cli::{Cli, Command, LogFormat, RunArgs};
 use pgapply::cli::{CutoverArgs, VerifyArgs};
@@ -51,13 +53,22 @@ fn main() -> ExitCode {
         .log_format
         .or(file.log_format)
         .unwrap_or(LogFormat::Text);
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-        LogFormat::Text => builder.init(),
-    }
+    let (filter, log_reload) = tracing_subscriber::reload::Layer::new(filter);
+    let fmt_layer: Box<dyn Layer<_> + Send + Sync> = match format {
+        LogFormat::Json => Box::new(
+            tracing_subscriber::fmt::layer()
+                .json()
+                .flatten_event(true)
+                .with_writer(std::io::stderr),
+        ),
+        LogFormat::Text => Box::new(tracing_subscriber::fmt::layer().with_writer(std::io::stderr)),
+    };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt_layer)
+        .init();
+    // The log level can follow the config file on SIGHUP unless a flag or RUST_LOG set it.
+    let level_from_file = cli.log_level.is_none() && std::env::var_os("RUST_LOG").is_none();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -70,7 +81,14 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Run(args) => run_command(args, file).await,
+            Command::Run(args) => {
+                let reload = Reload {
+                    path: args.config.clone(),
+                    log: log_reload,
+                    level_from_file,
+                };
+                run_command(args, file, reload).await
+            }
             Command::Check(args) => check::check_command(&args, &file).await,
             Command::Status(args) => status::status_command(&args).await,
             Command::Skip(args) => skip::skip_command(&args).await,
@@ -122,11 +140,70 @@ fn shutdown_signal() -> watch::Receiver<bool> {
     rx
 }
 
-async fn run_command(args: RunArgs, file: FileConfig) -> Result<(), Error> {
-    let (config, service) = config::resolve(&args, &file)?;
+/// What SIGHUP reloads: the log level and the conflict policies, from the config file.
+struct Reload {
+    path: Option<std::path::PathBuf>,
+    log: tracing_subscriber::reload::Handle<EnvFilter, tracing_subscriber::Registry>,
+    level_from_file: bool,
+}
+
+fn reload_on_sighup(
+    reload: Reload,
+    args: RunArgs,
+    policies: watch::Sender<std::sync::Arc<pgapply::apply::conflict::PolicyMap>>,
+) {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hup) = signal(SignalKind::hangup()) else {
+            return;
+        };
+        while hup.recv().await.is_some() {
+            let Some(path) = &reload.path else {
+                tracing::info!("SIGHUP: no --config file to reload");
+                continue;
+            };
+            let file = match FileConfig::load(path) {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::warn!(error = %e, "SIGHUP: config file not reloaded; keeping the current settings");
+                    continue;
+                }
+            };
+            match config::resolve(&args, &file) {
+                Ok((c, _)) => {
+                    policies.send_replace(std::sync::Arc::new(c.policies));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "SIGHUP: settings not reloaded");
+                    continue;
+                }
+            }
+            // Said before the level changes, so that it is seen whatever the new level.
+            tracing::info!("SIGHUP: reloaded log level and conflict policies");
+            if reload.level_from_file {
+                if let Some(level) = &file.log_level {
+                    match EnvFilter::try_new(level) {
+                        Ok(f) => {
+                            let _ = reload.log.reload(f);
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "SIGHUP: invalid log_level; keeping the current one")
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<(), Error> {
+    let (mut config, service) = config::resolve(&args, &file)?;
+    let (policy_tx, policy_rx) = watch::channel(std::sync::Arc::new(config.policies.clone()));
+    config.policy_updates = Some(policy_rx);
     if let Some(addr) = &service.metrics_addr {
         metrics::serve(addr).await?;
     }
+    reload_on_sighup(reload, args.clone(), policy_tx);
     let mut shutdown = shutdown_signal();
     let mut backoff = Backoff::new(service.retry_min, service.retry_max);
     loop {

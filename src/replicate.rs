@@ -57,6 +57,8 @@ pub struct RunConfig {
     pub spool_dir: Option<std::path::PathBuf>,
     /// Conflict policies, global and per table.
     pub policies: crate::apply::conflict::PolicyMap,
+    /// New conflict policies while running (SIGHUP reloads the config file).
+    pub policy_updates: Option<watch::Receiver<Arc<crate::apply::conflict::PolicyMap>>>,
 }
 
 impl RunConfig {
@@ -83,6 +85,7 @@ impl RunConfig {
             requested: Requested::default(),
             spool_dir: None,
             policies: Default::default(),
+            policy_updates: None,
         }
     }
 }
@@ -247,6 +250,7 @@ pub async fn run(
         ApplierOptions {
             table_map: Arc::new(config.table_map.clone()),
             policies: Arc::new(config.policies.clone()),
+            policy_updates: config.policy_updates.clone(),
             skip_lsn: store
                 .skip_lsn(&*target_connection(&pool, &config.target).await?)
                 .await?,

@@ -336,3 +336,72 @@ async fn check_lists_every_problem() {
     assert!(text.contains("no problems found"), "{text}");
     let _ = std::io::stdout().flush();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_conflict_policies_and_log_level() {
+    let db = TestDb::new("sighup").await;
+    db.both("CREATE TABLE h (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE h").await;
+    let config = write_config(&format!(
+        "source = \"{}\"\ntarget = \"{}\"\nslot = \"{}\"\npublications = [\"p\"]\nlog_level = \"info\"\n[conflicts]\nupdate_missing = \"error\"\n",
+        db.source_conninfo(),
+        db.target_conninfo(),
+        db.slot()
+    ));
+    let log = std::env::temp_dir().join(format!("pgapply-sighup-{}.log", std::process::id()));
+    let mut cmd = pgapply();
+    cmd.arg("run")
+        .arg("--config")
+        .arg(config.arg())
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    db.source_sql("INSERT INTO h VALUES (1, 'a')").await;
+    wait_for("the first row", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM h").await == 1
+    })
+    .await;
+    // New policies and a quieter log level, then SIGHUP.
+    std::fs::write(
+        config.arg(),
+        format!(
+            "source = \"{}\"\ntarget = \"{}\"\nslot = \"{}\"\npublications = [\"p\"]\nlog_level = \"warn\"\n[conflicts]\nupdate_missing = \"skip\"\n",
+            db.source_conninfo(),
+            db.target_conninfo(),
+            db.slot()
+        ),
+    )
+    .unwrap();
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    wait_for("the reload", 30, || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("SIGHUP: reloaded")
+    })
+    .await;
+    // Under the old policy this would stop pgapply; now it is skipped and recorded.
+    db.target_sql("DELETE FROM h WHERE id = 1").await;
+    db.source_sql("UPDATE h SET v = 'b' WHERE id = 1; INSERT INTO h VALUES (2, 'c');")
+        .await;
+    wait_for("the next transaction", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM h WHERE id = 2")
+            .await
+            == 1
+    })
+    .await;
+    assert!(child.try_wait().unwrap().is_none(), "still running");
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM pgapply.conflicts WHERE conflict_type = 'update_missing' AND policy = 'skip'").await, 1);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(child.wait().await.unwrap().success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    let after = text.split("SIGHUP: reloaded").nth(1).unwrap_or_default();
+    assert!(
+        !after.contains(" INFO "),
+        "info lines after the level went to warn: {after}"
+    );
+    let _ = std::fs::remove_file(&log);
+}

@@ -208,6 +208,7 @@ pub struct Applier {
     /// Log logical decoding messages at info level (`--messages`).
     log_messages: bool,
     policies: Arc<PolicyMap>,
+    policy_updates: Option<watch::Receiver<Arc<PolicyMap>>>,
     /// The commit LSN of a transaction to skip on purpose (`pgapply skip`).
     skip_lsn: Option<Lsn>,
     /// Conflicts met in the open group, recorded once it commits.
@@ -226,6 +227,7 @@ pub struct ApplierOptions {
     /// Source table -> target table, where they differ.
     pub table_map: Arc<crate::config::TableMap>,
     pub policies: Arc<PolicyMap>,
+    pub policy_updates: Option<watch::Receiver<Arc<PolicyMap>>>,
     pub skip_lsn: Option<Lsn>,
 }
 
@@ -313,6 +315,7 @@ impl Applier {
             slot: options.slot,
             log_messages: options.log_messages,
             policies: options.policies,
+            policy_updates: options.policy_updates,
             skip_lsn: options.skip_lsn,
             conflicts: Vec::new(),
             skip_records: Vec::new(),
@@ -714,6 +717,13 @@ impl Applier {
     }
 
     fn begin(&mut self, b: Begin) -> Result<()> {
+        // Policies reloaded (SIGHUP) apply from the next transaction on.
+        if let Some(updates) = &mut self.policy_updates {
+            if updates.has_changed().unwrap_or(false) {
+                self.policies = updates.borrow_and_update().clone();
+                tracing::info!("conflict policies reloaded");
+            }
+        }
         if let Some(open) = &self.current {
             return Err(Error::definite(format!(
                 "the source began transaction {} while transaction {} (commit {}) was still open; this is a protocol error",
