@@ -37,11 +37,11 @@ async fn small_decoding_memory() -> i32 {
 async fn pgapply_version_or_skip(what: &str, min: i32) -> bool {
     let v = small_decoding_memory().await;
     if v < min {
-        eprintln!(
-            "skipped: {what} needs a PostgreSQL {} source, this one is {}",
+        common::skip(&format!(
+            "{what} needs a PostgreSQL {} source, this one is {}",
             min / 10000,
             v / 10000
-        );
+        ));
         return false;
     }
     true

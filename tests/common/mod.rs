@@ -292,3 +292,21 @@ where
 pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
+
+/// Says that the running test skips itself, and why, in a form scripts/test-matrix.sh reads.
+pub fn skip(reason: &str) {
+    let name = std::thread::current()
+        .name()
+        .map(|n| n.rsplit("::").next().unwrap_or(n).to_owned())
+        .unwrap_or_default();
+    eprintln!("PGAPPLY-SKIP {name}: {reason}");
+}
+
+/// The source server's version (`server_version_num`).
+pub async fn source_version(db: &TestDb) -> i32 {
+    db.source
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
