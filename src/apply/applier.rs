@@ -215,6 +215,21 @@ pub struct Applier {
     conflicts: Vec<ConflictRecord>,
     /// Transactions of the open group skipped on request: (xid, commit LSN, commit time).
     skip_records: Vec<(u32, Lsn, PgTimestamp)>,
+    /// Inserts into one table by one source transaction, waiting to go out as one statement.
+    insert_run: Option<InsertRun>,
+}
+
+/// Most rows in one multi-row INSERT.
+const MAX_INSERT_ROWS: usize = 100;
+
+struct InsertRun {
+    entry: Arc<RelationEntry>,
+    shape: Shape,
+    params: Vec<WireValue>,
+    rows: usize,
+    limit: usize,
+    /// The first row's change, for messages.
+    about: ChangeInfo,
 }
 
 /// What the session negotiated that the applier needs to know.
@@ -319,6 +334,7 @@ impl Applier {
             skip_lsn: options.skip_lsn,
             conflicts: Vec::new(),
             skip_records: Vec::new(),
+            insert_run: None,
         })
     }
 
@@ -561,6 +577,7 @@ impl Applier {
 
     /// Ends the open group with PREPARE TRANSACTION instead of COMMIT.
     async fn prepare_group(&mut self, xid: Xid, end_lsn: Lsn, time: PgTimestamp) -> Result<()> {
+        self.flush_insert_run().await?;
         let gid = self.gid(xid);
         self.pending.push(Pending {
             statement: self.record.clone(),
@@ -866,9 +883,23 @@ impl Applier {
             unchanged: ColumnSet::default(),
             row_match: RowMatch::Key,
             on_conflict,
+            rows: 1,
         };
         self.stats.inserts += 1;
         METRICS.inserts.inc();
+        if on_conflict == OnConflict::Plain {
+            return self
+                .batch_insert(
+                    &entry,
+                    shape,
+                    params,
+                    xid,
+                    commit_lsn,
+                    commit_time,
+                    insert.new,
+                )
+                .await;
+        }
         let about = ChangeInfo {
             relation: entry.clone(),
             operation: "INSERT",
@@ -884,6 +915,76 @@ impl Applier {
             }),
         };
         self.queue(&entry, shape, params, about).await
+    }
+
+    /// Adds a row to the run of inserts into the same table by the same source transaction, sent
+    /// as one multi-row INSERT; a different statement ends the run.
+    #[allow(clippy::too_many_arguments)]
+    async fn batch_insert(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+        shape: Shape,
+        params: Vec<WireValue>,
+        xid: u32,
+        commit_lsn: Lsn,
+        commit_time: PgTimestamp,
+        row: Tuple,
+    ) -> Result<()> {
+        let fits = self.insert_run.as_ref().is_some_and(|run| {
+            run.shape == shape && run.about.xid == xid && run.about.commit_lsn == commit_lsn
+        });
+        if !fits {
+            self.flush_insert_run().await?;
+            let columns = entry.source.columns.len().max(1);
+            self.insert_run = Some(InsertRun {
+                entry: entry.clone(),
+                shape,
+                params: Vec::with_capacity(params.len() * 8),
+                rows: 0,
+                limit: (MAX_INSERT_ROWS).min(60_000 / columns).max(1),
+                about: ChangeInfo {
+                    relation: entry.clone(),
+                    operation: "INSERT",
+                    xid,
+                    commit_lsn,
+                    commit_time,
+                    key: None,
+                    remote: Some(row),
+                    signal: None,
+                },
+            });
+        }
+        let full = match &mut self.insert_run {
+            Some(run) => {
+                run.params.extend(params);
+                run.rows += 1;
+                run.rows >= run.limit
+            }
+            None => false,
+        };
+        if full {
+            self.flush_insert_run().await?;
+        }
+        Ok(())
+    }
+
+    /// Queues the open run of inserts as one statement.
+    async fn flush_insert_run(&mut self) -> Result<()> {
+        let Some(run) = self.insert_run.take() else {
+            return Ok(());
+        };
+        let mut shape = run.shape;
+        shape.rows = run.rows;
+        let statement = self.statement(&run.entry, shape).await?;
+        self.pending.push(Pending {
+            statement,
+            params: run.params,
+            about: Some(run.about),
+        });
+        if let Some(g) = &mut self.group {
+            g.statements += run.rows;
+        }
+        Ok(())
     }
 
     fn policies_for(&self, entry: &RelationEntry) -> super::conflict::Policies {
@@ -1000,6 +1101,7 @@ impl Applier {
             unchanged,
             row_match: row_match.clone(),
             on_conflict,
+            rows: 1,
         };
         self.stats.updates += 1;
         METRICS.updates.inc();
@@ -1036,6 +1138,7 @@ impl Applier {
             unchanged: ColumnSet::default(),
             row_match: row_match.clone(),
             on_conflict: OnConflict::Plain,
+            rows: 1,
         };
         self.stats.deletes += 1;
         METRICS.deletes.inc();
@@ -1105,6 +1208,7 @@ impl Applier {
     }
 
     async fn push(&mut self, pending: Pending) -> Result<()> {
+        self.flush_insert_run().await?;
         self.pending.push(pending);
         if let Some(g) = &mut self.group {
             g.statements += 1;
@@ -1264,6 +1368,7 @@ impl Applier {
 
     /// Sends every queued statement, waits for every result and checks them.
     async fn send_pipeline(&mut self) -> Result<()> {
+        self.flush_insert_run().await?;
         self.submit_pending();
         self.drain_to(0).await;
         self.fail_if_failed().await
@@ -1281,6 +1386,7 @@ impl Applier {
                 self.conflicts.clear();
                 self.skip_records.clear();
                 self.pending.clear();
+                self.insert_run = None;
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 Err(e)
             }
@@ -1290,6 +1396,7 @@ impl Applier {
 
     /// Records the position and commits the group's target transaction.
     async fn commit_group(&mut self) -> Result<()> {
+        self.flush_insert_run().await?;
         let Some(group) = self.group.take() else {
             return Ok(());
         };
@@ -1353,6 +1460,7 @@ impl Applier {
 
     async fn rollback(&mut self) {
         self.pending.clear();
+        self.insert_run = None;
         self.conflicts.clear();
         self.skip_records.clear();
         if self.group.take().is_some() {

@@ -129,6 +129,8 @@ pub struct Shape {
     pub unchanged: ColumnSet,
     pub row_match: RowMatch,
     pub on_conflict: OnConflict,
+    /// INSERT: rows in one statement (runs of inserts into one table are sent together).
+    pub rows: usize,
 }
 
 /// How a statement deals with a conflict itself (see `apply::conflict`). The statement's row
@@ -175,10 +177,15 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
     match shape.operation {
         Operation::Insert => {
             let columns = entry.quoted_columns.join(", ");
-            let values = (0..ncols)
-                .map(|_| format!("${}", next()))
+            let values = (0..shape.rows.max(1))
+                .map(|_| {
+                    (0..ncols)
+                        .map(|_| format!("${}", next()))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
                 .collect::<Vec<_>>()
-                .join(", ");
+                .join("), (");
             let insert = format!("INSERT INTO {table} ({columns}) VALUES ({values})");
             match shape.on_conflict {
                 OnConflict::InsertDoNothing => format!("{insert} ON CONFLICT DO NOTHING"),
