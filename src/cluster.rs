@@ -166,7 +166,7 @@ impl LocalCluster {
              listen_addresses = '127.0.0.1'\n\
              wal_level = logical\n\
              max_wal_senders = 20\n\
-             max_replication_slots = 20\n\
+             max_replication_slots = 100\n\
              max_prepared_transactions = 10\n\
              max_connections = 200\n\
              fsync = off\n\
@@ -178,6 +178,11 @@ impl LocalCluster {
             "unix_socket_directories = '{}'\n",
             cluster.data_dir.display()
         ));
+        if cluster.major >= 18 {
+            // From 18 the number of replication origins has its own limit (default 10); every
+            // test database's pgapply has one.
+            conf.push_str("max_active_replication_origins = 100\n");
+        }
         for line in extra_settings {
             conf.push_str(line);
             conf.push('\n');

@@ -214,6 +214,9 @@ pub async fn run(
             .await?;
     }
     drop(setup);
+    if session.server_version() < 110000 {
+        tracing::warn!("the source runs PostgreSQL 10, which does not replicate TRUNCATE: truncate the target's tables yourself when you truncate on the source");
+    }
     tracing::info!(
         negotiated = %negotiated.describe(),
         "replication options for this source"

@@ -19,11 +19,19 @@ async fn setup(db: &TestDb) {
          ANALYZE big;",
     )
     .await;
-    db.source_sql(
-        "CREATE PUBLICATION p FOR TABLE big, nopk; \
-         CREATE PUBLICATION pf FOR TABLE filtered (id, a) WHERE (id % 2 = 0);",
-    )
-    .await;
+    if common::clusters().source_major >= 15 {
+        db.source_sql(
+            "CREATE PUBLICATION p FOR TABLE big, nopk; \
+             CREATE PUBLICATION pf FOR TABLE filtered (id, a) WHERE (id % 2 = 0);",
+        )
+        .await;
+    } else {
+        // Row filters and column lists arrive with PostgreSQL 15: publish the whole table.
+        db.source_sql(
+            "CREATE PUBLICATION p FOR TABLE big, nopk; CREATE PUBLICATION pf FOR TABLE filtered;",
+        )
+        .await;
+    }
 }
 
 async fn text_value(c: &tokio_postgres::Client, sql: &str) -> Option<String> {
@@ -35,6 +43,10 @@ async fn text_value(c: &tokio_postgres::Client, sql: &str) -> Option<String> {
 
 /// The target holds exactly the published rows (even ids) and columns (no `secret`) of `filtered`.
 async fn filtered_matches(db: &TestDb) -> bool {
+    if common::clusters().source_major < 15 {
+        let (s, t) = db.digest("filtered").await;
+        return s == t;
+    }
     let s = text_value(&db.source, "SELECT md5(string_agg(id || ':' || a || '-', ',' ORDER BY id)) FROM filtered WHERE id % 2 = 0").await;
     let t = text_value(&db.target, "SELECT md5(string_agg(id || ':' || a || coalesce(secret, '-'), ',' ORDER BY id)) FROM filtered").await;
     s.is_some() && s == t

@@ -115,6 +115,10 @@ async fn toast_value_kept_when_other_column_updated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncate_two_tables_cascade_restart_identity() {
+    if common::clusters().source_major < 11 {
+        common::skip("TRUNCATE is replicated from PostgreSQL 11");
+        return;
+    }
     let db = TestDb::new("trunc").await;
     db.both(
         "CREATE TABLE a (id serial PRIMARY KEY, v text); CREATE TABLE b (id serial PRIMARY KEY, v text); \

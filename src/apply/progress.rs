@@ -101,8 +101,12 @@ impl ProgressStore {
                 .execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", &[name])
                 .await
                 .map_err(|e| {
+                    let why = match e.code().map(|c| c.code()) {
+                        Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or drop unused pgapply_* origins with pg_replication_origin_drop",
+                        _ => "is another pgapply running for this slot?",
+                    };
                     Error::postgres(
-                        format!("binding the apply session to replication origin {name:?} (is another pgapply running for this slot?)"),
+                        format!("binding the apply session to replication origin {name:?} ({why})"),
                         e,
                     )
                 })?;

@@ -19,6 +19,8 @@ pub struct Clusters {
     pub source_bin: std::path::PathBuf,
     pub target_dir: std::path::PathBuf,
     pub target_bin: std::path::PathBuf,
+    pub source_major: u32,
+    pub target_major: u32,
 }
 
 /// Source binaries: PGAPPLY_SOURCE_PG_BIN, else the default; target: PGAPPLY_TARGET_PG_BIN.
@@ -37,8 +39,8 @@ pub fn clusters() -> &'static Clusters {
         let target = LocalCluster::start(&target_bin_dir, &[]).expect("start target cluster");
         let source_dir = source.data_dir.clone();
         let target_dir = target.data_dir.clone();
-        let (source_port, _, _) = source.keep_until_exit();
-        let (target_port, _, _) = target.keep_until_exit();
+        let (source_port, _, source_major) = source.keep_until_exit();
+        let (target_port, _, target_major) = target.keep_until_exit();
         Clusters {
             source_port,
             target_port,
@@ -46,6 +48,8 @@ pub fn clusters() -> &'static Clusters {
             source_bin,
             target_dir,
             target_bin: target_bin_dir,
+            source_major,
+            target_major,
         }
     })
 }
