@@ -44,6 +44,8 @@ trap 'rm -rf "$work"' EXIT
 declare -A result
 tests_seen=()
 failures=0
+passes=0
+skips=0
 for target in $TARGETS; do
     for source in $SOURCES; do
         col="$source→$target"
@@ -52,15 +54,17 @@ for target in $TARGETS; do
             echo "== source $source, target $target: $suite"
             set +e
             PGAPPLY_SOURCE_PG_BIN=$(bin_for "$source") PGAPPLY_TARGET_PG_BIN=$(bin_for "$target") \
-                cargo test --quiet --test "$suite" -- --nocapture --test-threads 2 >"$log" 2>&1
+                cargo test --test "$suite" -- --nocapture --test-threads 2 >"$log" 2>&1
             set -e
             while read -r name status; do
                 key="$suite::$name"
                 [[ " ${tests_seen[*]} " == *" $key "* ]] || tests_seen+=("$key")
                 if grep -q "PGAPPLY-SKIP $name:" "$log"; then
                     status=skip
+                    skips=$((skips + 1))
                 elif [ "$status" = ok ]; then
                     status=pass
+                    passes=$((passes + 1))
                 else
                     status=FAIL
                     failures=$((failures + 1))
@@ -93,5 +97,6 @@ done
         echo
     done
 } >"$OUT"
-echo "wrote $OUT ($failures failure(s))"
+echo "wrote $OUT"
+echo "matrix: $passes passed, $failures failed, $skips skipped"
 [ "$failures" -eq 0 ]
