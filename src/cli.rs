@@ -144,6 +144,10 @@ pub struct RunArgs {
     /// How often to report progress to the source when nothing else prompts it [default: 10s].
     #[arg(long, env = "PGAPPLY_STATUS_INTERVAL", value_parser = humantime::parse_duration)]
     pub status_interval: Option<Duration>,
+    /// Largest protocol message accepted from the source, in bytes; a larger one is refused
+    /// instead of buffered [default: 1 GiB, PostgreSQL's own limit].
+    #[arg(long, env = "PGAPPLY_MAX_MESSAGE_BYTES")]
+    pub max_message_bytes: Option<usize>,
     /// Serve Prometheus metrics (/metrics) and liveness (/healthz) on this address.
     #[arg(long, env = "PGAPPLY_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,

@@ -69,6 +69,7 @@ pub struct FileConfig {
     pub messages: Option<bool>,
     pub origin: Option<String>,
     pub spool_dir: Option<PathBuf>,
+    pub max_message_bytes: Option<usize>,
     pub apply_workers: Option<usize>,
     #[serde(default, deserialize_with = "duration")]
     pub status_interval: Option<Duration>,
@@ -248,6 +249,9 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         },
     };
     config.spool_dir = args.spool_dir.clone().or_else(|| file.spool_dir.clone());
+    if let Some(max) = args.max_message_bytes.or(file.max_message_bytes) {
+        config.max_message_bytes = max.max(1024);
+    }
     if args.apply_workers.or(file.apply_workers).unwrap_or(1) > 1 {
         return Err(Error::definite(
             "apply_workers > 1 is not available in this version yet; use 1",

@@ -604,10 +604,29 @@ async fn copy_one(
         .await
         .map_err(src_err)?;
     let target_tx = target.transaction().await.map_err(dst_err)?;
-    target_tx
-        .batch_execute("SET LOCAL session_replication_role = replica")
+    // Triggers and foreign keys stay quiet during the copy where the role may ask for it (tables
+    // are copied in parallel, in any order).
+    let version: i32 = target_tx
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
         .await
-        .map_err(dst_err)?;
+        .map_err(dst_err)?
+        .get(0);
+    let privilege_sql = if version >= 150000 {
+        "SELECT rolsuper OR has_parameter_privilege('session_replication_role', 'SET') FROM pg_roles WHERE rolname = current_user"
+    } else {
+        "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+    };
+    let may_set_role: bool = target_tx
+        .query_one(privilege_sql, &[])
+        .await
+        .map_err(dst_err)?
+        .get(0);
+    if may_set_role {
+        target_tx
+            .batch_execute("SET LOCAL session_replication_role = replica")
+            .await
+            .map_err(dst_err)?;
+    }
     target_tx
         .execute(
             "UPDATE pgapply.copy_state SET state = 'copying', started_at = coalesce(started_at, now()) \

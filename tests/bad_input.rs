@@ -192,3 +192,66 @@ async fn features_the_source_lacks_and_bad_values_are_refused() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn md5_user_and_target_role_without_origin_rights() {
+    let db = TestDb::new("md5").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let user = format!("md5_{}", db.name);
+    db.source_sql(&format!(
+        "SET password_encryption = 'md5'; CREATE ROLE {user} LOGIN REPLICATION PASSWORD 'md5-secret'; GRANT SELECT ON t TO {user};"
+    ))
+    .await;
+    // A plain target role: may write the table and create pgapply's schema, not use origins.
+    let writer = format!("writer_{}", db.name);
+    db.target_sql(&format!(
+        "SET password_encryption = 'scram-sha-256'; CREATE ROLE {writer} LOGIN PASSWORD 'w-secret'; \
+         GRANT INSERT, UPDATE, DELETE, SELECT ON t TO {writer}; GRANT CREATE ON DATABASE {} TO {writer};",
+        db.name
+    ))
+    .await;
+    db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b'); UPDATE t SET v = 'c' WHERE id = 1;")
+        .await;
+    let endpos = db.source_wal().await;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.arg("run")
+        .arg("--source")
+        .arg(format!(
+            "host=127.0.0.1 port={} user={user} password=md5-secret dbname={}",
+            db.source_port, db.name
+        ))
+        .arg("--target")
+        .arg(format!(
+            "postgres://{writer}:w-secret@127.0.0.1:{}/{}",
+            db.target_port, db.name
+        ))
+        .args([
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+            "--endpos",
+            &endpos,
+        ])
+        .kill_on_drop(true);
+    let out = run_with_deadline(cmd, 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("pgapply.progress"),
+        "falls back to the progress table: {err}"
+    );
+    assert!(
+        !err.contains("md5-secret") && !err.contains("w-secret"),
+        "password leaked: {err}"
+    );
+    db.assert_same("t").await;
+    let recorded: Option<String> = db
+        .target
+        .query_one("SELECT lsn::text FROM pgapply.progress", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(recorded.is_some(), "the position is in the table");
+}

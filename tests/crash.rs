@@ -13,7 +13,7 @@ fn kills() -> usize {
     std::env::var("PGAPPLY_SOAK_KILLS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(6)
+        .unwrap_or(10)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -29,7 +29,7 @@ async fn kill_9_under_load_loses_and_duplicates_nothing() {
         .await;
 
     // Two concurrent writers, so commits interleave in another order than they began.
-    let transactions = 400 * kills();
+    let transactions = 300 * kills();
     let mut writers = Vec::new();
     for w in 0..2 {
         let client = connect(db.source_port, &db.name).await;

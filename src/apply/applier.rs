@@ -276,11 +276,23 @@ impl Applier {
         let spool = Spool::open(options.spool_dir.clone())?;
         client
             .batch_execute(
-                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; \
-                 SET session_replication_role = replica",
+                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3",
             )
             .await
             .map_err(|e| Error::postgres("configuring the target apply session", e))?;
+        // As PostgreSQL's own subscriber: ordinary triggers and foreign-key checks do not fire for
+        // replicated changes. Only superusers (or, from 15, roles granted SET on the parameter)
+        // may ask for that; others apply with triggers firing, and are told.
+        if let Err(e) = client
+            .batch_execute("SET session_replication_role = replica")
+            .await
+        {
+            if e.code().is_some_and(|c| c.code() == "42501") {
+                tracing::warn!("the target role may not set session_replication_role: triggers and foreign-key checks on the target fire for replicated changes (GRANT SET ON PARAMETER session_replication_role TO <role> on PostgreSQL 15+ to avoid that)");
+            } else {
+                return Err(Error::postgres("configuring the target apply session", e));
+            }
+        }
         // Every statement is prepared once and run many times with simple key lookups: skip the
         // custom plans PostgreSQL would otherwise make for the first executions (12+).
         let version: i32 = client
@@ -1356,7 +1368,16 @@ impl Applier {
                         Some(about) => about.describe(),
                         None => "a statement".to_owned(),
                     };
-                    let mut err = Error::postgres(format!("applying {what}"), e);
+                    // A unique violation is a conflict in PostgreSQL 18's terms: name it so.
+                    let kind = match (
+                        e.code().map(|c| c.code()),
+                        about.as_ref().map(|a| a.operation),
+                    ) {
+                        (Some("23505"), Some("INSERT")) => "insert_exists: ",
+                        (Some("23505"), Some("UPDATE")) => "update_exists: ",
+                        _ => "",
+                    };
+                    let mut err = Error::postgres(format!("{kind}applying {what}"), e);
                     if let Some(about) = &about {
                         err = err.context_after(self.skip_hint(about.commit_lsn));
                     }
