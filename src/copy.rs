@@ -432,35 +432,7 @@ pub async fn copy_tables(
     let reporter = {
         let tables = tables.clone();
         let progress = progress.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                for (table, p) in tables.iter().zip(progress.iter()) {
-                    let left = p.jobs_left.load(Ordering::Relaxed);
-                    let rows = p.rows.load(Ordering::Relaxed);
-                    let bytes = p.bytes.load(Ordering::Relaxed);
-                    if left > 0 && bytes > 0 {
-                        let secs = started.elapsed().as_secs_f64().max(0.001);
-                        let estimate = (table.pages.max(1) as f64) * 8192.0;
-                        let eta = if (bytes as f64) < estimate {
-                            format!("{:.0}s", (estimate - bytes as f64) / (bytes as f64 / secs))
-                        } else {
-                            "soon".into()
-                        };
-                        tracing::info!(
-                            table = %table.qualified(),
-                            rows,
-                            megabytes = bytes / 1_000_000,
-                            rate_mb_s = format!("{:.1}", bytes as f64 / 1e6 / secs),
-                            eta = %eta,
-                            "copying"
-                        );
-                    }
-                }
-            }
-        })
+        tokio::spawn(report_progress(tables, progress, started))
     };
 
     let mut workers = Vec::new();
@@ -529,6 +501,79 @@ pub async fn copy_tables(
         "initial copy done"
     );
     Ok(Arc::try_unwrap(tables).unwrap_or_else(|t| (*t).clone()))
+}
+
+/// Copy progress per table: a bar per table redrawn every second on a terminal, a log line per
+/// table every 5 seconds otherwise.
+async fn report_progress(
+    tables: Arc<Vec<PublishedTable>>,
+    progress: Vec<Arc<TableProgress>>,
+    started: Instant,
+) {
+    use std::io::{IsTerminal, Write};
+    let terminal = std::io::stderr().is_terminal();
+    let mut tick = tokio::time::interval(Duration::from_secs(if terminal { 1 } else { 5 }));
+    tick.tick().await;
+    let mut drawn = 0usize;
+    loop {
+        tick.tick().await;
+        let secs = started.elapsed().as_secs_f64().max(0.001);
+        let mut lines = Vec::new();
+        for (table, p) in tables.iter().zip(progress.iter()) {
+            let left = p.jobs_left.load(Ordering::Relaxed);
+            let rows = p.rows.load(Ordering::Relaxed);
+            let bytes = p.bytes.load(Ordering::Relaxed);
+            let estimate = (table.pages.max(1) as f64) * 8192.0;
+            let fraction = if left == 0 {
+                1.0
+            } else {
+                (bytes as f64 / estimate).min(0.99)
+            };
+            let rate = bytes as f64 / 1e6 / secs;
+            let eta = if left == 0 {
+                "done".to_owned()
+            } else if bytes > 0 && (bytes as f64) < estimate {
+                format!(
+                    "eta {:.0}s",
+                    (estimate - bytes as f64) / (bytes as f64 / secs)
+                )
+            } else {
+                "eta ?".to_owned()
+            };
+            if terminal {
+                let filled = (fraction * 30.0) as usize;
+                lines.push(format!(
+                    "{:<40} [{}{}] {:>10} rows {:>8.1} MB {:>6.1} MB/s {eta}",
+                    table.qualified(),
+                    "#".repeat(filled),
+                    " ".repeat(30 - filled),
+                    rows,
+                    bytes as f64 / 1e6,
+                    rate
+                ));
+            } else if left > 0 && bytes > 0 {
+                tracing::info!(
+                    table = %table.qualified(),
+                    rows,
+                    megabytes = bytes / 1_000_000,
+                    rate_mb_s = format!("{rate:.1}"),
+                    eta = %eta,
+                    "copying"
+                );
+            }
+        }
+        if terminal {
+            let mut err = std::io::stderr().lock();
+            if drawn > 0 {
+                let _ = write!(err, "\x1b[{drawn}A");
+            }
+            for line in &lines {
+                let _ = writeln!(err, "\x1b[2K{line}");
+            }
+            let _ = err.flush();
+            drawn = lines.len();
+        }
+    }
 }
 
 async fn connect_source(config: &tokio_postgres::Config) -> Result<Client> {
