@@ -9,6 +9,9 @@
 #   CATCHUP_TIMEOUT  seconds an applier may take per round before the run fails (default 3600)
 #   SHARED_BUFFERS   shared_buffers of both clusters (default 1GB)
 #   RESULTS          markdown output (default bench/results/latest.md)
+#   COPY_BENCH=1     also time the initial copy (built-in copy_data vs pgapply --copy-data); 0 skips it
+#   COPY_SCALE       pgbench scale of the copy dataset (default SCALE)
+#   COPY_JOBS        pgapply --copy-jobs for the copy phase (default 4)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,11 +24,15 @@ CATCHUP_TIMEOUT="${CATCHUP_TIMEOUT:-3600}"
 SHARED_BUFFERS="${SHARED_BUFFERS:-1GB}"
 RESULTS="${RESULTS:-$ROOT/bench/results/latest.md}"
 ROWS_PER_TXN=4   # tpcb-like: 3 UPDATEs + 1 INSERT change rows (the SELECT does not)
+COPY_BENCH="${COPY_BENCH:-1}"
+COPY_SCALE="${COPY_SCALE:-$SCALE}"
+COPY_JOBS="${COPY_JOBS:-4}"
 
 log() { echo "bench: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT; do
+[[ "$COPY_BENCH" =~ ^[01]$ ]] || die "COPY_BENCH must be 0 or 1 (got '$COPY_BENCH')"
+for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS; do
     [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
 done
 PER_CLIENT=$((TXNS / CLIENTS))
@@ -404,5 +411,130 @@ echo "$CEILING"
 echo
 echo "correctness: source [$RES_SRC] built-in [$RES_BUILTIN] pgapply [$RES_PGAPPLY]"
 echo "$VERDICT"
+
+# ---------------------------------------------------------------------------
+# 8. initial copy (after the catch-up rounds, so it does not disturb them)
+#
+# Source database copysrc (pgbench -i -s COPY_SCALE, PUBLICATION copypub FOR ALL TABLES); two
+# empty target databases with the same tables and primary keys (pgbench -i -I dtp). Built-in:
+# CREATE SUBSCRIPTION with copy_data until every table is 'r' or 's'; pgapply: run --copy-data
+# --endpos <source LSN taken just before>, until it exits. Built-in first, then pgapply.
+
+COPY_VERDICT=SKIPPED
+if [ "$COPY_BENCH" = 1 ]; then
+    COPY_SRC_CONN="host=127.0.0.1 port=$SRC_PORT user=postgres dbname=copysrc"
+    log "initial copy: pgbench scale $COPY_SCALE in source database copysrc"
+    q "$SRC_PORT" postgres "CREATE DATABASE copysrc" >/dev/null
+    "$PG_BIN/pgbench" -i -q -s "$COPY_SCALE" -h 127.0.0.1 -p "$SRC_PORT" -U postgres copysrc >"$WORK/init-copysrc.log" 2>&1 ||
+        { cat "$WORK/init-copysrc.log" >&2; die "pgbench -i failed for copysrc"; }
+    q "$SRC_PORT" copysrc "CREATE PUBLICATION copypub FOR ALL TABLES" >/dev/null
+    for db in copy_target_builtin copy_target_pgapply; do
+        q "$TGT_PORT" postgres "CREATE DATABASE $db" >/dev/null
+        # d: drop, t: create tables, p: primary keys -- no data
+        "$PG_BIN/pgbench" -i -q -s 1 -I dtp -h 127.0.0.1 -p "$TGT_PORT" -U postgres "$db" >"$WORK/init-$db.log" 2>&1 ||
+            { cat "$WORK/init-$db.log" >&2; die "pgbench -i -I dtp failed for $db"; }
+    done
+    IDX_SQL="SELECT string_agg(tablename || '.' || indexname, ' ' ORDER BY indexname) FROM pg_indexes WHERE schemaname = 'public'"
+    idx_src="$(q "$SRC_PORT" copysrc "$IDX_SQL")"
+    for db in copy_target_builtin copy_target_pgapply; do
+        [ "$(q "$TGT_PORT" "$db" "$IDX_SQL")" = "$idx_src" ] || die "indexes of $db differ from copysrc"
+        [ "$(q "$TGT_PORT" "$db" "SELECT count(*) FROM pgbench_accounts")" = 0 ] || die "$db is not empty"
+    done
+    COPY_TABLES="$(q "$SRC_PORT" copysrc "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'copypub'")"
+    COPY_BYTES="$(q "$SRC_PORT" copysrc "SELECT sum(pg_total_relation_size(format('%I.%I', schemaname, tablename)::regclass))
+        FROM pg_publication_tables WHERE pubname = 'copypub'")"
+    COPY_MB="$(calc "$COPY_BYTES / 1048576" 1)"
+    if [ -f "$("$PG_BIN/pg_config" --sharedir 2>/dev/null)/extension/pg_prewarm.control" ]; then
+        # Both appliers read the source from shared_buffers, not the first one from disk.
+        q "$SRC_PORT" copysrc "CREATE EXTENSION pg_prewarm" >/dev/null
+        q "$SRC_PORT" copysrc "SELECT sum(pg_prewarm(c.oid)) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname = 'public' AND c.relname LIKE 'pgbench%' AND c.relkind IN ('r', 'i')" >/dev/null
+    fi
+    q "$SRC_PORT" copysrc "CHECKPOINT" >/dev/null
+    COPY_CHECK_SQL="SELECT count(*) || ' ' || sum(abalance) FROM pgbench_accounts"
+    COPY_SRC_RES="$(q "$SRC_PORT" copysrc "$COPY_CHECK_SQL")"
+    COPY_SYNC_WORKERS="$(q "$TGT_PORT" postgres "SHOW max_sync_workers_per_subscription")"
+    log "initial copy: $COPY_TABLES tables, $COPY_MB MB; built-in first (max_sync_workers_per_subscription = $COPY_SYNC_WORKERS), then pgapply (--copy-jobs $COPY_JOBS)"
+
+    # built-in
+    q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+    t0="$(now)"
+    q "$TGT_PORT" copy_target_builtin "CREATE SUBSCRIPTION copy_sub CONNECTION '$COPY_SRC_CONN' PUBLICATION copypub
+        WITH (copy_data = true, create_slot = true, slot_name = 'copy_builtin', synchronous_commit = off)" >/dev/null
+    "$PSQL" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$TGT_PORT" -U postgres -d copy_target_builtin >/dev/null <<SQL
+DO \$\$
+DECLARE deadline timestamptz := clock_timestamp() + interval '$CATCHUP_TIMEOUT seconds';
+BEGIN
+    WHILE (SELECT count(*) FILTER (WHERE r.srsubstate NOT IN ('r', 's')) > 0 OR count(*) = 0
+           FROM pg_subscription_rel r JOIN pg_subscription s ON s.oid = r.srsubid WHERE s.subname = 'copy_sub') LOOP
+        IF clock_timestamp() > deadline THEN
+            RAISE EXCEPTION 'built-in initial copy not done within $CATCHUP_TIMEOUT s';
+        END IF;
+        PERFORM pg_sleep(0.05);
+    END LOOP;
+END
+\$\$;
+SQL
+    t1="$(now)"
+    COPY_SECS_builtin="$(calc "$t1 - $t0")"
+    COPY_RES_builtin="$(q "$TGT_PORT" copy_target_builtin "$COPY_CHECK_SQL")"
+    q "$TGT_PORT" copy_target_builtin "DROP SUBSCRIPTION copy_sub" >/dev/null   # also drops slot copy_builtin
+    log "initial copy: built-in $COPY_SECS_builtin s"
+
+    # pgapply
+    q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+    copy_end="$(q "$SRC_PORT" copysrc "SELECT pg_current_wal_lsn()")"
+    rc=0
+    TIMEFORMAT='%3R %3U %3S'
+    { time "$BIN" run --source "$COPY_SRC_CONN" \
+        --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=copy_target_pgapply" \
+        --publication copypub --slot copy_pgapply --copy-data --copy-jobs "$COPY_JOBS" --endpos "$copy_end" \
+        >"$WORK/pgapply-copy.log" 2>&1; } 2>"$WORK/time-copy" || rc=$?
+    unset TIMEFORMAT
+    if [ "$rc" != 0 ]; then
+        tail -n 30 "$WORK/pgapply-copy.log" >&2
+        die "initial copy: pgapply exited with status $rc (log above)"
+    fi
+    read -r COPY_SECS_pgapply copy_user copy_sys <"$WORK/time-copy"
+    COPY_RES_pgapply="$(q "$TGT_PORT" copy_target_pgapply "$COPY_CHECK_SQL")"
+    wait_slot_inactive copy_pgapply
+    q "$SRC_PORT" copysrc "SELECT pg_drop_replication_slot('copy_pgapply')" >/dev/null
+    log "initial copy: pgapply $COPY_SECS_pgapply s (pgapply process CPU $(calc "$copy_user + $copy_sys" 2) s)"
+
+    if [ "$COPY_RES_builtin" = "$COPY_SRC_RES" ] && [ "$COPY_RES_pgapply" = "$COPY_SRC_RES" ]; then
+        COPY_VERDICT=MATCH
+    else
+        COPY_VERDICT=MISMATCH
+    fi
+    COPY_RATIO="$(calc "$COPY_SECS_builtin / $COPY_SECS_pgapply" 2)"
+    COPY_TABLE="| applier  | seconds |   MB/s |"$'\n'"|----------|--------:|-------:|"$'\n'
+    COPY_TABLE+="$(printf '| %-8s | %7.2f | %6.1f |' built-in "$COPY_SECS_builtin" "$(calc "$COPY_MB / $COPY_SECS_builtin" 2)")"$'\n'
+    COPY_TABLE+="$(printf '| %-8s | %7.2f | %6.1f |' pgapply "$COPY_SECS_pgapply" "$(calc "$COPY_MB / $COPY_SECS_pgapply" 2)")"$'\n'
+    COPY_SUMMARY="built-in seconds / pgapply seconds: x$COPY_RATIO (above 1: pgapply faster)"
+    COPY_CORRECT="Correctness (count(*) sum(abalance) of pgbench_accounts): $COPY_VERDICT (source [$COPY_SRC_RES] built-in [$COPY_RES_builtin] pgapply [$COPY_RES_pgapply])"
+    {
+        echo
+        echo "## Initial copy"
+        echo
+        echo "- COPY_SCALE=$COPY_SCALE: $COPY_TABLES tables (pgbench, pgbench_history empty), $COPY_MB MB = sum of pg_total_relation_size of the published tables on the source (heap + primary key indexes); MB/s = that / seconds"
+        echo "- targets: empty tables with the same primary keys (\`pgbench -i -I dtp\`); source tables prewarmed; target CHECKPOINT before each; built-in first, then pgapply"
+        echo "- built-in: timed from CREATE SUBSCRIPTION (copy_data = true, create_slot = true) until every table's srsubstate is 'r' or 's' (polled every 50 ms); max_sync_workers_per_subscription = $COPY_SYNC_WORKERS (default), so at most $COPY_SYNC_WORKERS tables copy at once, each by one worker"
+        echo "- pgapply: \`pgapply run --copy-data --copy-jobs $COPY_JOBS --endpos <source WAL LSN just before>\`, timed until it exits"
+        echo
+        echo "$COPY_TABLE"
+        echo "$COPY_SUMMARY"
+        echo
+        echo "$COPY_CORRECT"
+    } >>"$RESULTS"
+    echo
+    echo "initial copy: COPY_SCALE=$COPY_SCALE, $COPY_TABLES tables, $COPY_MB MB (pg_total_relation_size); max_sync_workers_per_subscription = $COPY_SYNC_WORKERS, pgapply --copy-jobs $COPY_JOBS"
+    echo
+    echo "$COPY_TABLE"
+    echo "$COPY_SUMMARY"
+    echo "$COPY_CORRECT"
+    echo "$COPY_VERDICT"
+fi
+
 echo "results written to $RESULTS"
 [ "$VERDICT" = MATCH ] || exit 1
+[ "$COPY_VERDICT" != MISMATCH ] || exit 1

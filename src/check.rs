@@ -25,16 +25,6 @@ impl Report {
     }
 }
 
-async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
-    let client = crate::tls::connect(config).await.map_err(|e| {
-        e.into_error(format!(
-            "connecting to {role} {}",
-            conninfo::describe(config)
-        ))
-    })?;
-    Ok(client)
-}
-
 pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     let mut report = Report {
         problems: Vec::new(),
@@ -47,7 +37,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         }
     };
     report.ok("settings");
-    let source = match connect(&config.source, "source").await {
+    let source = match crate::tls::connect_to(&config.source, "source").await {
         Ok(c) => {
             report.ok(format!(
                 "source {} reachable",
@@ -60,7 +50,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             None
         }
     };
-    let target = match connect(&config.target, "target").await {
+    let target = match crate::tls::connect_to(&config.target, "target").await {
         Ok(c) => {
             report.ok(format!(
                 "target {} reachable",

@@ -29,6 +29,11 @@ pub fn find_pg_bin() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("PGAPPLY_PG_BIN") {
         return Some(PathBuf::from(dir));
     }
+    newest_installed("postgres").and_then(|p| p.parent().map(Path::to_path_buf))
+}
+
+/// `/usr/lib/postgresql/<major>/bin/<program>` of the newest major that has it.
+pub fn newest_installed(program: &str) -> Option<PathBuf> {
     let mut best: Option<(u32, PathBuf)> = None;
     for entry in std::fs::read_dir("/usr/lib/postgresql").ok()?.flatten() {
         let Some(major) = entry
@@ -38,12 +43,12 @@ pub fn find_pg_bin() -> Option<PathBuf> {
         else {
             continue;
         };
-        let bin = entry.path().join("bin");
-        if bin.join("postgres").exists() && best.as_ref().is_none_or(|(m, _)| major > *m) {
-            best = Some((major, bin));
+        let path = entry.path().join("bin").join(program);
+        if path.exists() && best.as_ref().is_none_or(|(m, _)| major > *m) {
+            best = Some((major, path));
         }
     }
-    best.map(|(_, bin)| bin)
+    best.map(|(_, p)| p)
 }
 
 fn postgres_user() -> io::Result<Option<(u32, u32)>> {

@@ -19,7 +19,6 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use crate::config::TableMap;
-use crate::conninfo;
 use crate::copy::published_tables;
 use crate::error::{Error, Result};
 use crate::protocol::Lsn;
@@ -34,16 +33,6 @@ pub struct CutoverSettings {
     pub freeze_roles: Vec<String>,
     pub all_sequences: bool,
     pub reverse: bool,
-}
-
-async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
-    let client = crate::tls::connect(config).await.map_err(|e| {
-        e.into_error(format!(
-            "connecting to {role} {}",
-            conninfo::describe(config)
-        ))
-    })?;
-    Ok(client)
 }
 
 /// Slot state on the source: (active, confirmed flush, source WAL position).
@@ -90,8 +79,8 @@ pub async fn cutover(
     settings: CutoverSettings,
     verify_settings: VerifySettings,
 ) -> Result<()> {
-    let source = connect(&run_config.source, "source").await?;
-    let target = connect(&run_config.target, "target").await?;
+    let source = crate::tls::connect_to(&run_config.source, "source").await?;
+    let target = crate::tls::connect_to(&run_config.target, "target").await?;
     let slot = run_config.slot.clone();
     let started = Instant::now();
     let deadline = started + settings.timeout;

@@ -18,24 +18,7 @@ fn find_pg_dump() -> PathBuf {
     if let Some(p) = std::env::var_os("PGAPPLY_PG_DUMP") {
         return PathBuf::from(p);
     }
-    let mut best: Option<(u32, PathBuf)> = None;
-    if let Ok(dir) = std::fs::read_dir("/usr/lib/postgresql") {
-        for entry in dir.flatten() {
-            let Some(major) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            let path = entry.path().join("bin/pg_dump");
-            if path.exists() && best.as_ref().is_none_or(|(m, _)| major > *m) {
-                best = Some((major, path));
-            }
-        }
-    }
-    best.map(|(_, p)| p)
-        .unwrap_or_else(|| PathBuf::from("pg_dump"))
+    crate::cluster::newest_installed("pg_dump").unwrap_or_else(|| PathBuf::from("pg_dump"))
 }
 
 /// libpq keywords for a connection, without the password (that goes in PGPASSWORD).

@@ -37,13 +37,7 @@ pub struct CopyTableStatus {
 
 async fn connect(role: &str, conninfo_text: &str) -> Result<tokio_postgres::Client> {
     let config = conninfo::parse(role, conninfo_text)?;
-    let client = crate::tls::connect(&config).await.map_err(|e| {
-        e.into_error(format!(
-            "connecting to {role} {}",
-            conninfo::describe(&config)
-        ))
-    })?;
-    Ok(client)
+    crate::tls::connect_to(&config, role).await
 }
 
 pub async fn collect(args: &StatusArgs) -> Result<Vec<SlotStatus>> {

@@ -271,6 +271,19 @@ pub async fn connect(
     Ok(client)
 }
 
+/// `connect`, with an error that names the server (`role` is "source" or "target").
+pub async fn connect_to(
+    config: &tokio_postgres::Config,
+    role: &str,
+) -> Result<tokio_postgres::Client> {
+    connect(config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to {role} {}",
+            crate::conninfo::describe(config)
+        ))
+    })
+}
+
 #[derive(Debug)]
 pub enum ConnectError {
     Setup(Error),

@@ -11,7 +11,6 @@ use tokio::sync::Semaphore;
 use tokio_postgres::Client;
 
 use crate::config::TableMap;
-use crate::conninfo;
 use crate::copy::{published_tables, PublishedTable};
 use crate::error::{Error, Result};
 use crate::sql::quote_ident;
@@ -49,12 +48,7 @@ pub struct TableResult {
 }
 
 async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
-    let client = crate::tls::connect(config).await.map_err(|e| {
-        e.into_error(format!(
-            "connecting to {role} {}",
-            conninfo::describe(config)
-        ))
-    })?;
+    let client = crate::tls::connect_to(config, role).await?;
     // The same text for the same value on both sides.
     client
         .batch_execute("SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET timezone = 'UTC'")
