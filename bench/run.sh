@@ -459,7 +459,7 @@ if [ "$COPY_BENCH" = 1 ]; then
     # built-in
     q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
     t0="$(now)"
-    q "$TGT_PORT" copy_target_builtin "CREATE SUBSCRIPTION copy_sub CONNECTION '$COPY_SRC_CONN' PUBLICATION copypub
+    PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "CREATE SUBSCRIPTION copy_sub CONNECTION '$COPY_SRC_CONN' PUBLICATION copypub
         WITH (copy_data = true, create_slot = true, slot_name = 'copy_builtin', synchronous_commit = off)" >/dev/null
     "$PSQL" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$TGT_PORT" -U postgres -d copy_target_builtin >/dev/null <<SQL
 DO \$\$
@@ -478,8 +478,9 @@ SQL
     t1="$(now)"
     COPY_SECS_builtin="$(calc "$t1 - $t0")"
     COPY_RES_builtin="$(q "$TGT_PORT" copy_target_builtin "$COPY_CHECK_SQL")"
-    q "$TGT_PORT" copy_target_builtin "DROP SUBSCRIPTION copy_sub" >/dev/null   # also drops slot copy_builtin
+    PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "DROP SUBSCRIPTION copy_sub" >/dev/null   # also drops slot copy_builtin
     log "initial copy: built-in $COPY_SECS_builtin s"
+    cp "$TGT_LOG" /tmp/tgt-debug.log  # DEBUG
 
     # pgapply
     q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null

@@ -71,10 +71,10 @@ pub struct RunArgs {
     #[arg(long, env = "PGAPPLY_CONFIG")]
     pub config: Option<PathBuf>,
     /// Source connection: libpq key=value string or postgres:// URL.
-    #[arg(long, env = "PGAPPLY_SOURCE")]
+    #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
     pub source: Option<String>,
     /// Target connection: libpq key=value string or postgres:// URL.
-    #[arg(long, env = "PGAPPLY_TARGET")]
+    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
     pub target: Option<String>,
     /// File holding the source password (instead of PGPASSWORD or ~/.pgpass).
     #[arg(long, env = "PGAPPLY_SOURCE_PASSWORD_FILE")]
@@ -157,10 +157,10 @@ pub struct RunArgs {
 #[derive(Debug, Args)]
 pub struct VerifyArgs {
     /// Source connection.
-    #[arg(long, env = "PGAPPLY_SOURCE")]
+    #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
     pub source: String,
     /// Target connection.
-    #[arg(long, env = "PGAPPLY_TARGET")]
+    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
     pub target: String,
     /// Publication name(s) whose tables are compared.
     #[arg(
@@ -210,10 +210,10 @@ pub struct CutoverArgs {
 #[derive(Debug, Args)]
 pub struct SchemaArgs {
     /// Source connection.
-    #[arg(long, env = "PGAPPLY_SOURCE")]
+    #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
     pub source: String,
     /// Target connection.
-    #[arg(long, env = "PGAPPLY_TARGET")]
+    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
     pub target: String,
     /// Publication name(s) whose tables are copied.
     #[arg(
@@ -232,7 +232,7 @@ pub struct SchemaArgs {
 #[derive(Debug, Args)]
 pub struct SkipArgs {
     /// Target connection (where pgapply keeps its state).
-    #[arg(long, env = "PGAPPLY_TARGET")]
+    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
     pub target: String,
     /// The slot whose worker should skip the transaction.
     #[arg(long, env = "PGAPPLY_SLOT")]
@@ -246,10 +246,10 @@ pub struct SkipArgs {
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// Target connection (where pgapply keeps its state).
-    #[arg(long, env = "PGAPPLY_TARGET")]
+    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
     pub target: String,
     /// Source connection: adds lag in bytes.
-    #[arg(long, env = "PGAPPLY_SOURCE")]
+    #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
     pub source: Option<String>,
     /// Only this slot.
     #[arg(long)]
