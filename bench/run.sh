@@ -457,6 +457,13 @@ if [ "$COPY_BENCH" = 1 ]; then
     log "initial copy: $COPY_TABLES tables, $COPY_MB MB; built-in first (max_sync_workers_per_subscription = $COPY_SYNC_WORKERS), then pgapply (--copy-jobs $COPY_JOBS)"
 
     # built-in
+    # The launcher starts workers at most once per wal_retrieve_retry_interval (and then sleeps a
+    # full interval): wait that out since the catch-up rounds' last ENABLE (untimed), as on an
+    # idle cluster the worker would start right away.
+    if [ -n "$LAST_ENABLE_AT" ]; then
+        pause="$(calc "$RETRY_MS / 1000 + 0.3 - ($(now) - $LAST_ENABLE_AT)")"
+        if [ "$(calc "($pause > 0)" 0)" = 1 ]; then sleep "$pause"; fi
+    fi
     q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
     t0="$(now)"
     PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "CREATE SUBSCRIPTION copy_sub CONNECTION '$COPY_SRC_CONN' PUBLICATION copypub
@@ -480,7 +487,6 @@ SQL
     COPY_RES_builtin="$(q "$TGT_PORT" copy_target_builtin "$COPY_CHECK_SQL")"
     PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "DROP SUBSCRIPTION copy_sub" >/dev/null   # also drops slot copy_builtin
     log "initial copy: built-in $COPY_SECS_builtin s"
-    cp "$TGT_LOG" /tmp/tgt-debug.log  # DEBUG
 
     # pgapply
     q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
