@@ -613,7 +613,8 @@ impl Reader<'_> {
             }
             tokio::select! {
                 _ = shutdown.changed() => return Ok(StopReason::Shutdown),
-                _ = self.applier_done.changed() => continue,
+                // The applier stopped (or is gone): the caller reports why.
+                _ = self.applier_done.changed() => return Ok(StopReason::Shutdown),
                 frame = self.stream.next_frame() => {
                     let frame = frame?.ok_or_else(|| Error::transient(format!(
                         "source {} ended the replication stream (server shutting down?)", self.stream.endpoint())))?;
@@ -635,7 +636,12 @@ impl Reader<'_> {
                 _ = probe.tick(), if self.endpos.is_some() && !self.in_transaction => {
                     self.send_status(true).await?
                 }
-                _ = self.durable.changed() => self.send_status(false).await?,
+                changed = self.durable.changed() => {
+                    if changed.is_err() {
+                        return Err(Error::definite("the durability tracker stopped unexpectedly"));
+                    }
+                    self.send_status(false).await?
+                }
             }
             if last_log.elapsed() >= Duration::from_secs(10) {
                 last_log = Instant::now();

@@ -166,7 +166,8 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
 
     // update_missing = error: stops, naming table, key and the way out.
     db.target_sql("DELETE FROM k WHERE id = 5").await;
-    db.source_sql("UPDATE k SET v = 'E' WHERE id = 5").await;
+    db.source_sql("UPDATE k SET v = 'E' WHERE id = 5; INSERT INTO k VALUES (6, 'f');")
+        .await;
     let config = config_file("b", "[conflicts]\nupdate_missing = \"error\"\n");
     let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
     assert_eq!(out.status.code(), Some(1));
@@ -178,4 +179,12 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
             && err.contains("pgapply skip"),
         "{err}"
     );
+    // Nothing of that transaction was committed, and a rerun stops again instead of skipping it.
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM k WHERE id = 6")
+            .await,
+        0
+    );
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
 }

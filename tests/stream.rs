@@ -334,3 +334,106 @@ async fn binary_falls_back_to_text_for_user_types_and_messages_are_logged() {
     );
     db.assert_same("e").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_transactions_land_while_a_big_one_streams() {
+    if !pgapply_version_or_skip("streaming", 140000).await {
+        return;
+    }
+    let db = TestDb::new("streamopen").await;
+    db.both("CREATE TABLE o (id int PRIMARY KEY, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE o").await;
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let mut child = spawn(db.pgapply("p", &["--spool-dir", &dir_arg]));
+    db.source_sql("INSERT INTO o VALUES (-1, 'before')").await;
+    wait_for("the first row", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM o").await == 1
+    })
+    .await;
+    let big = connect(db.source_port, &db.name).await;
+    big.batch_execute(
+        "BEGIN; INSERT INTO o SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 20000) g;",
+    )
+    .await
+    .unwrap();
+    wait_for("the open transaction to stream", 60, || async {
+        spool_files(&dir) > 0
+    })
+    .await;
+    // Committed while the big one is still open: it must not wait for the big one.
+    db.source_sql("INSERT INTO o VALUES (-2, 'small')").await;
+    wait_for(
+        "the small transaction while the big one is open",
+        30,
+        || async {
+            db.count(&db.target, "SELECT count(*) FROM o WHERE id = -2")
+                .await
+                == 1
+        },
+    )
+    .await;
+    big.batch_execute("COMMIT").await.unwrap();
+    wait_for("the big transaction", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM o").await == 20002
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    db.assert_same("o").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_phase_with_the_progress_table() {
+    if !pgapply_version_or_skip("two-phase", 150000).await {
+        return;
+    }
+    let db = TestDb::new("twophasetable").await;
+    db.both("CREATE TABLE tt (id int PRIMARY KEY, v text)")
+        .await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE tt").await;
+    // A target role that may not use replication origins: progress goes to pgapply.progress.
+    let writer = format!("w2_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {writer} LOGIN PASSWORD 'pw'; GRANT INSERT, UPDATE, DELETE, SELECT ON tt TO {writer}; \
+         GRANT CREATE ON DATABASE {} TO {writer};",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={writer} password=pw dbname={}",
+        db.target_port, db.name
+    );
+    let run = |endpos: String, create: bool| {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
+        cmd.args([
+            "run",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+        ])
+        .args(["--two-phase", "--endpos", &endpos])
+        .kill_on_drop(true);
+        if create {
+            cmd.arg("--create-slot");
+        }
+        cmd
+    };
+    let out = run_with_deadline(run(db.source_wal().await, true), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Prepared, then an ordinary transaction, then the commit of the prepared one: the ordinary
+    // one must not wait behind the prepared one's row lock.
+    db.source_sql("BEGIN; INSERT INTO tt VALUES (1, 'prepared'); PREPARE TRANSACTION 'p1';")
+        .await;
+    db.source_sql("INSERT INTO tt VALUES (2, 'ordinary')").await;
+    db.source_sql("COMMIT PREPARED 'p1'").await;
+    let out = run_with_deadline(run(db.source_wal().await, false), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("tt").await;
+}

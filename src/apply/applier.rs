@@ -75,6 +75,8 @@ struct SourceTransaction {
 /// The target transaction being built: one or more whole source transactions.
 struct Group {
     started: Instant,
+    /// A statement whose conflict must stop the group is in it: check results before COMMIT.
+    check_before_commit: bool,
     statements: usize,
     /// Last included source commit: end LSN and time.
     last_commit: Option<(Lsn, PgTimestamp)>,
@@ -368,7 +370,10 @@ impl Applier {
             );
             self.dispatch(envelope.message, envelope.raw).await?;
             drop(envelope.permit);
-            if is_commit && self.group_should_close(rx.is_empty()) {
+            // Between source transactions a finished group may commit: right after a commit, or
+            // when other messages (stream blocks, non-transactional messages) follow it.
+            let _ = is_commit;
+            if self.current.is_none() && self.group_should_close(rx.is_empty()) {
                 self.commit_group().await?;
             }
         }
@@ -591,14 +596,19 @@ impl Applier {
     async fn prepare_group(&mut self, xid: Xid, end_lsn: Lsn, time: PgTimestamp) -> Result<()> {
         self.flush_insert_run().await?;
         let gid = self.gid(xid);
-        self.pending.push(Pending {
-            statement: self.record.clone(),
-            params: vec![
-                WireValue::Text(end_lsn.to_string().into()),
-                WireValue::Text(time.to_rfc3339().into()),
-            ],
-            about: None,
-        });
+        let record = [
+            WireValue::Text(end_lsn.to_string().into()),
+            WireValue::Text(time.to_rfc3339().into()),
+        ];
+        let table_mode = self.progress.is_table_mode();
+        if !table_mode {
+            // The origin position goes into the PREPARE record itself.
+            self.pending.push(Pending {
+                statement: self.record.clone(),
+                params: record.to_vec(),
+                about: None,
+            });
+        }
         self.send_pipeline().await?;
         self.client
             .batch_execute(&format!(
@@ -609,6 +619,18 @@ impl Applier {
             .map_err(|e| {
                 Error::postgres(format!("preparing transaction {gid} on the target"), e)
             })?;
+        if table_mode {
+            // Not inside the prepared transaction: its row lock would be held until COMMIT
+            // PREPARED and block every later transaction.
+            let record_sql = self.record.clone();
+            let failed = |e| Error::postgres("recording the position on the target", e);
+            self.client.batch_execute("BEGIN").await.map_err(failed)?;
+            self.client
+                .execute(&record_sql, &[&record[0], &record[1]])
+                .await
+                .map_err(failed)?;
+            self.client.batch_execute("COMMIT").await.map_err(failed)?;
+        }
         self.group = None;
         tracing::debug!(gid = %gid, %end_lsn, "prepared");
         self.applied.send_replace(end_lsn);
@@ -636,6 +658,12 @@ impl Applier {
             if !(self.resume.is_valid() && end_lsn <= self.resume) {
                 tracing::warn!(gid = %gid, source_gid, "{verb}: the transaction is not prepared on the target; assuming it was finished before a restart");
             }
+            // Finished before: nothing more to wait for at this position.
+            self.applied.send_if_modified(|a| {
+                let advanced = end_lsn > *a;
+                *a = (*a).max(end_lsn);
+                advanced
+            });
             return Ok(());
         }
         let lsn = end_lsn.to_string();
@@ -766,6 +794,7 @@ impl Applier {
         } else if self.group.is_none() {
             self.group = Some(Group {
                 started: Instant::now(),
+                check_before_commit: false,
                 statements: 0,
                 last_commit: None,
                 transactions: 0,
@@ -820,6 +849,7 @@ impl Applier {
         if self.group.is_none() {
             self.group = Some(Group {
                 started: Instant::now(),
+                check_before_commit: false,
                 statements: 0,
                 last_commit: None,
                 transactions: 0,
@@ -1211,6 +1241,11 @@ impl Applier {
         about: ChangeInfo,
     ) -> Result<()> {
         let statement = self.statement(entry, shape).await?;
+        if about.signal.is_some_and(|s| s.policy == Policy::Error) {
+            if let Some(g) = &mut self.group {
+                g.check_before_commit = true;
+            }
+        }
         self.push(Pending {
             statement,
             params,
@@ -1265,13 +1300,17 @@ impl Applier {
                 })?
             }
             Err(e) => {
+                // An earlier statement of the group may have failed (this one then fails with
+                // "transaction aborted"): that earlier failure is the one to report.
+                self.drain_to(0).await;
+                self.fail_if_failed().await?;
                 return Err(Error::postgres(
                     format!(
                         "preparing a statement for table {} on the target",
                         entry.target.qualified
                     ),
                     e,
-                ))
+                ));
             }
         };
         self.statements.insert(shape, statement.clone());
@@ -1418,6 +1457,10 @@ impl Applier {
     /// Records the position and commits the group's target transaction.
     async fn commit_group(&mut self) -> Result<()> {
         self.flush_insert_run().await?;
+        if self.group.as_ref().is_some_and(|g| g.check_before_commit) {
+            // A row count decides whether this group may commit at all.
+            self.send_pipeline().await?;
+        }
         let Some(group) = self.group.take() else {
             return Ok(());
         };

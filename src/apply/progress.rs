@@ -89,7 +89,12 @@ impl ProgressStore {
         }
         let table_lsn = parse_lsn(row.get(1))?;
         // Take the later of both stores: a run in the other mode may have moved one of them.
-        let origin_lsn = store.durable_position(client).await.unwrap_or_default();
+        // In origin mode the origin is the authority: not being able to read it is an error, not
+        // a reason to start from the (older) table position and apply things twice.
+        let origin_lsn = match store.mode {
+            ProgressMode::Origin { .. } => store.durable_position(client).await?,
+            ProgressMode::Table => Lsn::INVALID,
+        };
         Ok((store, table_lsn.max(origin_lsn)))
     }
 
@@ -112,6 +117,12 @@ impl ProgressStore {
                 })?;
             client
                 .batch_execute("SET synchronous_commit = off")
+                .await
+                .map_err(|e| Error::postgres("configuring the apply session", e))?;
+        } else {
+            // Committed must mean durable here, whatever the target's default says.
+            client
+                .batch_execute("SET synchronous_commit = on")
                 .await
                 .map_err(|e| Error::postgres("configuring the apply session", e))?;
         }
@@ -151,6 +162,10 @@ impl ProgressStore {
             .await
             .map_err(|e| Error::postgres("recording the copy's position on the target", e))?;
         Ok(())
+    }
+
+    pub fn is_table_mode(&self) -> bool {
+        self.mode == ProgressMode::Table
     }
 
     /// The statement that records `($1 lsn, $2 commit time)` inside the current transaction.

@@ -100,7 +100,16 @@ impl Drop for Replay {
 impl Spool {
     /// A spool in `dir`, emptied of files left by an earlier run.
     pub fn open(dir: PathBuf) -> Result<Spool> {
-        let _ = std::fs::remove_dir_all(&dir);
+        // Only pgapply's own files go: the directory may be shared with other things.
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                if name.starts_with("xid-") && name.ends_with(".spool") {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+        }
         std::fs::create_dir_all(&dir).map_err(|e| {
             Error::definite(format!(
                 "cannot create spool directory {}: {e} (set --spool-dir)",
