@@ -189,7 +189,7 @@ pub struct VerifyArgs {
 pub struct CutoverArgs {
     #[command(flatten)]
     pub run: RunArgs,
-    /// Lag (bytes, e.g. 16MB) below which the cutover proceeds.
+    /// Lag below which the cutover proceeds: a size (16MB) or a duration (5s).
     #[arg(long, default_value = "1MB")]
     pub max_lag: String,
     /// Give up if the lag or the drain takes longer than this.

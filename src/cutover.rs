@@ -26,9 +26,34 @@ use crate::replicate::{run, RunConfig};
 use crate::sql::quote_ident;
 use crate::verify::{self, VerifySettings};
 
+/// How far behind the worker may be before the cutover goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaxLag {
+    /// Source WAL position minus the slot's confirmed position.
+    Bytes(u64),
+    /// The walsender's `flush_lag`: how long ago the newest confirmed WAL was written.
+    Time(Duration),
+}
+
+impl MaxLag {
+    /// "16MB" is a size, "5s" a duration.
+    pub fn parse(text: &str) -> Result<MaxLag> {
+        match parse_size(text) {
+            Ok(bytes) => Ok(MaxLag::Bytes(bytes)),
+            Err(_) => humantime::parse_duration(text.trim())
+                .map(MaxLag::Time)
+                .map_err(|_| {
+                    Error::definite(format!(
+                        "--max-lag {text:?}: give a size (16MB) or a duration (5s)"
+                    ))
+                }),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct CutoverSettings {
-    pub max_lag_bytes: u64,
+    pub max_lag: MaxLag,
     pub timeout: Duration,
     pub freeze_roles: Vec<String>,
     pub all_sequences: bool,
@@ -85,20 +110,41 @@ pub async fn cutover(
     let started = Instant::now();
     let deadline = started + settings.timeout;
 
-    // 1. Lag.
-    let (active, _, _) = slot_state(&source, &slot).await?;
+    // 1. Lag. A worker that is just (re)connecting shows the slot inactive for a moment: look a
+    // few times before concluding that none runs.
+    let mut active = false;
+    for _ in 0..10 {
+        active = slot_state(&source, &slot).await?.0;
+        if active {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     if active {
         loop {
             let (_, confirmed, current) = slot_state(&source, &slot).await?;
-            let lag = current.0.saturating_sub(confirmed.0);
-            println!("step 1: lag {lag} bytes (source at {current}, confirmed {confirmed})");
-            if lag <= settings.max_lag_bytes {
+            let bytes = current.0.saturating_sub(confirmed.0);
+            // flush_lag is NULL while the worker is idle and caught up.
+            let seconds: f64 = source
+                .query_one(
+                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8 FROM pg_replication_slots s \
+                     LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?
+                .get(0);
+            println!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed})");
+            let below = match settings.max_lag {
+                MaxLag::Bytes(max) => bytes <= max,
+                MaxLag::Time(max) => seconds <= max.as_secs_f64(),
+            };
+            if below {
                 break;
             }
             if Instant::now() > deadline {
                 return Err(Error::definite(format!(
-                    "step 1: lag stayed above {} bytes for {}: is pgapply keeping up? (pgapply status)",
-                    settings.max_lag_bytes,
+                    "step 1: lag stayed above --max-lag for {}: is pgapply keeping up? (pgapply status)",
                     humantime::format_duration(settings.timeout)
                 )));
             }
@@ -308,5 +354,14 @@ mod tests {
         assert_eq!(super::parse_size("512kB").unwrap(), 512 << 10);
         assert_eq!(super::parse_size("100").unwrap(), 100);
         assert!(super::parse_size("lots").is_err());
+        assert_eq!(
+            super::MaxLag::parse("5s").unwrap(),
+            super::MaxLag::Time(std::time::Duration::from_secs(5))
+        );
+        assert_eq!(
+            super::MaxLag::parse("1MB").unwrap(),
+            super::MaxLag::Bytes(1 << 20)
+        );
+        assert!(super::MaxLag::parse("soonish").is_err());
     }
 }

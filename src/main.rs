@@ -279,7 +279,7 @@ async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error>
 async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Error> {
     let (config, _) = config::resolve(&args.run, &file)?;
     let settings = cutover::CutoverSettings {
-        max_lag_bytes: cutover::parse_size(&args.max_lag)?,
+        max_lag: cutover::MaxLag::parse(&args.max_lag)?,
         timeout: args.timeout,
         freeze_roles: args
             .freeze_writes

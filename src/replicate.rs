@@ -312,6 +312,7 @@ pub async fn run(
         status_interval: config.status_interval,
         progress,
         last_heard: Instant::now(),
+        held_begin: None,
     };
     let read_result = reader.run(&mut shutdown).await;
     // Closing the queue lets the applier finish what it has and stop.
@@ -564,6 +565,8 @@ struct Reader<'a> {
     progress: Option<watch::Sender<RunProgress>>,
     /// When the source last sent anything.
     last_heard: Instant,
+    /// A Begin not forwarded yet (see `on_frame`).
+    held_begin: Option<(LogicalMessage, bytes::Bytes, usize)>,
 }
 
 enum Step {
@@ -696,6 +699,12 @@ impl Reader<'_> {
                             return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.in_transaction = true;
+                        // Held until something follows: before PostgreSQL 15 the source sends an
+                        // empty Begin/Commit for every transaction that touched nothing
+                        // published; applied, it would write nothing on the target, the position
+                        // would not move there, and the slot would stop advancing.
+                        self.held_begin = Some((message, raw, size));
+                        return Ok(Step::Continue);
                     }
                     LogicalMessage::BeginPrepare(b) => {
                         if reached(b.prepare_lsn) {
@@ -705,6 +714,14 @@ impl Reader<'_> {
                     }
                     LogicalMessage::Commit(c) => {
                         self.in_transaction = false;
+                        if self.held_begin.take().is_some() {
+                            // An empty transaction: nothing to apply, nothing to wait for.
+                            return Ok(if reached(c.end_lsn) {
+                                Step::Stop(StopReason::EndPosition)
+                            } else {
+                                Step::Continue
+                            });
+                        }
                         self.forwarded_end = c.end_lsn;
                         stop_after = reached(c.end_lsn);
                     }
@@ -741,6 +758,9 @@ impl Reader<'_> {
                     _ => {}
                 }
                 self.received = self.received.max(self.forwarded_end);
+                if let Some((begin, begin_raw, begin_size)) = self.held_begin.take() {
+                    self.forward(begin, begin_raw, begin_size).await?;
+                }
                 self.forward(message, raw, size).await?;
                 if stop_after {
                     return Ok(Step::Stop(StopReason::EndPosition));

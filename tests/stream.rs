@@ -278,6 +278,11 @@ async fn binary_values_give_the_same_rows_as_text() {
     if !pgapply_version_or_skip("binary", 140000).await {
         return;
     }
+    let c = common::clusters();
+    if c.source_major != c.target_major {
+        common::skip("binary transfer is used only between servers of the same major version");
+        return;
+    }
     let db = TestDb::new("binary").await;
     db.both(
         "CREATE TABLE b (id int PRIMARY KEY, i8 bigint, n numeric, f float8, r real, t text, vc varchar(20), \
@@ -324,10 +329,11 @@ async fn binary_falls_back_to_text_for_user_types_and_messages_are_logged() {
     .await;
     let log = stderr(&out);
     assert!(out.status.success(), "{log}");
-    assert!(
-        log.contains("binary transfer off") && log.contains("user-defined type"),
-        "{log}"
-    );
+    let c = common::clusters();
+    assert!(log.contains("binary transfer off"), "{log}");
+    if c.source_major == c.target_major {
+        assert!(log.contains("user-defined type"), "{log}");
+    }
     assert!(
         log.contains("app-prefix") && log.contains("app-nontx"),
         "messages logged: {log}"
