@@ -12,6 +12,14 @@
 #   COPY_BENCH=1     also time the initial copy (built-in copy_data vs pgapply --copy-data); 0 skips it
 #   COPY_SCALE       pgbench scale of the copy dataset (default SCALE)
 #   COPY_JOBS        pgapply --copy-jobs for the copy phase (default 4)
+#   LATENCY_BENCH=1  also apply one backlog with pgapply directly and through bench/delay_proxy.py
+#                    (DELAY_MS each way in front of the target); 0 skips it
+#   LATENCY_TXNS     transactions of that backlog (default TXNS)
+#   DELAY_MS         proxy delay per direction in milliseconds (default 1)
+#   LAG_BENCH=1      also measure replication lag under a fixed-rate pgbench load; 0 skips it
+#   LAG_SECONDS      length of that load per applier (default 20)
+#   RATE             its pgbench -R rate in txn/s (default: 80% of the built-in's catch-up txn/s,
+#                    at most 80% of the source's own pgbench tps)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,23 +35,38 @@ ROWS_PER_TXN=4   # tpcb-like: 3 UPDATEs + 1 INSERT change rows (the SELECT does 
 COPY_BENCH="${COPY_BENCH:-1}"
 COPY_SCALE="${COPY_SCALE:-$SCALE}"
 COPY_JOBS="${COPY_JOBS:-4}"
+LATENCY_BENCH="${LATENCY_BENCH:-1}"
+LATENCY_TXNS="${LATENCY_TXNS:-$TXNS}"
+DELAY_MS="${DELAY_MS:-1}"
+LAG_BENCH="${LAG_BENCH:-1}"
+LAG_SECONDS="${LAG_SECONDS:-20}"
+RATE="${RATE:-}"
 
 log() { echo "bench: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-[[ "$COPY_BENCH" =~ ^[01]$ ]] || die "COPY_BENCH must be 0 or 1 (got '$COPY_BENCH')"
-for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS; do
+for v in COPY_BENCH LATENCY_BENCH LAG_BENCH; do
+    [[ "${!v}" =~ ^[01]$ ]] || die "$v must be 0 or 1 (got '${!v}')"
+done
+[[ "$DELAY_MS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "DELAY_MS must be a number of milliseconds (got '$DELAY_MS')"
+[ -z "$RATE" ] || [[ "$RATE" =~ ^[1-9][0-9]*$ ]] || die "RATE must be a positive integer (got '$RATE')"
+for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS LATENCY_TXNS LAG_SECONDS; do
     [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
 done
 PER_CLIENT=$((TXNS / CLIENTS))
 [ "$PER_CLIENT" -ge 1 ] || die "TXNS ($TXNS) must be at least CLIENTS ($CLIENTS)"
 NTXN=$((PER_CLIENT * CLIENTS))   # transactions per round actually run
+LAT_PER_CLIENT=$((LATENCY_TXNS / CLIENTS))
+[ "$LATENCY_BENCH" = 0 ] || [ "$LAT_PER_CLIENT" -ge 1 ] || die "LATENCY_TXNS ($LATENCY_TXNS) must be at least CLIENTS ($CLIENTS)"
 JOBS=2
 [ "$CLIENTS" -ge 2 ] || JOBS=1
 for p in initdb pg_ctl postgres psql pgbench; do
     [ -x "$PG_BIN/$p" ] || die "$PG_BIN/$p not found (set PG_BIN)"
 done
 PSQL="$PG_BIN/psql"
+if [ "$LATENCY_BENCH" = 1 ]; then
+    command -v python3 >/dev/null || die "LATENCY_BENCH=1 needs python3 (for bench/delay_proxy.py)"
+fi
 
 IS_ROOT=0
 if [ "$(id -u)" = 0 ]; then
@@ -79,9 +102,14 @@ if [ "$IS_ROOT" = 1 ]; then chown postgres: "$WORK"; fi
 
 DATADIRS=()
 SAMPLER_PID=""
+PROXY_PID=""
+LAG_SAMPLER_PID=""
+LAG_APPLIER_PID=""
 cleanup() {
-    local d
-    if [ -n "$SAMPLER_PID" ]; then kill "$SAMPLER_PID" 2>/dev/null || true; fi
+    local d p
+    for p in "$SAMPLER_PID" "$PROXY_PID" "$LAG_SAMPLER_PID" "$LAG_APPLIER_PID"; do
+        if [ -n "$p" ]; then kill "$p" 2>/dev/null || true; fi
+    done
     for d in "${DATADIRS[@]+"${DATADIRS[@]}"}"; do
         as_pg "$PG_BIN/pg_ctl" -D "$d" -m immediate -w stop >/dev/null 2>&1 || true
     done
@@ -162,16 +190,20 @@ pgbench_init "$TGT_PORT" bench_template
 for db in target_builtin target_pgapply; do
     q "$TGT_PORT" postgres "CREATE DATABASE $db TEMPLATE bench_template" >/dev/null
 done
-q "$TGT_PORT" postgres "DROP DATABASE bench_template" >/dev/null
-if [ -f "$("$PG_BIN/pg_config" --sharedir 2>/dev/null)/extension/pg_prewarm.control" ]; then
-    for db in target_builtin target_pgapply; do
-        q "$TGT_PORT" "$db" "CREATE EXTENSION pg_prewarm" >/dev/null
-        q "$TGT_PORT" "$db" "SELECT sum(pg_prewarm(c.oid)) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-            WHERE n.nspname = 'public' AND c.relname LIKE 'pgbench%' AND c.relkind IN ('r', 'i')" >/dev/null
-    done
-else
-    log "pg_prewarm not available: target tables start cold in shared_buffers"
+# The latency and lag phases make more target databases from the template later.
+if [ "$LATENCY_BENCH" = 0 ] && [ "$LAG_BENCH" = 0 ]; then
+    q "$TGT_PORT" postgres "DROP DATABASE bench_template" >/dev/null
 fi
+HAVE_PREWARM=0
+[ -f "$("$PG_BIN/pg_config" --sharedir 2>/dev/null)/extension/pg_prewarm.control" ] && HAVE_PREWARM=1
+prewarm() {  # port db: load the pgbench tables and indexes into shared_buffers
+    [ "$HAVE_PREWARM" = 1 ] || return 0
+    q "$1" "$2" "CREATE EXTENSION IF NOT EXISTS pg_prewarm" >/dev/null
+    q "$1" "$2" "SELECT sum(pg_prewarm(c.oid)) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' AND c.relname LIKE 'pgbench%' AND c.relkind IN ('r', 'i')" >/dev/null
+}
+[ "$HAVE_PREWARM" = 1 ] || log "pg_prewarm not available: target tables start cold in shared_buffers"
+for db in target_builtin target_pgapply; do prewarm "$TGT_PORT" "$db"; done
 
 q "$SRC_PORT" bench "CREATE PUBLICATION bench FOR ALL TABLES" >/dev/null
 q "$SRC_PORT" bench "SELECT pg_create_logical_replication_slot('builtin_slot', 'pgoutput')" >/dev/null
