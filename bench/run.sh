@@ -211,6 +211,7 @@ q "$SRC_PORT" bench "SELECT pg_create_logical_replication_slot('pgapply_slot', '
 q "$TGT_PORT" target_builtin "CREATE SUBSCRIPTION builtin_sub CONNECTION '$SRC_CONN' PUBLICATION bench
     WITH (copy_data = false, create_slot = false, slot_name = 'builtin_slot', enabled = false, synchronous_commit = off)" >/dev/null
 
+CHECK_DESC="sum(abalance) count(accounts) sum(tbalance) sum(bbalance) count(history)"
 CHECK_SQL="SELECT (SELECT sum(abalance) || ' ' || count(*) FROM pgbench_accounts)
     || ' ' || (SELECT sum(tbalance) FROM pgbench_tellers) || ' ' || (SELECT sum(bbalance) FROM pgbench_branches)
     || ' ' || (SELECT count(*) FROM pgbench_history)"
@@ -574,6 +575,304 @@ SQL
     echo "$COPY_VERDICT"
 fi
 
+# ---------------------------------------------------------------------------
+# helpers for the latency and lag phases
+
+new_pair() {  # srcdb tgtdb...: source database srcdb (pgbench -i, PUBLICATION <srcdb>_pub), target copies of the template
+    local src="$1" db init
+    shift
+    q "$SRC_PORT" postgres "CREATE DATABASE $src" >/dev/null
+    pgbench_init "$SRC_PORT" "$src"
+    q "$SRC_PORT" "$src" "CREATE PUBLICATION ${src}_pub FOR ALL TABLES" >/dev/null
+    init="$(q "$SRC_PORT" "$src" "$CHECK_SQL")"
+    for db in "$@"; do
+        q "$TGT_PORT" postgres "CREATE DATABASE $db TEMPLATE bench_template" >/dev/null
+        [ "$(q "$TGT_PORT" "$db" "$CHECK_SQL")" = "$init" ] || die "initial data of $db differs from $src"
+        prewarm "$TGT_PORT" "$db"
+    done
+    q "$SRC_PORT" "$src" "CHECKPOINT" >/dev/null
+}
+
+create_slot() {  # db slot
+    q "$SRC_PORT" "$1" "SELECT pg_create_logical_replication_slot('$2', 'pgoutput')" >/dev/null
+}
+
+drop_slot() {  # slot (must be inactive)
+    wait_slot_inactive "$1"
+    q "$SRC_PORT" postgres "SELECT pg_drop_replication_slot('$1')" >/dev/null
+}
+
+# ---------------------------------------------------------------------------
+# 9. latency hiding (after the other phases, in databases of its own)
+#
+# Source database latsrc gets one backlog of LATENCY_TXNS tpcb-like transactions while nothing
+# applies it; slots lat_direct and lat_delay (created before the backlog) feed two target copies
+# of the template. pgapply catches up to the same end LSN twice: directly into lat_direct, then
+# through bench/delay_proxy.py (DELAY_MS added in each direction) into lat_delay. With enough
+# pipelining the delay costs little throughput; a round trip per transaction would cost ~2*DELAY_MS each.
+
+LAT_VERDICT=SKIPPED
+if [ "$LATENCY_BENCH" = 1 ]; then
+    LAT_NTXN=$((LAT_PER_CLIENT * CLIENTS))
+    log "latency hiding: $LAT_NTXN tpcb-like transactions in source database latsrc; pgapply directly, then through a proxy adding $DELAY_MS ms each way"
+    new_pair latsrc lat_direct lat_delay
+    create_slot latsrc lat_direct
+    create_slot latsrc lat_delay
+    "$PG_BIN/pgbench" -n -t "$LAT_PER_CLIENT" -c "$CLIENTS" -j "$JOBS" -h 127.0.0.1 -p "$SRC_PORT" -U postgres latsrc \
+        >"$WORK/pgbench-latency.log" 2>&1 || { cat "$WORK/pgbench-latency.log" >&2; die "pgbench failed (latency phase)"; }
+    lat_end="$(q "$SRC_PORT" latsrc "SELECT pg_current_wal_flush_lsn()")"
+
+    PROXY_PORT="$(free_port)"
+    python3 "$ROOT/bench/delay_proxy.py" "$PROXY_PORT" "$TGT_PORT" "$DELAY_MS" >"$WORK/proxy.log" 2>&1 &
+    PROXY_PID=$!
+    for ((i = 0; i < 100; i++)); do
+        grep -q '^ready' "$WORK/proxy.log" && break
+        kill -0 "$PROXY_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    grep -q '^ready' "$WORK/proxy.log" || { cat "$WORK/proxy.log" >&2; die "bench/delay_proxy.py did not start"; }
+
+    # The round trip a client sees: average latency of 200 one-statement transactions, 1 client.
+    echo "SELECT 1;" >"$WORK/select1.sql"
+    rtt_ms() {  # port
+        "$PG_BIN/pgbench" -n -t 200 -c 1 -f "$WORK/select1.sql" -h 127.0.0.1 -p "$1" -U postgres postgres 2>&1 |
+            sed -n 's/^latency average = \([0-9.]*\) ms$/\1/p'
+    }
+    RTT_direct="$(rtt_ms "$TGT_PORT")"
+    RTT_delay="$(rtt_ms "$PROXY_PORT")"
+    log "latency hiding: SELECT 1 round trip ${RTT_direct:-?} ms direct, ${RTT_delay:-?} ms through the proxy"
+
+    declare -A LAT_SECS=()
+    for mode in direct delay; do
+        port="$TGT_PORT"
+        [ "$mode" = delay ] && port="$PROXY_PORT"
+        q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+        rc=0
+        TIMEFORMAT='%3R %3U %3S'
+        { time "$BIN" run --source "host=127.0.0.1 port=$SRC_PORT user=postgres dbname=latsrc" \
+            --target "host=127.0.0.1 port=$port user=postgres dbname=lat_$mode" \
+            --publication latsrc_pub --slot "lat_$mode" --endpos "$lat_end" --status-interval 1s \
+            >"$WORK/pgapply-lat-$mode.log" 2>&1; } 2>"$WORK/time-lat-$mode" || rc=$?
+        unset TIMEFORMAT
+        if [ "$rc" != 0 ]; then
+            tail -n 30 "$WORK/pgapply-lat-$mode.log" >&2
+            die "latency hiding ($mode): pgapply exited with status $rc (log above)"
+        fi
+        read -r lat_wall _ _ <"$WORK/time-lat-$mode"
+        LAT_SECS[$mode]="$lat_wall"
+        drop_slot "lat_$mode"
+        log "latency hiding: $mode ${LAT_SECS[$mode]} s"
+    done
+    kill "$PROXY_PID" 2>/dev/null || true
+    wait "$PROXY_PID" 2>/dev/null || true
+    PROXY_PID=""
+
+    LAT_SRC_RES="$(q "$SRC_PORT" latsrc "$CHECK_SQL")"
+    LAT_RES_direct="$(q "$TGT_PORT" lat_direct "$CHECK_SQL")"
+    LAT_RES_delay="$(q "$TGT_PORT" lat_delay "$CHECK_SQL")"
+    if [ "$LAT_RES_direct" = "$LAT_SRC_RES" ] && [ "$LAT_RES_delay" = "$LAT_SRC_RES" ]; then LAT_VERDICT=MATCH; else LAT_VERDICT=MISMATCH; fi
+    LAT_RATIO="$(calc "${LAT_SECS[direct]} / ${LAT_SECS[delay]}" 2)"
+    LAT_GOAL=met
+    [ "$(calc "$LAT_RATIO >= 0.8" 0)" = 1 ] || LAT_GOAL="not met"
+    LAT_TABLE="| pgapply target connection        | seconds | txn/s | row changes/s |"$'\n'
+    LAT_TABLE+="|----------------------------------|--------:|------:|--------------:|"$'\n'
+    for mode in direct delay; do
+        name="direct"
+        [ "$mode" = delay ] && name="through proxy, +$DELAY_MS ms each way"
+        LAT_TABLE+="$(printf '| %-32s | %7.2f | %5.0f | %13.0f |' "$name" "${LAT_SECS[$mode]}" \
+            "$(calc "$LAT_NTXN / ${LAT_SECS[$mode]}" 1)" "$(calc "$LAT_NTXN * $ROWS_PER_TXN / ${LAT_SECS[$mode]}" 1)")"$'\n'
+    done
+    LAT_SUMMARY="throughput with delay / without: x$LAT_RATIO (goal >= 0.8: $LAT_GOAL)"
+    LAT_RTT="round trip of SELECT 1 (pgbench, 1 client, average): direct ${RTT_direct:-?} ms, through the proxy ${RTT_delay:-?} ms"
+    LAT_CORRECT="Correctness ($CHECK_DESC): $LAT_VERDICT (source [$LAT_SRC_RES] direct [$LAT_RES_direct] delayed [$LAT_RES_delay])"
+    {
+        echo
+        echo "## Latency hiding"
+        echo
+        echo "- one backlog of $LAT_NTXN tpcb-like transactions (SCALE=$SCALE, $CLIENTS clients) in source database latsrc, applied by \`pgapply run --endpos\` twice, each into its own prewarmed target copy and slot"
+        echo "- delayed: the target connection goes through bench/delay_proxy.py (127.0.0.1), which holds every chunk DELAY_MS=$DELAY_MS ms in each direction without limiting throughput"
+        echo "- $LAT_RTT"
+        echo
+        echo "$LAT_TABLE"
+        echo "$LAT_SUMMARY"
+        echo
+        echo "$LAT_CORRECT"
+    } >>"$RESULTS"
+    echo
+    echo "latency hiding: $LAT_NTXN transactions, target delay $DELAY_MS ms each way"
+    echo "$LAT_RTT"
+    echo
+    echo "$LAT_TABLE"
+    echo "$LAT_SUMMARY"
+    echo "$LAT_CORRECT"
+    echo "$LAT_VERDICT"
+fi
+
+# ---------------------------------------------------------------------------
+# 10. lag under load
+#
+# For each applier in turn (built-in, then pgapply): a source database lagsrc_<applier> and a
+# target copy lag_<applier>, a fresh slot, the applier running and idle; then pgbench -R RATE for
+# LAG_SECONDS. A sampler on the source (database postgres) records every 200 ms the time,
+# pg_current_wal_lsn() and the slot's confirmed_flush_lsn. The lag of a sample is now minus the
+# time the source WAL reached the confirmed position (interpolated between the two samples
+# around it); 0 when confirmed has reached the current WAL. p50/p99 over the samples taken
+# while pgbench ran.
+
+LAG_VERDICT=SKIPPED
+if [ "$LAG_BENCH" = 1 ]; then
+    RATE_NOTE="RATE given"
+    if [ -z "$RATE" ]; then
+        bi_tps=""
+        for ((r = 1; r <= ROUNDS; r++)); do bi_tps+=" $(calc "$NTXN / ${SECS_builtin[r]}" 1)"; done
+        bi_tps="$(echo "$bi_tps" | median)"
+        src_tps="$(echo "${SRC_TPS[*]}" | median)"
+        if [ "$bi_tps" != n/a ]; then
+            RATE="$(calc "0.8 * $bi_tps" 0)"
+            RATE_NOTE="80% of the built-in's median catch-up rate ($bi_tps txn/s)"
+            if [ "$src_tps" != n/a ] && [ "$(calc "0.8 * $src_tps < $RATE" 0)" = 1 ]; then
+                RATE="$(calc "0.8 * $src_tps" 0)"
+                RATE_NOTE="80% of the source's own pgbench rate ($src_tps tps; below 80% of the built-in's catch-up rate, $bi_tps txn/s)"
+            fi
+        fi
+        if ! [[ "$RATE" =~ ^[1-9][0-9]*$ ]]; then
+            RATE=2000
+            RATE_NOTE="fallback"
+        fi
+    fi
+    log "lag under load: pgbench -R $RATE for $LAG_SECONDS s per applier ($RATE_NOTE)"
+    q "$SRC_PORT" postgres "CREATE UNLOGGED TABLE lag_samples (run text, t float8, cur numeric, conf numeric)" >/dev/null
+    q "$SRC_PORT" postgres "CREATE UNLOGGED TABLE lag_stop (run text)" >/dev/null
+
+    wait_slot_active() {  # slot [pid that must stay alive]
+        local i
+        for ((i = 0; i < 600; i++)); do
+            [ "$(q "$SRC_PORT" postgres "SELECT active FROM pg_replication_slots WHERE slot_name = '$1'")" = t ] && return
+            if [ -n "${2:-}" ] && ! kill -0 "$2" 2>/dev/null; then return 1; fi
+            sleep 0.1
+        done
+        return 1
+    }
+
+    declare -A LAG_STATS=() LAG_TPS=() LAG_RES=() LAG_SRC_RES=()
+    lag_run() {  # builtin|pgapply
+        local a="$1" src="lagsrc_$1" db="lag_$1" slot="lag_$1" t0 t1 end rc=0
+        local src_conn="host=127.0.0.1 port=$SRC_PORT user=postgres dbname=$src"
+        new_pair "$src" "$db"
+        create_slot "$src" "$slot"
+        q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+        if [ "$a" = builtin ]; then
+            q "$TGT_PORT" "$db" "CREATE SUBSCRIPTION lag_sub CONNECTION '$src_conn' PUBLICATION ${src}_pub
+                WITH (copy_data = false, create_slot = false, slot_name = '$slot', synchronous_commit = off)" >/dev/null
+            wait_slot_active "$slot" || die "lag ($a): the subscription did not start streaming within 60 s"
+        else
+            "$BIN" run --source "$src_conn" --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=$db" \
+                --publication "${src}_pub" --slot "$slot" --status-interval 1s >"$WORK/pgapply-lag.log" 2>&1 &
+            LAG_APPLIER_PID=$!
+            wait_slot_active "$slot" "$LAG_APPLIER_PID" ||
+                { tail -n 30 "$WORK/pgapply-lag.log" >&2; die "lag ($a): pgapply did not start streaming (log above)"; }
+        fi
+
+        "$PSQL" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$SRC_PORT" -U postgres -d postgres >"$WORK/lag-sampler-$a.log" 2>&1 <<SQL &
+DO \$\$
+DECLARE
+    next float8 := extract(epoch FROM clock_timestamp());
+    deadline timestamptz := clock_timestamp() + interval '$((LAG_SECONDS + CATCHUP_TIMEOUT + 120)) seconds';
+BEGIN
+    LOOP
+        INSERT INTO lag_samples
+            SELECT '$a', extract(epoch FROM clock_timestamp()), pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0'),
+                   pg_wal_lsn_diff(confirmed_flush_lsn, '0/0')
+            FROM pg_replication_slots WHERE slot_name = '$slot';
+        COMMIT;
+        EXIT WHEN EXISTS (SELECT FROM lag_stop WHERE run = '$a') OR clock_timestamp() > deadline;
+        next := next + 0.2;
+        PERFORM pg_sleep(greatest(0, next - extract(epoch FROM clock_timestamp())));
+    END LOOP;
+END
+\$\$;
+SQL
+        LAG_SAMPLER_PID=$!
+        sleep 1
+        t0="$(now)"
+        "$PG_BIN/pgbench" -n -R "$RATE" -T "$LAG_SECONDS" -c "$CLIENTS" -j "$JOBS" -h 127.0.0.1 -p "$SRC_PORT" -U postgres "$src" \
+            >"$WORK/pgbench-lag-$a.log" 2>&1 || { cat "$WORK/pgbench-lag-$a.log" >&2; die "pgbench failed (lag phase, $a)"; }
+        t1="$(now)"
+        end="$(q "$SRC_PORT" "$src" "SELECT pg_current_wal_flush_lsn()")"
+        wait_confirmed "$slot" "$end"
+        q "$SRC_PORT" postgres "INSERT INTO lag_stop VALUES ('$a')" >/dev/null
+        wait "$LAG_SAMPLER_PID" || { cat "$WORK/lag-sampler-$a.log" >&2; die "lag ($a): the sampler failed"; }
+        LAG_SAMPLER_PID=""
+
+        if [ "$a" = builtin ]; then
+            PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" "$db" "DROP SUBSCRIPTION lag_sub" >/dev/null   # drops the slot too
+        else
+            kill -TERM "$LAG_APPLIER_PID"
+            wait "$LAG_APPLIER_PID" || rc=$?
+            LAG_APPLIER_PID=""
+            if [ "$rc" != 0 ]; then
+                tail -n 30 "$WORK/pgapply-lag.log" >&2
+                die "lag ($a): pgapply exited with status $rc after SIGTERM (log above)"
+            fi
+            drop_slot "$slot"
+        fi
+
+        LAG_STATS[$a]="$(q "$SRC_PORT" postgres "
+            WITH s AS (SELECT t, cur, conf FROM lag_samples WHERE run = '$a'),
+            l AS (
+                SELECT CASE WHEN x.conf >= x.cur THEN 0
+                    ELSE greatest(0, x.t - CASE WHEN pv.t IS NULL OR nx.cur = pv.cur THEN nx.t
+                        ELSE pv.t + (nx.t - pv.t) * ((x.conf - pv.cur) / (nx.cur - pv.cur))::float8 END) END AS lag
+                FROM s x
+                CROSS JOIN LATERAL (SELECT s.t, s.cur FROM s WHERE s.cur >= x.conf ORDER BY s.t LIMIT 1) nx
+                LEFT JOIN LATERAL (SELECT s.t, s.cur FROM s WHERE s.t < nx.t ORDER BY s.t DESC LIMIT 1) pv ON true
+                WHERE x.t BETWEEN $t0 AND $t1)
+            SELECT count(*) || ' ' || coalesce(round(percentile_cont(0.5) WITHIN GROUP (ORDER BY lag)::numeric, 3)::text, 'n/a')
+                || ' ' || coalesce(round(percentile_cont(0.99) WITHIN GROUP (ORDER BY lag)::numeric, 3)::text, 'n/a')
+                || ' ' || coalesce(round(max(lag)::numeric, 3)::text, 'n/a') FROM l")"
+        LAG_TPS[$a]="$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' "$WORK/pgbench-lag-$a.log" | head -n 1)"
+        LAG_SRC_RES[$a]="$(q "$SRC_PORT" "$src" "$CHECK_SQL")"
+        LAG_RES[$a]="$(q "$TGT_PORT" "$db" "$CHECK_SQL")"
+        log "lag under load ($a): samples p50 p99 max = ${LAG_STATS[$a]}; pgbench ${LAG_TPS[$a]:-?} tps"
+    }
+    lag_run builtin
+    lag_run pgapply
+
+    LAG_VERDICT=MATCH
+    LAG_CORRECT="Correctness ($CHECK_DESC):"
+    LAG_TABLE="| applier  | load txn/s | samples | p50 lag s | p99 lag s | max lag s |"$'\n'
+    LAG_TABLE+="|----------|-----------:|--------:|----------:|----------:|----------:|"$'\n'
+    for a in builtin pgapply; do
+        name=built-in
+        [ "$a" = pgapply ] && name=pgapply
+        read -r n p50 p99 mx <<<"${LAG_STATS[$a]}"
+        LAG_TABLE+="$(printf '| %-8s | %10.0f | %7s | %9s | %9s | %9s |' "$name" "${LAG_TPS[$a]:-0}" "$n" "$p50" "$p99" "$mx")"$'\n'
+        [ "${LAG_RES[$a]}" = "${LAG_SRC_RES[$a]}" ] || LAG_VERDICT=MISMATCH
+        LAG_CORRECT+=" $name source [${LAG_SRC_RES[$a]}] target [${LAG_RES[$a]}];"
+    done
+    LAG_CORRECT="${LAG_CORRECT%;} -> $LAG_VERDICT"
+    LAG_SETUP="pgbench -R $RATE ($RATE_NOTE) -T $LAG_SECONDS, $CLIENTS clients, SCALE=$SCALE, applier running; lag sampled every 200 ms on the source"
+    {
+        echo
+        echo "## Lag under load"
+        echo
+        echo "- $LAG_SETUP; built-in first, then pgapply, each with its own source database, slot and prewarmed target copy"
+        echo "- lag of a sample = its time minus the time the source WAL (pg_current_wal_lsn()) reached the slot's confirmed_flush_lsn (interpolated between samples; 0 once confirmed reaches the current WAL); percentiles over the samples taken while pgbench ran"
+        echo "- load txn/s: what pgbench achieved (below RATE: the source could not keep the schedule)"
+        echo
+        echo "$LAG_TABLE"
+        echo "$LAG_CORRECT"
+    } >>"$RESULTS"
+    echo
+    echo "lag under load: $LAG_SETUP"
+    echo
+    echo "$LAG_TABLE"
+    echo "$LAG_CORRECT"
+    echo "$LAG_VERDICT"
+fi
+
 echo "results written to $RESULTS"
 [ "$VERDICT" = MATCH ] || exit 1
 [ "$COPY_VERDICT" != MISMATCH ] || exit 1
+[ "$LAT_VERDICT" != MISMATCH ] || exit 1
+[ "$LAG_VERDICT" != MISMATCH ] || exit 1
