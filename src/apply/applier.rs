@@ -1408,10 +1408,17 @@ impl Applier {
                         None => "a statement".to_owned(),
                     };
                     // A unique violation is a conflict in PostgreSQL 18's terms: name it so.
+                    let overwriting = about.as_ref().and_then(|a| a.signal).is_some_and(|s| {
+                        s.conflict == ConflictType::InsertExists && s.policy == Policy::ApplyRemote
+                    });
                     let kind = match (
                         e.code().map(|c| c.code()),
                         about.as_ref().map(|a| a.operation),
                     ) {
+                        // The upsert settled the key; another unique index still clashed.
+                        (Some("23505"), Some("INSERT")) if overwriting => {
+                            "multiple_unique_conflicts: "
+                        }
                         (Some("23505"), Some("INSERT")) => "insert_exists: ",
                         (Some("23505"), Some("UPDATE")) => "update_exists: ",
                         _ => "",
