@@ -188,3 +188,23 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
     let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_remote_with_a_second_unique_index_is_named() {
+    let db = TestDb::new("multiunique").await;
+    db.both("CREATE TABLE m (id int PRIMARY KEY, code text UNIQUE)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE m").await;
+    db.target_sql("INSERT INTO m VALUES (1, 'a'), (2, 'b')")
+        .await;
+    // Key 1 exists (resolved by apply_remote) but code 'b' belongs to row 2.
+    db.source_sql("INSERT INTO m VALUES (1, 'b')").await;
+    let config = config_file("c", "[conflicts]\ninsert_exists = \"apply_remote\"\n");
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("multiple_unique_conflicts") && err.contains("\"public\".\"m\""),
+        "{err}"
+    );
+}
