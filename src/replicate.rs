@@ -313,6 +313,7 @@ pub async fn run(
         progress,
         last_heard: Instant::now(),
         held_begin: None,
+        stopping: shutdown.clone(),
     };
     let read_result = reader.run(&mut shutdown).await;
     // Closing the queue lets the applier finish what it has and stop.
@@ -567,6 +568,8 @@ struct Reader<'a> {
     last_heard: Instant,
     /// A Begin not forwarded yet (see `on_frame`).
     held_begin: Option<(LogicalMessage, bytes::Bytes, usize)>,
+    /// The shutdown signal, also while waiting for room in the queue.
+    stopping: watch::Receiver<bool>,
 }
 
 enum Step {
@@ -813,6 +816,9 @@ impl Reader<'_> {
                 }
                 _ = status.tick() => self.send_status(false).await?,
                 _ = self.applier_done.changed() => return Ok(None),
+                // Stopping: the message is dropped; its transaction is incomplete on the applier's
+                // side, rolled back there, and sent again after a restart.
+                _ = self.stopping.changed() => return Ok(None),
             }
         }
     }
