@@ -255,3 +255,31 @@ async fn target_errors_definite_and_transient() {
     assert!(status.success());
     db.assert_same("g").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_that_changes_nothing_on_the_target_still_moves_the_slot() {
+    let db = TestDb::new("nowrite").await;
+    db.both("CREATE TABLE x (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE x").await;
+    db.source_sql("INSERT INTO x VALUES (1, 'a')").await;
+    db.sync("p").await;
+    // The row is gone on the target: the update finds nothing (skipped, recorded).
+    db.target_sql("DELETE FROM x").await;
+    db.source_sql("UPDATE x SET v = 'b' WHERE id = 1").await;
+    let wal = db.source_wal().await;
+    let mut child = spawn(db.pgapply("p", &[]));
+    let slot = db.slot();
+    wait_for("the slot to confirm past the no-op transaction", 60, || async {
+        db.source
+            .query_one(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot, &wal],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0))
+            .unwrap_or(false)
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+}

@@ -672,9 +672,11 @@ impl Applier {
         match &self.progress.mode {
             // The session's origin position is taken by the COMMIT/ROLLBACK PREPARED record.
             super::progress::ProgressMode::Origin { .. } => {
+                // Only the session's origin position is set here (no transaction id, so no
+                // commit record of its own): the COMMIT/ROLLBACK PREPARED record takes it.
                 self.client
                     .execute(
-                        &self.record,
+                        "SELECT pg_catalog.pg_replication_origin_xact_setup($1::pg_lsn, $2::timestamptz)",
                         &[
                             &WireValue::Text(lsn.clone().into()),
                             &WireValue::Text(at.clone().into()),

@@ -171,8 +171,10 @@ impl ProgressStore {
     /// The statement that records `($1 lsn, $2 commit time)` inside the current transaction.
     pub fn record_sql(&self) -> String {
         match &self.mode {
+            // txid_current() makes sure the transaction has an id, so COMMIT writes a commit
+            // record carrying the position even when every change of the group found no row.
             ProgressMode::Origin { .. } => {
-                "SELECT pg_catalog.pg_replication_origin_xact_setup($1::pg_lsn, $2::timestamptz)".into()
+                "SELECT pg_catalog.pg_replication_origin_xact_setup($1::pg_lsn, $2::timestamptz), pg_catalog.txid_current()".into()
             }
             ProgressMode::Table => format!(
                 "UPDATE pgapply.progress SET lsn = $1::pg_lsn, commit_time = $2::timestamptz, updated_at = now() WHERE slot_name = {}",
