@@ -153,16 +153,16 @@ pub struct RunArgs {
     pub metrics_addr: Option<String>,
 }
 
-/// `pgapply verify`.
+/// Source, target and publications, for commands that compare or copy definitions.
 #[derive(Debug, Args)]
-pub struct VerifyArgs {
+pub struct ServersArgs {
     /// Source connection.
     #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
     pub source: String,
     /// Target connection.
     #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
     pub target: String,
-    /// Publication name(s) whose tables are compared.
+    /// Publication name(s) whose tables are concerned.
     #[arg(
         long,
         env = "PGAPPLY_PUBLICATION",
@@ -170,6 +170,13 @@ pub struct VerifyArgs {
         required = true
     )]
     pub publication: Vec<String>,
+}
+
+/// `pgapply verify`.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    pub servers: ServersArgs,
     /// Configuration file, for table name mapping.
     #[arg(long, env = "PGAPPLY_CONFIG")]
     pub config: Option<PathBuf>,
@@ -209,20 +216,8 @@ pub struct CutoverArgs {
 /// `pgapply schema`.
 #[derive(Debug, Args)]
 pub struct SchemaArgs {
-    /// Source connection.
-    #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
-    pub source: String,
-    /// Target connection.
-    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
-    pub target: String,
-    /// Publication name(s) whose tables are copied.
-    #[arg(
-        long,
-        env = "PGAPPLY_PUBLICATION",
-        value_delimiter = ',',
-        required = true
-    )]
-    pub publication: Vec<String>,
+    #[command(flatten)]
+    pub servers: ServersArgs,
     /// pre-data (tables, types, sequences), post-data (indexes, constraints, triggers) or all.
     #[arg(long, default_value = "all")]
     pub section: String,

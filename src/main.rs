@@ -109,11 +109,11 @@ fn main() -> ExitCode {
             Command::Verify(args) => verify_command(args, file).await,
             Command::Cutover(args) => cutover_command(args, file).await,
             Command::Schema(args) => {
-                let source = conninfo::parse("source", &args.source);
-                let target = conninfo::parse("target", &args.target);
+                let source = conninfo::parse("source", &args.servers.source);
+                let target = conninfo::parse("target", &args.servers.target);
                 match (source, target) {
                     (Ok(s), Ok(t)) => {
-                        schema::schema(&s, &t, &args.publication, &args.section).await
+                        schema::schema(&s, &t, &args.servers.publication, &args.section).await
                     }
                     (Err(e), _) | (_, Err(e)) => Err(e),
                 }
@@ -255,8 +255,8 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
 }
 
 async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error> {
-    let source = conninfo::parse("source", &args.source)?;
-    let target = conninfo::parse("target", &args.target)?;
+    let source = conninfo::parse("source", &args.servers.source)?;
+    let target = conninfo::parse("target", &args.servers.target)?;
     let mut table_map = config::TableMap::new();
     for (name, table) in file.tables.iter().flatten() {
         if let Some(to) = &table.target {
@@ -271,8 +271,14 @@ async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error>
         jobs: args.jobs.max(1),
         ..Default::default()
     };
-    let results =
-        verify::verify(&source, &target, &args.publication, &table_map, &settings).await?;
+    let results = verify::verify(
+        &source,
+        &target,
+        &args.servers.publication,
+        &table_map,
+        &settings,
+    )
+    .await?;
     verify::report(&results, args.json)
 }
 

@@ -175,16 +175,8 @@ async fn idle_publication_lets_the_slot_advance() {
     db.source_sql("INSERT INTO other SELECT generate_series(1, 20000)")
         .await;
     let wal = db.source_wal().await;
-    let slot = db.slot();
-    wait_for("the slot to confirm past the unpublished WAL", 60, || async {
-        db.source
-            .query_one(
-                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot, &wal],
-            )
-            .await
-            .map(|r| r.get::<_, bool>(0))
-            .unwrap_or(false)
+    wait_for("the slot to confirm past the unpublished WAL", 60, || {
+        db.slot_confirmed(&wal)
     })
     .await;
     // And a change after the idle period is still applied.
@@ -268,16 +260,8 @@ async fn a_transaction_that_changes_nothing_on_the_target_still_moves_the_slot()
     db.source_sql("UPDATE x SET v = 'b' WHERE id = 1").await;
     let wal = db.source_wal().await;
     let mut child = spawn(db.pgapply("p", &[]));
-    let slot = db.slot();
-    wait_for("the slot to confirm past the no-op transaction", 60, || async {
-        db.source
-            .query_one(
-                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot, &wal],
-            )
-            .await
-            .map(|r| r.get::<_, bool>(0))
-            .unwrap_or(false)
+    wait_for("the slot to confirm past the no-op transaction", 60, || {
+        db.slot_confirmed(&wal)
     })
     .await;
     child.start_kill().unwrap();

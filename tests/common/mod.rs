@@ -236,6 +236,18 @@ impl TestDb {
         }
     }
 
+    /// The slot has confirmed the source up to `lsn`.
+    pub async fn slot_confirmed(&self, lsn: &str) -> bool {
+        self.source
+            .query_one(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot(), &lsn],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0))
+            .unwrap_or(false)
+    }
+
     pub async fn count(&self, client: &Client, sql: &str) -> i64 {
         client.query_one(sql, &[]).await.unwrap().get(0)
     }
