@@ -208,3 +208,105 @@ async fn apply_remote_with_a_second_unique_index_is_named() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_exists_and_multiple_unique_conflicts_follow_their_policies() {
+    let db = TestDb::new("updexists").await;
+    db.both("CREATE TABLE u (id int PRIMARY KEY, code text UNIQUE, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE u").await;
+    db.source_sql("INSERT INTO u VALUES (1, 'a', 'x'), (2, 'b', 'x')")
+        .await;
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Rows only the target has, holding the codes the source is about to use.
+    db.target_sql("INSERT INTO u VALUES (100, 'taken', 'local'), (101, 'taken2', 'local')")
+        .await;
+
+    // Default policy: update_exists stops pgapply and names the table.
+    db.source_sql("UPDATE u SET code = 'taken', v = 'y' WHERE id = 1")
+        .await;
+    let out = sync_with(&db, &[]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("update_exists") && err.contains("\"public\".\"u\""),
+        "{err}"
+    );
+
+    // skip: the update is left out, recorded with the clashing local row; later changes apply.
+    db.source_sql("UPDATE u SET v = 'later' WHERE id = 2").await;
+    let skip = config_file("d", "[conflicts]\nupdate_exists = \"skip\"\n");
+    let out = sync_with(&db, &["--config", skip.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        u_rows(&db).await,
+        vec![
+            (1, "a".into(), "x".into()),
+            (2, "b".into(), "later".into()),
+            (100, "taken".into(), "local".into()),
+            (101, "taken2".into(), "local".into()),
+        ]
+    );
+    let recorded = conflicts(&db).await;
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert_eq!(
+        (recorded[0].0.as_str(), recorded[0].1.as_str()),
+        ("update_exists", "skip")
+    );
+    assert!(
+        recorded[0].2.as_deref().unwrap_or("").contains("\"taken\""),
+        "{recorded:?}"
+    );
+
+    // apply_remote (per table): the clashing row goes, the update lands. A new row that clashes
+    // with two rows (its key and its code) is a multiple_unique_conflicts, settled the same way.
+    db.source_sql("UPDATE u SET code = 'taken2', v = 'z' WHERE id = 2")
+        .await;
+    db.target_sql("INSERT INTO u VALUES (3, 'zzz', 'local'), (102, 'c', 'local')")
+        .await;
+    db.source_sql("INSERT INTO u VALUES (3, 'c', 'new')").await;
+    let remote = config_file(
+        "e",
+        "[tables.\"public.u\".conflicts]\nupdate_exists = \"apply_remote\"\ninsert_exists = \"apply_remote\"\nmultiple_unique_conflicts = \"apply_remote\"\n",
+    );
+    let out = sync_with(&db, &["--config", remote.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        u_rows(&db).await,
+        vec![
+            (1, "a".into(), "x".into()),
+            (2, "taken2".into(), "z".into()),
+            (3, "c".into(), "new".into()),
+            (100, "taken".into(), "local".into()),
+        ]
+    );
+    let recorded = conflicts(&db).await;
+    let kinds: Vec<(&str, &str)> = recorded
+        .iter()
+        .map(|(k, p, ..)| (k.as_str(), p.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            ("update_exists", "skip"),
+            ("update_exists", "apply_remote"),
+            ("multiple_unique_conflicts", "apply_remote")
+        ]
+    );
+    let multiple = recorded[2].2.as_deref().unwrap_or("");
+    assert!(
+        multiple.starts_with('[') && multiple.contains("\"zzz\"") && multiple.contains("102"),
+        "{multiple}"
+    );
+}
+
+async fn u_rows(db: &TestDb) -> Vec<(i32, String, String)> {
+    db.target
+        .query("SELECT id, code, v FROM u ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}

@@ -219,6 +219,8 @@ pub struct Applier {
     skip_records: Vec<(u32, Lsn, PgTimestamp)>,
     /// Inserts into one table by one source transaction, waiting to go out as one statement.
     insert_run: Option<InsertRun>,
+    /// Unique indexes of target tables (by target OID), read when a guarded change first needs them.
+    unique_keys: HashMap<Oid, Arc<Vec<Vec<usize>>>>,
 }
 
 /// Most rows in one multi-row INSERT.
@@ -349,6 +351,7 @@ impl Applier {
             conflicts: Vec::new(),
             skip_records: Vec::new(),
             insert_run: None,
+            unique_keys: HashMap::new(),
         })
     }
 
@@ -479,6 +482,7 @@ impl Applier {
         let records = std::mem::take(&mut self.conflicts);
         for record in records {
             let local_row: Option<String> = match &record.local_row_query {
+                _ if record.local_row.is_some() => record.local_row.clone(),
                 Some((sql, params)) => self
                     .catalog
                     .query_opt(
@@ -931,7 +935,9 @@ impl Applier {
         };
         self.stats.inserts += 1;
         METRICS.inserts.inc();
-        if on_conflict == OnConflict::Plain {
+        let guarded = self.policies_for(&entry).multiple_unique_conflicts != Policy::Error
+            && on_conflict != OnConflict::InsertDoNothing;
+        if on_conflict == OnConflict::Plain && !guarded {
             return self
                 .batch_insert(
                     &entry,
@@ -958,6 +964,11 @@ impl Applier {
                 when_rows,
             }),
         };
+        if guarded {
+            return self
+                .apply_guarded(&entry, shape, params, about, ConflictType::InsertExists)
+                .await;
+        }
         self.queue(&entry, shape, params, about).await
     }
 
@@ -1129,7 +1140,11 @@ impl Applier {
         }
         let (row_match, old_values) =
             self.row_match(&entry, update.old.as_ref(), &update.new, &mut params)?;
-        let policy = self.policies_for(&entry).update_missing;
+        let policies = self.policies_for(&entry);
+        let policy = policies.update_missing;
+        let guarded = (policies.update_exists != Policy::Error
+            || policies.multiple_unique_conflicts != Policy::Error)
+            && row_match == RowMatch::Key;
         // The missing row can be inserted only when the new row is complete.
         let (on_conflict, signal) = match policy {
             Policy::ApplyRemote if unchanged.is_empty() => {
@@ -1163,7 +1178,121 @@ impl Applier {
                 when_rows: signal.1,
             }),
         };
+        if guarded {
+            return self
+                .apply_guarded(&entry, shape, params, about, ConflictType::UpdateExists)
+                .await;
+        }
         self.queue(&entry, shape, params, about).await
+    }
+
+    /// Applies one change inside a savepoint, after everything queued before it has run and been
+    /// checked, so that a unique violation can be rolled back and settled by the update_exists /
+    /// multiple_unique_conflicts policies instead of failing the group. A round trip per change:
+    /// only tables whose policies ask for it come here.
+    async fn apply_guarded(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+        shape: Shape,
+        params: Vec<WireValue>,
+        about: ChangeInfo,
+        base: ConflictType,
+    ) -> Result<()> {
+        let statement = self.statement(entry, shape).await?;
+        if let Some(g) = &mut self.group {
+            g.statements += 1;
+        }
+        self.send_pipeline().await?;
+        self.run_in_group("SAVEPOINT pgapply_guard").await?;
+        let violation = match self.client.execute_raw(&statement, params.iter()).await {
+            Err(e) if e.code().is_some_and(|c| c.code() == "23505") => e,
+            other => {
+                self.check_result(Some(about), other);
+                self.fail_if_failed().await?;
+                return self.run_in_group("RELEASE SAVEPOINT pgapply_guard").await;
+            }
+        };
+        self.run_in_group("ROLLBACK TO SAVEPOINT pgapply_guard")
+            .await?;
+        let clashing = match self.find_clashing(entry, &about).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                self.failure = Some(e);
+                return self.fail_if_failed().await;
+            }
+        };
+        let conflict = if clashing.len() > 1 {
+            ConflictType::MultipleUniqueConflicts
+        } else {
+            base
+        };
+        let policy = self.policies_for(entry).get(conflict);
+        if clashing.is_empty() || policy == Policy::Error {
+            self.failure = Some(self.violation_error(conflict.name(), Some(&about), violation));
+            return self.fail_if_failed().await;
+        }
+        let signal = Signal {
+            conflict,
+            policy,
+            when_rows: 0,
+        };
+        let mut record = conflict_record(&about, signal);
+        record.local_row = super::unique::rows_json(&clashing);
+        METRICS.conflict(conflict.name());
+        tracing::warn!(
+            table = %entry.target.qualified,
+            key = %about.describe_key(),
+            xid = about.xid,
+            commit_lsn = %about.commit_lsn,
+            conflict = conflict.name(),
+            policy = policy.name(),
+            rows = clashing.len(),
+            "{}", conflict_sentence(about.operation, signal)
+        );
+        if policy == Policy::ApplyRemote {
+            if let Err(e) = super::unique::delete_rows(&self.client, entry, &clashing).await {
+                self.failure = Some(e);
+                return self.fail_if_failed().await;
+            }
+            let again = self.client.execute_raw(&statement, params.iter()).await;
+            self.check_result(Some(about), again);
+            self.fail_if_failed().await?;
+        }
+        self.conflicts.push(record);
+        self.run_in_group("RELEASE SAVEPOINT pgapply_guard").await
+    }
+
+    /// The target rows a change's unique values clash with.
+    async fn find_clashing(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+        about: &ChangeInfo,
+    ) -> Result<Vec<super::unique::ClashingRow>> {
+        let keys = match self.unique_keys.get(&entry.target.oid) {
+            Some(k) => k.clone(),
+            None => {
+                let k = Arc::new(super::unique::unique_keys(&self.client, entry).await?);
+                self.unique_keys.insert(entry.target.oid, k.clone());
+                k
+            }
+        };
+        let Some(new) = &about.remote else {
+            return Ok(Vec::new());
+        };
+        let own = match &about.key {
+            Some((RowMatch::Key, values)) => Some(values.as_slice()),
+            _ => None,
+        };
+        super::unique::clashing_rows(&self.client, entry, &keys, new, own).await
+    }
+
+    /// Runs a statement of the open target transaction now; a failure ends the group.
+    async fn run_in_group(&mut self, sql: &str) -> Result<()> {
+        if let Err(e) = self.client.batch_execute(sql).await {
+            self.failure = Some(Error::postgres(format!("running {sql} on the target"), e));
+            return self.fail_if_failed().await;
+        }
+        Ok(())
     }
 
     async fn delete(&mut self, delete: Delete) -> Result<()> {
@@ -1405,10 +1534,6 @@ impl Applier {
             }
             Err(e) => {
                 if self.failure.is_none() {
-                    let what = match &about {
-                        Some(about) => about.describe(),
-                        None => "a statement".to_owned(),
-                    };
                     // A unique violation is a conflict in PostgreSQL 18's terms: name it so.
                     let overwriting = about.as_ref().and_then(|a| a.signal).is_some_and(|s| {
                         s.conflict == ConflictType::InsertExists && s.policy == Policy::ApplyRemote
@@ -1419,20 +1544,36 @@ impl Applier {
                     ) {
                         // The upsert settled the key; another unique index still clashed.
                         (Some("23505"), Some("INSERT")) if overwriting => {
-                            "multiple_unique_conflicts: "
+                            "multiple_unique_conflicts"
                         }
-                        (Some("23505"), Some("INSERT")) => "insert_exists: ",
-                        (Some("23505"), Some("UPDATE")) => "update_exists: ",
+                        (Some("23505"), Some("INSERT")) => "insert_exists",
+                        (Some("23505"), Some("UPDATE")) => "update_exists",
                         _ => "",
                     };
-                    let mut err = Error::postgres(format!("{kind}applying {what}"), e);
-                    if let Some(about) = &about {
-                        err = err.context_after(self.skip_hint(about.commit_lsn));
-                    }
-                    self.failure = Some(err);
+                    self.failure = Some(self.violation_error(kind, about.as_ref(), e));
                 }
             }
         }
+    }
+
+    /// The error for a failed statement, named by its conflict type when it is one.
+    fn violation_error(
+        &self,
+        kind: &str,
+        about: Option<&ChangeInfo>,
+        e: tokio_postgres::Error,
+    ) -> Error {
+        let what = about.map_or_else(|| "a statement".to_owned(), ChangeInfo::describe);
+        let kind = if kind.is_empty() {
+            String::new()
+        } else {
+            format!("{kind}: ")
+        };
+        let mut err = Error::postgres(format!("{kind}applying {what}"), e);
+        if let Some(about) = about {
+            err = err.context_after(self.skip_hint(about.commit_lsn));
+        }
+        err
     }
 
     /// Sends every queued statement, waits for every result and checks them.
@@ -1612,6 +1753,7 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
         conflict_type: signal.conflict.name(),
         key: about.describe_key(),
         local_row_query,
+        local_row: None,
         remote_row,
         source_lsn: about.commit_lsn,
         source_commit_time: Some(about.commit_time),
@@ -1628,6 +1770,15 @@ fn conflict_sentence(operation: &str, signal: Signal) -> String {
         }
         (ConflictType::InsertExists, p) => {
             format!("{operation} found an existing row on the target ({kind}); kept the target's row (policy {})", p.name())
+        }
+        (
+            ConflictType::UpdateExists | ConflictType::MultipleUniqueConflicts,
+            Policy::ApplyRemote,
+        ) => {
+            format!("{operation} clashed with other rows' unique values on the target ({kind}); deleted those rows and applied the change (policy apply_remote)")
+        }
+        (ConflictType::UpdateExists | ConflictType::MultipleUniqueConflicts, p) => {
+            format!("{operation} clashed with other rows' unique values on the target ({kind}); left the target as it was (policy {})", p.name())
         }
         (_, Policy::ApplyRemote) => {
             format!("{operation} found no row on the target ({kind}); inserted the new row (policy apply_remote)")

@@ -7,7 +7,12 @@
 //! | insert_exists | an INSERT hits an existing key | error (default), skip / keep_local (the row stays), apply_remote (the row is overwritten) |
 //! | update_missing | an UPDATE finds no row | skip (default), error, apply_remote (the new row is inserted) |
 //! | delete_missing | a DELETE finds no row | skip (default), error |
-//! | update_exists | an UPDATE's new key hits another row | error |
+//! | update_exists | an UPDATE's new values hit another row's unique key | error (default), skip / keep_local (the update is not applied), apply_remote (the other row is deleted, the update applied) |
+//! | multiple_unique_conflicts | a new row hits more than one existing row through its unique indexes | error (default), skip / keep_local, apply_remote (every clashing row is deleted) |
+//!
+//! update_exists and multiple_unique_conflicts are found by running the change inside a savepoint
+//! and, on a unique violation, looking up the rows that hold the clashing values (`unique.rs`).
+//! That costs a round trip per change, so it is done only for tables whose policies ask for it.
 //!
 //! Conflicts that do not stop pgapply are recorded in `pgapply.conflicts` right after the target
 //! transaction that met them commits, and counted in status and metrics.
@@ -24,6 +29,7 @@ pub enum ConflictType {
     UpdateExists,
     UpdateMissing,
     DeleteMissing,
+    MultipleUniqueConflicts,
 }
 
 impl ConflictType {
@@ -33,6 +39,7 @@ impl ConflictType {
             ConflictType::UpdateExists => "update_exists",
             ConflictType::UpdateMissing => "update_missing",
             ConflictType::DeleteMissing => "delete_missing",
+            ConflictType::MultipleUniqueConflicts => "multiple_unique_conflicts",
         }
     }
 }
@@ -66,6 +73,7 @@ pub struct PoliciesFile {
     pub update_exists: Option<Policy>,
     pub update_missing: Option<Policy>,
     pub delete_missing: Option<Policy>,
+    pub multiple_unique_conflicts: Option<Policy>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +82,7 @@ pub struct Policies {
     pub update_exists: Policy,
     pub update_missing: Policy,
     pub delete_missing: Policy,
+    pub multiple_unique_conflicts: Policy,
 }
 
 impl Default for Policies {
@@ -83,11 +92,22 @@ impl Default for Policies {
             update_exists: Policy::Error,
             update_missing: Policy::Skip,
             delete_missing: Policy::Skip,
+            multiple_unique_conflicts: Policy::Error,
         }
     }
 }
 
 impl Policies {
+    pub fn get(&self, conflict: ConflictType) -> Policy {
+        match conflict {
+            ConflictType::InsertExists => self.insert_exists,
+            ConflictType::UpdateExists => self.update_exists,
+            ConflictType::UpdateMissing => self.update_missing,
+            ConflictType::DeleteMissing => self.delete_missing,
+            ConflictType::MultipleUniqueConflicts => self.multiple_unique_conflicts,
+        }
+    }
+
     /// `base` overridden by what `file` sets; refuses combinations pgapply cannot honour.
     pub fn merge(base: Policies, file: &PoliciesFile, scope: &str) -> Result<Policies> {
         let p = Policies {
@@ -95,21 +115,20 @@ impl Policies {
             update_exists: file.update_exists.unwrap_or(base.update_exists),
             update_missing: file.update_missing.unwrap_or(base.update_missing),
             delete_missing: file.delete_missing.unwrap_or(base.delete_missing),
+            multiple_unique_conflicts: file
+                .multiple_unique_conflicts
+                .unwrap_or(base.multiple_unique_conflicts),
         };
         let refuse = |what: &str, policy: Policy| {
             Err(Error::definite(format!(
                 "{scope}: {what} = {:?} is not supported; use {}",
                 policy.name(),
                 match what {
-                    "update_exists" => "error",
                     "update_missing" => "error, skip or apply_remote",
                     _ => "error or skip",
                 }
             )))
         };
-        if p.update_exists != Policy::Error {
-            return refuse("update_exists", p.update_exists);
-        }
         if p.update_missing == Policy::KeepLocal {
             return refuse("update_missing", p.update_missing);
         }
@@ -144,6 +163,8 @@ pub struct ConflictRecord {
     pub key: String,
     /// The target's row (JSON), where there is one.
     pub local_row_query: Option<(String, Vec<crate::apply::statement::WireValue>)>,
+    /// The target's rows as JSON when they were read while applying (and may be gone since).
+    pub local_row: Option<String>,
     pub remote_row: Option<String>,
     pub source_lsn: crate::protocol::Lsn,
     pub source_commit_time: Option<crate::protocol::PgTimestamp>,
@@ -170,14 +191,25 @@ mod tests {
             Policy::ApplyRemote
         );
         let f = PoliciesFile {
-            update_exists: Some(Policy::Skip),
+            delete_missing: Some(Policy::ApplyRemote),
             ..Default::default()
         };
         let err = Policies::merge(d, &f, "[conflicts]").unwrap_err();
         assert!(
             err.to_string()
-                .contains("update_exists = \"skip\" is not supported"),
+                .contains("delete_missing = \"apply_remote\" is not supported"),
             "{err}"
+        );
+        let f = PoliciesFile {
+            update_exists: Some(Policy::Skip),
+            multiple_unique_conflicts: Some(Policy::ApplyRemote),
+            ..Default::default()
+        };
+        let p = Policies::merge(d, &f, "x").unwrap();
+        assert_eq!(p.get(ConflictType::UpdateExists), Policy::Skip);
+        assert_eq!(
+            p.get(ConflictType::MultipleUniqueConflicts),
+            Policy::ApplyRemote
         );
     }
 }

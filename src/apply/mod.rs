@@ -7,6 +7,8 @@
 //!   grouped into one target transaction (each stays atomic, order is kept, and the recorded
 //!   position is the last included commit).
 //! - [`progress`]: the applied position, written atomically with each target commit.
+//! - [`conflict`]: conflict types and policies; [`unique`]: the target rows a unique violation is
+//!   about.
 
 pub mod applier;
 pub mod progress;
@@ -16,3 +18,4 @@ pub use applier::{Applier, ApplierOptions, ApplySettings};
 pub use progress::{ProgressMode, ProgressStore};
 pub mod conflict;
 pub mod spool;
+pub mod unique;

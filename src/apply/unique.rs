@@ -1,0 +1,187 @@
+//! The target rows that hold the unique values a change is about to write: what an update_exists
+//! or multiple_unique_conflicts conflict is about, and what `apply_remote` deletes to settle it.
+//!
+//! Only the target's unique indexes on plain columns the source sends are looked at: an index on an
+//! expression, a partial index, or one on a target-only column has a key pgapply cannot compute, so
+//! a violation of it stays an error.
+
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Client;
+
+use super::statement::WireValue;
+use crate::error::{Error, Result};
+use crate::protocol::{Tuple, Value};
+use crate::relation::RelationEntry;
+
+/// One target row that holds a clashing value.
+#[derive(Debug, Clone)]
+pub struct ClashingRow {
+    tableoid: u32,
+    ctid: String,
+    /// The row as JSON, for the conflict table.
+    pub json: String,
+}
+
+/// The target table's unique indexes, each as the source column positions it covers.
+pub async fn unique_keys(client: &Client, entry: &RelationEntry) -> Result<Vec<Vec<usize>>> {
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(|e| Error::postgres("reading the target's version", e))?
+        .get(0);
+    // From 11, indkey also lists INCLUDE columns after the indnkeyatts key columns.
+    let key_count = if version >= 110000 {
+        "i.indnkeyatts"
+    } else {
+        "i.indnatts"
+    };
+    let sql = format!(
+        "SELECT array_agg(a.attname::text ORDER BY k.ord) \
+         FROM pg_catalog.pg_index i \
+         CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
+         JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+         WHERE i.indrelid = $1 AND i.indisunique AND i.indexprs IS NULL AND i.indpred IS NULL \
+           AND k.ord <= {key_count} \
+         GROUP BY i.indexrelid ORDER BY i.indexrelid"
+    );
+    let rows = client
+        .query(&sql, &[&entry.target.oid])
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                format!(
+                    "reading the unique indexes of table {} on the target",
+                    entry.target.qualified
+                ),
+                e,
+            )
+        })?;
+    let mut keys = Vec::new();
+    'index: for row in rows {
+        let names: Vec<String> = row.get(0);
+        let mut columns = Vec::with_capacity(names.len());
+        for name in names {
+            let source = (0..entry.source.columns.len())
+                .find(|&c| entry.target_column(c).is_some_and(|t| t.name == name));
+            match source {
+                Some(c) => columns.push(c),
+                None => continue 'index,
+            }
+        }
+        keys.push(columns);
+    }
+    Ok(keys)
+}
+
+/// Rows whose values in some unique index equal the new row's, other than the row being updated
+/// (`own_key`: the replica identity key values of that row, by source column).
+pub async fn clashing_rows(
+    client: &Client,
+    entry: &RelationEntry,
+    keys: &[Vec<usize>],
+    new: &Tuple,
+    own_key: Option<&[Value]>,
+) -> Result<Vec<ClashingRow>> {
+    let new: Vec<Value> = new.values().collect();
+    let mut params: Vec<WireValue> = Vec::new();
+    let bind = |value: Option<&Value>, params: &mut Vec<WireValue>| -> Option<usize> {
+        let wire = match value? {
+            Value::Text(b) => WireValue::Text(b.clone()),
+            Value::Binary(b) => WireValue::Binary(b.clone()),
+            // NULLs never clash; an unchanged TOAST value is not known here.
+            Value::Null | Value::UnchangedToast => return None,
+        };
+        params.push(wire);
+        Some(params.len())
+    };
+    let mut any_of = Vec::new();
+    'index: for key in keys {
+        let mut all_of = Vec::with_capacity(key.len());
+        for &c in key {
+            let Some(n) = bind(new.get(c), &mut params) else {
+                continue 'index;
+            };
+            all_of.push(format!("{} = ${n}", entry.quoted_columns[c]));
+        }
+        any_of.push(format!("({})", all_of.join(" AND ")));
+    }
+    if any_of.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut sql = format!(
+        "SELECT tableoid::oid, ctid::text, to_jsonb(t)::text FROM {} t WHERE ({})",
+        entry.target.qualified,
+        any_of.join(" OR ")
+    );
+    if let Some(own) = own_key {
+        let mut all_of = Vec::with_capacity(entry.key_columns.len());
+        for &c in &entry.key_columns {
+            if let Some(n) = bind(own.get(c), &mut params) {
+                all_of.push(format!("{} = ${n}", entry.quoted_columns[c]));
+            }
+        }
+        if !all_of.is_empty() {
+            sql.push_str(&format!(" AND NOT ({})", all_of.join(" AND ")));
+        }
+    }
+    let refs: Vec<&(dyn ToSql + Sync)> = params.iter().map(|p| p as _).collect();
+    let rows = client.query(sql.as_str(), &refs).await.map_err(|e| {
+        Error::postgres(
+            format!(
+                "looking up the rows of table {} that clash with a replicated change",
+                entry.target.qualified
+            ),
+            e,
+        )
+    })?;
+    Ok(rows
+        .iter()
+        .map(|r| ClashingRow {
+            tableoid: r.get(0),
+            ctid: r.get(1),
+            json: r.get(2),
+        })
+        .collect())
+}
+
+/// Deletes the clashing rows (the `apply_remote` resolution).
+pub async fn delete_rows(
+    client: &Client,
+    entry: &RelationEntry,
+    rows: &[ClashingRow],
+) -> Result<()> {
+    let sql = format!(
+        "DELETE FROM {} WHERE tableoid = $1::oid AND ctid = $2::text::tid",
+        entry.target.qualified
+    );
+    for row in rows {
+        client
+            .execute(sql.as_str(), &[&row.tableoid, &row.ctid])
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    format!(
+                        "deleting a row of table {} that clashes with a replicated change",
+                        entry.target.qualified
+                    ),
+                    e,
+                )
+            })?;
+    }
+    Ok(())
+}
+
+/// The clashing rows as one JSON value: the row, or an array of them.
+pub fn rows_json(rows: &[ClashingRow]) -> Option<String> {
+    match rows {
+        [] => None,
+        [one] => Some(one.json.clone()),
+        many => Some(format!(
+            "[{}]",
+            many.iter()
+                .map(|r| r.json.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
