@@ -310,3 +310,63 @@ async fn u_rows(db: &TestDb) -> Vec<(i32, String, String)> {
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_batched_update_names_its_own_transaction() {
+    let db = TestDb::new("batchfail").await;
+    db.both("CREATE TABLE b (id int PRIMARY KEY, n int)").await;
+    // Only the target refuses big values: one source transaction will fail there.
+    db.target_sql("ALTER TABLE b ADD CONSTRAINT small CHECK (n < 1000)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE b").await;
+    db.source_sql("INSERT INTO b SELECT g, 0 FROM generate_series(1, 3) g")
+        .await;
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Three transactions that land in one group, their updates in one batched statement.
+    db.source_sql(
+        "BEGIN; UPDATE b SET n = 1 WHERE id = 1; COMMIT; \
+         BEGIN; UPDATE b SET n = 5000 WHERE id = 2; COMMIT; \
+         BEGIN; UPDATE b SET n = 3 WHERE id = 3; COMMIT;",
+    )
+    .await;
+    let out = sync_with(&db, &["--retry-min", "10ms", "--retry-max", "100ms"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("small") && err.contains("\"public\".\"b\""),
+        "{err}"
+    );
+    // The batched statement failed first; the retry, one change at a time, named the transaction.
+    assert!(err.contains("one change at a time"), "{err}");
+    let lsn = err
+        .rsplit("--lsn ")
+        .next()
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no --lsn hint in: {err}"))
+        .to_owned();
+    // Skipping the named transaction is enough: it was the failing one.
+    let mut skip = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    skip.args([
+        "skip",
+        "--target",
+        &db.target_conninfo(),
+        "--slot",
+        &db.slot(),
+        "--lsn",
+        &lsn,
+    ]);
+    let out = run_with_deadline(skip, 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<(i32, i32)> = db
+        .target
+        .query("SELECT id, n FROM b ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, vec![(1, 1), (2, 0), (3, 3)]);
+}

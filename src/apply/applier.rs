@@ -8,6 +8,7 @@ use futures_util::StreamExt;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tokio_postgres::{Client, Statement};
 
+use super::batch::UpdateBatch;
 use super::conflict::{ConflictRecord, ConflictType, Policy, PolicyMap};
 use super::progress::ProgressStore;
 use super::spool::Spool;
@@ -38,6 +39,12 @@ pub struct ApplySettings {
     pub group_statements: usize,
     /// ... or has been open this long.
     pub group_age: Duration,
+    /// Collapse and batch UPDATEs of tables that allow it (`apply::batch`).
+    pub batch_updates: bool,
+    /// Source transactions whose commit LSN is at or before this are applied without batching:
+    /// set when a batched statement failed, so that the retry names the failing transaction.
+    /// Shared by the attempts of one run.
+    pub unbatched_through: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Default for ApplySettings {
@@ -46,6 +53,8 @@ impl Default for ApplySettings {
             pipeline_statements: 2_000,
             group_statements: 10_000,
             group_age: Duration::from_millis(200),
+            batch_updates: true,
+            unbatched_through: Arc::default(),
         }
     }
 }
@@ -86,22 +95,29 @@ struct Group {
 /// Statements queued before they are handed to the connection together.
 const SUBMIT_CHUNK: usize = 64;
 
-type InFlight = std::pin::Pin<
-    Box<
-        dyn std::future::Future<
-                Output = (
-                    Option<ChangeInfo>,
-                    std::result::Result<u64, tokio_postgres::Error>,
-                ),
-            > + Send,
-    >,
->;
+type InFlight = std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
+
+/// A statement's result, with what to say about it.
+enum Outcome {
+    /// Row count of one change's statement.
+    One(
+        Option<ChangeInfo>,
+        std::result::Result<u64, tokio_postgres::Error>,
+    ),
+    /// A batched UPDATE: the numbers of its rows that matched nothing.
+    Batch(
+        Vec<ChangeInfo>,
+        std::result::Result<Vec<i32>, tokio_postgres::Error>,
+    ),
+}
 
 /// One queued statement and what to say about it if it fails or finds no row.
 struct Pending {
     statement: Statement,
     params: Vec<WireValue>,
     about: Option<ChangeInfo>,
+    /// A batched UPDATE: its rows' changes, by row number.
+    batch: Vec<ChangeInfo>,
 }
 
 struct ChangeInfo {
@@ -221,7 +237,15 @@ pub struct Applier {
     insert_run: Option<InsertRun>,
     /// Unique indexes of target tables (by target OID), read when a guarded change first needs them.
     unique_keys: HashMap<Oid, Arc<Vec<Vec<usize>>>>,
+    /// UPDATEs held in the open group, by source relation (`apply::batch`).
+    held_updates: HashMap<Oid, UpdateBatch<ChangeInfo>>,
+    held_rows: usize,
+    /// Whether a relation's updates may be batched, by (source OID, generation).
+    batchable: HashMap<(Oid, u64), bool>,
 }
+
+/// Most UPDATEs held at once before they are sent.
+const MAX_HELD_ROWS: usize = 4_096;
 
 /// Most rows in one multi-row INSERT.
 const MAX_INSERT_ROWS: usize = 100;
@@ -352,6 +376,9 @@ impl Applier {
             skip_records: Vec::new(),
             insert_run: None,
             unique_keys: HashMap::new(),
+            held_updates: HashMap::new(),
+            held_rows: 0,
+            batchable: HashMap::new(),
         })
     }
 
@@ -598,6 +625,7 @@ impl Applier {
 
     /// Ends the open group with PREPARE TRANSACTION instead of COMMIT.
     async fn prepare_group(&mut self, xid: Xid, end_lsn: Lsn, time: PgTimestamp) -> Result<()> {
+        self.flush_held_updates(None).await?;
         self.flush_insert_run().await?;
         let gid = self.gid(xid);
         let record = [
@@ -611,6 +639,7 @@ impl Applier {
                 statement: self.record.clone(),
                 params: record.to_vec(),
                 about: None,
+                batch: Vec::new(),
             });
         }
         self.send_pipeline().await?;
@@ -742,6 +771,8 @@ impl Applier {
             LogicalMessage::Begin(b) => self.begin(b),
             LogicalMessage::Commit(c) => self.on_commit(c),
             LogicalMessage::Relation(r) => {
+                // Held updates were built for the relation as it was.
+                self.flush_held_updates(None).await?;
                 let name = format!("{}.{}", r.namespace, r.name);
                 self.relations
                     .update(r, &self.catalog)
@@ -810,6 +841,7 @@ impl Applier {
                 statement: begin,
                 params: Vec::new(),
                 about: None,
+                batch: Vec::new(),
             });
         }
         let skip_requested = !skip && self.skip_lsn == Some(b.final_lsn);
@@ -864,6 +896,7 @@ impl Applier {
                 statement: self.begin.clone(),
                 params: Vec::new(),
                 about: None,
+                batch: Vec::new(),
             });
         }
         self.skip_records.push((txn.xid, txn.final_lsn, time));
@@ -900,6 +933,7 @@ impl Applier {
         };
         let entry = self.relations.get(insert.relation)?.clone();
         Self::check_width(&entry, &insert.new)?;
+        self.flush_held_updates(Some(entry.source.oid)).await?;
         let mut params = Vec::with_capacity(insert.new.len());
         for (i, value) in insert.new.values().enumerate() {
             params.push(WireValue::from_value(value).ok_or_else(|| {
@@ -1035,6 +1069,7 @@ impl Applier {
             statement,
             params: run.params,
             about: Some(run.about),
+            batch: Vec::new(),
         });
         if let Some(g) = &mut self.group {
             g.statements += run.rows;
@@ -1153,6 +1188,18 @@ impl Applier {
             Policy::ApplyRemote => (OnConflict::Plain, (Policy::Skip, 0)),
             other => (OnConflict::Plain, (other, 0)),
         };
+        let held = !guarded
+            && update.old.is_none()
+            && row_match == RowMatch::Key
+            && on_conflict == OnConflict::Plain
+            && signal.0 == Policy::Skip
+            && self.may_batch(&entry, commit_lsn).await?;
+        let new_values: Vec<Option<WireValue>> = if held {
+            update.new.values().map(WireValue::from_value).collect()
+        } else {
+            self.flush_held_updates(Some(entry.source.oid)).await?;
+            Vec::new()
+        };
         let shape = Shape {
             relation: entry.source.oid,
             generation: entry.generation,
@@ -1178,12 +1225,132 @@ impl Applier {
                 when_rows: signal.1,
             }),
         };
+        if held {
+            return self.hold_update(&entry, new_values, about).await;
+        }
         if guarded {
             return self
                 .apply_guarded(&entry, shape, params, about, ConflictType::UpdateExists)
                 .await;
         }
         self.queue(&entry, shape, params, about).await
+    }
+
+    /// Whether an UPDATE of this relation, in the source transaction committing at `commit_lsn`,
+    /// may be held back and batched (`apply::batch`).
+    async fn may_batch(&mut self, entry: &Arc<RelationEntry>, commit_lsn: Lsn) -> Result<bool> {
+        if !self.settings.batch_updates
+            || commit_lsn.0
+                <= self
+                    .settings
+                    .unbatched_through
+                    .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(false);
+        }
+        let key = (entry.source.oid, entry.generation);
+        if let Some(&known) = self.batchable.get(&key) {
+            return Ok(known);
+        }
+        let batchable = super::batch::independent(&self.catalog, entry).await?;
+        tracing::debug!(table = %entry.target.qualified, batchable, "updates batched within a group");
+        self.batchable.insert(key, batchable);
+        Ok(batchable)
+    }
+
+    /// Holds an UPDATE until another change to its table, or the end of the group, sends it.
+    async fn hold_update(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+        values: Vec<Option<WireValue>>,
+        about: ChangeInfo,
+    ) -> Result<()> {
+        let batch = self
+            .held_updates
+            .entry(entry.source.oid)
+            .or_insert_with(|| UpdateBatch::new(entry.clone()));
+        let before = batch.len();
+        batch.add(values, about);
+        self.held_rows += batch.len() - before;
+        if let Some(g) = &mut self.group {
+            g.statements += 1;
+        }
+        if self.held_rows >= MAX_HELD_ROWS {
+            self.flush_held_updates(None).await?;
+        }
+        Ok(())
+    }
+
+    /// Queues the held UPDATEs of one relation (or of all) as batched statements.
+    async fn flush_held_updates(&mut self, relation: Option<Oid>) -> Result<()> {
+        if self.held_updates.is_empty() {
+            return Ok(());
+        }
+        let batches: Vec<UpdateBatch<ChangeInfo>> = match relation {
+            Some(oid) => self.held_updates.remove(&oid).into_iter().collect(),
+            None => self.held_updates.drain().map(|(_, b)| b).collect(),
+        };
+        if batches.is_empty() {
+            return Ok(());
+        }
+        // Inserts queued before these updates go first.
+        self.flush_insert_run().await?;
+        for batch in batches {
+            self.held_rows -= batch.len().min(self.held_rows);
+            let entry = batch.entry.clone();
+            for chunk in batch.into_chunks() {
+                let statement = self
+                    .batch_statement(&entry, chunk.unchanged, chunk.about.len())
+                    .await?;
+                self.push_pending(Pending {
+                    statement,
+                    params: chunk.params,
+                    about: None,
+                    batch: chunk.about,
+                })
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The prepared statement for a batch of `rows` UPDATEs, preparing it the first time.
+    async fn batch_statement(
+        &mut self,
+        entry: &RelationEntry,
+        unchanged: ColumnSet,
+        rows: usize,
+    ) -> Result<Statement> {
+        let shape = Shape {
+            relation: entry.source.oid,
+            generation: entry.generation,
+            operation: Operation::UpdateBatch,
+            unchanged,
+            row_match: RowMatch::Key,
+            on_conflict: OnConflict::Plain,
+            rows,
+        };
+        if let Some(s) = self.statements.get(&shape) {
+            return Ok(s.clone());
+        }
+        let sql = super::batch::batch_sql(entry, &shape.unchanged, rows);
+        let types = super::batch::param_types(entry, &shape.unchanged, rows);
+        let statement = match self.client.prepare_typed(&sql, &types).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.drain_to(0).await;
+                self.fail_if_failed().await?;
+                return Err(Error::postgres(
+                    format!(
+                        "preparing a batched UPDATE of table {} on the target",
+                        entry.target.qualified
+                    ),
+                    e,
+                ));
+            }
+        };
+        self.statements.insert(shape, statement.clone());
+        Ok(statement)
     }
 
     /// Applies one change inside a savepoint, after everything queued before it has run and been
@@ -1300,6 +1467,7 @@ impl Applier {
             return Ok(());
         };
         let entry = self.relations.get(delete.relation)?.clone();
+        self.flush_held_updates(Some(entry.source.oid)).await?;
         let mut params = Vec::new();
         let old = delete.old;
         let (row_match, old_values) =
@@ -1336,6 +1504,7 @@ impl Applier {
         let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Truncate")? else {
             return Ok(());
         };
+        self.flush_held_updates(None).await?;
         let mut tables = Vec::with_capacity(truncate.relations.len());
         for oid in &truncate.relations {
             tables.push(self.relations.get(*oid)?.target.qualified.clone());
@@ -1360,6 +1529,7 @@ impl Applier {
             statement,
             params: Vec::new(),
             about: None,
+            batch: Vec::new(),
         })
         .await
     }
@@ -1381,16 +1551,22 @@ impl Applier {
             statement,
             params,
             about: Some(about),
+            batch: Vec::new(),
         })
         .await
     }
 
     async fn push(&mut self, pending: Pending) -> Result<()> {
         self.flush_insert_run().await?;
-        self.pending.push(pending);
         if let Some(g) = &mut self.group {
             g.statements += 1;
         }
+        self.push_pending(pending).await
+    }
+
+    /// Queues a statement, handing the queue to the connection when it is long enough.
+    async fn push_pending(&mut self, pending: Pending) -> Result<()> {
+        self.pending.push(pending);
         if self.pending.len() >= SUBMIT_CHUNK {
             self.submit_pending();
             if self.in_flight_mut().len() >= self.settings.pipeline_statements {
@@ -1458,18 +1634,35 @@ impl Applier {
                 statement,
                 params,
                 about,
+                batch,
             } = pending;
-            self.in_flight_mut().push_back(Box::pin(async move {
-                let result = client.execute_raw(&statement, params.iter()).await;
-                (about, result)
-            }));
+            if batch.is_empty() {
+                self.in_flight_mut().push_back(Box::pin(async move {
+                    let result = client.execute_raw(&statement, params.iter()).await;
+                    Outcome::One(about, result)
+                }));
+            } else {
+                self.in_flight_mut().push_back(Box::pin(async move {
+                    let result = async {
+                        let rows = client.query_raw(&statement, params.iter()).await?;
+                        futures_util::pin_mut!(rows);
+                        let mut missing = Vec::new();
+                        while let Some(row) = rows.next().await {
+                            missing.push(row?.try_get::<_, i32>(0)?);
+                        }
+                        Ok(missing)
+                    }
+                    .await;
+                    Outcome::Batch(batch, result)
+                }));
+            }
         }
         // tokio-postgres sends a request when its future is first polled; poll now, in order.
         let mut cx = std::task::Context::from_waker(futures_util::task::noop_waker_ref());
-        while let std::task::Poll::Ready(Some((about, result))) =
+        while let std::task::Poll::Ready(Some(outcome)) =
             self.in_flight_mut().poll_next_unpin(&mut cx)
         {
-            self.check_result(about, result);
+            self.check_outcome(outcome);
         }
     }
 
@@ -1483,8 +1676,58 @@ impl Applier {
     async fn drain_to(&mut self, keep: usize) {
         while self.in_flight_mut().len() > keep {
             match self.in_flight_mut().next().await {
-                Some((about, result)) => self.check_result(about, result),
+                Some(outcome) => self.check_outcome(outcome),
                 None => break,
+            }
+        }
+    }
+
+    fn check_outcome(&mut self, outcome: Outcome) {
+        match outcome {
+            Outcome::One(about, result) => self.check_result(about, result),
+            Outcome::Batch(rows, Ok(missing)) => {
+                let mut rows: Vec<Option<ChangeInfo>> = rows.into_iter().map(Some).collect();
+                for r in missing {
+                    let about = usize::try_from(r)
+                        .ok()
+                        .and_then(|r| rows.get_mut(r)?.take());
+                    if about.is_some() {
+                        self.check_result(about, Ok(0));
+                    }
+                }
+            }
+            Outcome::Batch(rows, Err(e)) => {
+                if self.failure.is_some() {
+                    return;
+                }
+                let first = rows.first();
+                let table = first.map_or_else(String::new, |a| a.relation.target.qualified.clone());
+                let err = Error::postgres(
+                    format!("applying {} batched UPDATEs of table {table}", rows.len()),
+                    e,
+                );
+                if err.is_transient() {
+                    self.failure = Some(err);
+                    return;
+                }
+                // Apply these transactions again one change at a time: the error then names the
+                // source transaction that causes it.
+                let through = self
+                    .current
+                    .as_ref()
+                    .map(|t| t.final_lsn)
+                    .into_iter()
+                    .chain(rows.iter().map(|a| a.commit_lsn))
+                    .chain(self.group.as_ref().and_then(|g| g.last_commit).map(|c| c.0))
+                    .max()
+                    .unwrap_or_default();
+                self.settings
+                    .unbatched_through
+                    .fetch_max(through.0, std::sync::atomic::Ordering::Relaxed);
+                self.failure = Some(Error::transient(format!(
+                    "{}; applying the source transactions up to commit {through} again one change at a time to find the one that fails",
+                    err.message()
+                )));
             }
         }
     }
@@ -1578,6 +1821,7 @@ impl Applier {
 
     /// Sends every queued statement, waits for every result and checks them.
     async fn send_pipeline(&mut self) -> Result<()> {
+        self.flush_held_updates(None).await?;
         self.flush_insert_run().await?;
         self.submit_pending();
         self.drain_to(0).await;
@@ -1597,6 +1841,8 @@ impl Applier {
                 self.skip_records.clear();
                 self.pending.clear();
                 self.insert_run = None;
+                self.held_updates.clear();
+                self.held_rows = 0;
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 Err(e)
             }
@@ -1606,6 +1852,7 @@ impl Applier {
 
     /// Records the position and commits the group's target transaction.
     async fn commit_group(&mut self) -> Result<()> {
+        self.flush_held_updates(None).await?;
         self.flush_insert_run().await?;
         if self.group.as_ref().is_some_and(|g| g.check_before_commit) {
             // A row count decides whether this group may commit at all.
@@ -1620,6 +1867,7 @@ impl Applier {
                 statement: self.commit.clone(),
                 params: Vec::new(),
                 about: None,
+                batch: Vec::new(),
             });
             return self.send_pipeline().await;
         };
@@ -1642,6 +1890,7 @@ impl Applier {
                     WireValue::Text(time.to_rfc3339().into()),
                 ],
                 about: None,
+                batch: Vec::new(),
             });
         }
         self.pending.push(Pending {
@@ -1651,11 +1900,13 @@ impl Applier {
                 WireValue::Text(commit_time.to_rfc3339().into()),
             ],
             about: None,
+            batch: Vec::new(),
         });
         self.pending.push(Pending {
             statement: self.commit.clone(),
             params: Vec::new(),
             about: None,
+            batch: Vec::new(),
         });
         self.send_pipeline().await?;
         if !self.conflicts.is_empty() {
@@ -1675,6 +1926,8 @@ impl Applier {
     async fn rollback(&mut self) {
         self.pending.clear();
         self.insert_run = None;
+        self.held_updates.clear();
+        self.held_rows = 0;
         self.conflicts.clear();
         self.skip_records.clear();
         if self.group.take().is_some() {

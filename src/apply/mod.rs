@@ -6,11 +6,13 @@
 //!   round trip per statement. Consecutive small source transactions that are already waiting are
 //!   grouped into one target transaction (each stays atomic, order is kept, and the recorded
 //!   position is the last included commit).
+//! - [`batch`]: UPDATEs of independent tables collapsed per row and sent together.
 //! - [`progress`]: the applied position, written atomically with each target commit.
 //! - [`conflict`]: conflict types and policies; [`unique`]: the target rows a unique violation is
 //!   about.
 
 pub mod applier;
+pub mod batch;
 pub mod progress;
 pub mod statement;
 

@@ -103,6 +103,8 @@ pub enum Operation {
     Insert,
     Update,
     Delete,
+    /// Several UPDATEs by key in one statement (`apply::batch`); `rows` of them.
+    UpdateBatch,
 }
 
 /// How an UPDATE or DELETE finds its row.
@@ -250,6 +252,7 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
             let filter = row_filter(entry, &shape.row_match, &mut next);
             format!("DELETE FROM {table} WHERE {filter}")
         }
+        Operation::UpdateBatch => super::batch::batch_sql(entry, &shape.unchanged, shape.rows),
     }
 }
 

@@ -1,0 +1,378 @@
+//! UPDATEs by key, held back inside a group and sent as one statement per table.
+//!
+//! pgbench-like workloads update the same few rows (branches, tellers) in nearly every transaction,
+//! and one row of a big table (accounts) each time. Sent one statement per change, the target spends
+//! most of its time starting and ending statements. Within one target transaction (a group) nobody
+//! sees the intermediate states, so for a table whose rows nothing else depends on, only the last
+//! state of each row matters: the updates of a row collapse into one, and the rows go out together
+//! as `UPDATE .. FROM (VALUES ..)`.
+//!
+//! That is safe only when the order of a table's updates relative to other changes cannot be
+//! observed. So a table qualifies only when the target has, for it: no unique or exclusion index
+//! other than the replica identity key's, no foreign key to or from it, no enabled trigger, no
+//! rule, and it is a plain table. Updates qualify only when they keep the key and find their row by
+//! it, and when the update_missing policy is `skip` (a missing row is then still found, warned about
+//! and recorded, once per collapsed row). Any other change to the table sends its held updates
+//! first, and the group sends all of them before it commits.
+//!
+//! The statement returns the batch rows that matched nothing, so a missing row is named exactly.
+//! If a batched statement fails, the group is rolled back and the same source transactions are
+//! applied again one change at a time, so the error names the exact source transaction.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio_postgres::types::{Kind, Type};
+use tokio_postgres::Client;
+
+use super::statement::{ColumnSet, WireValue};
+use crate::error::{Error, Result};
+use crate::relation::RelationEntry;
+
+/// Most rows in one batched statement (a power of two: batches are sent in power-of-two sizes, so
+/// a table needs at most a handful of prepared statements).
+pub const MAX_BATCH_ROWS: usize = 128;
+
+/// Whether the target table's updates may be collapsed and reordered (see the module docs).
+pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool> {
+    if entry.target.partitioned || entry.key_columns.is_empty() {
+        return Ok(false);
+    }
+    let row = client
+        .query_one(
+            "SELECT c.relkind::text, c.relhasrules, \
+                    EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t \
+                            WHERE t.tgrelid = c.oid AND NOT t.tgisinternal AND t.tgenabled <> 'D'), \
+                    EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k \
+                            WHERE (k.conrelid = c.oid OR k.confrelid = c.oid) AND k.contype IN ('f', 'x')), \
+                    ARRAY(SELECT CASE WHEN i.indexprs IS NOT NULL OR i.indpred IS NOT NULL THEN NULL ELSE \
+                                   (SELECT array_to_string(array_agg(a.attname::text ORDER BY a.attname::text), ',') \
+                                    FROM unnest(i.indkey::int2[]) AS k(attnum) \
+                                    JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) \
+                                 END \
+                          FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisunique) \
+             FROM pg_catalog.pg_class c WHERE c.oid = $1",
+            &[&entry.target.oid],
+        )
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                format!(
+                    "reading the constraints of table {} on the target",
+                    entry.target.qualified
+                ),
+                e,
+            )
+        })?;
+    let relkind: String = row.get(0);
+    let has_rules: bool = row.get(1);
+    let has_triggers: bool = row.get(2);
+    let has_links: bool = row.get(3);
+    let unique: Vec<Option<String>> = row.get(4);
+    let mut key: Vec<&str> = entry
+        .key_columns
+        .iter()
+        .filter_map(|&c| entry.target_column(c).map(|t| t.name.as_str()))
+        .collect();
+    key.sort_unstable();
+    let key = key.join(",");
+    let only_key_unique = unique.iter().all(|u| u.as_deref() == Some(key.as_str()));
+    Ok(relkind == "r" && !has_rules && !has_triggers && !has_links && only_key_unique)
+}
+
+/// One row's latest values: `None` where no update so far carried the column (unchanged TOAST).
+struct HeldRow<A> {
+    values: Vec<Option<WireValue>>,
+    about: A,
+}
+
+/// The updates of one table held in the open group, one entry per key.
+pub struct UpdateBatch<A> {
+    pub entry: Arc<RelationEntry>,
+    by_key: HashMap<Vec<u8>, usize>,
+    rows: Vec<HeldRow<A>>,
+}
+
+/// Rows sent in one statement: same columns, `rows.len()` a power of two.
+pub struct Chunk<A> {
+    pub unchanged: ColumnSet,
+    pub params: Vec<WireValue>,
+    pub about: Vec<A>,
+}
+
+impl<A> UpdateBatch<A> {
+    pub fn new(entry: Arc<RelationEntry>) -> Self {
+        UpdateBatch {
+            entry,
+            by_key: HashMap::new(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Holds an update; a later update of the same key replaces the values it carries. `values`
+    /// is the whole new row by source column; the key columns must be present.
+    pub fn add(&mut self, values: Vec<Option<WireValue>>, about: A) {
+        let key = key_bytes(&self.entry.key_columns, &values);
+        match self.by_key.get(&key) {
+            Some(&i) => {
+                let held = &mut self.rows[i];
+                for (old, new) in held.values.iter_mut().zip(values) {
+                    if new.is_some() {
+                        *old = new;
+                    }
+                }
+                held.about = about;
+            }
+            None => {
+                self.by_key.insert(key, self.rows.len());
+                self.rows.push(HeldRow { values, about });
+            }
+        }
+    }
+
+    /// The held rows as statements' worth of parameters: rows with the same missing columns
+    /// together, in power-of-two sizes that keep each statement under the parameter limit.
+    pub fn into_chunks(self) -> Vec<Chunk<A>> {
+        let columns = self.entry.source.columns.len().max(1);
+        let mut limit = MAX_BATCH_ROWS;
+        while limit > 1 && limit * (columns + 1) > 30_000 {
+            limit /= 2;
+        }
+        let mut by_shape: Vec<(ColumnSet, Vec<HeldRow<A>>)> = Vec::new();
+        for row in self.rows {
+            let mut unchanged = ColumnSet::default();
+            for (c, v) in row.values.iter().enumerate() {
+                if v.is_none() {
+                    unchanged.insert(c);
+                }
+            }
+            match by_shape.iter_mut().find(|(u, _)| *u == unchanged) {
+                Some((_, rows)) => rows.push(row),
+                None => by_shape.push((unchanged, vec![row])),
+            }
+        }
+        let mut chunks = Vec::new();
+        for (unchanged, rows) in by_shape {
+            let mut rows = rows.into_iter().peekable();
+            let mut left = rows.len();
+            while left > 0 {
+                let mut size = limit;
+                while size > left {
+                    size /= 2;
+                }
+                let mut params = Vec::with_capacity(size * columns);
+                let mut about = Vec::with_capacity(size);
+                for row in rows.by_ref().take(size) {
+                    params.extend(row.values.into_iter().flatten());
+                    about.push(row.about);
+                }
+                left -= size;
+                chunks.push(Chunk {
+                    unchanged: unchanged.clone(),
+                    params,
+                    about,
+                });
+            }
+        }
+        chunks
+    }
+}
+
+/// The key columns' values, each length-prefixed, as one map key.
+fn key_bytes(key_columns: &[usize], values: &[Option<WireValue>]) -> Vec<u8> {
+    let mut key = Vec::new();
+    for &c in key_columns {
+        match values.get(c) {
+            Some(Some(WireValue::Text(b))) | Some(Some(WireValue::Binary(b))) => {
+                key.extend_from_slice(&(b.len() as u32).to_be_bytes());
+                key.extend_from_slice(b);
+            }
+            _ => key.extend_from_slice(&u32::MAX.to_be_bytes()),
+        }
+    }
+    key
+}
+
+/// The statement for `rows` rows with the columns of `unchanged` left out. It returns the numbers
+/// of the rows that matched nothing. Parameters: each row's present columns in source order.
+pub fn batch_sql(entry: &RelationEntry, unchanged: &ColumnSet, rows: usize) -> String {
+    let present: Vec<usize> = (0..entry.source.columns.len())
+        .filter(|c| !unchanged.contains(*c))
+        .collect();
+    let mut param = 0usize;
+    let values = (0..rows)
+        .map(|r| {
+            let mut row = format!("({r}");
+            for _ in &present {
+                param += 1;
+                row.push_str(&format!(", ${param}"));
+            }
+            row.push(')');
+            row
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let aliases = present
+        .iter()
+        .map(|c| format!(", c{c}"))
+        .collect::<String>();
+    let mut set: Vec<String> = present
+        .iter()
+        .filter(|c| !entry.key_columns.contains(c))
+        .map(|&c| format!("{} = v.c{c}", entry.quoted_columns[c]))
+        .collect();
+    if set.is_empty() {
+        set = entry
+            .key_columns
+            .iter()
+            .map(|&c| format!("{} = v.c{c}", entry.quoted_columns[c]))
+            .collect();
+    }
+    let matches = entry
+        .key_columns
+        .iter()
+        .map(|&c| format!("t.{} = v.c{c}", entry.quoted_columns[c]))
+        .collect::<Vec<_>>()
+        .join(" AND ");
+    format!(
+        "WITH v (r{aliases}) AS (VALUES {values}), \
+         u AS (UPDATE {table} t SET {set} FROM v WHERE {matches} RETURNING v.r) \
+         SELECT r FROM v WHERE r NOT IN (SELECT r FROM u)",
+        table = entry.target.qualified,
+        set = set.join(", "),
+    )
+}
+
+/// The parameter types of `batch_sql`: the target columns' types (VALUES has no column to infer
+/// them from).
+pub fn param_types(entry: &RelationEntry, unchanged: &ColumnSet, rows: usize) -> Vec<Type> {
+    let row: Vec<Type> = (0..entry.source.columns.len())
+        .filter(|c| !unchanged.contains(*c))
+        .map(|c| {
+            let (oid, name) = entry.target_column(c).map_or((25, "text".to_owned()), |t| {
+                (t.type_oid, t.type_name.clone())
+            });
+            Type::from_oid(oid).unwrap_or_else(|| Type::new(name, oid, Kind::Simple, String::new()))
+        })
+        .collect();
+    let mut types = Vec::with_capacity(row.len() * rows);
+    for _ in 0..rows {
+        types.extend(row.iter().cloned());
+    }
+    types
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::pgoutput::{Relation, RelationColumn, ReplicaIdentity};
+    use crate::relation::{TargetColumn, TargetTable};
+
+    fn entry() -> Arc<RelationEntry> {
+        let column = |name: &str, key: bool| RelationColumn {
+            flags: u8::from(key),
+            name: name.into(),
+            type_oid: 23,
+            type_modifier: -1,
+        };
+        let target = |name: &str| TargetColumn {
+            name: name.into(),
+            type_oid: 23,
+            type_name: "integer".into(),
+            generated: false,
+        };
+        Arc::new(RelationEntry {
+            source: Relation {
+                xid: None,
+                oid: 1,
+                namespace: "public".into(),
+                name: "t".into(),
+                replica_identity: ReplicaIdentity::Default,
+                columns: vec![column("id", true), column("a", false), column("b", false)],
+            },
+            target: TargetTable {
+                oid: 2,
+                schema: "public".into(),
+                name: "t".into(),
+                qualified: "\"public\".\"t\"".into(),
+                partitioned: false,
+                columns: vec![target("id"), target("a"), target("b")],
+            },
+            quoted_columns: vec!["\"id\"".into(), "\"a\"".into(), "\"b\"".into()],
+            target_columns: vec![0, 1, 2],
+            key_columns: vec![0],
+            generation: 1,
+        })
+    }
+
+    fn text(s: &str) -> Option<WireValue> {
+        Some(WireValue::Text(bytes::Bytes::copy_from_slice(s.as_bytes())))
+    }
+
+    fn shown(params: &[WireValue]) -> Vec<String> {
+        params
+            .iter()
+            .map(|p| match p {
+                WireValue::Text(b) => String::from_utf8_lossy(b).into_owned(),
+                WireValue::Binary(_) => "<bin>".into(),
+                WireValue::Null => "NULL".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn updates_of_one_key_collapse_and_keep_unchanged_values() {
+        let mut batch = UpdateBatch::new(entry());
+        batch.add(vec![text("1"), text("10"), text("x")], "first");
+        batch.add(vec![text("2"), text("20"), text("y")], "other");
+        // An unchanged TOAST value keeps what the earlier update wrote.
+        batch.add(vec![text("1"), text("11"), None], "second");
+        assert_eq!(batch.len(), 2);
+        let chunks = batch.into_chunks();
+        assert_eq!(chunks.len(), 1);
+        assert_eq!(
+            shown(&chunks[0].params),
+            vec!["1", "11", "x", "2", "20", "y"]
+        );
+        assert_eq!(chunks[0].about, vec!["second", "other"]);
+    }
+
+    #[test]
+    fn chunks_are_powers_of_two_and_group_missing_columns() {
+        let mut batch = UpdateBatch::new(entry());
+        for i in 0..7 {
+            batch.add(vec![text(&i.to_string()), text("1"), text("1")], i);
+        }
+        batch.add(vec![text("100"), text("1"), None], 100);
+        let sizes: Vec<(usize, bool)> = batch
+            .into_chunks()
+            .iter()
+            .map(|c| (c.about.len(), c.unchanged.contains(2)))
+            .collect();
+        assert_eq!(sizes, vec![(4, false), (2, false), (1, false), (1, true)]);
+    }
+
+    #[test]
+    fn sql_updates_by_key_and_returns_rows_that_matched_nothing() {
+        let e = entry();
+        let sql = batch_sql(&e, &ColumnSet::default(), 2);
+        assert_eq!(
+            sql,
+            "WITH v (r, c0, c1, c2) AS (VALUES (0, $1, $2, $3), (1, $4, $5, $6)), \
+             u AS (UPDATE \"public\".\"t\" t SET \"a\" = v.c1, \"b\" = v.c2 FROM v WHERE t.\"id\" = v.c0 RETURNING v.r) \
+             SELECT r FROM v WHERE r NOT IN (SELECT r FROM u)"
+        );
+        let mut unchanged = ColumnSet::default();
+        unchanged.insert(2);
+        assert_eq!(param_types(&e, &unchanged, 3).len(), 6);
+        assert!(batch_sql(&e, &unchanged, 1).contains("SET \"a\" = v.c1 FROM"));
+    }
+}
