@@ -1163,6 +1163,52 @@ impl Applier {
         };
         let entry = self.relations.get(update.relation)?.clone();
         Self::check_width(&entry, &update.new)?;
+        let policies = self.policies_for(&entry);
+        // The common case first: an update that keeps its key, held for a batched statement.
+        if update.old.is_none()
+            && !entry.key_columns.is_empty()
+            && policies.update_missing == Policy::Skip
+            && policies.update_exists == Policy::Error
+            && policies.multiple_unique_conflicts == Policy::Error
+            && self.may_batch(&entry, commit_lsn).await?
+        {
+            let values: Vec<Option<WireValue>> =
+                update.new.values().map(WireValue::from_value).collect();
+            if values.iter().all(Option::is_none) {
+                return Ok(());
+            }
+            for &k in &entry.key_columns {
+                if !matches!(
+                    values.get(k),
+                    Some(Some(WireValue::Text(_) | WireValue::Binary(_)))
+                ) {
+                    return Err(Error::definite(format!(
+                        "the source sent no value for key column {} of table {}; this is a protocol error",
+                        quote_ident(&entry.source.columns[k].name),
+                        entry.display_name()
+                    )));
+                }
+            }
+            self.stats.updates += 1;
+            METRICS.updates.inc();
+            let about = ChangeInfo {
+                relation: entry.clone(),
+                operation: "UPDATE",
+                xid,
+                commit_lsn,
+                commit_time,
+                // The key is in the new row.
+                key: None,
+                remote: Some(update.new),
+                signal: Some(Signal {
+                    conflict: ConflictType::UpdateMissing,
+                    policy: Policy::Skip,
+                    when_rows: 0,
+                }),
+            };
+            return self.hold_update(&entry, values, about).await;
+        }
+        self.flush_held_updates(Some(entry.source.oid)).await?;
         let mut params = Vec::with_capacity(update.new.len() * 2);
         let mut unchanged = ColumnSet::default();
         for (i, value) in update.new.values().enumerate() {
@@ -1177,7 +1223,6 @@ impl Applier {
         }
         let (row_match, old_values) =
             self.row_match(&entry, update.old.as_ref(), &update.new, &mut params)?;
-        let policies = self.policies_for(&entry);
         let policy = policies.update_missing;
         let guarded = (policies.update_exists != Policy::Error
             || policies.multiple_unique_conflicts != Policy::Error)
@@ -1189,18 +1234,6 @@ impl Applier {
             }
             Policy::ApplyRemote => (OnConflict::Plain, (Policy::Skip, 0)),
             other => (OnConflict::Plain, (other, 0)),
-        };
-        let held = !guarded
-            && update.old.is_none()
-            && row_match == RowMatch::Key
-            && on_conflict == OnConflict::Plain
-            && signal.0 == Policy::Skip
-            && self.may_batch(&entry, commit_lsn).await?;
-        let new_values: Vec<Option<WireValue>> = if held {
-            update.new.values().map(WireValue::from_value).collect()
-        } else {
-            self.flush_held_updates(Some(entry.source.oid)).await?;
-            Vec::new()
         };
         let shape = Shape {
             relation: entry.source.oid,
@@ -1227,9 +1260,6 @@ impl Applier {
                 when_rows: signal.1,
             }),
         };
-        if held {
-            return self.hold_update(&entry, new_values, about).await;
-        }
         if guarded {
             return self
                 .apply_guarded(&entry, shape, params, about, ConflictType::UpdateExists)

@@ -89,7 +89,7 @@ struct HeldRow<A> {
 /// The updates of one table held in the open group, one entry per key.
 pub struct UpdateBatch<A> {
     pub entry: Arc<RelationEntry>,
-    by_key: HashMap<Vec<u8>, usize>,
+    by_key: HashMap<bytes::Bytes, usize>,
     rows: Vec<HeldRow<A>>,
 }
 
@@ -186,8 +186,14 @@ impl<A> UpdateBatch<A> {
     }
 }
 
-/// The key columns' values, each length-prefixed, as one map key.
-fn key_bytes(key_columns: &[usize], values: &[Option<WireValue>]) -> Vec<u8> {
+/// The key columns' values as one map key: the value itself for a one-column key (no copy),
+/// otherwise each value length-prefixed.
+fn key_bytes(key_columns: &[usize], values: &[Option<WireValue>]) -> bytes::Bytes {
+    if let [c] = key_columns {
+        if let Some(Some(WireValue::Text(b) | WireValue::Binary(b))) = values.get(*c) {
+            return b.clone();
+        }
+    }
     let mut key = Vec::new();
     for &c in key_columns {
         match values.get(c) {
@@ -198,7 +204,7 @@ fn key_bytes(key_columns: &[usize], values: &[Option<WireValue>]) -> Vec<u8> {
             _ => key.extend_from_slice(&u32::MAX.to_be_bytes()),
         }
     }
-    key
+    key.into()
 }
 
 /// The statement for `rows` rows with the columns of `unchanged` left out. It returns the numbers

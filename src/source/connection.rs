@@ -183,7 +183,15 @@ pub struct ReplicationConnection {
     /// `server_version_num`, e.g. 150004.
     pub server_version: u32,
     max_message_bytes: usize,
+    /// While streaming: after a read that found little, wait this long before the next one, so
+    /// the walsender can fill its buffers and send in large writes instead of one per message.
+    read_pause: Option<Duration>,
+    /// The last read returned less than `SHORT_READ` bytes.
+    last_read_short: bool,
 }
+
+/// A read smaller than this means the source is keeping up with us message by message.
+const SHORT_READ: usize = 16 * 1024;
 
 impl ReplicationConnection {
     /// Opens a `replication=database` session with the given connection settings.
@@ -211,6 +219,8 @@ impl ReplicationConnection {
             endpoint,
             server_version: 0,
             max_message_bytes,
+            read_pause: None,
+            last_read_short: false,
         };
         let mut params: Vec<(&str, &str)> = vec![
             ("user", &user),
@@ -235,6 +245,11 @@ impl ReplicationConnection {
             .write_all(&buf)
             .await
             .map_err(|e| Error::io(format!("writing to source {}", self.endpoint), e))
+    }
+
+    /// Paces reads while streaming (see `read_pause`); `None` reads as soon as data arrives.
+    pub fn set_read_pause(&mut self, pause: Option<Duration>) {
+        self.read_pause = pause;
     }
 
     /// Reads the next complete backend message; `Ok((tag, body))`, body without tag and length.
@@ -267,6 +282,10 @@ impl ReplicationConnection {
             if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
                 self.read.reserve(READ_CHUNK);
             }
+            if let Some(pause) = self.read_pause.filter(|_| self.last_read_short) {
+                self.last_read_short = false;
+                tokio::time::sleep(pause).await;
+            }
             let n = self
                 .stream
                 .read_buf(&mut self.read)
@@ -278,6 +297,7 @@ impl ReplicationConnection {
                     self.endpoint
                 )));
             }
+            self.last_read_short = n < SHORT_READ;
         }
     }
 
