@@ -20,6 +20,9 @@
 #   LAG_SECONDS      length of that load per applier (default 20)
 #   RATE             its pgbench -R rate in txn/s (default: 80% of the built-in's catch-up txn/s,
 #                    at most 80% of the source's own pgbench tps)
+#   BIGTXN_BENCH=1   also apply one large transaction (BIGTXN_ROWS inserted, half of them updated)
+#                    with the built-in (streaming = on, and parallel on 16+) and pgapply; 0 skips it
+#   BIGTXN_ROWS      rows of that transaction (default 1000000)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,16 +44,18 @@ DELAY_MS="${DELAY_MS:-1}"
 LAG_BENCH="${LAG_BENCH:-1}"
 LAG_SECONDS="${LAG_SECONDS:-20}"
 RATE="${RATE:-}"
+BIGTXN_BENCH="${BIGTXN_BENCH:-1}"
+BIGTXN_ROWS="${BIGTXN_ROWS:-1000000}"
 
 log() { echo "bench: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-for v in COPY_BENCH LATENCY_BENCH LAG_BENCH; do
+for v in COPY_BENCH LATENCY_BENCH LAG_BENCH BIGTXN_BENCH; do
     [[ "${!v}" =~ ^[01]$ ]] || die "$v must be 0 or 1 (got '${!v}')"
 done
 [[ "$DELAY_MS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "DELAY_MS must be a number of milliseconds (got '$DELAY_MS')"
 [ -z "$RATE" ] || [[ "$RATE" =~ ^[1-9][0-9]*$ ]] || die "RATE must be a positive integer (got '$RATE')"
-for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS LATENCY_TXNS LAG_SECONDS; do
+for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS LATENCY_TXNS LAG_SECONDS BIGTXN_ROWS; do
     [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
 done
 PER_CLIENT=$((TXNS / CLIENTS))
@@ -871,8 +876,112 @@ SQL
     echo "$LAG_VERDICT"
 fi
 
+# ---------------------------------------------------------------------------
+# 11. one large transaction
+#
+# Source database bigsrc, table big (id int PRIMARY KEY, v int, pad text), published; one
+# transaction inserts BIGTXN_ROWS rows and updates half of them, far beyond
+# logical_decoding_work_mem, so the source streams it while it runs. Slots made before it feed:
+# the built-in subscriber with streaming = on (and, on 16+, streaming = parallel), each into a
+# target database of its own, then pgapply (streaming on: spooled to disk, applied at commit).
+# Time: from enabling the subscriber / starting pgapply until the slot confirms the commit.
+# pgapply's peak RSS comes from GNU time (/usr/bin/time) when it is installed.
+
+BIG_VERDICT=SKIPPED
+if [ "$BIGTXN_BENCH" = 1 ]; then
+    BIG_MODES="on"
+    [ "$(q "$SRC_PORT" postgres "SHOW server_version_num")" -ge 160000 ] && BIG_MODES="on parallel"
+    log "large transaction: $BIGTXN_ROWS rows inserted and $((BIGTXN_ROWS / 2)) updated in one transaction; built-in streaming = ${BIG_MODES// / and }, then pgapply"
+    BIG_TABLE_SQL="CREATE TABLE big (id int PRIMARY KEY, v int NOT NULL, pad text NOT NULL)"
+    BIG_CHECK="SELECT count(*) || ' ' || sum(v) || ' ' || sum(length(pad)) FROM big"
+    q "$SRC_PORT" postgres "CREATE DATABASE bigsrc" >/dev/null
+    q "$SRC_PORT" bigsrc "$BIG_TABLE_SQL" >/dev/null
+    q "$SRC_PORT" bigsrc "CREATE PUBLICATION big_pub FOR TABLE big" >/dev/null
+    big_conn="host=127.0.0.1 port=$SRC_PORT user=postgres dbname=bigsrc"
+    for m in $BIG_MODES pgapply; do
+        q "$TGT_PORT" postgres "CREATE DATABASE big_$m" >/dev/null
+        q "$TGT_PORT" "big_$m" "$BIG_TABLE_SQL" >/dev/null
+        create_slot bigsrc "big_$m"
+        if [ "$m" != pgapply ]; then
+            q "$TGT_PORT" "big_$m" "CREATE SUBSCRIPTION big_sub_$m CONNECTION '$big_conn' PUBLICATION big_pub
+                WITH (copy_data = false, create_slot = false, slot_name = 'big_$m', enabled = false,
+                      synchronous_commit = off, streaming = $m)" >/dev/null
+        fi
+    done
+    q "$SRC_PORT" bigsrc "BEGIN; INSERT INTO big SELECT g, 0, repeat('x', 40) FROM generate_series(1, $BIGTXN_ROWS) g;
+        UPDATE big SET v = 1 WHERE id % 2 = 0; COMMIT;" >/dev/null
+    big_end="$(q "$SRC_PORT" bigsrc "SELECT pg_current_wal_flush_lsn()")"
+    BIG_SRC_RES="$(q "$SRC_PORT" bigsrc "$BIG_CHECK")"
+    q "$SRC_PORT" bigsrc "CHECKPOINT" >/dev/null
+    declare -A BIG_SECS=() BIG_RES=()
+    BIG_RSS=n/a
+    for m in $BIG_MODES; do
+        q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+        t0="$(now)"
+        q "$TGT_PORT" "big_$m" "ALTER SUBSCRIPTION big_sub_$m ENABLE" >/dev/null
+        wait_confirmed "big_$m" "$big_end"
+        t1="$(now)"
+        BIG_SECS[$m]="$(calc "$t1 - $t0" 2)"
+        PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" "big_$m" "DROP SUBSCRIPTION big_sub_$m" >/dev/null
+        BIG_RES[$m]="$(q "$TGT_PORT" "big_$m" "$BIG_CHECK")"
+        log "large transaction: built-in streaming = $m ${BIG_SECS[$m]} s"
+    done
+    q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+    big_cmd=("$BIN" run --source "$big_conn" --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=big_pgapply"
+        --publication big_pub --slot big_pgapply --endpos "$big_end" --status-interval 1s --spool-dir "$WORK/spool")
+    rc=0
+    t0="$(now)"
+    if [ -x /usr/bin/time ] && /usr/bin/time -f '%M' true >/dev/null 2>&1; then
+        /usr/bin/time -o "$WORK/big-time" -f '%M' "${big_cmd[@]}" >"$WORK/pgapply-big.log" 2>&1 || rc=$?
+        BIG_RSS="$(calc "$(tail -n 1 "$WORK/big-time") / 1024" 0) MB"
+    else
+        "${big_cmd[@]}" >"$WORK/pgapply-big.log" 2>&1 || rc=$?
+    fi
+    t1="$(now)"
+    if [ "$rc" != 0 ]; then
+        tail -n 30 "$WORK/pgapply-big.log" >&2
+        die "large transaction: pgapply exited with status $rc (log above)"
+    fi
+    BIG_SECS[pgapply]="$(calc "$t1 - $t0" 2)"
+    BIG_RES[pgapply]="$(q "$TGT_PORT" big_pgapply "$BIG_CHECK")"
+    log "large transaction: pgapply ${BIG_SECS[pgapply]} s, peak RSS $BIG_RSS"
+    drop_slot big_pgapply
+
+    BIG_VERDICT=MATCH
+    BIG_TABLE="| applier                        | seconds | ratio (built-in s / pgapply s) |"$'\n'
+    BIG_TABLE+="|--------------------------------|--------:|-------------------------------:|"$'\n'
+    for m in $BIG_MODES; do
+        BIG_TABLE+="$(printf '| %-30s | %7.2f | %30s |' "built-in, streaming = $m" "${BIG_SECS[$m]}" "x$(calc "${BIG_SECS[$m]} / ${BIG_SECS[pgapply]}" 2)")"$'\n'
+        [ "${BIG_RES[$m]}" = "$BIG_SRC_RES" ] || BIG_VERDICT=MISMATCH
+    done
+    BIG_TABLE+="$(printf '| %-30s | %7.2f | %30s |' "pgapply (peak RSS $BIG_RSS)" "${BIG_SECS[pgapply]}" "")"$'\n'
+    [ "${BIG_RES[pgapply]}" = "$BIG_SRC_RES" ] || BIG_VERDICT=MISMATCH
+    BIG_NOTE=""
+    [ "$BIG_MODES" = on ] && BIG_NOTE="streaming = parallel needs PostgreSQL 16+ (these servers: $PG_VERSION)"
+    BIG_CORRECT="Correctness (count(*) sum(v) sum(length(pad)) of big): $BIG_VERDICT (source [$BIG_SRC_RES]$(for m in $BIG_MODES pgapply; do printf ' %s [%s]' "$m" "${BIG_RES[$m]}"; done))"
+    {
+        echo
+        echo "## One large transaction"
+        echo
+        echo "- one source transaction: $BIGTXN_ROWS rows inserted, $((BIGTXN_ROWS / 2)) of them updated (logical_decoding_work_mem at its default, so the source streams it while it runs)"
+        echo "- each applier starts after the commit, from a slot made before the transaction, into an empty target table; time until the slot confirms the commit"
+        [ -z "$BIG_NOTE" ] || echo "- $BIG_NOTE"
+        echo
+        echo "$BIG_TABLE"
+        echo "$BIG_CORRECT"
+    } >>"$RESULTS"
+    echo
+    echo "large transaction: $BIGTXN_ROWS rows inserted, $((BIGTXN_ROWS / 2)) updated, in one transaction"
+    [ -z "$BIG_NOTE" ] || echo "$BIG_NOTE"
+    echo
+    echo "$BIG_TABLE"
+    echo "$BIG_CORRECT"
+    echo "$BIG_VERDICT"
+fi
+
 echo "results written to $RESULTS"
 [ "$VERDICT" = MATCH ] || exit 1
 [ "$COPY_VERDICT" != MISMATCH ] || exit 1
 [ "$LAT_VERDICT" != MISMATCH ] || exit 1
 [ "$LAG_VERDICT" != MISMATCH ] || exit 1
+[ "$BIG_VERDICT" != MISMATCH ] || exit 1

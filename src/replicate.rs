@@ -781,7 +781,9 @@ impl Reader<'_> {
         raw: bytes::Bytes,
         size: usize,
     ) -> Result<()> {
-        let cost = size.clamp(1, self.queue_bytes) as u32;
+        // Each queued message also costs its decoded form and the queue's own bookkeeping.
+        let overhead = std::mem::size_of::<Envelope>() + 64;
+        let cost = (size + overhead).clamp(1, self.queue_bytes) as u32;
         let permit = match self.budget.clone().try_acquire_many_owned(cost) {
             Ok(permit) => permit,
             Err(_) => match self.wait_for_budget(cost).await? {

@@ -190,7 +190,7 @@ async fn memory_stays_flat_for_a_huge_transaction() {
     let rows: i64 = std::env::var("PGAPPLY_BIG_TXN_ROWS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(200_000);
+        .unwrap_or(400_000);
     let db = TestDb::new("bigtxn").await;
     db.both("CREATE TABLE big (id int PRIMARY KEY, v int, pad text)")
         .await;

@@ -33,8 +33,9 @@ pub struct Envelope {
 
 #[derive(Debug, Clone)]
 pub struct ApplySettings {
-    /// Send the pipeline once this many statements are queued, even mid-transaction.
-    pub pipeline_statements: usize,
+    /// Most parameter values in statements sent but not yet answered: bounds the memory the
+    /// pipeline holds (a batched statement carries many rows).
+    pub pipeline_values: usize,
     /// Close a group of source transactions once it holds this many statements...
     pub group_statements: usize,
     /// ... or has been open this long.
@@ -50,7 +51,7 @@ pub struct ApplySettings {
 impl Default for ApplySettings {
     fn default() -> Self {
         ApplySettings {
-            pipeline_statements: 2_000,
+            pipeline_values: 20_000,
             group_statements: 10_000,
             group_age: Duration::from_millis(200),
             batch_updates: true,
@@ -201,6 +202,9 @@ pub struct Applier {
     /// Statements sent to the target whose results have not been checked yet, in order.
     /// (In a mutex only so that the applier is `Sync`; it is always reached through `&mut self`.)
     in_flight: std::sync::Mutex<futures_util::stream::FuturesOrdered<InFlight>>,
+    /// The number of parameter values of each of them, in order, and their sum.
+    in_flight_sizes: std::collections::VecDeque<usize>,
+    in_flight_values: usize,
     /// The first failure among them.
     failure: Option<Error>,
     settings: ApplySettings,
@@ -237,9 +241,11 @@ pub struct Applier {
     skip_records: Vec<(u32, Lsn, PgTimestamp)>,
     /// Inserts into one table by one source transaction, waiting to go out as one statement.
     insert_run: Option<InsertRun>,
-    /// Unique indexes of target tables (by target OID), read when a guarded change first needs them.
-    unique_keys: HashMap<Oid, Arc<Vec<Vec<usize>>>>,
-    /// UPDATEs held in the open group, by source relation (`apply::batch`).
+    /// Unique indexes of target tables as source column positions, by (source OID, generation):
+    /// read when a guarded change first needs them.
+    unique_keys: HashMap<(Oid, u64), Arc<Vec<Vec<usize>>>>,
+    /// UPDATEs held in the open group, by target table (`apply::batch`): two source relations
+    /// that reach one target table must not pass each other.
     held_updates: HashMap<Oid, UpdateBatch<ChangeInfo>>,
     held_rows: usize,
     /// Whether a relation's updates may be batched, by (source OID, generation).
@@ -353,6 +359,8 @@ impl Applier {
             catalog,
             in_flight: std::sync::Mutex::new(futures_util::stream::FuturesOrdered::new()),
             failure: None,
+            in_flight_sizes: std::collections::VecDeque::new(),
+            in_flight_values: 0,
             progress,
             settings,
             relations: RelationCache::new(options.table_map.clone()),
@@ -396,15 +404,10 @@ impl Applier {
     /// closes is rolled back on the target; complete ones are committed.
     pub async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
         while let Some(envelope) = rx.recv().await {
-            let is_commit = matches!(
-                envelope.message,
-                LogicalMessage::Commit(_) | LogicalMessage::StreamCommit(_)
-            );
             self.dispatch(envelope.message, envelope.raw).await?;
             drop(envelope.permit);
             // Between source transactions a finished group may commit: right after a commit, or
             // when other messages (stream blocks, non-transactional messages) follow it.
-            let _ = is_commit;
             if self.current.is_none() && self.group_should_close(rx.is_empty()) {
                 self.commit_group().await?;
             }
@@ -935,7 +938,7 @@ impl Applier {
         };
         let entry = self.relations.get(insert.relation)?.clone();
         Self::check_width(&entry, &insert.new)?;
-        self.flush_held_updates(Some(entry.source.oid)).await?;
+        self.flush_held_updates(Some(entry.target.oid)).await?;
         let mut params = Vec::with_capacity(insert.new.len());
         for (i, value) in insert.new.values().enumerate() {
             params.push(WireValue::from_value(value).ok_or_else(|| {
@@ -1067,16 +1070,16 @@ impl Applier {
         let mut shape = run.shape;
         shape.rows = run.rows;
         let statement = self.statement(&run.entry, shape).await?;
-        self.pending.push(Pending {
+        if let Some(g) = &mut self.group {
+            g.statements += run.rows;
+        }
+        self.push_pending(Pending {
             statement,
             params: run.params,
             about: Some(run.about),
             batch: Vec::new(),
-        });
-        if let Some(g) = &mut self.group {
-            g.statements += run.rows;
-        }
-        Ok(())
+        })
+        .await
     }
 
     fn policies_for(&self, entry: &RelationEntry) -> super::conflict::Policies {
@@ -1172,8 +1175,9 @@ impl Applier {
             && policies.multiple_unique_conflicts == Policy::Error
             && self.may_batch(&entry, commit_lsn).await?
         {
-            let values: Vec<Option<WireValue>> =
-                update.new.values().map(WireValue::from_value).collect();
+            // Held for a while: a copy, so as not to keep the receive buffer alive.
+            let new = update.new.detached();
+            let values: Vec<Option<WireValue>> = new.values().map(WireValue::from_value).collect();
             if values.iter().all(Option::is_none) {
                 return Ok(());
             }
@@ -1199,7 +1203,7 @@ impl Applier {
                 commit_time,
                 // The key is in the new row.
                 key: None,
-                remote: Some(update.new),
+                remote: Some(new),
                 signal: Some(Signal {
                     conflict: ConflictType::UpdateMissing,
                     policy: Policy::Skip,
@@ -1208,7 +1212,7 @@ impl Applier {
             };
             return self.hold_update(&entry, values, about).await;
         }
-        self.flush_held_updates(Some(entry.source.oid)).await?;
+        self.flush_held_updates(Some(entry.target.oid)).await?;
         let mut params = Vec::with_capacity(update.new.len() * 2);
         let mut unchanged = ColumnSet::default();
         for (i, value) in update.new.values().enumerate() {
@@ -1297,9 +1301,15 @@ impl Applier {
         values: Vec<Option<WireValue>>,
         about: ChangeInfo,
     ) -> Result<()> {
+        let held_for_other = self.held_updates.get(&entry.target.oid).is_some_and(|b| {
+            b.entry.source.oid != entry.source.oid || b.entry.generation != entry.generation
+        });
+        if held_for_other {
+            self.flush_held_updates(Some(entry.target.oid)).await?;
+        }
         let batch = self
             .held_updates
-            .entry(entry.source.oid)
+            .entry(entry.target.oid)
             .or_insert_with(|| UpdateBatch::new(entry.clone()));
         let before = batch.len();
         batch.add(values, about);
@@ -1313,12 +1323,12 @@ impl Applier {
         Ok(())
     }
 
-    /// Queues the held UPDATEs of one relation (or of all) as batched statements.
-    async fn flush_held_updates(&mut self, relation: Option<Oid>) -> Result<()> {
+    /// Queues the held UPDATEs of one target table (or of all) as batched statements.
+    async fn flush_held_updates(&mut self, target_table: Option<Oid>) -> Result<()> {
         if self.held_updates.is_empty() {
             return Ok(());
         }
-        let batches: Vec<UpdateBatch<ChangeInfo>> = match relation {
+        let batches: Vec<UpdateBatch<ChangeInfo>> = match target_table {
             Some(oid) => self.held_updates.remove(&oid).into_iter().collect(),
             None => self.held_updates.drain().map(|(_, b)| b).collect(),
         };
@@ -1420,7 +1430,7 @@ impl Applier {
                 return self.fail_if_failed().await;
             }
         };
-        let conflict = if clashing.len() > 1 {
+        let conflict = if super::unique::indexes_violated(&clashing) > 1 {
             ConflictType::MultipleUniqueConflicts
         } else {
             base
@@ -1467,11 +1477,12 @@ impl Applier {
         entry: &Arc<RelationEntry>,
         about: &ChangeInfo,
     ) -> Result<Vec<super::unique::ClashingRow>> {
-        let keys = match self.unique_keys.get(&entry.target.oid) {
+        let cache_key = (entry.source.oid, entry.generation);
+        let keys = match self.unique_keys.get(&cache_key) {
             Some(k) => k.clone(),
             None => {
                 let k = Arc::new(super::unique::unique_keys(&self.client, entry).await?);
-                self.unique_keys.insert(entry.target.oid, k.clone());
+                self.unique_keys.insert(cache_key, k.clone());
                 k
             }
         };
@@ -1499,7 +1510,7 @@ impl Applier {
             return Ok(());
         };
         let entry = self.relations.get(delete.relation)?.clone();
-        self.flush_held_updates(Some(entry.source.oid)).await?;
+        self.flush_held_updates(Some(entry.target.oid)).await?;
         let mut params = Vec::new();
         let old = delete.old;
         let (row_match, old_values) =
@@ -1601,8 +1612,9 @@ impl Applier {
         self.pending.push(pending);
         if self.pending.len() >= SUBMIT_CHUNK {
             self.submit_pending();
-            if self.in_flight_mut().len() >= self.settings.pipeline_statements {
-                self.drain_to(self.settings.pipeline_statements / 2).await;
+            if self.in_flight_values >= self.settings.pipeline_values {
+                self.drain_values_to(self.settings.pipeline_values / 2)
+                    .await;
             }
             self.fail_if_failed().await?;
         }
@@ -1668,6 +1680,8 @@ impl Applier {
                 about,
                 batch,
             } = pending;
+            self.in_flight_sizes.push_back(params.len());
+            self.in_flight_values += params.len();
             if batch.is_empty() {
                 self.in_flight_mut().push_back(Box::pin(async move {
                     let result = client.execute_raw(&statement, params.iter()).await;
@@ -1704,6 +1718,16 @@ impl Applier {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Waits until at most `keep` parameter values are still in flight.
+    async fn drain_values_to(&mut self, keep: usize) {
+        while self.in_flight_values > keep {
+            match self.in_flight_mut().next().await {
+                Some(outcome) => self.check_outcome(outcome),
+                None => break,
+            }
+        }
+    }
+
     /// Waits until at most `keep` statements are still in flight.
     async fn drain_to(&mut self, keep: usize) {
         while self.in_flight_mut().len() > keep {
@@ -1715,6 +1739,8 @@ impl Applier {
     }
 
     fn check_outcome(&mut self, outcome: Outcome) {
+        let values = self.in_flight_sizes.pop_front().unwrap_or(0);
+        self.in_flight_values -= values.min(self.in_flight_values);
         match outcome {
             Outcome::One(about, result) => self.check_result(about, result),
             Outcome::Batch(rows, Ok(missing)) => {
@@ -1734,11 +1760,14 @@ impl Applier {
                 }
                 let first = rows.first();
                 let table = first.map_or_else(String::new, |a| a.relation.target.qualified.clone());
+                // "Current transaction is aborted": an earlier statement failed; that failure
+                // is the one to report.
+                let aborted = e.code().is_some_and(|c| c.code() == "25P02");
                 let err = Error::postgres(
                     format!("applying {} batched UPDATEs of table {table}", rows.len()),
                     e,
                 );
-                if err.is_transient() {
+                if err.is_transient() || aborted {
                     self.failure = Some(err);
                     return;
                 }

@@ -8,12 +8,16 @@
 //! as `UPDATE .. FROM (VALUES ..)`.
 //!
 //! That is safe only when the order of a table's updates relative to other changes cannot be
-//! observed. So a table qualifies only when the target has, for it: no unique or exclusion index
-//! other than the replica identity key's, no foreign key to or from it, no enabled trigger, no
-//! rule, and it is a plain table. Updates qualify only when they keep the key and find their row by
-//! it, and when the update_missing policy is `skip` (a missing row is then still found, warned about
-//! and recorded, once per collapsed row). Any other change to the table sends its held updates
-//! first, and the group sends all of them before it commits.
+//! observed. So a table qualifies only when, on the target, it is a plain table without
+//! inheritance children, its unique indexes are all on exactly the replica identity key's columns
+//! (and there is one), and it has no exclusion constraint, no foreign key to or from it, no enabled
+//! trigger and no rule. That is read once per relation (again after a Relation message): a
+//! trigger or constraint added on the target while pgapply runs is seen after a restart. Updates
+//! qualify only when they keep the key and find their row by it, and when the conflict policies
+//! are the defaults for updates (update_missing `skip`: a missing row is still found, warned about
+//! and recorded, once per collapsed row). Any other change to the same target table sends its held
+//! updates first (held updates are kept per target table, so two source tables mapped onto one do
+//! not pass each other), and the group sends all of them before it commits.
 //!
 //! The statement returns the batch rows that matched nothing, so a missing row is named exactly.
 //! If a batched statement fails, the group is rolled back and the same source transactions are
@@ -38,46 +42,71 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool>
     if entry.target.partitioned || entry.key_columns.is_empty() {
         return Ok(false);
     }
+    let failed = |e| {
+        Error::postgres(
+            format!(
+                "reading the constraints of table {} on the target",
+                entry.target.qualified
+            ),
+            e,
+        )
+    };
+    // Any trigger counts, internal ones included (those of partitions copied from a parent are
+    // marked internal before 15); inheritance children would be updated too, so they rule it out.
     let row = client
         .query_one(
-            "SELECT c.relkind::text, c.relhasrules, \
+            "SELECT c.relkind::text, c.relhasrules, c.relhassubclass, \
                     EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t \
-                            WHERE t.tgrelid = c.oid AND NOT t.tgisinternal AND t.tgenabled <> 'D'), \
+                            WHERE t.tgrelid = c.oid AND t.tgenabled <> 'D'), \
                     EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k \
                             WHERE (k.conrelid = c.oid OR k.confrelid = c.oid) AND k.contype IN ('f', 'x')), \
-                    ARRAY(SELECT CASE WHEN i.indexprs IS NOT NULL OR i.indpred IS NOT NULL THEN NULL ELSE \
-                                   (SELECT array_to_string(array_agg(a.attname::text ORDER BY a.attname::text), ',') \
-                                    FROM unnest(i.indkey::int2[]) AS k(attnum) \
-                                    JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) \
-                                 END \
-                          FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisunique) \
+                    current_setting('server_version_num')::int \
              FROM pg_catalog.pg_class c WHERE c.oid = $1",
             &[&entry.target.oid],
         )
         .await
-        .map_err(|e| {
-            Error::postgres(
-                format!(
-                    "reading the constraints of table {} on the target",
-                    entry.target.qualified
-                ),
-                e,
-            )
-        })?;
+        .map_err(failed)?;
     let relkind: String = row.get(0);
-    let has_rules: bool = row.get(1);
-    let has_triggers: bool = row.get(2);
-    let has_links: bool = row.get(3);
-    let unique: Vec<Option<String>> = row.get(4);
+    let plain = relkind == "r" && !row.get::<_, bool>(1) && !row.get::<_, bool>(2);
+    if !plain || row.get::<_, bool>(3) || row.get::<_, bool>(4) {
+        return Ok(false);
+    }
+    let version: i32 = row.get(5);
+    // From 11, indkey also lists INCLUDE columns after the indnkeyatts key columns.
+    let key_count = if version >= 110000 {
+        "i.indnkeyatts"
+    } else {
+        "i.indnatts"
+    };
+    let indexes = client
+        .query(
+            &format!(
+                "SELECT i.indexprs IS NULL AND i.indpred IS NULL, \
+                        ARRAY(SELECT a.attname::text \
+                              FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
+                              JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+                              WHERE k.ord <= {key_count}) \
+                 FROM pg_catalog.pg_index i WHERE i.indrelid = $1 AND i.indisunique"
+            ),
+            &[&entry.target.oid],
+        )
+        .await
+        .map_err(failed)?;
     let mut key: Vec<&str> = entry
         .key_columns
         .iter()
         .filter_map(|&c| entry.target_column(c).map(|t| t.name.as_str()))
         .collect();
     key.sort_unstable();
-    let key = key.join(",");
-    let only_key_unique = unique.iter().all(|u| u.as_deref() == Some(key.as_str()));
-    Ok(relkind == "r" && !has_rules && !has_triggers && !has_links && only_key_unique)
+    // Exactly the key's unique index: then one row per key, and no other unique value whose
+    // order of writes could matter.
+    let is_key = |row: &tokio_postgres::Row| {
+        let simple: bool = row.get(0);
+        let mut columns: Vec<String> = row.get(1);
+        columns.sort_unstable();
+        simple && columns.iter().map(String::as_str).eq(key.iter().copied())
+    };
+    Ok(!indexes.is_empty() && indexes.iter().all(is_key))
 }
 
 /// One row's latest values: `None` where no update so far carried the column (unchanged TOAST).

@@ -8,7 +8,7 @@
 //! | update_missing | an UPDATE finds no row | skip (default), error, apply_remote (the new row is inserted) |
 //! | delete_missing | a DELETE finds no row | skip (default), error |
 //! | update_exists | an UPDATE's new values hit another row's unique key | error (default), skip / keep_local (the update is not applied), apply_remote (the other row is deleted, the update applied) |
-//! | multiple_unique_conflicts | a new row hits more than one existing row through its unique indexes | error (default), skip / keep_local, apply_remote (every clashing row is deleted) |
+//! | multiple_unique_conflicts | a new row violates more than one unique index of the target | error (default), skip / keep_local, apply_remote (every clashing row is deleted) |
 //!
 //! update_exists and multiple_unique_conflicts are found by running the change inside a savepoint
 //! and, on a unique violation, looking up the rows that hold the clashing values (`unique.rs`).

@@ -20,6 +20,17 @@ pub struct ClashingRow {
     ctid: String,
     /// The row as JSON, for the conflict table.
     pub json: String,
+    /// Which of the unique indexes (by position in the list given) it clashes through.
+    pub through: Vec<bool>,
+}
+
+/// How many unique indexes the clashing rows violate together: more than one is
+/// multiple_unique_conflicts in PostgreSQL 18's terms.
+pub fn indexes_violated(rows: &[ClashingRow]) -> usize {
+    let width = rows.iter().map(|r| r.through.len()).max().unwrap_or(0);
+    (0..width)
+        .filter(|&i| rows.iter().any(|r| r.through.get(i) == Some(&true)))
+        .count()
 }
 
 /// The target table's unique indexes, each as the source column positions it covers.
@@ -109,7 +120,8 @@ pub async fn clashing_rows(
         return Ok(Vec::new());
     }
     let mut sql = format!(
-        "SELECT tableoid::oid, ctid::text, to_jsonb(t)::text FROM {} t WHERE ({})",
+        "SELECT tableoid::oid, ctid::text, to_jsonb(t)::text, ARRAY[{}]::bool[] FROM {} t WHERE ({})",
+        any_of.join(", "),
         entry.target.qualified,
         any_of.join(" OR ")
     );
@@ -140,6 +152,7 @@ pub async fn clashing_rows(
             tableoid: r.get(0),
             ctid: r.get(1),
             json: r.get(2),
+            through: r.get(3),
         })
         .collect())
 }

@@ -70,6 +70,15 @@ impl Tuple {
         Ok(Tuple { count, data })
     }
 
+    /// A copy that does not keep alive the (possibly much larger) buffer this tuple was read
+    /// from: for tuples held for a while.
+    pub fn detached(&self) -> Tuple {
+        Tuple {
+            count: self.count,
+            data: Bytes::copy_from_slice(&self.data),
+        }
+    }
+
     /// Number of columns the server sent.
     pub fn len(&self) -> usize {
         usize::from(self.count)
