@@ -135,6 +135,10 @@ struct ChangeInfo {
     remote: Option<Tuple>,
     /// Which row count means a conflict, and what to do about it.
     signal: Option<Signal>,
+    /// The statement also carries changes of later source transactions, up to the one committing
+    /// at this LSN (a multi-row INSERT across transactions): a failure is retried one change at a
+    /// time so that it names its transaction.
+    through: Option<Lsn>,
 }
 
 /// A statement's row count that means a conflict.
@@ -266,6 +270,8 @@ struct InsertRun {
     limit: usize,
     /// The first row's change, for messages.
     about: ChangeInfo,
+    /// The commit LSN of the last row's source transaction.
+    last_commit: Lsn,
 }
 
 /// What the session negotiated that the applier needs to know.
@@ -1002,6 +1008,7 @@ impl Applier {
                 policy,
                 when_rows,
             }),
+            through: None,
         };
         if guarded {
             return self
@@ -1024,8 +1031,12 @@ impl Applier {
         commit_time: PgTimestamp,
         row: Tuple,
     ) -> Result<()> {
+        // A run continues across source transactions of the group unless batching is off for
+        // them (after a failed batch).
+        let across = self.batching_allowed(commit_lsn);
         let fits = self.insert_run.as_ref().is_some_and(|run| {
-            run.shape == shape && run.about.xid == xid && run.about.commit_lsn == commit_lsn
+            run.shape == shape
+                && (across || (run.about.xid == xid && run.about.commit_lsn == commit_lsn))
         });
         if !fits {
             self.flush_insert_run().await?;
@@ -1045,11 +1056,14 @@ impl Applier {
                     key: None,
                     remote: Some(row),
                     signal: None,
+                    through: None,
                 },
+                last_commit: commit_lsn,
             });
         }
         let full = match &mut self.insert_run {
             Some(run) => {
+                run.last_commit = commit_lsn;
                 run.params.extend(params);
                 run.rows += 1;
                 run.rows >= run.limit
@@ -1069,6 +1083,10 @@ impl Applier {
         };
         let mut shape = run.shape;
         shape.rows = run.rows;
+        let mut about = run.about;
+        if run.last_commit != about.commit_lsn {
+            about.through = Some(run.last_commit);
+        }
         let statement = self.statement(&run.entry, shape).await?;
         if let Some(g) = &mut self.group {
             g.statements += run.rows;
@@ -1076,7 +1094,7 @@ impl Applier {
         self.push_pending(Pending {
             statement,
             params: run.params,
-            about: Some(run.about),
+            about: Some(about),
             batch: Vec::new(),
         })
         .await
@@ -1209,6 +1227,7 @@ impl Applier {
                     policy: Policy::Skip,
                     when_rows: 0,
                 }),
+                through: None,
             };
             return self.hold_update(&entry, values, about).await;
         }
@@ -1263,6 +1282,7 @@ impl Applier {
                 policy: signal.0,
                 when_rows: signal.1,
             }),
+            through: None,
         };
         if guarded {
             return self
@@ -1275,13 +1295,7 @@ impl Applier {
     /// Whether an UPDATE of this relation, in the source transaction committing at `commit_lsn`,
     /// may be held back and batched (`apply::batch`).
     async fn may_batch(&mut self, entry: &Arc<RelationEntry>, commit_lsn: Lsn) -> Result<bool> {
-        if !self.settings.batch_updates
-            || commit_lsn.0
-                <= self
-                    .settings
-                    .unbatched_through
-                    .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if !self.batching_allowed(commit_lsn) {
             return Ok(false);
         }
         let key = (entry.source.oid, entry.generation);
@@ -1292,6 +1306,17 @@ impl Applier {
         tracing::debug!(table = %entry.target.qualified, batchable, "updates batched within a group");
         self.batchable.insert(key, batchable);
         Ok(batchable)
+    }
+
+    /// Whether changes of the source transaction committing at `commit_lsn` may share statements
+    /// with other transactions' changes.
+    fn batching_allowed(&self, commit_lsn: Lsn) -> bool {
+        self.settings.batch_updates
+            && commit_lsn.0
+                > self
+                    .settings
+                    .unbatched_through
+                    .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Holds an UPDATE until another change to its table, or the end of the group, sends it.
@@ -1539,6 +1564,7 @@ impl Applier {
                 policy: self.policies_for(&entry).delete_missing,
                 when_rows: 0,
             }),
+            through: None,
         };
         self.queue(&entry, shape, params, about).await
     }
@@ -1771,26 +1797,32 @@ impl Applier {
                     self.failure = Some(err);
                     return;
                 }
-                // Apply these transactions again one change at a time: the error then names the
-                // source transaction that causes it.
-                let through = self
-                    .current
-                    .as_ref()
-                    .map(|t| t.final_lsn)
-                    .into_iter()
-                    .chain(rows.iter().map(|a| a.commit_lsn))
-                    .chain(self.group.as_ref().and_then(|g| g.last_commit).map(|c| c.0))
-                    .max()
-                    .unwrap_or_default();
-                self.settings
-                    .unbatched_through
-                    .fetch_max(through.0, std::sync::atomic::Ordering::Relaxed);
-                self.failure = Some(Error::transient(format!(
-                    "{}; applying the source transactions up to commit {through} again one change at a time to find the one that fails",
-                    err.message()
-                )));
+                let through = rows.iter().map(|a| a.commit_lsn).max();
+                self.retry_unbatched(err, through);
             }
         }
+    }
+
+    /// A statement carrying changes of several source transactions failed: applies them again
+    /// one change at a time (after a reconnect), so that the error names the transaction that
+    /// causes it.
+    fn retry_unbatched(&mut self, err: Error, through: Option<Lsn>) {
+        let through = self
+            .current
+            .as_ref()
+            .map(|t| t.final_lsn)
+            .into_iter()
+            .chain(through)
+            .chain(self.group.as_ref().and_then(|g| g.last_commit).map(|c| c.0))
+            .max()
+            .unwrap_or_default();
+        self.settings
+            .unbatched_through
+            .fetch_max(through.0, std::sync::atomic::Ordering::Relaxed);
+        self.failure = Some(Error::transient(format!(
+            "{}; applying the source transactions up to commit {through} again one change at a time to find the one that fails",
+            err.message()
+        )));
     }
 
     /// Notes what one statement's result means: a conflict, a failure, or nothing.
@@ -1854,7 +1886,15 @@ impl Applier {
                         (Some("23505"), Some("UPDATE")) => "update_exists",
                         _ => "",
                     };
-                    self.failure = Some(self.violation_error(kind, about.as_ref(), e));
+                    let aborted = e.code().is_some_and(|c| c.code() == "25P02");
+                    let through = about.as_ref().and_then(|a| a.through);
+                    let err = self.violation_error(kind, about.as_ref(), e);
+                    match through {
+                        Some(lsn) if !err.is_transient() && !aborted => {
+                            self.retry_unbatched(err, Some(lsn))
+                        }
+                        _ => self.failure = Some(err),
+                    }
                 }
             }
         }
@@ -1874,7 +1914,9 @@ impl Applier {
             format!("{kind}: ")
         };
         let mut err = Error::postgres(format!("{kind}applying {what}"), e);
-        if let Some(about) = about {
+        // A statement with several transactions' changes is retried one change at a time; the
+        // hint comes with that retry's error.
+        if let Some(about) = about.filter(|a| a.through.is_none()) {
             err = err.context_after(self.skip_hint(about.commit_lsn));
         }
         err
