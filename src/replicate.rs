@@ -627,6 +627,18 @@ impl Reader<'_> {
                     if let Step::Stop(reason) = self.on_frame(frame).await? {
                         return Ok(reason);
                     }
+                    // Frames already received are handled without going through the select
+                    // again (a few hundred at most, so timers and signals are still served).
+                    for _ in 0..256 {
+                        if !self.stream.has_buffered_frame() {
+                            break;
+                        }
+                        let frame = self.stream.next_frame().await?.ok_or_else(|| Error::transient(format!(
+                            "source {} ended the replication stream (server shutting down?)", self.stream.endpoint())))?;
+                        if let Step::Stop(reason) = self.on_frame(frame).await? {
+                            return Ok(reason);
+                        }
+                    }
                 }
                 _ = status.tick() => {
                     // Ask for a reply each time, so a silent source is noticed.

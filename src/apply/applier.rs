@@ -98,6 +98,24 @@ const SUBMIT_CHUNK: usize = 64;
 
 type InFlight = std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
 
+/// What the apply loop got while waiting: a message, or an answer from the target.
+enum Next {
+    Message(Option<Envelope>),
+    Outcome(Option<Outcome>),
+}
+
+/// A group whose COMMIT has been sent and not yet answered.
+struct Committing {
+    /// The COMMIT's place among the statements sent (its answer is the `seq`-th).
+    seq: u64,
+    end_lsn: Lsn,
+    commit_time: PgTimestamp,
+    transactions: u64,
+    started: Instant,
+    /// Filled when the COMMIT's answer arrives.
+    conflicts: Vec<ConflictRecord>,
+}
+
 /// A statement's result, with what to say about it. (Lives inside an already boxed future: boxing
 /// the larger variant would only add an allocation per statement.)
 #[allow(clippy::large_enum_variant)]
@@ -123,6 +141,7 @@ struct Pending {
     batch: Vec<ChangeInfo>,
 }
 
+#[derive(Clone)]
 struct ChangeInfo {
     relation: Arc<RelationEntry>,
     operation: &'static str,
@@ -206,6 +225,13 @@ pub struct Applier {
     /// Statements sent to the target whose results have not been checked yet, in order.
     /// (In a mutex only so that the applier is `Sync`; it is always reached through `&mut self`.)
     in_flight: std::sync::Mutex<futures_util::stream::FuturesOrdered<InFlight>>,
+    /// Statements handed to the connection, and answers taken, since the start.
+    submitted: u64,
+    completed: u64,
+    /// Groups whose COMMIT is in flight, oldest first; and those whose COMMIT succeeded, waiting
+    /// for their bookkeeping (position, counters, conflict records).
+    committing: std::collections::VecDeque<Committing>,
+    committed: Vec<Committing>,
     /// The number of parameter values of each of them, in order, and their sum.
     in_flight_sizes: std::collections::VecDeque<usize>,
     in_flight_values: usize,
@@ -260,7 +286,9 @@ pub struct Applier {
 const MAX_HELD_ROWS: usize = 4_096;
 
 /// Most rows in one multi-row INSERT.
-const MAX_INSERT_ROWS: usize = 100;
+/// Most rows in one multi-row INSERT (a power of two: runs are sent in power-of-two pieces, so a
+/// table needs at most a handful of prepared statements).
+const MAX_INSERT_ROWS: usize = 128;
 
 struct InsertRun {
     entry: Arc<RelationEntry>,
@@ -366,6 +394,10 @@ impl Applier {
             in_flight: std::sync::Mutex::new(futures_util::stream::FuturesOrdered::new()),
             failure: None,
             in_flight_sizes: std::collections::VecDeque::new(),
+            submitted: 0,
+            completed: 0,
+            committing: std::collections::VecDeque::new(),
+            committed: Vec::new(),
             in_flight_values: 0,
             progress,
             settings,
@@ -409,13 +441,41 @@ impl Applier {
     /// Applies messages until the channel closes. A source transaction that is incomplete when it
     /// closes is rolled back on the target; complete ones are committed.
     pub async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
-        while let Some(envelope) = rx.recv().await {
-            self.dispatch(envelope.message, envelope.raw).await?;
-            drop(envelope.permit);
-            // Between source transactions a finished group may commit: right after a commit, or
-            // when other messages (stream blocks, non-transactional messages) follow it.
-            if self.current.is_none() && self.group_should_close(rx.is_empty()) {
-                self.commit_group().await?;
+        loop {
+            let next = if !rx.is_empty() || self.in_flight_mut().is_empty() {
+                Next::Message(rx.recv().await)
+            } else {
+                // Nothing to apply right now: take the target's answers while waiting, so a
+                // committed group is confirmed (and its position reported) without delay.
+                let in_flight = self
+                    .in_flight
+                    .get_mut()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                tokio::select! {
+                    biased;
+                    envelope = rx.recv() => Next::Message(envelope),
+                    outcome = in_flight.next() => Next::Outcome(outcome),
+                }
+            };
+            match next {
+                Next::Message(None) => break,
+                Next::Message(Some(envelope)) => {
+                    self.dispatch(envelope.message, envelope.raw).await?;
+                    drop(envelope.permit);
+                    // Between source transactions a finished group may commit: right after a
+                    // commit, or when other messages (stream blocks, non-transactional messages)
+                    // follow it.
+                    if self.current.is_none() && self.group_should_close(rx.is_empty()) {
+                        self.commit_group().await?;
+                    }
+                }
+                Next::Outcome(outcome) => {
+                    if let Some(outcome) = outcome {
+                        self.check_outcome(outcome);
+                    }
+                    self.fail_if_failed().await?;
+                    self.settle_committed().await;
+                }
             }
         }
         if self.current.is_some() {
@@ -423,6 +483,9 @@ impl Applier {
         } else if self.group.is_some() {
             self.commit_group().await?;
         }
+        self.drain_to(0).await;
+        self.fail_if_failed().await?;
+        self.settle_committed().await;
         Ok(())
     }
 
@@ -516,8 +579,7 @@ impl Applier {
     }
 
     /// Writes the conflicts of the group that just committed to pgapply.conflicts.
-    async fn record_conflicts(&mut self) {
-        let records = std::mem::take(&mut self.conflicts);
+    async fn record_conflicts(&mut self, records: Vec<ConflictRecord>) {
         for record in records {
             let local_row: Option<String> = match &record.local_row_query {
                 _ if record.local_row.is_some() => record.local_row.clone(),
@@ -580,7 +642,7 @@ impl Applier {
 
     /// Begin Prepare: a transaction of its own (never grouped), ended by PREPARE TRANSACTION.
     async fn begin_prepare(&mut self, b: crate::protocol::pgoutput::BeginPrepare) -> Result<()> {
-        self.commit_group().await?;
+        self.commit_group_and_wait().await?;
         let gid = self.gid(b.xid);
         self.begin(Begin {
             final_lsn: b.prepare_lsn,
@@ -613,7 +675,7 @@ impl Applier {
     }
 
     async fn stream_prepare(&mut self, p: crate::protocol::pgoutput::Prepare) -> Result<()> {
-        self.commit_group().await?;
+        self.commit_group_and_wait().await?;
         let gid = self.gid(p.xid);
         let already = self.prepared_exists(&gid).await?;
         self.begin(Begin {
@@ -677,8 +739,7 @@ impl Applier {
         }
         self.group = None;
         tracing::debug!(gid = %gid, %end_lsn, "prepared");
-        self.applied.send_replace(end_lsn);
-        self.resume = self.resume.max(end_lsn);
+        self.advance_applied(end_lsn);
         Ok(())
     }
 
@@ -691,7 +752,7 @@ impl Applier {
         time: PgTimestamp,
         commit: bool,
     ) -> Result<()> {
-        self.commit_group().await?;
+        self.commit_group_and_wait().await?;
         let gid = self.gid(xid);
         let verb = if commit {
             "COMMIT PREPARED"
@@ -761,8 +822,7 @@ impl Applier {
             METRICS.transactions.inc();
         }
         METRICS.applied_lsn.set(end_lsn.0);
-        self.applied.send_replace(end_lsn);
-        self.resume = self.resume.max(end_lsn);
+        self.advance_applied(end_lsn);
         Ok(())
     }
 
@@ -1046,7 +1106,13 @@ impl Applier {
                 shape,
                 params: Vec::with_capacity(params.len() * 8),
                 rows: 0,
-                limit: (MAX_INSERT_ROWS).min(60_000 / columns).max(1),
+                limit: {
+                    let mut limit = MAX_INSERT_ROWS;
+                    while limit > 1 && limit * columns > 60_000 {
+                        limit /= 2;
+                    }
+                    limit
+                },
                 about: ChangeInfo {
                     relation: entry.clone(),
                     operation: "INSERT",
@@ -1081,23 +1147,34 @@ impl Applier {
         let Some(run) = self.insert_run.take() else {
             return Ok(());
         };
-        let mut shape = run.shape;
-        shape.rows = run.rows;
         let mut about = run.about;
         if run.last_commit != about.commit_lsn {
             about.through = Some(run.last_commit);
         }
-        let statement = self.statement(&run.entry, shape).await?;
         if let Some(g) = &mut self.group {
             g.statements += run.rows;
         }
-        self.push_pending(Pending {
-            statement,
-            params: run.params,
-            about: Some(about),
-            batch: Vec::new(),
-        })
-        .await
+        let columns = run.params.len() / run.rows.max(1);
+        let mut params = run.params.into_iter();
+        let mut left = run.rows;
+        while left > 0 {
+            let mut rows = run.limit;
+            while rows > left {
+                rows /= 2;
+            }
+            left -= rows;
+            let mut shape = run.shape.clone();
+            shape.rows = rows;
+            let statement = self.statement(&run.entry, shape).await?;
+            self.push_pending(Pending {
+                statement,
+                params: params.by_ref().take(rows * columns).collect(),
+                about: Some(about.clone()),
+                batch: Vec::new(),
+            })
+            .await?;
+        }
+        Ok(())
     }
 
     fn policies_for(&self, entry: &RelationEntry) -> super::conflict::Policies {
@@ -1708,6 +1785,7 @@ impl Applier {
             } = pending;
             self.in_flight_sizes.push_back(params.len());
             self.in_flight_values += params.len();
+            self.submitted += 1;
             if batch.is_empty() {
                 self.in_flight_mut().push_back(Box::pin(async move {
                     let result = client.execute_raw(&statement, params.iter()).await;
@@ -1767,6 +1845,25 @@ impl Applier {
     fn check_outcome(&mut self, outcome: Outcome) {
         let values = self.in_flight_sizes.pop_front().unwrap_or(0);
         self.in_flight_values -= values.min(self.in_flight_values);
+        self.completed += 1;
+        self.check_outcome_of(outcome);
+        // A COMMIT answered with nothing failed before it: that group is committed. (After a
+        // failed statement the server answers COMMIT with a rollback, and `failure` is set.)
+        while self
+            .committing
+            .front()
+            .is_some_and(|c| c.seq <= self.completed && self.failure.is_none())
+        {
+            if let Some(mut c) = self.committing.pop_front() {
+                // Answers come in order: every conflict noted so far was met by this group (or
+                // an earlier one), all committed now.
+                c.conflicts = std::mem::take(&mut self.conflicts);
+                self.committed.push(c);
+            }
+        }
+    }
+
+    fn check_outcome_of(&mut self, outcome: Outcome) {
         match outcome {
             Outcome::One(about, result) => self.check_result(about, result),
             Outcome::Batch(rows, Ok(missing)) => {
@@ -1928,7 +2025,9 @@ impl Applier {
         self.flush_insert_run().await?;
         self.submit_pending();
         self.drain_to(0).await;
-        self.fail_if_failed().await
+        self.fail_if_failed().await?;
+        self.settle_committed().await;
+        Ok(())
     }
 
     /// After a failed statement the transaction is aborted on the server: end it, forget the
@@ -1946,7 +2045,10 @@ impl Applier {
                 self.insert_run = None;
                 self.held_updates.clear();
                 self.held_rows = 0;
+                // COMMITs answered before the failure stand; those after it did not commit.
+                self.committing.clear();
                 let _ = self.client.batch_execute("ROLLBACK").await;
+                self.settle_committed().await;
                 Err(e)
             }
             None => Ok(()),
@@ -1964,6 +2066,9 @@ impl Applier {
         let Some(group) = self.group.take() else {
             return Ok(());
         };
+        // This group may commit only once the previous one is known to have committed: if that
+        // failed, this one must not commit without it. Usually its answer is long there.
+        self.wait_for_commits().await?;
         let Some((end_lsn, commit_time)) = group.last_commit else {
             // Only skipped transactions: nothing to commit but the empty BEGIN.
             self.pending.push(Pending {
@@ -2011,22 +2116,76 @@ impl Applier {
             about: None,
             batch: Vec::new(),
         });
-        self.send_pipeline().await?;
-        if !self.conflicts.is_empty() {
-            self.record_conflicts().await;
-        }
-        self.stats.transactions += group.transactions;
-        let m = &*METRICS;
-        m.transactions.add(group.transactions);
-        m.applied_lsn.set(end_lsn.0);
-        m.last_commit_time.set(commit_time.0.max(0) as u64);
-        m.apply_latency.observe(group.started.elapsed());
-        self.applied.send_replace(end_lsn);
-        self.resume = self.resume.max(end_lsn);
+        // The COMMIT goes out without waiting for its answer: the next group is built (and
+        // sent) meanwhile. The group counts as applied once the answer is in.
+        self.submit_pending();
+        self.committing.push_back(Committing {
+            seq: self.submitted,
+            end_lsn,
+            commit_time,
+            transactions: group.transactions,
+            started: group.started,
+            conflicts: Vec::new(),
+        });
+        // Answers taken while sending may have settled it already (or found a failure).
+        self.fail_if_failed().await?;
+        self.settle_committed().await;
         Ok(())
     }
 
+    /// Waits until every COMMIT sent has been answered; fails if one did not succeed.
+    async fn wait_for_commits(&mut self) -> Result<()> {
+        while let Some(seq) = self.committing.back().map(|c| c.seq) {
+            if self.completed >= seq {
+                break;
+            }
+            match self.in_flight_mut().next().await {
+                Some(outcome) => self.check_outcome(outcome),
+                None => break,
+            }
+        }
+        self.fail_if_failed().await?;
+        self.settle_committed().await;
+        Ok(())
+    }
+
+    /// Commits the open group and waits for the answer (before two-phase steps, which run
+    /// outside the pipeline).
+    async fn commit_group_and_wait(&mut self) -> Result<()> {
+        self.commit_group().await?;
+        self.wait_for_commits().await
+    }
+
+    /// The bookkeeping of groups whose COMMIT succeeded: counters, the applied position, and
+    /// their conflict records.
+    async fn settle_committed(&mut self) {
+        for c in std::mem::take(&mut self.committed) {
+            if !c.conflicts.is_empty() {
+                self.record_conflicts(c.conflicts).await;
+            }
+            self.stats.transactions += c.transactions;
+            let m = &*METRICS;
+            m.transactions.add(c.transactions);
+            m.applied_lsn.set(c.end_lsn.0);
+            m.last_commit_time.set(c.commit_time.0.max(0) as u64);
+            m.apply_latency.observe(c.started.elapsed());
+            self.advance_applied(c.end_lsn);
+        }
+    }
+
+    /// Moves the applied position forward (never back).
+    fn advance_applied(&mut self, lsn: Lsn) {
+        self.applied.send_if_modified(|a| {
+            let advanced = lsn > *a;
+            *a = (*a).max(lsn);
+            advanced
+        });
+        self.resume = self.resume.max(lsn);
+    }
+
     async fn rollback(&mut self) {
+        // Earlier groups' answers first: their conflicts are theirs to record.
+        self.drain_to(0).await;
         self.pending.clear();
         self.insert_run = None;
         self.held_updates.clear();

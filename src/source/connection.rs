@@ -247,6 +247,15 @@ impl ReplicationConnection {
             .map_err(|e| Error::io(format!("writing to source {}", self.endpoint), e))
     }
 
+    /// Whether a whole CopyData message is already buffered: reading it needs no I/O.
+    pub fn has_buffered_copy_data(&self) -> bool {
+        if self.read.len() < 5 || self.read[0] != b'd' {
+            return false;
+        }
+        let len = u32::from_be_bytes([self.read[1], self.read[2], self.read[3], self.read[4]]);
+        self.read.len() > len as usize
+    }
+
     /// Paces reads while streaming (see `read_pause`); `None` reads as soon as data arrives.
     pub fn set_read_pause(&mut self, pause: Option<Duration>) {
         self.read_pause = pause;

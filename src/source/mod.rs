@@ -287,6 +287,11 @@ impl ReplicationStream {
         }
     }
 
+    /// Whether the next frame is already received (`next_frame` then returns without waiting).
+    pub fn has_buffered_frame(&self) -> bool {
+        self.conn.has_buffered_copy_data()
+    }
+
     pub async fn send_status(
         &mut self,
         written: Lsn,
