@@ -475,6 +475,9 @@ impl Applier {
                     }
                     self.fail_if_failed().await?;
                     self.settle_committed().await;
+                    if self.current.is_none() && self.group_should_close(rx.is_empty()) {
+                        self.commit_group().await?;
+                    }
                 }
             }
         }
@@ -830,7 +833,9 @@ impl Applier {
         match &self.group {
             None => false,
             Some(g) => {
-                nothing_waiting
+                // Idle: commit, unless the previous COMMIT is still unanswered (this one would
+                // wait for it anyway; the group grows meanwhile and closes when it is answered).
+                (nothing_waiting && self.committing.is_empty())
                     || g.statements >= self.settings.group_statements
                     || g.started.elapsed() >= self.settings.group_age
             }
@@ -1154,6 +1159,8 @@ impl Applier {
         if let Some(g) = &mut self.group {
             g.statements += run.rows;
         }
+        self.prepare_insert_sizes(&run.entry, &run.shape, run.limit)
+            .await;
         let columns = run.params.len() / run.rows.max(1);
         let mut params = run.params.into_iter();
         let mut left = run.rows;
@@ -1175,6 +1182,36 @@ impl Applier {
             .await?;
         }
         Ok(())
+    }
+
+    /// Prepares the multi-row INSERTs of every size a run of this shape can be sent in, together
+    /// (one round trip instead of one per size). A failure here shows again, with its message,
+    /// when the statement is prepared on its own.
+    async fn prepare_insert_sizes(&mut self, entry: &RelationEntry, shape: &Shape, limit: usize) {
+        let mut missing = Vec::new();
+        let mut size = 1;
+        while size <= limit {
+            let mut sized = shape.clone();
+            sized.rows = size;
+            if !self.statements.contains_key(&sized) {
+                missing.push(sized);
+            }
+            size *= 2;
+        }
+        if missing.len() < 2 {
+            return;
+        }
+        let prepared = futures_util::future::join_all(missing.iter().map(|sized| {
+            let sql = build_sql(entry, sized);
+            let client = self.client.clone();
+            async move { client.prepare(&sql).await }
+        }))
+        .await;
+        for (sized, result) in missing.into_iter().zip(prepared) {
+            if let Ok(statement) = result {
+                self.statements.insert(sized, statement);
+            }
+        }
     }
 
     fn policies_for(&self, entry: &RelationEntry) -> super::conflict::Policies {
@@ -1477,9 +1514,45 @@ impl Applier {
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
         }
-        let sql = super::batch::batch_sql(entry, &shape.unchanged, rows);
-        let types = super::batch::param_types(entry, &shape.unchanged, rows);
-        let statement = match self.client.prepare_typed(&sql, &types).await {
+        // Every size this table's batches can take, prepared together: one round trip.
+        let mut sizes = vec![rows];
+        let mut size = 1;
+        while size <= super::batch::MAX_BATCH_ROWS {
+            let mut other = shape.clone();
+            other.rows = size;
+            if size != rows && !self.statements.contains_key(&other) {
+                sizes.push(size);
+            }
+            size *= 2;
+        }
+        let prepared = futures_util::future::join_all(sizes.iter().map(|&n| {
+            let sql = super::batch::batch_sql(entry, &shape.unchanged, n);
+            let types = super::batch::param_types(entry, &shape.unchanged, n);
+            let client = self.client.clone();
+            async move { client.prepare_typed(&sql, &types).await }
+        }))
+        .await;
+        let mut prepared = sizes.into_iter().zip(prepared);
+        let wanted = prepared.next().map(|(_, r)| r);
+        for (n, result) in prepared {
+            if let Ok(statement) = result {
+                let mut other = shape.clone();
+                other.rows = n;
+                self.statements.insert(other, statement);
+            }
+        }
+        let wanted = match wanted {
+            Some(result) => result,
+            None => {
+                self.client
+                    .prepare_typed(
+                        &super::batch::batch_sql(entry, &shape.unchanged, rows),
+                        &super::batch::param_types(entry, &shape.unchanged, rows),
+                    )
+                    .await
+            }
+        };
+        let statement = match wanted {
             Ok(s) => s,
             Err(e) => {
                 self.drain_to(0).await;
