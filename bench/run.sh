@@ -295,7 +295,7 @@ sample_backends() {  # outfile
 }
 
 # Results per round r: SECS_<applier>[r], CPU_<applier>[r] (seconds).
-declare -a SECS_builtin SECS_pgapply CPU_builtin CPU_pgapply CPUNOTE_pgapply WAL_MB SRC_TPS ORDER
+declare -a SECS_builtin SECS_pgapply CPU_builtin CPU_pgapply CPUNOTE_pgapply WAL_MB SRC_TPS ORDER CEIL_SECS
 LAST_WORKER_PID=""
 LAST_ENABLE_AT=""
 RETRY_MS="$(q "$TGT_PORT" postgres "SELECT setting FROM pg_settings WHERE name = 'wal_retrieve_retry_interval'")"
@@ -367,6 +367,14 @@ for ((r = 1; r <= ROUNDS; r++)); do
     SRC_TPS[r]="$(sed -n 's/^tps = \([0-9]*\).*/\1/p' "$WORK/pgbench-round$r.log" | head -n 1)"
     if ((r % 2 == 1)); then ORDER[r]="builtin pgapply"; else ORDER[r]="pgapply builtin"; fi
     log "round $r: workload done (${WAL_MB[r]} MB WAL, end $end_lsn); order: ${ORDER[r]}"
+    # The source's ceiling: the same backlog read by pgapply's reader with nothing applied (the
+    # slot is not moved).
+    "$BIN" source-speed --source "$SRC_CONN" --publication bench --slot pgapply_slot --endpos "$end_lsn" \
+        >"$WORK/ceiling-round$r.log" 2>&1 || { cat "$WORK/ceiling-round$r.log" >&2; die "round $r: pgapply source-speed failed"; }
+    CEIL_SECS[r]="$(sed -n 's/^read .* in \([0-9.]*\) s: .*/\1/p' "$WORK/ceiling-round$r.log")"
+    [ -n "${CEIL_SECS[r]}" ] || { cat "$WORK/ceiling-round$r.log" >&2; die "round $r: no result from pgapply source-speed"; }
+    wait_slot_inactive pgapply_slot
+    log "round $r: source ceiling ${CEIL_SECS[r]} s"
     for a in ${ORDER[r]}; do
         q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null   # every phase starts right after a checkpoint
         "run_$a" "$r" "$end_lsn"
@@ -384,7 +392,7 @@ GIT_REV="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if [ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ]; then GIT_REV="$GIT_REV (modified)"; fi
 CPU_MODEL="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)"
 
-speed_ratios="" cpu_ratios=""
+speed_ratios="" cpu_ratios="" ceil_b="" ceil_p="" ceil_t=""
 TABLE=""
 for ((r = 1; r <= ROUNDS; r++)); do
     TABLE+=$'\n'"Round $r: order ${ORDER[r]/ /, then }; ${WAL_MB[r]} MB source WAL; source pgbench ${SRC_TPS[r]:-?} tps"$'\n\n'
@@ -404,11 +412,15 @@ for ((r = 1; r <= ROUNDS; r++)); do
     speed_ratios+=" $sr"
     [ "$cr" = n/a ] || cpu_ratios+=" $cr"
     TABLE+=$'\n'"pgapply/built-in: throughput x$sr, CPU x$cr (pgapply CPU: ${CPUNOTE_pgapply[r]})"$'\n'
+    TABLE+="source ceiling: $(calc "$NTXN / ${CEIL_SECS[r]}" 0) txn/s (${CEIL_SECS[r]} s); built-in at $(calc "100 * ${CEIL_SECS[r]} / ${SECS_builtin[r]}" 0)% of it, pgapply at $(calc "100 * ${CEIL_SECS[r]} / ${SECS_pgapply[r]}" 0)%"$'\n'
+    ceil_b+=" $(calc "${CEIL_SECS[r]} / ${SECS_builtin[r]}" 2)"
+    ceil_p+=" $(calc "${CEIL_SECS[r]} / ${SECS_pgapply[r]}" 2)"
+    ceil_t+=" $(calc "$NTXN / ${CEIL_SECS[r]}" 0)"
 done
 MED_SPEED="$(echo "$speed_ratios" | median)"
 MED_CPU="$(echo "$cpu_ratios" | median)"
 SUMMARY="Median pgapply/built-in over $ROUNDS round(s): throughput x$MED_SPEED, CPU x$MED_CPU (throughput > 1: pgapply faster; CPU < 1: pgapply cheaper)"
-CEILING="Source ceiling (how fast the source alone can decode and send the backlog): not measured yet"
+CEILING="Source ceiling (pgapply source-speed: the same backlog read with pgapply's reader, nothing applied), median: $(echo "$ceil_t" | median) txn/s; built-in at x$(echo "$ceil_b" | median) of it, pgapply at x$(echo "$ceil_p" | median)"
 
 # ---------------------------------------------------------------------------
 # 7. correctness

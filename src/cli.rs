@@ -43,6 +43,31 @@ pub enum Command {
     /// Start two throwaway local clusters, mirror a live workload between them, and show that both
     /// sides match.
     Demo(DemoArgs),
+    /// Measure how fast the source sends a slot's backlog when nothing is applied (the ceiling for
+    /// any applier); the slot is not moved.
+    SourceSpeed(SourceSpeedArgs),
+}
+
+/// `pgapply source-speed`.
+#[derive(Debug, Args)]
+pub struct SourceSpeedArgs {
+    /// Source connection (a role with REPLICATION).
+    #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
+    pub source: String,
+    /// Publication(s) to read, comma-separated.
+    #[arg(
+        long,
+        env = "PGAPPLY_PUBLICATION",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub publication: Vec<String>,
+    /// An existing logical slot (pgoutput); read from its confirmed position, not moved.
+    #[arg(long, env = "PGAPPLY_SLOT")]
+    pub slot: String,
+    /// Read up to this LSN (for example pg_current_wal_lsn() on the source after a workload).
+    #[arg(long, value_name = "LSN")]
+    pub endpos: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]

@@ -24,6 +24,7 @@ pub mod retry;
 pub mod schema;
 pub mod skip;
 pub mod source;
+pub mod source_speed;
 pub mod sql;
 pub mod status;
 pub mod tls;

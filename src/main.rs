@@ -13,7 +13,9 @@ use pgapply::config::{self, FileConfig};
 use pgapply::error::{Error, ErrorClass};
 use pgapply::replicate::run;
 use pgapply::retry::Backoff;
-use pgapply::{check, conninfo, cutover, demo, metrics, schema, skip, status, verify};
+use pgapply::{
+    check, conninfo, cutover, demo, metrics, schema, skip, source_speed, status, verify,
+};
 
 /// Exit codes (documented in the README): 0 done, 1 a definite error (fix something and rerun),
 /// 2 bad command line, 3 a transient error that did not clear (rerunning may work).
@@ -119,6 +121,7 @@ fn main() -> ExitCode {
                 }
             }
             Command::Demo(args) => demo::demo(args.duration, args.pg_bin).await,
+            Command::SourceSpeed(args) => source_speed::source_speed_command(&args).await,
         }
     });
     match result {

@@ -405,3 +405,43 @@ async fn sighup_reloads_conflict_policies_and_log_level() {
     );
     let _ = std::fs::remove_file(&log);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_speed_reads_the_backlog_without_moving_the_slot() {
+    let db = TestDb::new("speed").await;
+    db.both("CREATE TABLE s (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE s").await;
+    let slot = db.slot();
+    // publish() made the slot.
+    let before = confirmed_lsn(&db).await;
+    for i in 0..25 {
+        db.source_sql(&format!("INSERT INTO s VALUES ({i}, 'x')"))
+            .await;
+    }
+    let endpos = db.source_wal().await;
+    let mut cmd = pgapply();
+    cmd.args([
+        "source-speed",
+        "--source",
+        &db.source_conninfo(),
+        "--publication",
+        "p",
+        "--slot",
+        &slot,
+        "--endpos",
+        &endpos,
+    ]);
+    let out = run_with_deadline(cmd, 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.starts_with("read 25 transactions"), "{stdout}");
+    assert_eq!(confirmed_lsn(&db).await, before, "the slot did not move");
+}
+
+async fn confirmed_lsn(db: &TestDb) -> String {
+    let sql = format!(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = '{}'",
+        db.slot()
+    );
+    db.source.query_one(&sql, &[]).await.unwrap().get(0)
+}

@@ -767,11 +767,7 @@ impl Applier {
                 tracing::warn!(gid = %gid, source_gid, "{verb}: the transaction is not prepared on the target; assuming it was finished before a restart");
             }
             // Finished before: nothing more to wait for at this position.
-            self.applied.send_if_modified(|a| {
-                let advanced = end_lsn > *a;
-                *a = (*a).max(end_lsn);
-                advanced
-            });
+            self.advance_applied(end_lsn);
             return Ok(());
         }
         let lsn = end_lsn.to_string();
@@ -1160,7 +1156,7 @@ impl Applier {
             g.statements += run.rows;
         }
         self.prepare_insert_sizes(&run.entry, &run.shape, run.limit)
-            .await;
+            .await?;
         let columns = run.params.len() / run.rows.max(1);
         let mut params = run.params.into_iter();
         let mut left = run.rows;
@@ -1185,9 +1181,13 @@ impl Applier {
     }
 
     /// Prepares the multi-row INSERTs of every size a run of this shape can be sent in, together
-    /// (one round trip instead of one per size). A failure here shows again, with its message,
-    /// when the statement is prepared on its own.
-    async fn prepare_insert_sizes(&mut self, entry: &RelationEntry, shape: &Shape, limit: usize) {
+    /// (one round trip instead of one per size).
+    async fn prepare_insert_sizes(
+        &mut self,
+        entry: &RelationEntry,
+        shape: &Shape,
+        limit: usize,
+    ) -> Result<()> {
         let mut missing = Vec::new();
         let mut size = 1;
         while size <= limit {
@@ -1199,7 +1199,7 @@ impl Applier {
             size *= 2;
         }
         if missing.len() < 2 {
-            return;
+            return Ok(());
         }
         let prepared = futures_util::future::join_all(missing.iter().map(|sized| {
             let sql = build_sql(entry, sized);
@@ -1207,9 +1207,28 @@ impl Applier {
             async move { client.prepare(&sql).await }
         }))
         .await;
+        let mut failed = None;
         for (sized, result) in missing.into_iter().zip(prepared) {
-            if let Ok(statement) = result {
-                self.statements.insert(sized, statement);
+            match result {
+                Ok(statement) => {
+                    self.statements.insert(sized, statement);
+                }
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        match failed {
+            None => Ok(()),
+            // A failed Parse aborts the open transaction: say why, not "transaction aborted".
+            Some(e) => {
+                self.drain_to(0).await;
+                self.fail_if_failed().await?;
+                Err(Error::postgres(
+                    format!(
+                        "preparing a multi-row INSERT into table {} on the target",
+                        entry.target.qualified
+                    ),
+                    e,
+                ))
             }
         }
     }
@@ -1517,7 +1536,7 @@ impl Applier {
         // Every size this table's batches can take, prepared together: one round trip.
         let mut sizes = vec![rows];
         let mut size = 1;
-        while size <= super::batch::MAX_BATCH_ROWS {
+        while size <= super::batch::row_limit(entry.source.columns.len()) {
             let mut other = shape.clone();
             other.rows = size;
             if size != rows && !self.statements.contains_key(&other) {
@@ -1534,11 +1553,17 @@ impl Applier {
         .await;
         let mut prepared = sizes.into_iter().zip(prepared);
         let wanted = prepared.next().map(|(_, r)| r);
+        let mut other_failed = None;
         for (n, result) in prepared {
-            if let Ok(statement) = result {
-                let mut other = shape.clone();
-                other.rows = n;
-                self.statements.insert(other, statement);
+            match result {
+                Ok(statement) => {
+                    let mut other = shape.clone();
+                    other.rows = n;
+                    self.statements.insert(other, statement);
+                }
+                // A failed Parse aborts the open transaction: report it rather than a later
+                // "transaction aborted".
+                Err(e) => other_failed = other_failed.or(Some(e)),
             }
         }
         let wanted = match wanted {
@@ -1551,6 +1576,10 @@ impl Applier {
                     )
                     .await
             }
+        };
+        let wanted = match (wanted, other_failed) {
+            (Ok(_), Some(e)) => Err(e),
+            (wanted, _) => wanted,
         };
         let statement = match wanted {
             Ok(s) => s,
@@ -2106,6 +2135,13 @@ impl Applier {
     /// After a failed statement the transaction is aborted on the server: end it, forget the
     /// group, and report the first failure.
     async fn fail_if_failed(&mut self) -> Result<()> {
+        if self.failure.is_none() {
+            return Ok(());
+        }
+        // Answers come in order: a COMMIT not yet answered comes after the failed statement, so
+        // its group did not commit (PostgreSQL answers it with a rollback). Forget those groups
+        // before draining, so that their answers cannot count them as committed.
+        self.committing.clear();
         match self.failure.take() {
             Some(e) => {
                 self.drain_to(0).await;
@@ -2118,8 +2154,7 @@ impl Applier {
                 self.insert_run = None;
                 self.held_updates.clear();
                 self.held_rows = 0;
-                // COMMITs answered before the failure stand; those after it did not commit.
-                self.committing.clear();
+                // COMMITs answered before the failure stand (settled below).
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 self.settle_committed().await;
                 Err(e)
@@ -2190,16 +2225,17 @@ impl Applier {
             batch: Vec::new(),
         });
         // The COMMIT goes out without waiting for its answer: the next group is built (and
-        // sent) meanwhile. The group counts as applied once the answer is in.
-        self.submit_pending();
+        // sent) meanwhile. The group counts as applied once the answer is in. (Noted before
+        // sending: the answer may be taken while sending.)
         self.committing.push_back(Committing {
-            seq: self.submitted,
+            seq: self.submitted + self.pending.len() as u64,
             end_lsn,
             commit_time,
             transactions: group.transactions,
             started: group.started,
             conflicts: Vec::new(),
         });
+        self.submit_pending();
         // Answers taken while sending may have settled it already (or found a failure).
         self.fail_if_failed().await?;
         self.settle_committed().await;
@@ -2259,6 +2295,11 @@ impl Applier {
     async fn rollback(&mut self) {
         // Earlier groups' answers first: their conflicts are theirs to record.
         self.drain_to(0).await;
+        if let Some(e) = self.failure.take() {
+            // Whatever failed is rolled back with the rest and applied again after a restart.
+            tracing::debug!(error = %e, "a statement of the abandoned target transaction failed");
+            self.committing.clear();
+        }
         self.pending.clear();
         self.insert_run = None;
         self.held_updates.clear();

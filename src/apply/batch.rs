@@ -109,6 +109,16 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool>
     Ok(!indexes.is_empty() && indexes.iter().all(is_key))
 }
 
+/// Most rows in one batched statement of a table with `columns` columns: a power of two, under
+/// PostgreSQL's limit on parameters per statement.
+pub fn row_limit(columns: usize) -> usize {
+    let mut limit = MAX_BATCH_ROWS;
+    while limit > 1 && limit * (columns.max(1) + 1) > 30_000 {
+        limit /= 2;
+    }
+    limit
+}
+
 /// One row's latest values: `None` where no update so far carried the column (unchanged TOAST).
 struct HeldRow<A> {
     values: Vec<Option<WireValue>>,
@@ -171,10 +181,7 @@ impl<A> UpdateBatch<A> {
     /// together, in power-of-two sizes that keep each statement under the parameter limit.
     pub fn into_chunks(self) -> Vec<Chunk<A>> {
         let columns = self.entry.source.columns.len().max(1);
-        let mut limit = MAX_BATCH_ROWS;
-        while limit > 1 && limit * (columns + 1) > 30_000 {
-            limit /= 2;
-        }
+        let limit = row_limit(columns);
         let mut by_shape: Vec<(ColumnSet, Vec<HeldRow<A>>)> = Vec::new();
         for row in self.rows {
             let mut unchanged = ColumnSet::default();
