@@ -278,6 +278,8 @@ pub struct Applier {
     /// that reach one target table must not pass each other.
     held_updates: HashMap<Oid, UpdateBatch<ChangeInfo>>,
     held_rows: usize,
+    /// Conflict policies by (source OID, generation).
+    policy_cache: HashMap<(Oid, u64), super::conflict::Policies>,
     /// Whether a relation's updates may be batched, by (source OID, generation).
     batchable: HashMap<(Oid, u64), bool>,
 }
@@ -427,6 +429,7 @@ impl Applier {
             held_updates: HashMap::new(),
             held_rows: 0,
             batchable: HashMap::new(),
+            policy_cache: HashMap::new(),
         })
     }
 
@@ -887,6 +890,7 @@ impl Applier {
         if let Some(updates) = &mut self.policy_updates {
             if updates.has_changed().unwrap_or(false) {
                 self.policies = updates.borrow_and_update().clone();
+                self.policy_cache.clear();
                 tracing::info!("conflict policies reloaded");
             }
         }
@@ -1233,13 +1237,20 @@ impl Applier {
         }
     }
 
-    fn policies_for(&self, entry: &RelationEntry) -> super::conflict::Policies {
+    /// The conflict policies of a relation (looked up once per relation and policy reload).
+    fn policies_for(&mut self, entry: &RelationEntry) -> super::conflict::Policies {
+        let key = (entry.source.oid, entry.generation);
+        if let Some(p) = self.policy_cache.get(&key) {
+            return *p;
+        }
         let schema = if entry.source.namespace.is_empty() {
             "pg_catalog"
         } else {
             &entry.source.namespace
         };
-        self.policies.for_table(schema, &entry.source.name)
+        let policies = self.policies.for_table(schema, &entry.source.name);
+        self.policy_cache.insert(key, policies);
+        policies
     }
 
     /// Values that find the old row, and how to match them.
