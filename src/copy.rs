@@ -26,6 +26,9 @@ use tokio_postgres::{Client, IsolationLevel};
 use crate::error::{Error, Result};
 use crate::sql::{qualified_name, quote_ident, quote_literal};
 
+/// Bytes of COPY data gathered before they are handed to the target connection.
+const COPY_BUFFER: usize = 256 * 1024;
+
 #[derive(Debug, Clone)]
 pub struct CopySettings {
     /// Copy jobs running at once.
@@ -688,13 +691,24 @@ async fn copy_one(
     pin_mut!(out);
     pin_mut!(sink);
     let mut bytes = 0u64;
+    // The source sends one CopyData message per row; handed on one by one, each would be its own
+    // message and flush towards the target. Gathered into large buffers instead.
+    let mut buffer = bytes::BytesMut::with_capacity(COPY_BUFFER);
     while let Some(chunk) = out.next().await {
         let chunk = chunk.map_err(src_err)?;
         bytes += chunk.len() as u64;
         progress
             .bytes
             .fetch_add(chunk.len() as u64, Ordering::Relaxed);
-        sink.send(chunk).await.map_err(dst_err)?;
+        buffer.extend_from_slice(&chunk);
+        if buffer.len() >= COPY_BUFFER {
+            let full = buffer.split().freeze();
+            sink.send(full).await.map_err(dst_err)?;
+            buffer.reserve(COPY_BUFFER);
+        }
+    }
+    if !buffer.is_empty() {
+        sink.send(buffer.freeze()).await.map_err(dst_err)?;
     }
     let rows = sink.finish().await.map_err(dst_err)?;
     progress.rows.fetch_add(rows, Ordering::Relaxed);
