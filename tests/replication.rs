@@ -254,6 +254,13 @@ async fn every_type_round_trips() {
         UPDATE ty SET f8 = 1e308, f4 = 1.17549435e-38 WHERE id = 3;"#,
     )
     .await;
+    // Updates of every type, held and sent as one batched statement: row 1's values into 2 and 3.
+    let columns = "n, f4, f8, ts, tsn, d, iv, by, j, jb, arr, iarr, e, dm, cp, r, tr, ip, cidr_, u, m, vb, b, ch, vc, x, pt, t, ttz, bo, o";
+    db.source_sql(&format!(
+        "BEGIN; UPDATE ty SET ({columns}) = (SELECT {columns} FROM ty WHERE id = 1) WHERE id = 2; COMMIT; \
+         BEGIN; UPDATE ty SET ({columns}) = (SELECT {columns} FROM ty WHERE id = 1) WHERE id = 3; COMMIT;"
+    ))
+    .await;
     db.sync("p").await;
     db.assert_same("ty").await;
 }
