@@ -1224,15 +1224,8 @@ impl Applier {
             None => Ok(()),
             // A failed Parse aborts the open transaction: say why, not "transaction aborted".
             Some(e) => {
-                self.drain_to(0).await;
-                self.fail_if_failed().await?;
-                Err(Error::postgres(
-                    format!(
-                        "preparing a multi-row INSERT into table {} on the target",
-                        entry.target.qualified
-                    ),
-                    e,
-                ))
+                let what = format!("a multi-row INSERT into table {}", entry.target.qualified);
+                self.prepare_failed(&what, e).await
             }
         }
     }
@@ -1595,15 +1588,8 @@ impl Applier {
         let statement = match wanted {
             Ok(s) => s,
             Err(e) => {
-                self.drain_to(0).await;
-                self.fail_if_failed().await?;
-                return Err(Error::postgres(
-                    format!(
-                        "preparing a batched UPDATE of table {} on the target",
-                        entry.target.qualified
-                    ),
-                    e,
-                ));
+                let what = format!("a batched UPDATE of table {}", entry.target.qualified);
+                return self.prepare_failed(&what, e).await;
             }
         };
         self.statements.insert(shape, statement.clone());
@@ -1867,21 +1853,23 @@ impl Applier {
                 })?
             }
             Err(e) => {
-                // An earlier statement of the group may have failed (this one then fails with
-                // "transaction aborted"): that earlier failure is the one to report.
-                self.drain_to(0).await;
-                self.fail_if_failed().await?;
-                return Err(Error::postgres(
-                    format!(
-                        "preparing a statement for table {} on the target",
-                        entry.target.qualified
-                    ),
-                    e,
-                ));
+                let what = format!("a statement for table {}", entry.target.qualified);
+                return self.prepare_failed(&what, e).await;
             }
         };
         self.statements.insert(shape, statement.clone());
         Ok(statement)
+    }
+
+    /// A statement could not be prepared. An earlier statement of the group may have failed (this
+    /// one then fails with "transaction aborted"): that earlier failure is the one to report.
+    async fn prepare_failed<T>(&mut self, what: &str, e: tokio_postgres::Error) -> Result<T> {
+        self.drain_to(0).await;
+        self.fail_if_failed().await?;
+        Err(Error::postgres(
+            format!("preparing {what} on the target"),
+            e,
+        ))
     }
 
     /// Hands the queued statements to the connection without waiting for their results, so the
