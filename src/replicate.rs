@@ -545,6 +545,9 @@ async fn track_durable(
     }
 }
 
+/// Queued bytes from which the reader paces its reads (see `ReplicationConnection::set_pacing`).
+const PACE_WHEN_QUEUED: usize = 256 * 1024;
+
 struct Reader<'a> {
     stream: &'a mut ReplicationStream,
     tx: Option<mpsc::UnboundedSender<Envelope>>,
@@ -617,6 +620,10 @@ impl Reader<'_> {
                 // The applier stopped on its own: it failed; its error is reported by the caller.
                 return Ok(StopReason::Shutdown);
             }
+            // Let the source's data accumulate (pause after short reads) only while the applier
+            // has enough queued not to starve meanwhile.
+            let queued = self.queue_bytes - self.budget.available_permits().min(self.queue_bytes);
+            self.stream.set_pacing(queued >= PACE_WHEN_QUEUED);
             tokio::select! {
                 _ = shutdown.changed() => return Ok(StopReason::Shutdown),
                 // The applier stopped (or is gone): the caller reports why.

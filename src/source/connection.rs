@@ -188,6 +188,8 @@ pub struct ReplicationConnection {
     read_pause: Option<Duration>,
     /// The last read returned less than `SHORT_READ` bytes.
     last_read_short: bool,
+    /// Whether to pause now: only while the consumer has work queued (see `set_pacing`).
+    pacing: bool,
 }
 
 /// A read smaller than this means the source is keeping up with us message by message.
@@ -221,6 +223,7 @@ impl ReplicationConnection {
             max_message_bytes,
             read_pause: None,
             last_read_short: false,
+            pacing: true,
         };
         let mut params: Vec<(&str, &str)> = vec![
             ("user", &user),
@@ -261,6 +264,12 @@ impl ReplicationConnection {
         self.read_pause = pause;
     }
 
+    /// Pause after short reads only while this is on: the consumer has enough queued not to
+    /// starve meanwhile.
+    pub fn set_pacing(&mut self, on: bool) {
+        self.pacing = on;
+    }
+
     /// Reads the next complete backend message; `Ok((tag, body))`, body without tag and length.
     async fn read_message(&mut self) -> Result<(u8, Bytes)> {
         loop {
@@ -291,7 +300,7 @@ impl ReplicationConnection {
             if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
                 self.read.reserve(READ_CHUNK);
             }
-            if let Some(pause) = self.read_pause.filter(|_| self.last_read_short) {
+            if let Some(pause) = self.read_pause.filter(|_| self.last_read_short && self.pacing) {
                 self.last_read_short = false;
                 tokio::time::sleep(pause).await;
             }

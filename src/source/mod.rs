@@ -287,6 +287,11 @@ impl ReplicationStream {
         }
     }
 
+    /// See `ReplicationConnection::set_pacing`.
+    pub fn set_pacing(&mut self, on: bool) {
+        self.conn.set_pacing(on);
+    }
+
     /// Whether the next frame is already received (`next_frame` then returns without waiting).
     pub fn has_buffered_frame(&self) -> bool {
         self.conn.has_buffered_copy_data()
