@@ -127,7 +127,7 @@ enum Outcome {
     ),
     /// A batched UPDATE: the numbers of its rows that matched nothing.
     Batch(
-        Vec<ChangeInfo>,
+        Vec<HeldChange>,
         std::result::Result<Vec<i32>, tokio_postgres::Error>,
     ),
 }
@@ -138,7 +138,39 @@ struct Pending {
     params: Vec<WireValue>,
     about: Option<ChangeInfo>,
     /// A batched UPDATE: its rows' changes, by row number.
-    batch: Vec<ChangeInfo>,
+    batch: Vec<HeldChange>,
+}
+
+/// A held UPDATE's change, in brief (held rows are many; `ChangeInfo` is made only for the
+/// rare one that finds no row).
+struct HeldChange {
+    relation: Arc<RelationEntry>,
+    xid: u32,
+    commit_lsn: Lsn,
+    commit_time: PgTimestamp,
+    /// The new row (a detached copy), which also holds the key.
+    new: Tuple,
+}
+
+impl HeldChange {
+    fn into_change_info(self) -> ChangeInfo {
+        ChangeInfo {
+            relation: self.relation,
+            operation: "UPDATE",
+            xid: self.xid,
+            commit_lsn: self.commit_lsn,
+            commit_time: self.commit_time,
+            key: None,
+            remote: Some(self.new),
+            // Only updates under update_missing = skip are held.
+            signal: Some(Signal {
+                conflict: ConflictType::UpdateMissing,
+                policy: Policy::Skip,
+                when_rows: 0,
+            }),
+            through: None,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -276,7 +308,7 @@ pub struct Applier {
     unique_keys: HashMap<(Oid, u64), Arc<Vec<Vec<usize>>>>,
     /// UPDATEs held in the open group, by target table (`apply::batch`): two source relations
     /// that reach one target table must not pass each other.
-    held_updates: HashMap<Oid, UpdateBatch<ChangeInfo>>,
+    held_updates: HashMap<Oid, UpdateBatch<HeldChange>>,
     held_rows: usize,
     /// Conflict policies by (source OID, generation).
     policy_cache: HashMap<(Oid, u64), super::conflict::Policies>,
@@ -1350,21 +1382,12 @@ impl Applier {
             }
             self.stats.updates += 1;
             METRICS.updates.inc();
-            let about = ChangeInfo {
+            let about = HeldChange {
                 relation: entry.clone(),
-                operation: "UPDATE",
                 xid,
                 commit_lsn,
                 commit_time,
-                // The key is in the new row.
-                key: None,
-                remote: Some(new),
-                signal: Some(Signal {
-                    conflict: ConflictType::UpdateMissing,
-                    policy: Policy::Skip,
-                    when_rows: 0,
-                }),
-                through: None,
+                new,
             };
             return self.hold_update(&entry, values, about).await;
         }
@@ -1461,7 +1484,7 @@ impl Applier {
         &mut self,
         entry: &Arc<RelationEntry>,
         values: Vec<Option<WireValue>>,
-        about: ChangeInfo,
+        about: HeldChange,
     ) -> Result<()> {
         let held_for_other = self.held_updates.get(&entry.target.oid).is_some_and(|b| {
             b.entry.source.oid != entry.source.oid || b.entry.generation != entry.generation
@@ -1490,7 +1513,7 @@ impl Applier {
         if self.held_updates.is_empty() {
             return Ok(());
         }
-        let batches: Vec<UpdateBatch<ChangeInfo>> = match target_table {
+        let batches: Vec<UpdateBatch<HeldChange>> = match target_table {
             Some(oid) => self.held_updates.remove(&oid).into_iter().collect(),
             None => self.held_updates.drain().map(|(_, b)| b).collect(),
         };
@@ -1968,13 +1991,13 @@ impl Applier {
         match outcome {
             Outcome::One(about, result) => self.check_result(about, result),
             Outcome::Batch(rows, Ok(missing)) => {
-                let mut rows: Vec<Option<ChangeInfo>> = rows.into_iter().map(Some).collect();
+                let mut rows: Vec<Option<HeldChange>> = rows.into_iter().map(Some).collect();
                 for r in missing {
-                    let about = usize::try_from(r)
+                    let held = usize::try_from(r)
                         .ok()
                         .and_then(|r| rows.get_mut(r)?.take());
-                    if about.is_some() {
-                        self.check_result(about, Ok(0));
+                    if let Some(held) = held {
+                        self.check_result(Some(held.into_change_info()), Ok(0));
                     }
                 }
             }

@@ -143,8 +143,8 @@ impl<A> UpdateBatch<A> {
     pub fn new(entry: Arc<RelationEntry>) -> Self {
         UpdateBatch {
             entry,
-            by_key: HashMap::new(),
-            rows: Vec::new(),
+            by_key: HashMap::with_capacity(64),
+            rows: Vec::with_capacity(64),
         }
     }
 

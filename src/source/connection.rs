@@ -300,7 +300,10 @@ impl ReplicationConnection {
             if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
                 self.read.reserve(READ_CHUNK);
             }
-            if let Some(pause) = self.read_pause.filter(|_| self.last_read_short && self.pacing) {
+            if let Some(pause) = self
+                .read_pause
+                .filter(|_| self.last_read_short && self.pacing)
+            {
                 self.last_read_short = false;
                 tokio::time::sleep(pause).await;
             }
