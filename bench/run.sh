@@ -335,7 +335,12 @@ run_pgapply() {  # round end_lsn
     sample_backends "$sample" &
     SAMPLER_PID=$!
     local TIMEFORMAT='%3R %3U %3S'
-    { time "$BIN" run --source "$SRC_CONN" \
+    local rss_cmd=()
+    # Peak RSS from GNU time when it is installed.
+    if [ -x /usr/bin/time ] && /usr/bin/time -f '%M' true >/dev/null 2>&1; then
+        rss_cmd=(/usr/bin/time -o "$WORK/rss-round$r" -f '%M')
+    fi
+    { time "${rss_cmd[@]}" "$BIN" run --source "$SRC_CONN" \
         --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=target_pgapply" \
         --publication bench --slot pgapply_slot --endpos "$end" --status-interval 1s \
         >"$plog" 2>&1; } 2>"$WORK/time-round$r" || rc=$?
@@ -351,6 +356,9 @@ run_pgapply() {  # round end_lsn
     SECS_pgapply[r]="$wall"
     CPU_pgapply[r]="$(calc "$user + $sys + $bticks / $CLK_TCK" 2)"
     CPUNOTE_pgapply[r]="pgapply $(calc "$user + $sys" 2) s + $nback target backend(s) $(calc "$bticks / $CLK_TCK" 2) s"
+    if [ -s "$WORK/rss-round$r" ]; then
+        CPUNOTE_pgapply[r]+="; pgapply peak RSS $(calc "$(tail -n 1 "$WORK/rss-round$r") / 1024" 0) MB"
+    fi
     wait_slot_inactive pgapply_slot
 }
 
