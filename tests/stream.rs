@@ -443,3 +443,73 @@ async fn two_phase_with_the_progress_table() {
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("tt").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflicts_of_a_prepared_transaction_count_only_if_it_commits() {
+    if !pgapply_version_or_skip("two-phase", 150000).await {
+        return;
+    }
+    let db = TestDb::new("twophaseconf").await;
+    db.both("CREATE TABLE tc (id int PRIMARY KEY, v text)")
+        .await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE tc").await;
+    let config = std::env::temp_dir().join(format!(
+        "pgapply-stream-{}-twophaseconf.toml",
+        std::process::id()
+    ));
+    std::fs::write(&config, "[conflicts]\ninsert_exists = \"skip\"\n").unwrap();
+    let config = config.to_string_lossy().to_string();
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--two-phase",
+                "--create-slot",
+                "--endpos",
+                &endpos,
+                "--config",
+                &config,
+            ],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.target_sql("INSERT INTO tc VALUES (1, 'local'), (2, 'local')")
+        .await;
+    db.source_sql("BEGIN; INSERT INTO tc VALUES (1, 'a'); PREPARE TRANSACTION 'c-1';")
+        .await;
+    db.source_sql("BEGIN; INSERT INTO tc VALUES (2, 'b'); PREPARE TRANSACTION 'c-2';")
+        .await;
+    db.source_sql("COMMIT PREPARED 'c-1'").await;
+    db.source_sql("ROLLBACK PREPARED 'c-2'").await;
+    // An ordinary transaction after them: its commit must not carry their conflicts.
+    db.source_sql("INSERT INTO tc VALUES (3, 'c')").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &["--two-phase", "--endpos", &endpos, "--config", &config],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let recorded: Vec<(String, String)> = db
+        .target
+        .query(
+            "SELECT conflict_type, key FROM pgapply.conflicts ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        recorded,
+        vec![("insert_exists".to_string(), "(\"id\")=(1)".to_string())],
+        "only the committed prepared transaction's conflict is recorded"
+    );
+}

@@ -299,6 +299,9 @@ pub struct Applier {
     skip_lsn: Option<Lsn>,
     /// Conflicts met in the open group, recorded once it commits.
     conflicts: Vec<ConflictRecord>,
+    /// Conflicts met by transactions prepared on the target (by source xid): recorded at COMMIT
+    /// PREPARED, dropped at ROLLBACK PREPARED.
+    prepared_conflicts: HashMap<Xid, Vec<ConflictRecord>>,
     /// Transactions of the open group skipped on request: (xid, commit LSN, commit time).
     skip_records: Vec<(u32, Lsn, PgTimestamp)>,
     /// Inserts into one table by one source transaction, waiting to go out as one statement.
@@ -455,6 +458,7 @@ impl Applier {
             policy_updates: options.policy_updates,
             skip_lsn: options.skip_lsn,
             conflicts: Vec::new(),
+            prepared_conflicts: HashMap::new(),
             skip_records: Vec::new(),
             insert_run: None,
             unique_keys: HashMap::new(),
@@ -754,6 +758,11 @@ impl Applier {
             });
         }
         self.send_pipeline().await?;
+        // Everything before was answered: what is left was met by this transaction.
+        let conflicts = std::mem::take(&mut self.conflicts);
+        if !conflicts.is_empty() {
+            self.prepared_conflicts.insert(xid, conflicts);
+        }
         self.client
             .batch_execute(&format!(
                 "PREPARE TRANSACTION {}",
@@ -851,6 +860,11 @@ impl Applier {
             }
         }
         tracing::debug!(gid = %gid, %end_lsn, "{verb}");
+        if let Some(conflicts) = self.prepared_conflicts.remove(&xid) {
+            if commit {
+                self.record_conflicts(conflicts).await;
+            }
+        }
         if commit {
             self.stats.transactions += 1;
             METRICS.transactions.inc();
