@@ -59,8 +59,7 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool>
                     EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t \
                             WHERE t.tgrelid = c.oid AND t.tgenabled <> 'D'), \
                     EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k \
-                            WHERE (k.conrelid = c.oid OR k.confrelid = c.oid) AND k.contype IN ('f', 'x')), \
-                    current_setting('server_version_num')::int \
+                            WHERE (k.conrelid = c.oid OR k.confrelid = c.oid) AND k.contype IN ('f', 'x')) \
              FROM pg_catalog.pg_class c WHERE c.oid = $1",
             &[&entry.target.oid],
         )
@@ -71,27 +70,7 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool>
     if !plain || row.get::<_, bool>(3) || row.get::<_, bool>(4) {
         return Ok(false);
     }
-    let version: i32 = row.get(5);
-    // From 11, indkey also lists INCLUDE columns after the indnkeyatts key columns.
-    let key_count = if version >= 110000 {
-        "i.indnkeyatts"
-    } else {
-        "i.indnatts"
-    };
-    let indexes = client
-        .query(
-            &format!(
-                "SELECT i.indexprs IS NULL AND i.indpred IS NULL, \
-                        ARRAY(SELECT a.attname::text \
-                              FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
-                              JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
-                              WHERE k.ord <= {key_count}) \
-                 FROM pg_catalog.pg_index i WHERE i.indrelid = $1 AND i.indisunique"
-            ),
-            &[&entry.target.oid],
-        )
-        .await
-        .map_err(failed)?;
+    let indexes = super::unique::unique_indexes(client, entry).await?;
     let mut key: Vec<&str> = entry
         .key_columns
         .iter()
@@ -100,11 +79,10 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool>
     key.sort_unstable();
     // Exactly the key's unique index: then one row per key, and no other unique value whose
     // order of writes could matter.
-    let is_key = |row: &tokio_postgres::Row| {
-        let simple: bool = row.get(0);
-        let mut columns: Vec<String> = row.get(1);
+    let is_key = |index: &super::unique::UniqueIndex| {
+        let mut columns: Vec<&str> = index.columns.iter().map(String::as_str).collect();
         columns.sort_unstable();
-        simple && columns.iter().map(String::as_str).eq(key.iter().copied())
+        index.simple && columns == key
     };
     Ok(!indexes.is_empty() && indexes.iter().all(is_key))
 }

@@ -33,12 +33,29 @@ pub fn indexes_violated(rows: &[ClashingRow]) -> usize {
         .count()
 }
 
-/// The target table's unique indexes, each as the source column positions it covers.
-pub async fn unique_keys(client: &Client, entry: &RelationEntry) -> Result<Vec<Vec<usize>>> {
+/// One unique index of a target table.
+pub struct UniqueIndex {
+    /// On plain columns, without a predicate (an expression or partial index is not).
+    pub simple: bool,
+    /// Its key columns (INCLUDE columns left out), in index order.
+    pub columns: Vec<String>,
+}
+
+/// The target table's unique indexes.
+pub async fn unique_indexes(client: &Client, entry: &RelationEntry) -> Result<Vec<UniqueIndex>> {
+    let failed = |e| {
+        Error::postgres(
+            format!(
+                "reading the unique indexes of table {} on the target",
+                entry.target.qualified
+            ),
+            e,
+        )
+    };
     let version: i32 = client
         .query_one("SELECT current_setting('server_version_num')::int", &[])
         .await
-        .map_err(|e| Error::postgres("reading the target's version", e))?
+        .map_err(failed)?
         .get(0);
     // From 11, indkey also lists INCLUDE columns after the indnkeyatts key columns.
     let key_count = if version >= 110000 {
@@ -47,31 +64,33 @@ pub async fn unique_keys(client: &Client, entry: &RelationEntry) -> Result<Vec<V
         "i.indnatts"
     };
     let sql = format!(
-        "SELECT array_agg(a.attname::text ORDER BY k.ord) \
-         FROM pg_catalog.pg_index i \
-         CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
-         JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
-         WHERE i.indrelid = $1 AND i.indisunique AND i.indexprs IS NULL AND i.indpred IS NULL \
-           AND k.ord <= {key_count} \
-         GROUP BY i.indexrelid ORDER BY i.indexrelid"
+        "SELECT i.indexprs IS NULL AND i.indpred IS NULL, \
+                ARRAY(SELECT a.attname::text \
+                      FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
+                      JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+                      WHERE k.ord <= {key_count} ORDER BY k.ord) \
+         FROM pg_catalog.pg_index i WHERE i.indrelid = $1 AND i.indisunique ORDER BY i.indexrelid"
     );
     let rows = client
         .query(&sql, &[&entry.target.oid])
         .await
-        .map_err(|e| {
-            Error::postgres(
-                format!(
-                    "reading the unique indexes of table {} on the target",
-                    entry.target.qualified
-                ),
-                e,
-            )
-        })?;
+        .map_err(failed)?;
+    Ok(rows
+        .iter()
+        .map(|r| UniqueIndex {
+            simple: r.get(0),
+            columns: r.get(1),
+        })
+        .collect())
+}
+
+/// The target table's simple unique indexes, each as the source column positions it covers.
+pub async fn unique_keys(client: &Client, entry: &RelationEntry) -> Result<Vec<Vec<usize>>> {
+    let indexes = unique_indexes(client, entry).await?;
     let mut keys = Vec::new();
-    'index: for row in rows {
-        let names: Vec<String> = row.get(0);
-        let mut columns = Vec::with_capacity(names.len());
-        for name in names {
+    'index: for index in indexes.into_iter().filter(|i| i.simple) {
+        let mut columns = Vec::with_capacity(index.columns.len());
+        for name in index.columns {
             let source = (0..entry.source.columns.len())
                 .find(|&c| entry.target_column(c).is_some_and(|t| t.name == name));
             match source {
