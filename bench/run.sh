@@ -16,6 +16,8 @@
 #                    (DELAY_MS each way in front of the target); 0 skips it
 #   LATENCY_TXNS     transactions of that backlog (default TXNS)
 #   DELAY_MS         proxy delay per direction in milliseconds (default 1)
+#   LAT_WORKERS      also apply that backlog through the proxy with --apply-workers LAT_WORKERS
+#                    (default 4; 1 skips it)
 #   LAG_BENCH=1      also measure replication lag under a fixed-rate pgbench load; 0 skips it
 #   LAG_SECONDS      length of that load per applier (default 20)
 #   RATE             its pgbench -R rate in txn/s (default: 80% of the built-in's catch-up txn/s,
@@ -41,6 +43,7 @@ COPY_JOBS="${COPY_JOBS:-4}"
 LATENCY_BENCH="${LATENCY_BENCH:-1}"
 LATENCY_TXNS="${LATENCY_TXNS:-$TXNS}"
 DELAY_MS="${DELAY_MS:-1}"
+LAT_WORKERS="${LAT_WORKERS:-4}"
 LAG_BENCH="${LAG_BENCH:-1}"
 LAG_SECONDS="${LAG_SECONDS:-20}"
 RATE="${RATE:-}"
@@ -55,7 +58,7 @@ for v in COPY_BENCH LATENCY_BENCH LAG_BENCH BIGTXN_BENCH; do
 done
 [[ "$DELAY_MS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "DELAY_MS must be a number of milliseconds (got '$DELAY_MS')"
 [ -z "$RATE" ] || [[ "$RATE" =~ ^[1-9][0-9]*$ ]] || die "RATE must be a positive integer (got '$RATE')"
-for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS LATENCY_TXNS LAG_SECONDS BIGTXN_ROWS; do
+for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS LATENCY_TXNS LAG_SECONDS BIGTXN_ROWS LAT_WORKERS; do
     [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
 done
 PER_CLIENT=$((TXNS / CLIENTS))
@@ -633,16 +636,19 @@ drop_slot() {  # slot (must be inactive)
 # Source database latsrc gets one backlog of LATENCY_TXNS tpcb-like transactions while nothing
 # applies it; slots lat_direct and lat_delay (created before the backlog) feed two target copies
 # of the template. pgapply catches up to the same end LSN twice: directly into lat_direct, then
-# through bench/delay_proxy.py (DELAY_MS added in each direction) into lat_delay. With enough
+# through bench/delay_proxy.py (DELAY_MS added in each direction) into lat_delay, and (LAT_WORKERS > 1)
+# through the proxy again with --apply-workers LAT_WORKERS into lat_workers. With enough
 # pipelining the delay costs little throughput; a round trip per transaction would cost ~2*DELAY_MS each.
 
 LAT_VERDICT=SKIPPED
 if [ "$LATENCY_BENCH" = 1 ]; then
     LAT_NTXN=$((LAT_PER_CLIENT * CLIENTS))
     log "latency hiding: $LAT_NTXN tpcb-like transactions in source database latsrc; pgapply directly, then through a proxy adding $DELAY_MS ms each way"
-    new_pair latsrc lat_direct lat_delay
-    create_slot latsrc lat_direct
-    create_slot latsrc lat_delay
+    LAT_MODES="direct delay"
+    [ "$LAT_WORKERS" -gt 1 ] && LAT_MODES+=" workers"
+    # shellcheck disable=SC2086 # one database per mode
+    new_pair latsrc $(for m in $LAT_MODES; do echo "lat_$m"; done)
+    for m in $LAT_MODES; do create_slot latsrc "lat_$m"; done
     "$PG_BIN/pgbench" -n -t "$LAT_PER_CLIENT" -c "$CLIENTS" -j "$JOBS" -h 127.0.0.1 -p "$SRC_PORT" -U postgres latsrc \
         >"$WORK/pgbench-latency.log" 2>&1 || { cat "$WORK/pgbench-latency.log" >&2; die "pgbench failed (latency phase)"; }
     lat_end="$(q "$SRC_PORT" latsrc "SELECT pg_current_wal_flush_lsn()")"
@@ -668,16 +674,18 @@ if [ "$LATENCY_BENCH" = 1 ]; then
     log "latency hiding: SELECT 1 round trip ${RTT_direct:-?} ms direct, ${RTT_delay:-?} ms through the proxy"
 
     declare -A LAT_SECS=()
-    for mode in direct delay; do
+    for mode in $LAT_MODES; do
         port="$TGT_PORT"
-        [ "$mode" = delay ] && port="$PROXY_PORT"
+        [ "$mode" != direct ] && port="$PROXY_PORT"
+        workers=1
+        [ "$mode" = workers ] && workers="$LAT_WORKERS"
         q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
         rc=0
         TIMEFORMAT='%3R %3U %3S'
         { time "$BIN" run --source "host=127.0.0.1 port=$SRC_PORT user=postgres dbname=latsrc" \
             --target "host=127.0.0.1 port=$port user=postgres dbname=lat_$mode" \
             --publication latsrc_pub --slot "lat_$mode" --endpos "$lat_end" --status-interval 1s \
-            >"$WORK/pgapply-lat-$mode.log" 2>&1; } 2>"$WORK/time-lat-$mode" || rc=$?
+            --apply-workers "$workers" >"$WORK/pgapply-lat-$mode.log" 2>&1; } 2>"$WORK/time-lat-$mode" || rc=$?
         unset TIMEFORMAT
         if [ "$rc" != 0 ]; then
             tail -n 30 "$WORK/pgapply-lat-$mode.log" >&2
@@ -695,21 +703,27 @@ if [ "$LATENCY_BENCH" = 1 ]; then
     LAT_SRC_RES="$(q "$SRC_PORT" latsrc "$CHECK_SQL")"
     LAT_RES_direct="$(q "$TGT_PORT" lat_direct "$CHECK_SQL")"
     LAT_RES_delay="$(q "$TGT_PORT" lat_delay "$CHECK_SQL")"
-    if [ "$LAT_RES_direct" = "$LAT_SRC_RES" ] && [ "$LAT_RES_delay" = "$LAT_SRC_RES" ]; then LAT_VERDICT=MATCH; else LAT_VERDICT=MISMATCH; fi
+    LAT_RES_workers="$LAT_SRC_RES"
+    [ "$LAT_WORKERS" -gt 1 ] && LAT_RES_workers="$(q "$TGT_PORT" lat_workers "$CHECK_SQL")"
+    if [ "$LAT_RES_direct" = "$LAT_SRC_RES" ] && [ "$LAT_RES_delay" = "$LAT_SRC_RES" ] && [ "$LAT_RES_workers" = "$LAT_SRC_RES" ]; then LAT_VERDICT=MATCH; else LAT_VERDICT=MISMATCH; fi
     LAT_RATIO="$(calc "${LAT_SECS[direct]} / ${LAT_SECS[delay]}" 2)"
     LAT_GOAL=met
     [ "$(calc "$LAT_RATIO >= 0.8" 0)" = 1 ] || LAT_GOAL="not met"
     LAT_TABLE="| pgapply target connection        | seconds | txn/s | row changes/s |"$'\n'
     LAT_TABLE+="|----------------------------------|--------:|------:|--------------:|"$'\n'
-    for mode in direct delay; do
+    for mode in $LAT_MODES; do
         name="direct"
         [ "$mode" = delay ] && name="through proxy, +$DELAY_MS ms each way"
+        [ "$mode" = workers ] && name="the same, --apply-workers $LAT_WORKERS"
         LAT_TABLE+="$(printf '| %-32s | %7.2f | %5.0f | %13.0f |' "$name" "${LAT_SECS[$mode]}" \
             "$(calc "$LAT_NTXN / ${LAT_SECS[$mode]}" 1)" "$(calc "$LAT_NTXN * $ROWS_PER_TXN / ${LAT_SECS[$mode]}" 1)")"$'\n'
     done
     LAT_SUMMARY="throughput with delay / without: x$LAT_RATIO (goal >= 0.8: $LAT_GOAL)"
+    if [ "$LAT_WORKERS" -gt 1 ]; then
+        LAT_SUMMARY+="; with --apply-workers $LAT_WORKERS: x$(calc "${LAT_SECS[direct]} / ${LAT_SECS[workers]}" 2)"
+    fi
     LAT_RTT="round trip of SELECT 1 (pgbench, 1 client, average): direct ${RTT_direct:-?} ms, through the proxy ${RTT_delay:-?} ms"
-    LAT_CORRECT="Correctness ($CHECK_DESC): $LAT_VERDICT (source [$LAT_SRC_RES] direct [$LAT_RES_direct] delayed [$LAT_RES_delay])"
+    LAT_CORRECT="Correctness ($CHECK_DESC): $LAT_VERDICT (source [$LAT_SRC_RES] direct [$LAT_RES_direct] delayed [$LAT_RES_delay] workers [$LAT_RES_workers])"
     {
         echo
         echo "## Latency hiding"

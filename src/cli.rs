@@ -154,7 +154,9 @@ pub struct RunArgs {
     /// Directory for spooled streamed transactions [default: the temp directory].
     #[arg(long, env = "PGAPPLY_SPOOL_DIR")]
     pub spool_dir: Option<PathBuf>,
-    /// Target connections applying transactions (1 for now).
+    /// Target connections applying transactions in parallel; transactions touching the same rows
+    /// (or tables whose rows can not be told apart by key) stay in order, commits follow the
+    /// source's order [default: 1].
     #[arg(long, env = "PGAPPLY_APPLY_WORKERS")]
     pub apply_workers: Option<usize>,
     /// Shortest wait before reconnecting after a transient error [default: 1s].

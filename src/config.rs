@@ -252,11 +252,18 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     if let Some(max) = args.max_message_bytes.or(file.max_message_bytes) {
         config.max_message_bytes = max.max(1024);
     }
-    if args.apply_workers.or(file.apply_workers).unwrap_or(1) > 1 {
+    let workers = args.apply_workers.or(file.apply_workers).unwrap_or(1);
+    if !(1..=64).contains(&workers) {
+        return Err(Error::definite(format!(
+            "apply_workers is {workers}: use a number from 1 to 64 (each worker is one target connection)"
+        )));
+    }
+    if workers > 1 && config.requested.two_phase {
         return Err(Error::definite(
-            "apply_workers > 1 is not available in this version yet; use 1",
+            "--two-phase and --apply-workers above 1 can not be combined: prepared transactions are applied by one connection; use --apply-workers 1 with --two-phase",
         ));
     }
+    config.apply_workers = workers;
     use crate::apply::conflict::Policies;
     let global = Policies::merge(
         Policies::default(),

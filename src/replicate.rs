@@ -21,6 +21,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
 use tokio::sync::{mpsc, watch, Semaphore};
 
 use crate::apply::applier::{ApplyStats, Envelope};
+use crate::apply::parallel::{Dispatcher, DispatcherOptions, WorkerLink, WorkerRole};
 use crate::apply::{Applier, ApplierOptions, ApplySettings, ProgressMode, ProgressStore};
 use crate::conninfo;
 use crate::copy::{self, CopySettings, CopyStatus};
@@ -59,6 +60,8 @@ pub struct RunConfig {
     pub policies: crate::apply::conflict::PolicyMap,
     /// New conflict policies while running (SIGHUP reloads the config file).
     pub policy_updates: Option<watch::Receiver<Arc<crate::apply::conflict::PolicyMap>>>,
+    /// Target connections applying in parallel (`apply::parallel`); 1: one, in order.
+    pub apply_workers: usize,
 }
 
 impl RunConfig {
@@ -86,6 +89,7 @@ impl RunConfig {
             spool_dir: None,
             policies: Default::default(),
             policy_updates: None,
+            apply_workers: 1,
         }
     }
 }
@@ -143,7 +147,9 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
     progress: Option<watch::Sender<RunProgress>>,
 ) -> Result<RunOutcome> {
-    let pool = target_pool(&config.target, 4)?;
+    // Setup, tracker, heartbeat and per applier two connections (statements, catalog reads),
+    // plus the dispatcher's catalog reads with parallel workers.
+    let pool = target_pool(&config.target, 5 + 2 * config.apply_workers.max(1))?;
     let mut setup = target_connection(&pool, &config.target).await?;
     crate::migrations::apply(&mut setup).await?;
 
@@ -243,29 +249,23 @@ pub async fn run(
     }
 
     let (applied_tx, applied_rx) = watch::channel(resume);
-    let applier = Applier::new(
-        target_connection(&pool, &config.target).await?,
-        target_connection(&pool, &config.target).await?,
-        store.clone(),
-        resume,
-        config.apply.clone(),
-        applied_tx,
-        ApplierOptions {
-            table_map: Arc::new(config.table_map.clone()),
-            policies: Arc::new(config.policies.clone()),
-            policy_updates: config.policy_updates.clone(),
-            skip_lsn: store
-                .skip_lsn(&*target_connection(&pool, &config.target).await?)
-                .await?,
-            slot: config.slot.clone(),
-            two_phase: negotiated.two_phase,
-            log_messages: negotiated.messages,
-            spool_dir: config.spool_dir.clone().unwrap_or_else(|| {
-                std::env::temp_dir().join(format!("pgapply-spool-{}", config.slot))
-            }),
-        },
-    )
-    .await?;
+    let options = ApplierOptions {
+        table_map: Arc::new(config.table_map.clone()),
+        policies: Arc::new(config.policies.clone()),
+        policy_updates: config.policy_updates.clone(),
+        skip_lsn: store
+            .skip_lsn(&*target_connection(&pool, &config.target).await?)
+            .await?,
+        slot: config.slot.clone(),
+        two_phase: negotiated.two_phase,
+        log_messages: negotiated.messages,
+        spool_dir: config
+            .spool_dir
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join(format!("pgapply-spool-{}", config.slot))),
+        worker: None,
+    };
+    let apply = ApplyStart::prepare(&config, &pool, &store, resume, applied_tx, options).await?;
     let mut stream = session
         .start(&config.slot, resume, &negotiated, &config.publications)
         .await?;
@@ -287,15 +287,9 @@ pub async fn run(
         reported.clone(),
     ));
 
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel();
     let (applier_done_tx, applier_done_rx) = watch::channel(false);
-    let mut applier_task = tokio::spawn(async move {
-        let mut applier = applier;
-        let result = applier.run(&mut rx).await;
-        let _ = applier_done_tx.send(true);
-        (applier, result)
-    });
-
+    let mut applier_task = tokio::spawn(apply.run(rx, applier_done_tx));
     let mut reader = Reader {
         stream: &mut stream,
         tx: Some(tx),
@@ -318,7 +312,7 @@ pub async fn run(
     let read_result = reader.run(&mut shutdown).await;
     // Closing the queue lets the applier finish what it has and stop.
     reader.tx = None;
-    let (applier, apply_result) = match (&mut applier_task).await {
+    let (stats, apply_result) = match (&mut applier_task).await {
         Ok(pair) => pair,
         Err(e) => return Err(Error::definite(format!("the apply task failed: {e}"))),
     };
@@ -326,8 +320,11 @@ pub async fn run(
     heartbeat.abort();
 
     // Last word to the source: what is durable now.
-    let durable = match store.durable_position(applier.client()).await {
-        Ok(lsn) => lsn.max(*durable_rx.borrow()),
+    let durable = match target_connection(&pool, &config.target).await {
+        Ok(client) => match store.durable_position(&client).await {
+            Ok(lsn) => lsn.max(*durable_rx.borrow()),
+            Err(_) => *durable_rx.borrow(),
+        },
         Err(_) => *durable_rx.borrow(),
     };
     let flushed = reader.flush_position(durable);
@@ -352,17 +349,189 @@ pub async fn run(
     let reason = read_result?;
     tracing::info!(
         flushed_lsn = %flushed,
-        transactions = applier.stats.transactions,
-        inserts = applier.stats.inserts,
-        updates = applier.stats.updates,
-        deletes = applier.stats.deletes,
+        transactions = stats.transactions,
+        inserts = stats.inserts,
+        updates = stats.updates,
+        deletes = stats.deletes,
         "replication stopped"
     );
     Ok(RunOutcome {
         reason,
         flushed,
-        stats: applier.stats.clone(),
+        stats,
     })
+}
+
+/// The applier of a run, connected and ready: one, or parallel workers behind a dispatcher.
+enum ApplyStart {
+    Single(Box<Applier>),
+    Parallel {
+        dispatcher: Box<Dispatcher>,
+        workers: Vec<(Box<Applier>, mpsc::UnboundedReceiver<Envelope>)>,
+        stopped: watch::Sender<bool>,
+        serial_through: Arc<std::sync::atomic::AtomicU64>,
+    },
+}
+
+impl ApplyStart {
+    async fn prepare(
+        config: &RunConfig,
+        pool: &Pool,
+        store: &ProgressStore,
+        resume: Lsn,
+        applied: watch::Sender<Lsn>,
+        options: ApplierOptions,
+    ) -> Result<Self> {
+        let connect = || target_connection(pool, &config.target);
+        let n = config.apply_workers.max(1);
+        if n == 1 {
+            let applier = Applier::new(
+                connect().await?,
+                connect().await?,
+                store.clone(),
+                resume,
+                config.apply.clone(),
+                applied,
+                options,
+            )
+            .await?;
+            return Ok(ApplyStart::Single(Box::new(applier)));
+        }
+        let setup = connect().await?;
+        let mut stores = Vec::new();
+        for index in 0..n {
+            stores.push(store.for_worker(&setup, index).await?);
+        }
+        drop(setup);
+        let origins: Arc<Vec<String>> = Arc::new(
+            stores
+                .iter()
+                .map(|s| s.origin_name().unwrap_or_default().to_owned())
+                .collect(),
+        );
+        let locks: Vec<watch::Sender<u64>> = (0..n).map(|_| watch::channel(0).0).collect();
+        let peers: Vec<watch::Receiver<u64>> = locks.iter().map(|l| l.subscribe()).collect();
+        let lock_key = crate::apply::parallel::lock_key(&config.slot);
+        let applied = Arc::new(applied);
+        let applied_rx = applied.subscribe();
+        let mut workers = Vec::new();
+        let mut links = Vec::new();
+        for (index, (store, locked)) in stores.into_iter().zip(locks).enumerate() {
+            let role = WorkerRole {
+                index,
+                lock_key,
+                locked: Arc::new(locked),
+                peers: peers.clone(),
+                origins: origins.clone(),
+            };
+            let applier = Applier::new(
+                connect().await?,
+                connect().await?,
+                store,
+                resume,
+                config.apply.clone(),
+                applied.clone(),
+                ApplierOptions {
+                    worker: Some(role),
+                    ..options.clone()
+                },
+            )
+            .await?;
+            let (tx, rx) = mpsc::unbounded_channel();
+            links.push(WorkerLink { tx });
+            workers.push((Box::new(applier), rx));
+        }
+        let (stopped, stopped_rx) = watch::channel(false);
+        let serial_through = config.apply.unbatched_through.clone();
+        let dispatcher = Dispatcher::new(
+            links,
+            applied_rx,
+            stopped_rx,
+            connect().await?,
+            DispatcherOptions {
+                resume,
+                skip_lsn: options.skip_lsn,
+                serial_through: serial_through.clone(),
+                table_map: options.table_map.clone(),
+                queue_bytes: config.queue_bytes,
+            },
+        );
+        tracing::info!(workers = n, "applying with parallel workers");
+        Ok(ApplyStart::Parallel {
+            dispatcher: Box::new(dispatcher),
+            workers,
+            stopped,
+            serial_through,
+        })
+    }
+
+    /// Applies what arrives on `rx` until it closes or applying fails.
+    async fn run(
+        self,
+        mut rx: mpsc::UnboundedReceiver<Envelope>,
+        done: watch::Sender<bool>,
+    ) -> (ApplyStats, Result<()>) {
+        let outcome = match self {
+            ApplyStart::Single(mut applier) => {
+                let result = applier.run(&mut rx).await;
+                (applier.stats.clone(), result)
+            }
+            ApplyStart::Parallel {
+                mut dispatcher,
+                workers,
+                stopped,
+                serial_through,
+            } => {
+                let stopped = Arc::new(stopped);
+                // The first worker failure is the one to report: the others follow from it.
+                let first_failure: Arc<std::sync::Mutex<Option<Error>>> = Arc::default();
+                let mut tasks = Vec::new();
+                for (mut applier, mut worker_rx) in workers {
+                    let stopped = stopped.clone();
+                    let first_failure = first_failure.clone();
+                    tasks.push(tokio::spawn(async move {
+                        let result = applier.run(&mut worker_rx).await;
+                        if let Err(e) = result {
+                            if let Ok(mut first) = first_failure.lock() {
+                                first.get_or_insert(e);
+                            }
+                        }
+                        let stats = applier.stats.clone();
+                        // Dropping the applier tells the workers waiting for it.
+                        drop(applier);
+                        stopped.send_replace(true);
+                        stats
+                    }));
+                }
+                let dispatched = dispatcher.run(&mut rx).await;
+                let last_end = dispatcher.last_end();
+                // Closing the workers' queues lets them finish what they have and stop.
+                drop(dispatcher);
+                let mut stats = ApplyStats::default();
+                let mut result = Ok(());
+                for task in tasks {
+                    match task.await {
+                        Ok(s) => stats.add(&s),
+                        Err(e) => {
+                            result = Err(Error::definite(format!("an apply worker failed: {e}")))
+                        }
+                    }
+                }
+                let failure = first_failure.lock().ok().and_then(|mut f| f.take());
+                if let Some(e) = failure {
+                    // The transactions in flight when it failed are applied one at a time by
+                    // the retry, in case they depend on each other in ways not seen here.
+                    serial_through.fetch_max(last_end.0, std::sync::atomic::Ordering::Relaxed);
+                    result = Err(e);
+                } else if result.is_ok() {
+                    result = dispatched;
+                }
+                (stats, result)
+            }
+        };
+        let _ = done.send(true);
+        outcome
+    }
 }
 
 /// Why binary transfer cannot be used for these publications, if it cannot: every published
@@ -816,6 +985,7 @@ impl Reader<'_> {
                 message,
                 raw,
                 permit: Some(permit),
+                turn: None,
             });
         }
         Ok(())

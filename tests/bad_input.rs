@@ -191,6 +191,16 @@ async fn features_the_source_lacks_and_bad_values_are_refused() {
         &["origin \"sometimes\""],
     )
     .await;
+    expect_failure(
+        db.pgapply("p", &["--apply-workers", "0"]),
+        &["apply_workers is 0", "from 1 to 64"],
+    )
+    .await;
+    expect_failure(
+        db.pgapply("p", &["--apply-workers", "2", "--two-phase"]),
+        &["--two-phase and --apply-workers above 1"],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,4 +264,29 @@ async fn md5_user_and_target_role_without_origin_rights() {
         .unwrap()
         .get(0);
     assert!(recorded.is_some(), "the position is in the table");
+    // Parallel workers need origins: refused with what to do.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.arg("run")
+        .arg("--source")
+        .arg(format!(
+            "host=127.0.0.1 port={} user={user} password=md5-secret dbname={}",
+            db.source_port, db.name
+        ))
+        .arg("--target")
+        .arg(format!(
+            "postgres://{writer}:w-secret@127.0.0.1:{}/{}",
+            db.target_port, db.name
+        ))
+        .args(["--publication", "p", "--slot", &db.slot()])
+        .args(["--apply-workers", "2", "--max-retries", "1"])
+        .kill_on_drop(true);
+    expect_failure(
+        cmd,
+        &[
+            "--apply-workers above 1",
+            "replication origins",
+            "--apply-workers 1",
+        ],
+    )
+    .await;
 }

@@ -57,10 +57,20 @@ fn spool_files(dir: &std::path::Path) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interleaved_streamed_transactions_with_aborts() {
+    interleaved_streamed_transactions("streamed", &[]).await;
+}
+
+/// Parallel workers hand streamed transactions to the first worker, in order with the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_streamed_transactions_with_parallel_workers() {
+    interleaved_streamed_transactions("streampar", &["--apply-workers", "3"]).await;
+}
+
+async fn interleaved_streamed_transactions(prefix: &str, extra: &[&str]) {
     if !pgapply_version_or_skip("streaming", 140000).await {
         return;
     }
-    let db = TestDb::new("streamed").await;
+    let db = TestDb::new(prefix).await;
     db.both("CREATE TABLE s (id int PRIMARY KEY, who text, pad text)")
         .await;
     db.publish("CREATE PUBLICATION p FOR TABLE s").await;
@@ -87,11 +97,9 @@ async fn interleaved_streamed_transactions_with_aborts() {
     let dir = spool_dir(&db);
     let dir_arg = dir.to_string_lossy().to_string();
     let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply("p", &["--endpos", &endpos, "--spool-dir", &dir_arg]),
-        120,
-    )
-    .await;
+    let mut args = vec!["--endpos", &endpos, "--spool-dir", &dir_arg];
+    args.extend_from_slice(extra);
+    let out = run_with_deadline(db.pgapply("p", &args), 120).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
         stderr(&out).contains("streaming on"),

@@ -10,6 +10,7 @@ use tokio_postgres::{Client, Statement};
 
 use super::batch::UpdateBatch;
 use super::conflict::{ConflictRecord, ConflictType, Policy, PolicyMap};
+use super::parallel::{After, Turn, WorkerRole};
 use super::progress::ProgressStore;
 use super::spool::Spool;
 use super::statement::{build_sql, ColumnSet, OnConflict, Operation, RowMatch, Shape, WireValue};
@@ -29,6 +30,8 @@ pub struct Envelope {
     /// The message's bytes as received: what streamed transactions spool.
     pub raw: bytes::Bytes,
     pub permit: Option<OwnedSemaphorePermit>,
+    /// On a Begin handed to a parallel worker: the transaction's place in the commit order.
+    pub turn: Option<Turn>,
 }
 
 #[derive(Debug, Clone)]
@@ -71,6 +74,17 @@ pub struct ApplyStats {
     pub missing_rows: u64,
 }
 
+impl ApplyStats {
+    pub fn add(&mut self, other: &ApplyStats) {
+        self.transactions += other.transactions;
+        self.inserts += other.inserts;
+        self.updates += other.updates;
+        self.deletes += other.deletes;
+        self.truncates += other.truncates;
+        self.missing_rows += other.missing_rows;
+    }
+}
+
 /// The source transaction being received.
 struct SourceTransaction {
     xid: u32,
@@ -91,6 +105,8 @@ struct Group {
     /// Last included source commit: end LSN and time.
     last_commit: Option<(Lsn, PgTimestamp)>,
     transactions: u64,
+    /// Its place in the commit order, on a parallel worker.
+    turn: Option<Turn>,
 }
 
 /// Statements queued before they are handed to the connection together.
@@ -130,6 +146,8 @@ enum Outcome {
         Vec<HeldChange>,
         std::result::Result<Vec<i32>, tokio_postgres::Error>,
     ),
+    /// A turn step's row count.
+    Turn(TurnStep, std::result::Result<u64, tokio_postgres::Error>),
 }
 
 /// One queued statement and what to say about it if it fails or finds no row.
@@ -139,6 +157,19 @@ struct Pending {
     about: Option<ChangeInfo>,
     /// A batched UPDATE: its rows' changes, by row number.
     batch: Vec<HeldChange>,
+    /// A step that keeps parallel workers' commits in order (`apply::parallel`).
+    turn: Option<TurnStep>,
+}
+
+/// The statements of a parallel worker's transaction that keep commits in source order.
+#[derive(Debug, Clone, Copy)]
+enum TurnStep {
+    /// This transaction's turn lock: held once answered, which the other workers are told.
+    Lock(u64),
+    /// Waiting for the predecessor's lock; nothing to note.
+    Wait,
+    /// The predecessor committed if this returns a row.
+    Check(After),
 }
 
 /// A held UPDATE's change, in brief (held rows are many; `ChangeInfo` is made only for the
@@ -283,7 +314,8 @@ pub struct Applier {
     /// BEGIN has been sent (or queued) for the current group.
     group: Option<Group>,
     current: Option<SourceTransaction>,
-    applied: watch::Sender<Lsn>,
+    /// Shared by parallel workers: they commit in source order, so the latest is the position.
+    applied: Arc<watch::Sender<Lsn>>,
     pub stats: ApplyStats,
     /// Streamed transactions waiting for their Stream Commit.
     spool: Spool,
@@ -317,6 +349,18 @@ pub struct Applier {
     policy_cache: HashMap<(Oid, u64), super::conflict::Policies>,
     /// Whether a relation's updates may be batched, by (source OID, generation).
     batchable: HashMap<(Oid, u64), bool>,
+    /// Set on a parallel apply worker (`apply::parallel`).
+    worker: Option<WorkerRole>,
+    turn_statements: Option<TurnStatements>,
+    /// The turn of the transaction whose Begin comes next.
+    next_turn: Option<Turn>,
+}
+
+/// Prepared statements of the turn steps.
+struct TurnStatements {
+    lock: Statement,
+    wait: Statement,
+    check: Statement,
 }
 
 /// Most UPDATEs held at once before they are sent.
@@ -351,6 +395,8 @@ pub struct ApplierOptions {
     pub policies: Arc<PolicyMap>,
     pub policy_updates: Option<watch::Receiver<Arc<PolicyMap>>>,
     pub skip_lsn: Option<Lsn>,
+    /// Set for each worker of a parallel apply.
+    pub worker: Option<WorkerRole>,
 }
 
 impl Applier {
@@ -360,7 +406,7 @@ impl Applier {
         progress: ProgressStore,
         resume: Lsn,
         settings: ApplySettings,
-        applied: watch::Sender<Lsn>,
+        applied: impl Into<Arc<watch::Sender<Lsn>>>,
         options: ApplierOptions,
     ) -> Result<Self> {
         progress.setup_session(&client).await?;
@@ -425,6 +471,22 @@ impl Applier {
         let begin = prepare("BEGIN".into()).await?;
         let commit = prepare("COMMIT".into()).await?;
         let record = prepare(progress.record_sql()).await?;
+        let turn_statements = match &options.worker {
+            None => None,
+            Some(_) => Some(TurnStatements {
+                lock: prepare("SELECT pg_catalog.pg_advisory_xact_lock($1::int4, $2::int4)".into())
+                    .await?,
+                wait: prepare(
+                    "SELECT pg_catalog.pg_advisory_xact_lock_shared($1::int4, $2::int4)".into(),
+                )
+                .await?,
+                check: prepare(
+                    "SELECT 1 WHERE pg_catalog.pg_replication_origin_progress($1::text, false) >= $2::text::pg_lsn"
+                        .into(),
+                )
+                .await?,
+            }),
+        };
         Ok(Applier {
             client: Arc::new(client),
             catalog,
@@ -448,7 +510,7 @@ impl Applier {
             pending: Vec::new(),
             group: None,
             current: None,
-            applied,
+            applied: applied.into(),
             stats: ApplyStats::default(),
             spool,
             streaming: None,
@@ -466,6 +528,9 @@ impl Applier {
             held_rows: 0,
             batchable: HashMap::new(),
             policy_cache: HashMap::new(),
+            worker: options.worker,
+            turn_statements,
+            next_turn: None,
         })
     }
 
@@ -499,6 +564,9 @@ impl Applier {
             match next {
                 Next::Message(None) => break,
                 Next::Message(Some(envelope)) => {
+                    if envelope.turn.is_some() {
+                        self.next_turn = envelope.turn;
+                    }
                     self.dispatch(envelope.message, envelope.raw).await?;
                     drop(envelope.permit);
                     // Between source transactions a finished group may commit: right after a
@@ -755,6 +823,7 @@ impl Applier {
                 params: record.to_vec(),
                 about: None,
                 batch: Vec::new(),
+                turn: None,
             });
         }
         self.send_pipeline().await?;
@@ -875,6 +944,11 @@ impl Applier {
     }
 
     fn group_should_close(&self, nothing_waiting: bool) -> bool {
+        // A parallel worker commits each source transaction on its own: its commit waits for
+        // transactions of other workers, which may wait for this one's.
+        if self.worker.is_some() {
+            return self.group.is_some();
+        }
         match &self.group {
             None => false,
             Some(g) => {
@@ -951,12 +1025,14 @@ impl Applier {
         if skip {
             tracing::debug!(xid = b.xid, commit_lsn = %b.final_lsn, "skipping transaction applied before");
         } else if self.group.is_none() {
+            let turn = self.next_turn.take();
             self.group = Some(Group {
                 started: Instant::now(),
                 check_before_commit: false,
                 statements: 0,
                 last_commit: None,
                 transactions: 0,
+                turn,
             });
             let begin = self.begin.clone();
             self.pending.push(Pending {
@@ -964,8 +1040,23 @@ impl Applier {
                 params: Vec::new(),
                 about: None,
                 batch: Vec::new(),
+                turn: None,
             });
+            if let (Some(turn), Some(worker), Some(statements)) =
+                (turn, &self.worker, &self.turn_statements)
+            {
+                self.pending.push(Pending {
+                    statement: statements.lock.clone(),
+                    params: turn_lock_params(worker.lock_key, turn.seq),
+                    about: None,
+                    batch: Vec::new(),
+                    turn: Some(TurnStep::Lock(turn.seq)),
+                });
+                // Out at once: the next transaction's worker waits to hear it is held.
+                self.submit_pending();
+            }
         }
+        self.next_turn = None;
         let skip_requested = !skip && self.skip_lsn == Some(b.final_lsn);
         if skip_requested {
             tracing::warn!(xid = b.xid, commit_lsn = %b.final_lsn, "skipping this source transaction as requested (pgapply skip)");
@@ -1013,12 +1104,14 @@ impl Applier {
                 statements: 0,
                 last_commit: None,
                 transactions: 0,
+                turn: None,
             });
             self.pending.push(Pending {
                 statement: self.begin.clone(),
                 params: Vec::new(),
                 about: None,
                 batch: Vec::new(),
+                turn: None,
             });
         }
         self.skip_records.push((txn.xid, txn.final_lsn, time));
@@ -1224,6 +1317,7 @@ impl Applier {
                 params: params.by_ref().take(rows * columns).collect(),
                 about: Some(about.clone()),
                 batch: Vec::new(),
+                turn: None,
             })
             .await?;
         }
@@ -1251,6 +1345,7 @@ impl Applier {
         if missing.len() < 2 {
             return Ok(());
         }
+        self.settle_before_round_trip().await?;
         let prepared = futures_util::future::join_all(missing.iter().map(|sized| {
             let sql = build_sql(entry, sized);
             let client = self.client.clone();
@@ -1548,6 +1643,7 @@ impl Applier {
                     params: chunk.params,
                     about: None,
                     batch: chunk.about,
+                    turn: None,
                 })
                 .await?;
             }
@@ -1585,6 +1681,7 @@ impl Applier {
             }
             size *= 2;
         }
+        self.settle_before_round_trip().await?;
         let prepared = futures_util::future::join_all(sizes.iter().map(|&n| {
             let sql = super::batch::batch_sql(entry, &shape.unchanged, n);
             let types = super::batch::param_types(entry, &shape.unchanged, n);
@@ -1812,6 +1909,7 @@ impl Applier {
             params: Vec::new(),
             about: None,
             batch: Vec::new(),
+            turn: None,
         })
         .await
     }
@@ -1834,6 +1932,7 @@ impl Applier {
             params,
             about: Some(about),
             batch: Vec::new(),
+            turn: None,
         })
         .await
     }
@@ -1860,12 +1959,26 @@ impl Applier {
         Ok(())
     }
 
+    /// On a parallel worker, a round trip on the apply connection (preparing a statement) must
+    /// not wait behind statements that wait for other workers: those may be waiting for this
+    /// worker to pass on that it holds a turn lock, which it does only while taking answers.
+    /// So everything sent is answered first (statements are prepared a few times per run).
+    async fn settle_before_round_trip(&mut self) -> Result<()> {
+        if self.worker.is_some() {
+            self.submit_pending();
+            self.drain_to(0).await;
+            self.fail_if_failed().await?;
+        }
+        Ok(())
+    }
+
     /// The prepared statement for a shape, preparing it the first time.
     async fn statement(&mut self, entry: &RelationEntry, mut shape: Shape) -> Result<Statement> {
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
         }
         let sql = build_sql(entry, &shape);
+        self.settle_before_round_trip().await?;
         let statement = match self.client.prepare(&sql).await {
             Ok(s) => s,
             // A type without an equality operator under REPLICA IDENTITY FULL: compare as text.
@@ -1920,11 +2033,17 @@ impl Applier {
                 params,
                 about,
                 batch,
+                turn,
             } = pending;
             self.in_flight_sizes.push_back(params.len());
             self.in_flight_values += params.len();
             self.submitted += 1;
-            if batch.is_empty() {
+            if let Some(step) = turn {
+                self.in_flight_mut().push_back(Box::pin(async move {
+                    let result = client.execute_raw(&statement, params.iter()).await;
+                    Outcome::Turn(step, result)
+                }));
+            } else if batch.is_empty() {
                 self.in_flight_mut().push_back(Box::pin(async move {
                     let result = client.execute_raw(&statement, params.iter()).await;
                     Outcome::One(about, result)
@@ -2004,6 +2123,7 @@ impl Applier {
     fn check_outcome_of(&mut self, outcome: Outcome) {
         match outcome {
             Outcome::One(about, result) => self.check_result(about, result),
+            Outcome::Turn(step, result) => self.check_turn(step, result),
             Outcome::Batch(rows, Ok(missing)) => {
                 let mut rows: Vec<Option<HeldChange>> = rows.into_iter().map(Some).collect();
                 for r in missing {
@@ -2034,6 +2154,44 @@ impl Applier {
                 }
                 let through = rows.iter().map(|a| a.commit_lsn).max();
                 self.retry_unbatched(err, through);
+            }
+        }
+    }
+
+    fn check_turn(
+        &mut self,
+        step: TurnStep,
+        result: std::result::Result<u64, tokio_postgres::Error>,
+    ) {
+        match (step, result) {
+            (_, Err(e)) => {
+                // A deadlock here (rows the dispatcher could not see made two transactions wait
+                // for each other) is transient: the retry applies them one at a time.
+                if self.failure.is_none() {
+                    self.failure = Some(Error::postgres(
+                        "keeping parallel apply workers in commit order",
+                        e,
+                    ));
+                }
+            }
+            (TurnStep::Lock(seq), Ok(_)) => {
+                if let Some(worker) = &self.worker {
+                    tracing::trace!(worker = worker.index, seq, "turn lock held");
+                    worker.locked.send_if_modified(|held| {
+                        let advanced = seq > *held;
+                        *held = (*held).max(seq);
+                        advanced
+                    });
+                }
+            }
+            (TurnStep::Wait, Ok(_)) => {}
+            (TurnStep::Check(after), Ok(rows)) => {
+                if rows == 0 && self.failure.is_none() {
+                    self.failure = Some(Error::transient(format!(
+                        "parallel apply: the source transaction before this one (ending at {}, on worker {}) did not commit, so this one may not either; restarting from the last committed position",
+                        after.end_lsn, after.worker
+                    )));
+                }
             }
         }
     }
@@ -2210,9 +2368,13 @@ impl Applier {
         let Some(group) = self.group.take() else {
             return Ok(());
         };
-        // This group may commit only once the previous one is known to have committed: if that
-        // failed, this one must not commit without it. Usually its answer is long there.
-        self.wait_for_commits().await?;
+        match group.turn {
+            // A parallel worker's transaction: the server orders the commit (`apply::parallel`).
+            Some(turn) => self.wait_for_turn(turn).await?,
+            // This group may commit only once the previous one is known to have committed: if
+            // that failed, this one must not commit without it. Usually its answer is long there.
+            None => self.wait_for_commits().await?,
+        }
         let Some((end_lsn, commit_time)) = group.last_commit else {
             // Only skipped transactions: nothing to commit but the empty BEGIN.
             self.pending.push(Pending {
@@ -2220,6 +2382,7 @@ impl Applier {
                 params: Vec::new(),
                 about: None,
                 batch: Vec::new(),
+                turn: None,
             });
             return self.send_pipeline().await;
         };
@@ -2243,6 +2406,7 @@ impl Applier {
                 ],
                 about: None,
                 batch: Vec::new(),
+                turn: None,
             });
         }
         self.pending.push(Pending {
@@ -2253,12 +2417,14 @@ impl Applier {
             ],
             about: None,
             batch: Vec::new(),
+            turn: None,
         });
         self.pending.push(Pending {
             statement: self.commit.clone(),
             params: Vec::new(),
             about: None,
             batch: Vec::new(),
+            turn: None,
         });
         // The COMMIT goes out without waiting for its answer: the next group is built (and
         // sent) meanwhile. The group counts as applied once the answer is in. (Noted before
@@ -2275,6 +2441,102 @@ impl Applier {
         // Answers taken while sending may have settled it already (or found a failure).
         self.fail_if_failed().await?;
         self.settle_committed().await;
+        Ok(())
+    }
+
+    /// Queues what makes a parallel worker's transaction commit after its predecessor, and only
+    /// if that committed: a wait for the predecessor's turn lock (once its worker holds it) and a
+    /// look at the predecessor worker's origin.
+    async fn wait_for_turn(&mut self, turn: Turn) -> Result<()> {
+        let Some(after) = turn.after else {
+            return Ok(());
+        };
+        let (Some(worker), Some(statements)) = (&self.worker, &self.turn_statements) else {
+            return Ok(());
+        };
+        let lock_key = worker.lock_key;
+        let worker_index = worker.index;
+        let origin = worker
+            .origins
+            .get(after.worker)
+            .cloned()
+            .unwrap_or_default();
+        let check = statements.check.clone();
+        let wait = statements.wait.clone();
+        if after.worker != worker.index {
+            let mut peer = worker
+                .peers
+                .get(after.worker)
+                .cloned()
+                .ok_or_else(|| Error::definite("parallel apply: no such worker"))?;
+            // Everything before goes out first: the predecessor may be waiting for it.
+            self.flush_held_updates(None).await?;
+            self.flush_insert_run().await?;
+            self.submit_pending();
+            tracing::trace!(
+                worker = worker_index,
+                seq = turn.seq,
+                after = after.seq,
+                peer = after.worker,
+                "waiting for the predecessor's turn lock"
+            );
+            loop {
+                if *peer.borrow() >= after.seq {
+                    break;
+                }
+                let in_flight = self
+                    .in_flight
+                    .get_mut()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let outcome = if in_flight.is_empty() {
+                    None
+                } else {
+                    tokio::select! {
+                        changed = peer.changed() => {
+                            if changed.is_err() {
+                                return Err(Error::transient(format!(
+                                    "parallel apply worker {} stopped",
+                                    after.worker
+                                )));
+                            }
+                            continue;
+                        }
+                        outcome = in_flight.next() => outcome,
+                    }
+                };
+                match outcome {
+                    Some(outcome) => {
+                        self.check_outcome(outcome);
+                        self.fail_if_failed().await?;
+                    }
+                    None => {
+                        if peer.changed().await.is_err() {
+                            return Err(Error::transient(format!(
+                                "parallel apply worker {} stopped",
+                                after.worker
+                            )));
+                        }
+                    }
+                }
+            }
+            self.pending.push(Pending {
+                statement: wait,
+                params: turn_lock_params(lock_key, after.seq),
+                about: None,
+                batch: Vec::new(),
+                turn: Some(TurnStep::Wait),
+            });
+        }
+        self.pending.push(Pending {
+            statement: check,
+            params: vec![
+                WireValue::Text(origin.into()),
+                WireValue::Text(after.end_lsn.to_string().into()),
+            ],
+            about: None,
+            batch: Vec::new(),
+            turn: Some(TurnStep::Check(after)),
+        });
         Ok(())
     }
 
@@ -2311,7 +2573,8 @@ impl Applier {
             self.stats.transactions += c.transactions;
             let m = &*METRICS;
             m.transactions.add(c.transactions);
-            m.applied_lsn.set(c.end_lsn.0);
+            // Parallel workers settle in any order; the position only moves forward.
+            m.applied_lsn.set_max(c.end_lsn.0);
             m.last_commit_time.set(c.commit_time.0.max(0) as u64);
             m.apply_latency.observe(c.started.elapsed());
             self.advance_applied(c.end_lsn);
@@ -2349,6 +2612,14 @@ impl Applier {
         }
         self.current = None;
     }
+}
+
+/// Parameters of a turn lock: the slot's key and the turn's.
+fn turn_lock_params(lock_key: i32, seq: u64) -> Vec<WireValue> {
+    vec![
+        WireValue::Text(lock_key.to_string().into()),
+        WireValue::Text(super::parallel::turn_key(seq).to_string().into()),
+    ]
 }
 
 /// The Xid a change carries inside a streamed block (the subtransaction's, for its changes).

@@ -7,12 +7,15 @@
 //!   grouped into one target transaction (each stays atomic, order is kept, and the recorded
 //!   position is the last included commit).
 //! - [`batch`]: UPDATEs of independent tables collapsed per row and sent together.
+//! - [`parallel`]: `--apply-workers N`: transactions spread over N connections, committed in
+//!   source order.
 //! - [`progress`]: the applied position, written atomically with each target commit.
 //! - [`conflict`]: conflict types and policies; [`unique`]: the target rows a unique violation is
 //!   about.
 
 pub mod applier;
 pub mod batch;
+pub mod parallel;
 pub mod progress;
 pub mod statement;
 

@@ -30,6 +30,9 @@ pub struct ProgressStore {
 
 const INSUFFICIENT_PRIVILEGE: &str = "42501";
 
+/// Between the slot's origin name and a parallel worker's number (slot names can not hold '-').
+const WORKER_SUFFIX: &str = "-w";
+
 impl ProgressStore {
     /// Chooses the mode, checks the recorded source identity, and returns the resume position
     /// (`0/0` when nothing was applied yet).
@@ -98,6 +101,39 @@ impl ProgressStore {
         Ok((store, table_lsn.max(origin_lsn)))
     }
 
+    /// The store of parallel apply worker `index` (`--apply-workers`): the first worker uses the
+    /// slot's origin, the others `pgapply_<slot>-w<index>`, created here. Table mode can not be
+    /// shared by several connections (see `apply::parallel`).
+    pub async fn for_worker(&self, client: &Client, index: usize) -> Result<ProgressStore> {
+        let ProgressMode::Origin { name } = &self.mode else {
+            return Err(Error::definite(
+                "--apply-workers above 1 records progress in replication origins, but the target role may not use them: use --apply-workers 1, or apply as a role that may (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions)",
+            ));
+        };
+        if index == 0 {
+            return Ok(self.clone());
+        }
+        let name = format!("{name}{WORKER_SUFFIX}{index}");
+        ensure_origin(client, &name).await.map_err(|e| {
+            Error::postgres(
+                format!("creating replication origin {name:?} on the target"),
+                e,
+            )
+        })?;
+        Ok(ProgressStore {
+            mode: ProgressMode::Origin { name },
+            slot: self.slot.clone(),
+        })
+    }
+
+    /// The name of the origin this store records progress in (origin mode).
+    pub fn origin_name(&self) -> Option<&str> {
+        match &self.mode {
+            ProgressMode::Origin { name } => Some(name),
+            ProgressMode::Table => None,
+        }
+    }
+
     /// Binds the apply session to the origin and relaxes commit durability, which
     /// `durable_position` makes up for. Table mode keeps synchronous commits.
     pub async fn setup_session(&self, client: &Client) -> Result<()> {
@@ -146,9 +182,12 @@ impl ProgressStore {
     pub async fn set_position(&self, client: &Client, lsn: Lsn) -> Result<()> {
         let text = lsn.to_string();
         if let ProgressMode::Origin { name } = &self.mode {
+            // Parallel workers' origins too: the position is the latest of them.
             client
                 .execute(
-                    "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn)",
+                    "SELECT pg_catalog.pg_replication_origin_advance(roname, $2::text::pg_lsn) \
+                     FROM pg_catalog.pg_replication_origin \
+                     WHERE roname = $1 OR left(roname, length($1) + 2) = $1 || '-w'",
                     &[name, &text],
                 )
                 .await
@@ -187,10 +226,17 @@ impl ProgressStore {
     /// the target's WAL up to the last recorded commit first.
     pub async fn durable_position(&self, client: &Client) -> Result<Lsn> {
         let row = match &self.mode {
+            // With parallel workers (`apply::parallel`) each has its own origin and they commit
+            // in source order: the latest of them is the position, everything before it is
+            // committed. Flushing each flushes the WAL of all earlier commits too.
             ProgressMode::Origin { name } => {
                 client
                     .query_one(
-                        "SELECT pg_catalog.pg_replication_origin_progress($1, true)::text",
+                        "SELECT p::text FROM ( \
+                           SELECT pg_catalog.pg_replication_origin_progress(roname, true) AS p \
+                           FROM pg_catalog.pg_replication_origin \
+                           WHERE roname = $1 OR left(roname, length($1) + 2) = $1 || '-w') s \
+                         ORDER BY p DESC NULLS LAST LIMIT 1",
                         &[name],
                     )
                     .await

@@ -1,0 +1,553 @@
+//! Parallel apply (`--apply-workers N`): source transactions spread over N target connections.
+//!
+//! One connection applies one statement at a time on the target. When the target is the
+//! bottleneck (a slow or distant server), several connections apply more. The dispatcher here
+//! receives whole source transactions, finds the rows each one touches (target table and replica
+//! identity key values, hashed), and hands it to a worker: an `Applier` with its own connection,
+//! replication origin and pipeline.
+//!
+//! Rules, in the order the source committed:
+//! - A transaction that touches a row an earlier, not yet committed one touched goes to that
+//!   one's worker, behind it (one connection applies in order). If the rows it shares are spread
+//!   over several workers, it waits until all but one of those transactions have committed.
+//! - Only tables whose rows are told apart by their key alone run in parallel: on the target a
+//!   plain table whose only unique index is the key's, without foreign keys, exclusion
+//!   constraints, triggers, rules or inheritance children (`batch::independent`), published with
+//!   a key (not REPLICA IDENTITY FULL or NOTHING). A transaction touching any other table, a
+//!   TRUNCATE, a streamed transaction, one skipped on request, and one too large to hold are
+//!   serial: it starts after every earlier one has committed, and nothing starts before it has.
+//! - Commits happen in source order. Each worker transaction takes an advisory lock keyed by its
+//!   place in the order (`pg_advisory_xact_lock(<slot key>, seq)`) right after BEGIN. Before its
+//!   COMMIT, the next transaction waits for that lock (in shared mode, on the server) and then
+//!   checks that its predecessor's worker origin has reached the predecessor's end: so it commits
+//!   after the predecessor, and not at all if the predecessor failed. The worker asks for the lock
+//!   only after the predecessor's worker has been told it holds its own, so the wait can not pass
+//!   ahead of it. Waits only ever point to earlier transactions, so they can not form a cycle;
+//!   rows the dispatcher could not know about (which make two transactions wait for each other)
+//!   end in a deadlock error from the server, and the run is retried with those transactions
+//!   applied one at a time.
+//! - Each worker records its position in its own replication origin (`pgapply_<slot>` for the
+//!   first, `pgapply_<slot>-w<i>` for the others). Commits in source order make the latest of them
+//!   the position of the whole: everything before it is committed (`ProgressStore`).
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+
+use super::applier::Envelope;
+use crate::error::{Error, Result};
+use crate::protocol::pgoutput::{LogicalMessage, Oid, ReplicaIdentity};
+use crate::protocol::{Lsn, Tuple, Value};
+use crate::relation::RelationCache;
+
+/// A dispatched transaction's place in the commit order.
+#[derive(Debug, Clone, Copy)]
+pub struct Turn {
+    /// 1, 2, 3 ... in source commit order, for this run.
+    pub seq: u64,
+    /// The transaction dispatched just before, when it may not have committed yet.
+    pub after: Option<After>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct After {
+    pub seq: u64,
+    pub worker: usize,
+    pub end_lsn: Lsn,
+}
+
+/// What a worker needs to keep the commit order with the others.
+#[derive(Debug, Clone)]
+pub struct WorkerRole {
+    pub index: usize,
+    /// First key of the turn locks: one per slot, so two pgapply runs on one target do not meet.
+    pub lock_key: i32,
+    /// The latest turn whose lock this worker holds (or held): published for the others.
+    pub locked: Arc<watch::Sender<u64>>,
+    /// Every worker's `locked`, by index.
+    pub peers: Vec<watch::Receiver<u64>>,
+    /// Every worker's replication origin, by index.
+    pub origins: Arc<Vec<String>>,
+}
+
+/// The lock key of a slot's turn locks.
+pub fn lock_key(slot: &str) -> i32 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ("pgapply turn", slot).hash(&mut h);
+    h.finish() as i32
+}
+
+/// The second key of a turn's lock (advisory lock keys are 32-bit; turns far apart may share one
+/// harmlessly, the check after the wait tells them apart).
+pub fn turn_key(seq: u64) -> i32 {
+    (seq % (i32::MAX as u64)) as i32
+}
+
+/// Most messages of one transaction held to find its rows; a larger one is applied serially as
+/// it arrives.
+const MAX_HELD_MESSAGES: usize = 8_192;
+
+/// A worker as the dispatcher sees it.
+pub struct WorkerLink {
+    pub tx: mpsc::UnboundedSender<Envelope>,
+}
+
+/// The transaction being received.
+struct Held {
+    final_lsn: Lsn,
+    envelopes: Vec<Envelope>,
+    bytes: usize,
+    rows: Vec<u64>,
+    serial: bool,
+    /// Applied before a restart: only its Relation and Type messages matter.
+    skip: bool,
+    /// Too large to hold: being forwarded to this worker as it arrives.
+    direct: Option<usize>,
+}
+
+pub struct Dispatcher {
+    workers: Vec<WorkerLink>,
+    /// The end LSN of the latest committed transaction (commits are in order).
+    applied: watch::Receiver<Lsn>,
+    /// Turns true when a worker stops.
+    stopped: watch::Receiver<bool>,
+    catalog: deadpool_postgres::Object,
+    relations: RelationCache,
+    /// Whether a relation's changes may run in parallel, by source OID.
+    parallel: HashMap<Oid, bool>,
+    resume: Lsn,
+    skip_lsn: Option<Lsn>,
+    /// Transactions committing at or before this run serially (after a failure in parallel).
+    serial_through: Arc<std::sync::atomic::AtomicU64>,
+    /// Rows touched by transactions that may not have committed yet: (worker, end LSN).
+    rows: HashMap<u64, (usize, Lsn)>,
+    rows_pruned_at: usize,
+    /// Per worker: the end LSNs of its transactions that may not have committed yet.
+    outstanding: Vec<VecDeque<Lsn>>,
+    seq: u64,
+    last: Option<After>,
+    last_end: Lsn,
+    held: Option<Held>,
+    /// Inside a Stream Start .. Stream Stop block.
+    streaming: bool,
+    next_worker: usize,
+    queue_bytes: usize,
+}
+
+pub struct DispatcherOptions {
+    pub resume: Lsn,
+    pub skip_lsn: Option<Lsn>,
+    pub serial_through: Arc<std::sync::atomic::AtomicU64>,
+    pub table_map: Arc<crate::config::TableMap>,
+    pub queue_bytes: usize,
+}
+
+impl Dispatcher {
+    pub fn new(
+        workers: Vec<WorkerLink>,
+        applied: watch::Receiver<Lsn>,
+        stopped: watch::Receiver<bool>,
+        catalog: deadpool_postgres::Object,
+        options: DispatcherOptions,
+    ) -> Self {
+        let n = workers.len();
+        Dispatcher {
+            workers,
+            applied,
+            stopped,
+            catalog,
+            relations: RelationCache::new(options.table_map),
+            parallel: HashMap::new(),
+            resume: options.resume,
+            skip_lsn: options.skip_lsn,
+            serial_through: options.serial_through,
+            rows: HashMap::new(),
+            rows_pruned_at: 1024,
+            outstanding: vec![VecDeque::new(); n],
+            seq: 0,
+            last: None,
+            last_end: Lsn::INVALID,
+            held: None,
+            streaming: false,
+            next_worker: 0,
+            queue_bytes: options.queue_bytes,
+        }
+    }
+
+    /// Dispatches until the queue closes or a worker stops. A transaction still incomplete then
+    /// is dropped: it is sent again after a restart.
+    pub async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
+        loop {
+            let envelope = tokio::select! {
+                envelope = rx.recv() => envelope,
+                _ = self.stopped.wait_for(|s| *s) => return Ok(()),
+            };
+            let Some(envelope) = envelope else {
+                return Ok(());
+            };
+            self.route(envelope).await?;
+        }
+    }
+
+    /// The end of the last transaction handed to a worker.
+    pub fn last_end(&self) -> Lsn {
+        self.last_end
+    }
+
+    async fn route(&mut self, envelope: Envelope) -> Result<()> {
+        match &envelope.message {
+            LogicalMessage::StreamStart(_) => {
+                self.streaming = true;
+                self.send(0, envelope)
+            }
+            LogicalMessage::StreamStop => {
+                self.streaming = false;
+                self.send(0, envelope)
+            }
+            // Spooled by the first worker until the transaction's Stream Commit.
+            _ if self.streaming => self.send(0, envelope),
+            LogicalMessage::StreamAbort(_) => self.send(0, envelope),
+            LogicalMessage::StreamCommit(c) => {
+                let end = c.end_lsn;
+                self.wait_applied(self.last_end).await?;
+                self.send(0, envelope)?;
+                self.after_serial(end).await
+            }
+            LogicalMessage::Begin(b) => {
+                if let Some(held) = &self.held {
+                    return Err(Error::definite(format!(
+                        "the source began a transaction while the one committing at {} was still open; this is a protocol error",
+                        held.final_lsn
+                    )));
+                }
+                let final_lsn = b.final_lsn;
+                let skip = self.resume.is_valid() && final_lsn < self.resume;
+                let serial = self.skip_lsn == Some(final_lsn)
+                    || final_lsn.0 <= self.serial_through.load(Ordering::Relaxed);
+                self.held = Some(Held {
+                    final_lsn,
+                    envelopes: vec![envelope],
+                    bytes: 0,
+                    rows: Vec::new(),
+                    serial,
+                    skip,
+                    direct: None,
+                });
+                Ok(())
+            }
+            LogicalMessage::Commit(c) => {
+                let end = c.end_lsn;
+                if self.held.is_none() {
+                    // The worker reports the protocol error.
+                    return self.send(0, envelope);
+                }
+                self.hold(envelope).await?;
+                self.dispatch(end).await
+            }
+            LogicalMessage::Relation(r) => {
+                self.learn(r.clone()).await;
+                if self.held.is_some() {
+                    self.hold(envelope).await
+                } else {
+                    self.broadcast(envelope)
+                }
+            }
+            LogicalMessage::Type(_) if self.held.is_none() => self.broadcast(envelope),
+            _ if self.held.is_some() => {
+                let touched = self.touched(&envelope.message);
+                if let Some(held) = &mut self.held {
+                    match touched {
+                        Some(rows) => held.rows.extend(rows),
+                        None => held.serial = true,
+                    }
+                }
+                self.hold(envelope).await
+            }
+            // Non-transactional messages and anything unexpected: the first worker handles
+            // (or reports) them.
+            _ => self.send(0, envelope),
+        }
+    }
+
+    /// Reads a Relation message: where its table goes and whether it may run in parallel.
+    async fn learn(&mut self, relation: crate::protocol::pgoutput::Relation) {
+        let oid = relation.oid;
+        let keyed = matches!(
+            relation.replica_identity,
+            ReplicaIdentity::Default | ReplicaIdentity::Index
+        );
+        // A table the target lacks is the workers' error to report; here it is just serial.
+        let parallel = match self.relations.update(relation, &self.catalog).await {
+            Ok(entry) if keyed => super::batch::independent(&self.catalog, &entry)
+                .await
+                .unwrap_or(false),
+            _ => false,
+        };
+        tracing::debug!(
+            relation = oid,
+            parallel,
+            "parallel apply of the relation's changes"
+        );
+        self.parallel.insert(oid, parallel);
+    }
+
+    /// The rows a change touches, hashed; `None` when they can not be told (serial).
+    fn touched(&self, message: &LogicalMessage) -> Option<Vec<u64>> {
+        let (relation, tuples): (Oid, Vec<&Tuple>) = match message {
+            LogicalMessage::Insert(i) => (i.relation, vec![&i.new]),
+            LogicalMessage::Update(u) => (
+                u.relation,
+                u.old.iter().map(|o| o.tuple()).chain([&u.new]).collect(),
+            ),
+            LogicalMessage::Delete(d) => (d.relation, vec![d.old.tuple()]),
+            LogicalMessage::Origin(_) | LogicalMessage::Message(_) | LogicalMessage::Type(_) => {
+                return Some(Vec::new())
+            }
+            _ => return None,
+        };
+        if !self.parallel.get(&relation).copied().unwrap_or(false) {
+            return None;
+        }
+        let entry = self.relations.get(relation).ok()?;
+        tuples
+            .into_iter()
+            .map(|tuple| {
+                let values: Vec<Value> = tuple.values().collect();
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                entry.target.oid.hash(&mut h);
+                for &c in &entry.key_columns {
+                    match values.get(c)? {
+                        Value::Text(b) | Value::Binary(b) => b.hash(&mut h),
+                        Value::Null => 0u8.hash(&mut h),
+                        // A key value is always sent.
+                        Value::UnchangedToast => return None,
+                    }
+                }
+                Some(h.finish())
+            })
+            .collect()
+    }
+
+    /// Adds a message to the transaction being received; one that grows too large is forwarded
+    /// as it arrives, serially.
+    async fn hold(&mut self, envelope: Envelope) -> Result<()> {
+        let Some(held) = &mut self.held else {
+            return self.send(0, envelope);
+        };
+        if let Some(worker) = held.direct {
+            return self.send_in_transaction(worker, envelope);
+        }
+        held.bytes += envelope.raw.len();
+        held.envelopes.push(envelope);
+        let too_large =
+            held.envelopes.len() > MAX_HELD_MESSAGES || held.bytes > self.queue_bytes / 4;
+        if too_large && !held.skip {
+            held.serial = true;
+            held.direct = Some(0);
+            let envelopes = std::mem::take(&mut held.envelopes);
+            self.wait_applied(self.last_end).await?;
+            for envelope in envelopes {
+                self.send_in_transaction(0, envelope)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A whole transaction has arrived: hands it to a worker.
+    async fn dispatch(&mut self, end: Lsn) -> Result<()> {
+        let Some(held) = self.held.take() else {
+            return Ok(());
+        };
+        if held.skip {
+            // Applied before: the workers still need its table descriptions.
+            for envelope in held.envelopes {
+                if matches!(
+                    envelope.message,
+                    LogicalMessage::Relation(_) | LogicalMessage::Type(_)
+                ) {
+                    self.broadcast(envelope)?;
+                }
+            }
+            return Ok(());
+        }
+        if held.direct.is_some() {
+            return self.after_serial(end).await;
+        }
+        if held.serial {
+            tracing::trace!(commit_lsn = %held.final_lsn, "applying a transaction serially");
+            self.wait_applied(self.last_end).await?;
+            for envelope in held.envelopes {
+                self.send_in_transaction(0, envelope)?;
+            }
+            return self.after_serial(end).await;
+        }
+        self.prune();
+        let worker = self.choose(&held.rows).await?;
+        self.seq += 1;
+        let applied = *self.applied.borrow();
+        let turn = Turn {
+            seq: self.seq,
+            after: self.last.filter(|a| a.end_lsn > applied),
+        };
+        for row in held.rows {
+            self.rows.insert(row, (worker, end));
+        }
+        self.outstanding[worker].push_back(end);
+        self.last = Some(After {
+            seq: self.seq,
+            worker,
+            end_lsn: end,
+        });
+        self.last_end = end;
+        tracing::trace!(seq = turn.seq, worker, after = ?turn.after.map(|a| a.seq), "dispatched");
+        let mut turn = Some(turn);
+        for mut envelope in held.envelopes {
+            if matches!(envelope.message, LogicalMessage::Begin(_)) {
+                envelope.turn = turn.take();
+            }
+            self.send_in_transaction(worker, envelope)?;
+        }
+        Ok(())
+    }
+
+    /// The worker for a transaction touching `rows`: the one holding the earlier transactions it
+    /// depends on, or the least busy one. Waits while those are spread over several workers.
+    async fn choose(&mut self, rows: &[u64]) -> Result<usize> {
+        loop {
+            let applied = *self.applied.borrow();
+            // The latest uncommitted transaction per worker that shares a row with this one.
+            let mut blocking: Vec<Option<Lsn>> = vec![None; self.workers.len()];
+            for row in rows {
+                if let Some(&(worker, end)) = self.rows.get(row) {
+                    if end > applied {
+                        let b = &mut blocking[worker];
+                        *b = Some(b.map_or(end, |e| e.max(end)));
+                    }
+                }
+            }
+            let busy: Vec<(usize, Lsn)> = blocking
+                .iter()
+                .enumerate()
+                .filter_map(|(w, e)| e.map(|e| (w, e)))
+                .collect();
+            match busy.as_slice() {
+                [] => return Ok(self.least_busy(applied)),
+                [(worker, _)] => return Ok(*worker),
+                _ => {
+                    // Wait for all but the latest of them to commit.
+                    let latest = busy.iter().map(|b| b.1).max().unwrap_or_default();
+                    let others = busy
+                        .iter()
+                        .map(|b| b.1)
+                        .filter(|&e| e < latest)
+                        .max()
+                        .unwrap_or_default();
+                    self.wait_applied(others).await?;
+                }
+            }
+        }
+    }
+
+    fn least_busy(&mut self, applied: Lsn) -> usize {
+        for queue in &mut self.outstanding {
+            while queue.front().is_some_and(|&e| e <= applied) {
+                queue.pop_front();
+            }
+        }
+        let n = self.workers.len();
+        let start = self.next_worker;
+        let best = (0..n)
+            .map(|i| (start + i) % n)
+            .min_by_key(|&w| self.outstanding[w].len())
+            .unwrap_or(0);
+        self.next_worker = (best + 1) % n;
+        best
+    }
+
+    /// Forgets rows of committed transactions, when there are many.
+    fn prune(&mut self) {
+        if self.rows.len() < self.rows_pruned_at {
+            return;
+        }
+        let applied = *self.applied.borrow();
+        self.rows.retain(|_, (_, end)| *end > applied);
+        self.rows_pruned_at = (self.rows.len() * 2).max(1024);
+    }
+
+    /// A serial transaction was handed over: nothing starts before it has committed.
+    async fn after_serial(&mut self, end: Lsn) -> Result<()> {
+        self.wait_applied(end).await?;
+        self.last = None;
+        self.last_end = end;
+        Ok(())
+    }
+
+    /// Waits until every transaction ending at or before `lsn` has committed.
+    async fn wait_applied(&mut self, lsn: Lsn) -> Result<()> {
+        if !lsn.is_valid() {
+            return Ok(());
+        }
+        tracing::trace!(%lsn, applied = %*self.applied.borrow(), "waiting for earlier transactions to commit");
+        tokio::select! {
+            r = self.applied.wait_for(|a| *a >= lsn) => {
+                r.map(|_| ()).map_err(|_| Error::transient("an apply worker stopped"))
+            }
+            _ = self.stopped.wait_for(|s| *s) => Err(Error::transient("an apply worker stopped")),
+        }
+    }
+
+    /// Sends a message of a transaction to its worker; Relation and Type messages also go to
+    /// every other worker, which need them for their own transactions.
+    fn send_in_transaction(&mut self, worker: usize, envelope: Envelope) -> Result<()> {
+        if matches!(
+            envelope.message,
+            LogicalMessage::Relation(_) | LogicalMessage::Type(_)
+        ) {
+            for w in (0..self.workers.len()).filter(|&w| w != worker) {
+                self.send(w, copy(&envelope))?;
+            }
+        }
+        self.send(worker, envelope)
+    }
+
+    fn broadcast(&mut self, envelope: Envelope) -> Result<()> {
+        for w in 1..self.workers.len() {
+            self.send(w, copy(&envelope))?;
+        }
+        self.send(0, envelope)
+    }
+
+    fn send(&self, worker: usize, envelope: Envelope) -> Result<()> {
+        self.workers[worker]
+            .tx
+            .send(envelope)
+            .map_err(|_| Error::transient(format!("apply worker {worker} stopped")))
+    }
+}
+
+/// A copy of a message for another worker (its bytes count once against the queue's budget).
+fn copy(envelope: &Envelope) -> Envelope {
+    Envelope {
+        message: envelope.message.clone(),
+        raw: envelope.raw.clone(),
+        permit: None,
+        turn: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn turn_keys_stay_in_range() {
+        assert_eq!(turn_key(1), 1);
+        assert_eq!(turn_key(i32::MAX as u64), 0);
+        assert!(turn_key(u64::MAX) >= 0);
+        assert_eq!(lock_key("a"), lock_key("a"));
+        assert_ne!(lock_key("a"), lock_key("b"));
+    }
+}
