@@ -26,6 +26,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "conflicts",
         include_str!("../migrations/0004_conflicts.sql"),
     ),
+    (
+        5,
+        "parallel_apply",
+        include_str!("../migrations/0005_parallel_apply.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

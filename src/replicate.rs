@@ -409,19 +409,15 @@ impl ApplyStart {
                 .map(|s| s.origin_name().unwrap_or_default().to_owned())
                 .collect(),
         );
-        let locks: Vec<watch::Sender<u64>> = (0..n).map(|_| watch::channel(0).0).collect();
-        let peers: Vec<watch::Receiver<u64>> = locks.iter().map(|l| l.subscribe()).collect();
         let lock_key = crate::apply::parallel::lock_key(&config.slot);
         let applied = Arc::new(applied);
         let applied_rx = applied.subscribe();
         let mut workers = Vec::new();
         let mut links = Vec::new();
-        for (index, (store, locked)) in stores.into_iter().zip(locks).enumerate() {
+        for (index, store) in stores.into_iter().enumerate() {
             let role = WorkerRole {
                 index,
                 lock_key,
-                locked: Arc::new(locked),
-                peers: peers.clone(),
                 origins: origins.clone(),
             };
             let applier = Applier::new(
@@ -507,11 +503,20 @@ impl ApplyStart {
                 let last_end = dispatcher.last_end();
                 // Closing the workers' queues lets them finish what they have and stop.
                 drop(dispatcher);
+                let failed = first_failure.lock().is_ok_and(|f| f.is_some());
+                if failed {
+                    // The others may be waiting on the server for a transaction that will not
+                    // commit now: drop their connections rather than wait for that to time out.
+                    for task in &tasks {
+                        task.abort();
+                    }
+                }
                 let mut stats = ApplyStats::default();
                 let mut result = Ok(());
                 for task in tasks {
                     match task.await {
                         Ok(s) => stats.add(&s),
+                        Err(e) if e.is_cancelled() => {}
                         Err(e) => {
                             result = Err(Error::definite(format!("an apply worker failed: {e}")))
                         }

@@ -164,11 +164,9 @@ struct Pending {
 /// The statements of a parallel worker's transaction that keep commits in source order.
 #[derive(Debug, Clone, Copy)]
 enum TurnStep {
-    /// This transaction's turn lock: held once answered, which the other workers are told.
-    Lock(u64),
-    /// Waiting for the predecessor's lock; nothing to note.
-    Wait,
-    /// The predecessor committed if this returns a row.
+    /// This transaction's turn lock, or a wait for another's commit: nothing to note but errors.
+    Order,
+    /// The predecessor on this connection committed if this returns a row.
     Check(After),
 }
 
@@ -359,6 +357,7 @@ pub struct Applier {
 /// Prepared statements of the turn steps.
 struct TurnStatements {
     lock: Statement,
+    /// `pgapply.wait_for_commit`: waits on the server until another worker's transaction committed.
     wait: Statement,
     check: Statement,
 }
@@ -453,6 +452,15 @@ impl Applier {
             .await
             .map_err(|e| Error::postgres("reading the target's version", e))?
             .get(0);
+        if version >= 140000 && options.worker.is_some() {
+            // A parallel worker's transaction may wait on the server for another's
+            // (`pgapply.wait_for_commit`): if pgapply goes away meanwhile, end it soon rather than
+            // hold its rows until the wait times out.
+            client
+                .batch_execute("SET client_connection_check_interval = '1s'")
+                .await
+                .map_err(|e| Error::postgres("configuring the target apply session", e))?;
+        }
         if version >= 120000 {
             client
                 .batch_execute("SET plan_cache_mode = force_generic_plan")
@@ -477,7 +485,7 @@ impl Applier {
                 lock: prepare("SELECT pg_catalog.pg_advisory_xact_lock($1::int4, $2::int4)".into())
                     .await?,
                 wait: prepare(
-                    "SELECT pg_catalog.pg_advisory_xact_lock_shared($1::int4, $2::int4)".into(),
+                    "SELECT pgapply.wait_for_commit($1::int4, $2::int4, $3::text, $4::text::pg_lsn, $5::int4)".into(),
                 )
                 .await?,
                 check: prepare(
@@ -1032,7 +1040,7 @@ impl Applier {
                 statements: 0,
                 last_commit: None,
                 transactions: 0,
-                turn,
+                turn: turn.clone(),
             });
             let begin = self.begin.clone();
             self.pending.push(Pending {
@@ -1050,9 +1058,20 @@ impl Applier {
                     params: turn_lock_params(worker.lock_key, turn.seq),
                     about: None,
                     batch: Vec::new(),
-                    turn: Some(TurnStep::Lock(turn.seq)),
+                    turn: Some(TurnStep::Order),
                 });
-                // Out at once: the next transaction's worker waits to hear it is held.
+                // Earlier transactions of other workers that touched the same rows: their
+                // commits come before any change of this one.
+                for dep in &turn.deps {
+                    self.pending.push(Pending {
+                        statement: statements.wait.clone(),
+                        params: wait_params(worker, dep),
+                        about: None,
+                        batch: Vec::new(),
+                        turn: Some(TurnStep::Order),
+                    });
+                }
+                // Out at once: other workers' transactions wait for this lock.
                 self.submit_pending();
             }
         }
@@ -1345,7 +1364,6 @@ impl Applier {
         if missing.len() < 2 {
             return Ok(());
         }
-        self.settle_before_round_trip().await?;
         let prepared = futures_util::future::join_all(missing.iter().map(|sized| {
             let sql = build_sql(entry, sized);
             let client = self.client.clone();
@@ -1681,7 +1699,6 @@ impl Applier {
             }
             size *= 2;
         }
-        self.settle_before_round_trip().await?;
         let prepared = futures_util::future::join_all(sizes.iter().map(|&n| {
             let sql = super::batch::batch_sql(entry, &shape.unchanged, n);
             let types = super::batch::param_types(entry, &shape.unchanged, n);
@@ -1959,26 +1976,12 @@ impl Applier {
         Ok(())
     }
 
-    /// On a parallel worker, a round trip on the apply connection (preparing a statement) must
-    /// not wait behind statements that wait for other workers: those may be waiting for this
-    /// worker to pass on that it holds a turn lock, which it does only while taking answers.
-    /// So everything sent is answered first (statements are prepared a few times per run).
-    async fn settle_before_round_trip(&mut self) -> Result<()> {
-        if self.worker.is_some() {
-            self.submit_pending();
-            self.drain_to(0).await;
-            self.fail_if_failed().await?;
-        }
-        Ok(())
-    }
-
     /// The prepared statement for a shape, preparing it the first time.
     async fn statement(&mut self, entry: &RelationEntry, mut shape: Shape) -> Result<Statement> {
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
         }
         let sql = build_sql(entry, &shape);
-        self.settle_before_round_trip().await?;
         let statement = match self.client.prepare(&sql).await {
             Ok(s) => s,
             // A type without an equality operator under REPLICA IDENTITY FULL: compare as text.
@@ -2174,17 +2177,7 @@ impl Applier {
                     ));
                 }
             }
-            (TurnStep::Lock(seq), Ok(_)) => {
-                if let Some(worker) = &self.worker {
-                    tracing::trace!(worker = worker.index, seq, "turn lock held");
-                    worker.locked.send_if_modified(|held| {
-                        let advanced = seq > *held;
-                        *held = (*held).max(seq);
-                        advanced
-                    });
-                }
-            }
-            (TurnStep::Wait, Ok(_)) => {}
+            (TurnStep::Order, Ok(_)) => {}
             (TurnStep::Check(after), Ok(rows)) => {
                 if rows == 0 && self.failure.is_none() {
                     self.failure = Some(Error::transient(format!(
@@ -2370,7 +2363,7 @@ impl Applier {
         };
         match group.turn {
             // A parallel worker's transaction: the server orders the commit (`apply::parallel`).
-            Some(turn) => self.wait_for_turn(turn).await?,
+            Some(turn) => self.wait_for_turn(&turn),
             // This group may commit only once the previous one is known to have committed: if
             // that failed, this one must not commit without it. Usually its answer is long there.
             None => self.wait_for_commits().await?,
@@ -2445,99 +2438,43 @@ impl Applier {
     }
 
     /// Queues what makes a parallel worker's transaction commit after its predecessor, and only
-    /// if that committed: a wait for the predecessor's turn lock (once its worker holds it) and a
-    /// look at the predecessor worker's origin.
-    async fn wait_for_turn(&mut self, turn: Turn) -> Result<()> {
+    /// if that committed: on this connection, a look at its own origin; on another worker, a wait
+    /// on the server (`pgapply.wait_for_commit`) for the predecessor's commit.
+    fn wait_for_turn(&mut self, turn: &Turn) {
         let Some(after) = turn.after else {
-            return Ok(());
+            return;
         };
         let (Some(worker), Some(statements)) = (&self.worker, &self.turn_statements) else {
-            return Ok(());
+            return;
         };
-        let lock_key = worker.lock_key;
-        let worker_index = worker.index;
-        let origin = worker
-            .origins
-            .get(after.worker)
-            .cloned()
-            .unwrap_or_default();
-        let check = statements.check.clone();
-        let wait = statements.wait.clone();
-        if after.worker != worker.index {
-            let mut peer = worker
-                .peers
-                .get(after.worker)
-                .cloned()
-                .ok_or_else(|| Error::definite("parallel apply: no such worker"))?;
-            // Everything before goes out first: the predecessor may be waiting for it.
-            self.flush_held_updates(None).await?;
-            self.flush_insert_run().await?;
-            self.submit_pending();
-            tracing::trace!(
-                worker = worker_index,
-                seq = turn.seq,
-                after = after.seq,
-                peer = after.worker,
-                "waiting for the predecessor's turn lock"
-            );
-            loop {
-                if *peer.borrow() >= after.seq {
-                    break;
-                }
-                let in_flight = self
-                    .in_flight
-                    .get_mut()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let outcome = if in_flight.is_empty() {
-                    None
-                } else {
-                    tokio::select! {
-                        changed = peer.changed() => {
-                            if changed.is_err() {
-                                return Err(Error::transient(format!(
-                                    "parallel apply worker {} stopped",
-                                    after.worker
-                                )));
-                            }
-                            continue;
-                        }
-                        outcome = in_flight.next() => outcome,
-                    }
-                };
-                match outcome {
-                    Some(outcome) => {
-                        self.check_outcome(outcome);
-                        self.fail_if_failed().await?;
-                    }
-                    None => {
-                        if peer.changed().await.is_err() {
-                            return Err(Error::transient(format!(
-                                "parallel apply worker {} stopped",
-                                after.worker
-                            )));
-                        }
-                    }
-                }
-            }
-            self.pending.push(Pending {
-                statement: wait,
-                params: turn_lock_params(lock_key, after.seq),
+        let pending = if after.worker == worker.index {
+            Pending {
+                statement: statements.check.clone(),
+                params: vec![
+                    WireValue::Text(
+                        worker
+                            .origins
+                            .get(after.worker)
+                            .cloned()
+                            .unwrap_or_default()
+                            .into(),
+                    ),
+                    WireValue::Text(after.end_lsn.to_string().into()),
+                ],
                 about: None,
                 batch: Vec::new(),
-                turn: Some(TurnStep::Wait),
-            });
-        }
-        self.pending.push(Pending {
-            statement: check,
-            params: vec![
-                WireValue::Text(origin.into()),
-                WireValue::Text(after.end_lsn.to_string().into()),
-            ],
-            about: None,
-            batch: Vec::new(),
-            turn: Some(TurnStep::Check(after)),
-        });
-        Ok(())
+                turn: Some(TurnStep::Check(after)),
+            }
+        } else {
+            Pending {
+                statement: statements.wait.clone(),
+                params: wait_params(worker, &after),
+                about: None,
+                batch: Vec::new(),
+                turn: Some(TurnStep::Order),
+            }
+        };
+        self.pending.push(pending);
     }
 
     /// Waits until every COMMIT sent has been answered; fails if one did not succeed.
@@ -2613,6 +2550,26 @@ impl Applier {
         self.current = None;
     }
 }
+
+/// Parameters of `pgapply.wait_for_commit` for an earlier transaction of another worker.
+fn wait_params(worker: &WorkerRole, after: &After) -> Vec<WireValue> {
+    let mut params = turn_lock_params(worker.lock_key, after.seq);
+    params.push(WireValue::Text(
+        worker
+            .origins
+            .get(after.worker)
+            .cloned()
+            .unwrap_or_default()
+            .into(),
+    ));
+    params.push(WireValue::Text(after.end_lsn.to_string().into()));
+    params.push(WireValue::Text(WAIT_FOR_COMMIT_MS.to_string().into()));
+    params
+}
+
+/// How long a worker waits on the server for another worker's transaction to commit before it
+/// gives up (and the run restarts, applying those transactions one at a time).
+const WAIT_FOR_COMMIT_MS: u32 = 60_000;
 
 /// Parameters of a turn lock: the slot's key and the turn's.
 fn turn_lock_params(lock_key: i32, seq: u64) -> Vec<WireValue> {

@@ -7,9 +7,11 @@
 //! replication origin and pipeline.
 //!
 //! Rules, in the order the source committed:
-//! - A transaction that touches a row an earlier, not yet committed one touched goes to that
-//!   one's worker, behind it (one connection applies in order). If the rows it shares are spread
-//!   over several workers, it waits until all but one of those transactions have committed.
+//! - A transaction that touches a row an earlier, not yet committed one touched goes to the
+//!   worker of the latest such transaction, behind it (one connection applies in order). Earlier
+//!   ones on other workers that share rows with it are its dependencies: before any of its changes
+//!   it waits on the server for their commits (`pgapply.wait_for_commit`), so it never races them
+//!   for a row or misses a row they insert.
 //! - Only tables whose rows are told apart by their key alone run in parallel: on the target a
 //!   plain table whose only unique index is the key's, without foreign keys, exclusion
 //!   constraints, triggers, rules or inheritance children (`batch::independent`), published with
@@ -18,14 +20,13 @@
 //!   serial: it starts after every earlier one has committed, and nothing starts before it has.
 //! - Commits happen in source order. Each worker transaction takes an advisory lock keyed by its
 //!   place in the order (`pg_advisory_xact_lock(<slot key>, seq)`) right after BEGIN. Before its
-//!   COMMIT, the next transaction waits for that lock (in shared mode, on the server) and then
-//!   checks that its predecessor's worker origin has reached the predecessor's end: so it commits
-//!   after the predecessor, and not at all if the predecessor failed. The worker asks for the lock
-//!   only after the predecessor's worker has been told it holds its own, so the wait can not pass
-//!   ahead of it. Waits only ever point to earlier transactions, so they can not form a cycle;
-//!   rows the dispatcher could not know about (which make two transactions wait for each other)
-//!   end in a deadlock error from the server, and the run is retried with those transactions
-//!   applied one at a time.
+//!   COMMIT, the next transaction waits on the server (`pgapply.wait_for_commit`: the lock in
+//!   shared mode, polling while it is not taken yet) until its predecessor's worker origin has
+//!   reached the predecessor's end, so it commits after the predecessor, and not at all if that
+//!   failed. On the same connection a look at the origin is enough. All waits point to earlier
+//!   transactions, so they can not form a cycle; rows the dispatcher could not know about end in
+//!   a deadlock error (or the wait's timeout), and the run is retried with the transactions that
+//!   were in flight applied one at a time.
 //! - Each worker records its position in its own replication origin (`pgapply_<slot>` for the
 //!   first, `pgapply_<slot>-w<i>` for the others). Commits in source order make the latest of them
 //!   the position of the whole: everything before it is committed (`ProgressStore`).
@@ -44,12 +45,15 @@ use crate::protocol::{Lsn, Tuple, Value};
 use crate::relation::RelationCache;
 
 /// A dispatched transaction's place in the commit order.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Turn {
     /// 1, 2, 3 ... in source commit order, for this run.
     pub seq: u64,
     /// The transaction dispatched just before, when it may not have committed yet.
     pub after: Option<After>,
+    /// Earlier transactions of other workers, not known to have committed, that touched rows this
+    /// one touches: they must commit before this one changes anything.
+    pub deps: Vec<After>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -65,10 +69,6 @@ pub struct WorkerRole {
     pub index: usize,
     /// First key of the turn locks: one per slot, so two pgapply runs on one target do not meet.
     pub lock_key: i32,
-    /// The latest turn whose lock this worker holds (or held): published for the others.
-    pub locked: Arc<watch::Sender<u64>>,
-    /// Every worker's `locked`, by index.
-    pub peers: Vec<watch::Receiver<u64>>,
     /// Every worker's replication origin, by index.
     pub origins: Arc<Vec<String>>,
 }
@@ -122,8 +122,8 @@ pub struct Dispatcher {
     skip_lsn: Option<Lsn>,
     /// Transactions committing at or before this run serially (after a failure in parallel).
     serial_through: Arc<std::sync::atomic::AtomicU64>,
-    /// Rows touched by transactions that may not have committed yet: (worker, end LSN).
-    rows: HashMap<u64, (usize, Lsn)>,
+    /// Rows touched by transactions that may not have committed yet: (worker, turn, end LSN).
+    rows: HashMap<u64, (usize, u64, Lsn)>,
     rows_pruned_at: usize,
     /// Per worker: the end LSNs of its transactions that may not have committed yet.
     outstanding: Vec<VecDeque<Lsn>>,
@@ -385,15 +385,16 @@ impl Dispatcher {
             return self.after_serial(end).await;
         }
         self.prune();
-        let worker = self.choose(&held.rows).await?;
+        let (worker, deps) = self.choose(&held.rows);
         self.seq += 1;
         let applied = *self.applied.borrow();
         let turn = Turn {
             seq: self.seq,
             after: self.last.filter(|a| a.end_lsn > applied),
+            deps,
         };
         for row in held.rows {
-            self.rows.insert(row, (worker, end));
+            self.rows.insert(row, (worker, self.seq, end));
         }
         self.outstanding[worker].push_back(end);
         self.last = Some(After {
@@ -413,42 +414,31 @@ impl Dispatcher {
         Ok(())
     }
 
-    /// The worker for a transaction touching `rows`: the one holding the earlier transactions it
-    /// depends on, or the least busy one. Waits while those are spread over several workers.
-    async fn choose(&mut self, rows: &[u64]) -> Result<usize> {
-        loop {
-            let applied = *self.applied.borrow();
-            // The latest uncommitted transaction per worker that shares a row with this one.
-            let mut blocking: Vec<Option<Lsn>> = vec![None; self.workers.len()];
-            for row in rows {
-                if let Some(&(worker, end)) = self.rows.get(row) {
-                    if end > applied {
-                        let b = &mut blocking[worker];
-                        *b = Some(b.map_or(end, |e| e.max(end)));
-                    }
-                }
-            }
-            let busy: Vec<(usize, Lsn)> = blocking
-                .iter()
-                .enumerate()
-                .filter_map(|(w, e)| e.map(|e| (w, e)))
-                .collect();
-            match busy.as_slice() {
-                [] => return Ok(self.least_busy(applied)),
-                [(worker, _)] => return Ok(*worker),
-                _ => {
-                    // Wait for all but the latest of them to commit.
-                    let latest = busy.iter().map(|b| b.1).max().unwrap_or_default();
-                    let others = busy
-                        .iter()
-                        .map(|b| b.1)
-                        .filter(|&e| e < latest)
-                        .max()
-                        .unwrap_or_default();
-                    self.wait_applied(others).await?;
+    /// The worker for a transaction touching `rows`: the one holding the latest earlier
+    /// transaction it shares a row with (one connection applies in order), or the least busy one.
+    /// Earlier transactions on other workers that share rows with it are returned as dependencies:
+    /// it waits for their commits on the server before changing anything.
+    fn choose(&mut self, rows: &[u64]) -> (usize, Vec<After>) {
+        let applied = *self.applied.borrow();
+        // The latest uncommitted transaction per worker that shares a row with this one.
+        let mut latest: Vec<Option<After>> = vec![None; self.workers.len()];
+        for row in rows {
+            if let Some(&(worker, seq, end_lsn)) = self.rows.get(row) {
+                if end_lsn > applied && latest[worker].is_none_or(|a| a.seq < seq) {
+                    latest[worker] = Some(After {
+                        seq,
+                        worker,
+                        end_lsn,
+                    });
                 }
             }
         }
+        let mut deps: Vec<After> = latest.into_iter().flatten().collect();
+        let Some(newest) = deps.iter().max_by_key(|a| a.seq).copied() else {
+            return (self.least_busy(applied), Vec::new());
+        };
+        deps.retain(|a| a.worker != newest.worker);
+        (newest.worker, deps)
     }
 
     fn least_busy(&mut self, applied: Lsn) -> usize {
@@ -473,7 +463,7 @@ impl Dispatcher {
             return;
         }
         let applied = *self.applied.borrow();
-        self.rows.retain(|_, (_, end)| *end > applied);
+        self.rows.retain(|_, (_, _, end)| *end > applied);
         self.rows_pruned_at = (self.rows.len() * 2).max(1024);
     }
 
