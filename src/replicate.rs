@@ -219,6 +219,9 @@ pub async fn run(
             )
             .await?;
     }
+    store
+        .retire_unused_workers(&setup, config.apply_workers.max(1), resume)
+        .await?;
     drop(setup);
     if session.server_version() < 110000 {
         tracing::warn!("the source runs PostgreSQL 10, which does not replicate TRUNCATE: truncate the target's tables yourself when you truncate on the source");
@@ -362,6 +365,15 @@ pub async fn run(
     })
 }
 
+/// Sets the parallel workers' `stopped` flag when a worker's task ends, however it ends.
+struct StopOnDrop(Arc<watch::Sender<bool>>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.send_replace(true);
+    }
+}
+
 /// The applier of a run, connected and ready: one, or parallel workers behind a dispatcher.
 enum ApplyStart {
     Single(Box<Applier>),
@@ -486,6 +498,8 @@ impl ApplyStart {
                     let stopped = stopped.clone();
                     let first_failure = first_failure.clone();
                     tasks.push(tokio::spawn(async move {
+                        // Tells the dispatcher even if this task ends without returning.
+                        let _stopped = StopOnDrop(stopped.clone());
                         let result = applier.run(&mut worker_rx).await;
                         if let Err(e) = result {
                             if let Ok(mut first) = first_failure.lock() {

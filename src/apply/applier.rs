@@ -166,8 +166,6 @@ struct Pending {
 enum TurnStep {
     /// This transaction's turn lock, or a wait for another's commit: nothing to note but errors.
     Order,
-    /// The predecessor on this connection committed if this returns a row.
-    Check(After),
 }
 
 /// A held UPDATE's change, in brief (held rows are many; `ChangeInfo` is made only for the
@@ -359,7 +357,6 @@ struct TurnStatements {
     lock: Statement,
     /// `pgapply.wait_for_commit`: waits on the server until another worker's transaction committed.
     wait: Statement,
-    check: Statement,
 }
 
 /// Most UPDATEs held at once before they are sent.
@@ -456,8 +453,18 @@ impl Applier {
             // A parallel worker's transaction may wait on the server for another's
             // (`pgapply.wait_for_commit`): if pgapply goes away meanwhile, end it soon rather than
             // hold its rows until the wait times out.
-            client
+            if let Err(e) = client
                 .batch_execute("SET client_connection_check_interval = '1s'")
+                .await
+            {
+                tracing::debug!(error = %describe_postgres(&e), "client_connection_check_interval not available on the target");
+            }
+        }
+        if options.worker.is_some() {
+            // Waits for other workers' commits are part of the plan: a role's statement or lock
+            // timeout must not turn them into errors.
+            client
+                .batch_execute("SET statement_timeout = 0; SET lock_timeout = 0")
                 .await
                 .map_err(|e| Error::postgres("configuring the target apply session", e))?;
         }
@@ -486,11 +493,6 @@ impl Applier {
                     .await?,
                 wait: prepare(
                     "SELECT pgapply.wait_for_commit($1::int4, $2::int4, $3::text, $4::text::pg_lsn, $5::int4)".into(),
-                )
-                .await?,
-                check: prepare(
-                    "SELECT 1 WHERE pg_catalog.pg_replication_origin_progress($1::text, false) >= $2::text::pg_lsn"
-                        .into(),
                 )
                 .await?,
             }),
@@ -554,6 +556,11 @@ impl Applier {
     /// closes is rolled back on the target; complete ones are committed.
     pub async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
         loop {
+            // A failure noted while sending (answers taken on the way) ends the run before it
+            // waits for more: later answers may be waiting on it.
+            if self.failure.is_some() {
+                self.fail_if_failed().await?;
+            }
             let next = if !rx.is_empty() || self.in_flight_mut().is_empty() {
                 Next::Message(rx.recv().await)
             } else {
@@ -2178,14 +2185,6 @@ impl Applier {
                 }
             }
             (TurnStep::Order, Ok(_)) => {}
-            (TurnStep::Check(after), Ok(rows)) => {
-                if rows == 0 && self.failure.is_none() {
-                    self.failure = Some(Error::transient(format!(
-                        "parallel apply: the source transaction before this one (ending at {}, on worker {}) did not commit, so this one may not either; restarting from the last committed position",
-                        after.end_lsn, after.worker
-                    )));
-                }
-            }
         }
     }
 
@@ -2329,6 +2328,14 @@ impl Applier {
         // its group did not commit (PostgreSQL answers it with a rollback). Forget those groups
         // before draining, so that their answers cannot count them as committed.
         self.committing.clear();
+        if self.worker.is_some() {
+            // A parallel worker stops at once: statements after the failure may be waiting on
+            // the server for transactions that will not commit now, and dropping the connection
+            // ends them. Positions are in the origins; nothing after the failure committed.
+            if let Some(e) = self.failure.take() {
+                return Err(e);
+            }
+        }
         match self.failure.take() {
             Some(e) => {
                 self.drain_to(0).await;
@@ -2447,32 +2454,21 @@ impl Applier {
         let (Some(worker), Some(statements)) = (&self.worker, &self.turn_statements) else {
             return;
         };
-        let pending = if after.worker == worker.index {
-            Pending {
-                statement: statements.check.clone(),
-                params: vec![
-                    WireValue::Text(
-                        worker
-                            .origins
-                            .get(after.worker)
-                            .cloned()
-                            .unwrap_or_default()
-                            .into(),
-                    ),
-                    WireValue::Text(after.end_lsn.to_string().into()),
-                ],
-                about: None,
-                batch: Vec::new(),
-                turn: Some(TurnStep::Check(after)),
-            }
-        } else {
-            Pending {
-                statement: statements.wait.clone(),
-                params: wait_params(worker, &after),
-                about: None,
-                batch: Vec::new(),
-                turn: Some(TurnStep::Order),
-            }
+        // On this connection the predecessor has ended: the wait only checks that it committed
+        // (timeout 0), and fails this transaction on the server if not, so its COMMIT can not
+        // follow. (A row count checked in the client would come too late: the COMMIT is already
+        // on its way.)
+        let mut params = wait_params(worker, &after);
+        if after.worker == worker.index {
+            params.pop();
+            params.push(WireValue::Text("0".into()));
+        }
+        let pending = Pending {
+            statement: statements.wait.clone(),
+            params,
+            about: None,
+            batch: Vec::new(),
+            turn: Some(TurnStep::Order),
         };
         self.pending.push(pending);
     }

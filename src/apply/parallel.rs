@@ -86,6 +86,13 @@ pub fn turn_key(seq: u64) -> i32 {
     (seq % (i32::MAX as u64)) as i32
 }
 
+/// Built-in types whose text form is equal exactly when the values are: bool, bytea, char, name,
+/// int8, int2, int4, text, oid, varchar, date, time, timestamp, timestamptz, uuid. (text and
+/// varchar assume the target column's collation is deterministic, as the default is.)
+const BYTE_EQUAL_TYPES: &[Oid] = &[
+    16, 17, 18, 19, 20, 21, 23, 25, 26, 1043, 1082, 1083, 1114, 1184, 2950,
+];
+
 /// Most messages of one transaction held to find its rows; a larger one is applied serially as
 /// it arrives.
 const MAX_HELD_MESSAGES: usize = 8_192;
@@ -207,7 +214,22 @@ impl Dispatcher {
                 self.streaming = false;
                 self.send(0, envelope)
             }
-            // Spooled by the first worker until the transaction's Stream Commit.
+            // Spooled by the first worker until the transaction's Stream Commit. A table
+            // description is needed by every worker: pgoutput does not send it again for later
+            // transactions once the streamed one commits.
+            LogicalMessage::Relation(r) if self.streaming => {
+                self.learn(r.clone()).await;
+                for w in 1..self.workers.len() {
+                    self.send(w, copy(&envelope))?;
+                }
+                self.send(0, envelope)
+            }
+            LogicalMessage::Type(_) if self.streaming => {
+                for w in 1..self.workers.len() {
+                    self.send(w, copy(&envelope))?;
+                }
+                self.send(0, envelope)
+            }
             _ if self.streaming => self.send(0, envelope),
             LogicalMessage::StreamAbort(_) => self.send(0, envelope),
             LogicalMessage::StreamCommit(c) => {
@@ -275,10 +297,16 @@ impl Dispatcher {
     /// Reads a Relation message: where its table goes and whether it may run in parallel.
     async fn learn(&mut self, relation: crate::protocol::pgoutput::Relation) {
         let oid = relation.oid;
+        // Keys are compared by their bytes: only types whose equal values have equal text run
+        // in parallel (not numeric 1.0 and 1.00, floats, case-insensitive text ...).
         let keyed = matches!(
             relation.replica_identity,
             ReplicaIdentity::Default | ReplicaIdentity::Index
-        );
+        ) && relation
+            .columns
+            .iter()
+            .filter(|c| c.is_key())
+            .all(|c| BYTE_EQUAL_TYPES.contains(&c.type_oid));
         // A table the target lacks is the workers' error to report; here it is just serial.
         let parallel = match self.relations.update(relation, &self.catalog).await {
             Ok(entry) if keyed => super::batch::independent(&self.catalog, &entry)
@@ -318,7 +346,10 @@ impl Dispatcher {
                 let values: Vec<Value> = tuple.values().collect();
                 let mut h = std::collections::hash_map::DefaultHasher::new();
                 entry.target.oid.hash(&mut h);
-                for &c in &entry.key_columns {
+                // In the target's column order: two source tables mapped onto one agree.
+                let mut key = entry.key_columns.clone();
+                key.sort_by_key(|&c| entry.target_columns.get(c).copied());
+                for &c in &key {
                     match values.get(c)? {
                         Value::Text(b) | Value::Binary(b) => b.hash(&mut h),
                         Value::Null => 0u8.hash(&mut h),
@@ -339,6 +370,15 @@ impl Dispatcher {
         };
         if let Some(worker) = held.direct {
             return self.send_in_transaction(worker, envelope);
+        }
+        if held.skip
+            && !matches!(
+                envelope.message,
+                LogicalMessage::Relation(_) | LogicalMessage::Type(_) | LogicalMessage::Commit(_)
+            )
+        {
+            // Applied before: only its table descriptions matter (and it may be large).
+            return Ok(());
         }
         held.bytes += envelope.raw.len();
         held.envelopes.push(envelope);
@@ -435,18 +475,13 @@ impl Dispatcher {
         }
         let mut deps: Vec<After> = latest.into_iter().flatten().collect();
         let Some(newest) = deps.iter().max_by_key(|a| a.seq).copied() else {
-            return (self.least_busy(applied), Vec::new());
+            return (self.least_busy(), Vec::new());
         };
         deps.retain(|a| a.worker != newest.worker);
         (newest.worker, deps)
     }
 
-    fn least_busy(&mut self, applied: Lsn) -> usize {
-        for queue in &mut self.outstanding {
-            while queue.front().is_some_and(|&e| e <= applied) {
-                queue.pop_front();
-            }
-        }
+    fn least_busy(&mut self) -> usize {
         let n = self.workers.len();
         let start = self.next_worker;
         let best = (0..n)
@@ -457,12 +492,17 @@ impl Dispatcher {
         best
     }
 
-    /// Forgets rows of committed transactions, when there are many.
+    /// Forgets committed transactions: all of them per worker, rows when there are many.
     fn prune(&mut self) {
+        let applied = *self.applied.borrow();
+        for queue in &mut self.outstanding {
+            while queue.front().is_some_and(|&e| e <= applied) {
+                queue.pop_front();
+            }
+        }
         if self.rows.len() < self.rows_pruned_at {
             return;
         }
-        let applied = *self.applied.borrow();
         self.rows.retain(|_, (_, _, end)| *end > applied);
         self.rows_pruned_at = (self.rows.len() * 2).max(1024);
     }

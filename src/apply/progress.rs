@@ -126,6 +126,68 @@ impl ProgressStore {
         })
     }
 
+    /// Folds the origins of parallel workers this run does not use (an earlier run had more)
+    /// into the slot's origin: it is moved up to `resume` (the latest of all), then they are
+    /// dropped, so no position hides in an origin nobody uses.
+    pub async fn retire_unused_workers(
+        &self,
+        client: &Client,
+        workers: usize,
+        resume: Lsn,
+    ) -> Result<()> {
+        let ProgressMode::Origin { name } = &self.mode else {
+            return Ok(());
+        };
+        let context = |e| {
+            Error::postgres(
+                "retiring replication origins of former parallel workers on the target",
+                e,
+            )
+        };
+        let rows = client
+            .query(
+                "SELECT roname::text FROM pg_catalog.pg_replication_origin \
+                 WHERE left(roname, length($1) + 2) = $1 || '-w'",
+                &[name],
+            )
+            .await
+            .map_err(context)?;
+        let prefix = format!("{name}{WORKER_SUFFIX}");
+        let unused: Vec<String> = rows
+            .into_iter()
+            .map(|r| r.get::<_, String>(0))
+            .filter(|o| {
+                o.strip_prefix(&prefix)
+                    .and_then(|i| i.parse::<usize>().ok())
+                    .is_none_or(|i| i >= workers)
+            })
+            .collect();
+        if unused.is_empty() {
+            return Ok(());
+        }
+        if resume.is_valid() {
+            client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn) \
+                     WHERE coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0') < $2::text::pg_lsn",
+                    &[name, &resume.to_string()],
+                )
+                .await
+                .map_err(context)?;
+        }
+        for origin in unused {
+            client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_drop($1)",
+                    &[&origin],
+                )
+                .await
+                .map_err(context)?;
+            tracing::info!(origin = %origin, "dropped the replication origin of a former parallel worker");
+        }
+        Ok(())
+    }
+
     /// The name of the origin this store records progress in (origin mode).
     pub fn origin_name(&self) -> Option<&str> {
         match &self.mode {
