@@ -15,6 +15,8 @@
 //! bug that makes some tools lose transactions.
 
 use std::sync::Arc;
+
+use futures_util::StreamExt;
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
@@ -517,22 +519,25 @@ impl ApplyStart {
                 let last_end = dispatcher.last_end();
                 // Closing the workers' queues lets them finish what they have and stop.
                 drop(dispatcher);
-                let failed = first_failure.lock().is_ok_and(|f| f.is_some());
-                if failed {
-                    // The others may be waiting on the server for a transaction that will not
-                    // commit now: drop their connections rather than wait for that to time out.
-                    for task in &tasks {
-                        task.abort();
-                    }
-                }
+                let aborts: Vec<tokio::task::AbortHandle> =
+                    tasks.iter().map(|t| t.abort_handle()).collect();
+                let mut running: futures_util::stream::FuturesUnordered<_> =
+                    tasks.into_iter().collect();
                 let mut stats = ApplyStats::default();
                 let mut result = Ok(());
-                for task in tasks {
-                    match task.await {
+                while let Some(joined) = running.next().await {
+                    match joined {
                         Ok(s) => stats.add(&s),
                         Err(e) if e.is_cancelled() => {}
                         Err(e) => {
                             result = Err(Error::definite(format!("an apply worker failed: {e}")))
+                        }
+                    }
+                    if first_failure.lock().is_ok_and(|f| f.is_some()) {
+                        // The others may be waiting on the server for a transaction that will
+                        // not commit now: drop their connections rather than wait for that.
+                        for abort in &aborts {
+                            abort.abort();
                         }
                     }
                 }

@@ -185,7 +185,6 @@ async fn parallel_workers_survive_kill_9_exactly() {
 /// commits after it (they would be skipped after a restart), and a rerun once the cause is gone
 /// applies everything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known defect: with parallel workers a transaction failing on the target can leave the workers waiting on each other instead of stopping (see issue #9)"]
 async fn nothing_commits_after_a_failed_transaction() {
     let db = TestDb::new("parfail").await;
     db.both("CREATE TABLE t (id int PRIMARY KEY, v int)").await;

@@ -146,8 +146,8 @@ enum Outcome {
         Vec<HeldChange>,
         std::result::Result<Vec<i32>, tokio_postgres::Error>,
     ),
-    /// A turn step's row count.
-    Turn(TurnStep, std::result::Result<u64, tokio_postgres::Error>),
+    /// A statement keeping parallel workers' commits in order: only its failure matters.
+    Order(std::result::Result<u64, tokio_postgres::Error>),
 }
 
 /// One queued statement and what to say about it if it fails or finds no row.
@@ -157,15 +157,8 @@ struct Pending {
     about: Option<ChangeInfo>,
     /// A batched UPDATE: its rows' changes, by row number.
     batch: Vec<HeldChange>,
-    /// A step that keeps parallel workers' commits in order (`apply::parallel`).
-    turn: Option<TurnStep>,
-}
-
-/// The statements of a parallel worker's transaction that keep commits in source order.
-#[derive(Debug, Clone, Copy)]
-enum TurnStep {
-    /// This transaction's turn lock, or a wait for another's commit: nothing to note but errors.
-    Order,
+    /// A turn lock or a wait for another transaction's commit (`apply::parallel`).
+    orders: bool,
 }
 
 /// A held UPDATE's change, in brief (held rows are many; `ChangeInfo` is made only for the
@@ -838,7 +831,7 @@ impl Applier {
                 params: record.to_vec(),
                 about: None,
                 batch: Vec::new(),
-                turn: None,
+                orders: false,
             });
         }
         self.send_pipeline().await?;
@@ -1055,7 +1048,7 @@ impl Applier {
                 params: Vec::new(),
                 about: None,
                 batch: Vec::new(),
-                turn: None,
+                orders: false,
             });
             if let (Some(turn), Some(worker), Some(statements)) =
                 (turn, &self.worker, &self.turn_statements)
@@ -1065,7 +1058,7 @@ impl Applier {
                     params: turn_lock_params(worker.lock_key, turn.seq),
                     about: None,
                     batch: Vec::new(),
-                    turn: Some(TurnStep::Order),
+                    orders: true,
                 });
                 // Earlier transactions of other workers that touched the same rows: their
                 // commits come before any change of this one.
@@ -1075,7 +1068,7 @@ impl Applier {
                         params: wait_params(worker, dep),
                         about: None,
                         batch: Vec::new(),
-                        turn: Some(TurnStep::Order),
+                        orders: true,
                     });
                 }
                 // Out at once: other workers' transactions wait for this lock.
@@ -1137,7 +1130,7 @@ impl Applier {
                 params: Vec::new(),
                 about: None,
                 batch: Vec::new(),
-                turn: None,
+                orders: false,
             });
         }
         self.skip_records.push((txn.xid, txn.final_lsn, time));
@@ -1343,7 +1336,7 @@ impl Applier {
                 params: params.by_ref().take(rows * columns).collect(),
                 about: Some(about.clone()),
                 batch: Vec::new(),
-                turn: None,
+                orders: false,
             })
             .await?;
         }
@@ -1668,7 +1661,7 @@ impl Applier {
                     params: chunk.params,
                     about: None,
                     batch: chunk.about,
-                    turn: None,
+                    orders: false,
                 })
                 .await?;
             }
@@ -1933,7 +1926,7 @@ impl Applier {
             params: Vec::new(),
             about: None,
             batch: Vec::new(),
-            turn: None,
+            orders: false,
         })
         .await
     }
@@ -1956,7 +1949,7 @@ impl Applier {
             params,
             about: Some(about),
             batch: Vec::new(),
-            turn: None,
+            orders: false,
         })
         .await
     }
@@ -2043,15 +2036,15 @@ impl Applier {
                 params,
                 about,
                 batch,
-                turn,
+                orders,
             } = pending;
             self.in_flight_sizes.push_back(params.len());
             self.in_flight_values += params.len();
             self.submitted += 1;
-            if let Some(step) = turn {
+            if orders {
                 self.in_flight_mut().push_back(Box::pin(async move {
                     let result = client.execute_raw(&statement, params.iter()).await;
-                    Outcome::Turn(step, result)
+                    Outcome::Order(result)
                 }));
             } else if batch.is_empty() {
                 self.in_flight_mut().push_back(Box::pin(async move {
@@ -2089,9 +2082,15 @@ impl Applier {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// A parallel worker stops waiting for answers once one failed: later statements may wait on
+    /// the server for transactions that will not commit now (`fail_if_failed` ends it).
+    fn worker_failed(&self) -> bool {
+        self.worker.is_some() && self.failure.is_some()
+    }
+
     /// Waits until at most `keep` parameter values are still in flight.
     async fn drain_values_to(&mut self, keep: usize) {
-        while self.in_flight_values > keep {
+        while self.in_flight_values > keep && !self.worker_failed() {
             match self.in_flight_mut().next().await {
                 Some(outcome) => self.check_outcome(outcome),
                 None => break,
@@ -2101,7 +2100,7 @@ impl Applier {
 
     /// Waits until at most `keep` statements are still in flight.
     async fn drain_to(&mut self, keep: usize) {
-        while self.in_flight_mut().len() > keep {
+        while self.in_flight_mut().len() > keep && !self.worker_failed() {
             match self.in_flight_mut().next().await {
                 Some(outcome) => self.check_outcome(outcome),
                 None => break,
@@ -2133,7 +2132,17 @@ impl Applier {
     fn check_outcome_of(&mut self, outcome: Outcome) {
         match outcome {
             Outcome::One(about, result) => self.check_result(about, result),
-            Outcome::Turn(step, result) => self.check_turn(step, result),
+            Outcome::Order(Ok(_)) => {}
+            // A deadlock here (rows the dispatcher could not see made two transactions wait for
+            // each other) is transient: the retry applies them one at a time.
+            Outcome::Order(Err(e)) => {
+                if self.failure.is_none() {
+                    self.failure = Some(Error::postgres(
+                        "keeping parallel apply workers in commit order",
+                        e,
+                    ));
+                }
+            }
             Outcome::Batch(rows, Ok(missing)) => {
                 let mut rows: Vec<Option<HeldChange>> = rows.into_iter().map(Some).collect();
                 for r in missing {
@@ -2165,26 +2174,6 @@ impl Applier {
                 let through = rows.iter().map(|a| a.commit_lsn).max();
                 self.retry_unbatched(err, through);
             }
-        }
-    }
-
-    fn check_turn(
-        &mut self,
-        step: TurnStep,
-        result: std::result::Result<u64, tokio_postgres::Error>,
-    ) {
-        match (step, result) {
-            (_, Err(e)) => {
-                // A deadlock here (rows the dispatcher could not see made two transactions wait
-                // for each other) is transient: the retry applies them one at a time.
-                if self.failure.is_none() {
-                    self.failure = Some(Error::postgres(
-                        "keeping parallel apply workers in commit order",
-                        e,
-                    ));
-                }
-            }
-            (TurnStep::Order, Ok(_)) => {}
         }
     }
 
@@ -2382,7 +2371,7 @@ impl Applier {
                 params: Vec::new(),
                 about: None,
                 batch: Vec::new(),
-                turn: None,
+                orders: false,
             });
             return self.send_pipeline().await;
         };
@@ -2406,7 +2395,7 @@ impl Applier {
                 ],
                 about: None,
                 batch: Vec::new(),
-                turn: None,
+                orders: false,
             });
         }
         self.pending.push(Pending {
@@ -2417,14 +2406,14 @@ impl Applier {
             ],
             about: None,
             batch: Vec::new(),
-            turn: None,
+            orders: false,
         });
         self.pending.push(Pending {
             statement: self.commit.clone(),
             params: Vec::new(),
             about: None,
             batch: Vec::new(),
-            turn: None,
+            orders: false,
         });
         // The COMMIT goes out without waiting for its answer: the next group is built (and
         // sent) meanwhile. The group counts as applied once the answer is in. (Noted before
@@ -2468,7 +2457,7 @@ impl Applier {
             params,
             about: None,
             batch: Vec::new(),
-            turn: Some(TurnStep::Order),
+            orders: true,
         };
         self.pending.push(pending);
     }
@@ -2476,7 +2465,7 @@ impl Applier {
     /// Waits until every COMMIT sent has been answered; fails if one did not succeed.
     async fn wait_for_commits(&mut self) -> Result<()> {
         while let Some(seq) = self.committing.back().map(|c| c.seq) {
-            if self.completed >= seq {
+            if self.completed >= seq || self.worker_failed() {
                 break;
             }
             match self.in_flight_mut().next().await {
