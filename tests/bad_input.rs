@@ -224,27 +224,26 @@ async fn md5_user_and_target_role_without_origin_rights() {
     db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b'); UPDATE t SET v = 'c' WHERE id = 1;")
         .await;
     let endpos = db.source_wal().await;
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
-    cmd.arg("run")
-        .arg("--source")
-        .arg(format!(
-            "host=127.0.0.1 port={} user={user} password=md5-secret dbname={}",
-            db.source_port, db.name
-        ))
-        .arg("--target")
-        .arg(format!(
-            "postgres://{writer}:w-secret@127.0.0.1:{}/{}",
-            db.target_port, db.name
-        ))
-        .args([
-            "--publication",
-            "p",
-            "--slot",
-            &db.slot(),
-            "--endpos",
-            &endpos,
-        ])
-        .kill_on_drop(true);
+    // pgapply as the md5 source user and the plain target role.
+    let as_plain_roles = |extra: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+        cmd.arg("run")
+            .arg("--source")
+            .arg(format!(
+                "host=127.0.0.1 port={} user={user} password=md5-secret dbname={}",
+                db.source_port, db.name
+            ))
+            .arg("--target")
+            .arg(format!(
+                "postgres://{writer}:w-secret@127.0.0.1:{}/{}",
+                db.target_port, db.name
+            ))
+            .args(["--publication", "p", "--slot", &db.slot()])
+            .args(extra)
+            .kill_on_drop(true);
+        cmd
+    };
+    let cmd = as_plain_roles(&["--endpos", &endpos]);
     let out = run_with_deadline(cmd, 60).await;
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
@@ -265,23 +264,8 @@ async fn md5_user_and_target_role_without_origin_rights() {
         .get(0);
     assert!(recorded.is_some(), "the position is in the table");
     // Parallel workers need origins: refused with what to do.
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
-    cmd.arg("run")
-        .arg("--source")
-        .arg(format!(
-            "host=127.0.0.1 port={} user={user} password=md5-secret dbname={}",
-            db.source_port, db.name
-        ))
-        .arg("--target")
-        .arg(format!(
-            "postgres://{writer}:w-secret@127.0.0.1:{}/{}",
-            db.target_port, db.name
-        ))
-        .args(["--publication", "p", "--slot", &db.slot()])
-        .args(["--apply-workers", "2", "--max-retries", "1"])
-        .kill_on_drop(true);
     expect_failure(
-        cmd,
+        as_plain_roles(&["--apply-workers", "2", "--max-retries", "1"]),
         &[
             "--apply-workers above 1",
             "replication origins",

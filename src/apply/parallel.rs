@@ -97,6 +97,13 @@ const BYTE_EQUAL_TYPES: &[Oid] = &[
 /// it arrives.
 const MAX_HELD_MESSAGES: usize = 8_192;
 
+/// How a parallel table's rows are told apart: its target table, and the source positions of its
+/// key columns in the target's column order.
+struct RowKey {
+    table: Oid,
+    columns: Vec<usize>,
+}
+
 /// A worker as the dispatcher sees it.
 pub struct WorkerLink {
     pub tx: mpsc::UnboundedSender<Envelope>,
@@ -124,7 +131,7 @@ pub struct Dispatcher {
     catalog: deadpool_postgres::Object,
     relations: RelationCache,
     /// Whether a relation's changes may run in parallel, by source OID.
-    parallel: HashMap<Oid, bool>,
+    keys: HashMap<Oid, Option<RowKey>>,
     resume: Lsn,
     skip_lsn: Option<Lsn>,
     /// Transactions committing at or before this run serially (after a failure in parallel).
@@ -167,7 +174,7 @@ impl Dispatcher {
             stopped,
             catalog,
             relations: RelationCache::new(options.table_map),
-            parallel: HashMap::new(),
+            keys: HashMap::new(),
             resume: options.resume,
             skip_lsn: options.skip_lsn,
             serial_through: options.serial_through,
@@ -308,18 +315,29 @@ impl Dispatcher {
             .filter(|c| c.is_key())
             .all(|c| BYTE_EQUAL_TYPES.contains(&c.type_oid));
         // A table the target lacks is the workers' error to report; here it is just serial.
-        let parallel = match self.relations.update(relation, &self.catalog).await {
-            Ok(entry) if keyed => super::batch::independent(&self.catalog, &entry)
-                .await
-                .unwrap_or(false),
-            _ => false,
+        let key = match self.relations.update(relation, &self.catalog).await {
+            Ok(entry)
+                if keyed
+                    && super::batch::independent(&self.catalog, &entry)
+                        .await
+                        .unwrap_or(false) =>
+            {
+                // In the target's column order: two source tables mapped onto one agree.
+                let mut columns = entry.key_columns.clone();
+                columns.sort_by_key(|&c| entry.target_columns.get(c).copied());
+                Some(RowKey {
+                    table: entry.target.oid,
+                    columns,
+                })
+            }
+            _ => None,
         };
         tracing::debug!(
             relation = oid,
-            parallel,
+            parallel = key.is_some(),
             "parallel apply of the relation's changes"
         );
-        self.parallel.insert(oid, parallel);
+        self.keys.insert(oid, key);
     }
 
     /// The rows a change touches, hashed; `None` when they can not be told (serial).
@@ -336,21 +354,14 @@ impl Dispatcher {
             }
             _ => return None,
         };
-        if !self.parallel.get(&relation).copied().unwrap_or(false) {
-            return None;
-        }
-        let entry = self.relations.get(relation).ok()?;
+        let key = self.keys.get(&relation)?.as_ref()?;
         tuples
             .into_iter()
             .map(|tuple| {
-                let values: Vec<Value> = tuple.values().collect();
                 let mut h = std::collections::hash_map::DefaultHasher::new();
-                entry.target.oid.hash(&mut h);
-                // In the target's column order: two source tables mapped onto one agree.
-                let mut key = entry.key_columns.clone();
-                key.sort_by_key(|&c| entry.target_columns.get(c).copied());
-                for &c in &key {
-                    match values.get(c)? {
+                key.table.hash(&mut h);
+                for &c in &key.columns {
+                    match tuple.values().nth(c)? {
                         Value::Text(b) | Value::Binary(b) => b.hash(&mut h),
                         Value::Null => 0u8.hash(&mut h),
                         // A key value is always sent.
