@@ -15,15 +15,13 @@
 //! bug that makes some tools lose transactions.
 
 use std::sync::Arc;
-
-use futures_util::StreamExt;
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
 use tokio::sync::{mpsc, watch, Semaphore};
 
 use crate::apply::applier::{ApplyStats, Envelope};
-use crate::apply::parallel::{Dispatcher, DispatcherOptions, WorkerLink, WorkerRole};
+use crate::apply::parallel::{Dispatcher, DispatcherOptions, WorkerLink, WorkerRole, Workers};
 use crate::apply::{Applier, ApplierOptions, ApplySettings, ProgressMode, ProgressStore};
 use crate::conninfo;
 use crate::copy::{self, CopySettings, CopyStatus};
@@ -367,24 +365,10 @@ pub async fn run(
     })
 }
 
-/// Sets the parallel workers' `stopped` flag when a worker's task ends, however it ends.
-struct StopOnDrop(Arc<watch::Sender<bool>>);
-
-impl Drop for StopOnDrop {
-    fn drop(&mut self) {
-        self.0.send_replace(true);
-    }
-}
-
 /// The applier of a run, connected and ready: one, or parallel workers behind a dispatcher.
 enum ApplyStart {
     Single(Box<Applier>),
-    Parallel {
-        dispatcher: Box<Dispatcher>,
-        workers: Vec<(Box<Applier>, mpsc::UnboundedReceiver<Envelope>)>,
-        stopped: watch::Sender<bool>,
-        serial_through: Arc<std::sync::atomic::AtomicU64>,
-    },
+    Parallel(Box<Workers>),
 }
 
 impl ApplyStart {
@@ -449,7 +433,7 @@ impl ApplyStart {
             .await?;
             let (tx, rx) = mpsc::unbounded_channel();
             links.push(WorkerLink { tx });
-            workers.push((Box::new(applier), rx));
+            workers.push((applier, rx));
         }
         let (stopped, stopped_rx) = watch::channel(false);
         let serial_through = config.apply.unbatched_through.clone();
@@ -467,12 +451,12 @@ impl ApplyStart {
             },
         );
         tracing::info!(workers = n, "applying with parallel workers");
-        Ok(ApplyStart::Parallel {
-            dispatcher: Box::new(dispatcher),
+        Ok(ApplyStart::Parallel(Box::new(Workers {
+            dispatcher,
             workers,
             stopped,
             serial_through,
-        })
+        })))
     }
 
     /// Applies what arrives on `rx` until it closes or applying fails.
@@ -486,72 +470,7 @@ impl ApplyStart {
                 let result = applier.run(&mut rx).await;
                 (applier.stats.clone(), result)
             }
-            ApplyStart::Parallel {
-                mut dispatcher,
-                workers,
-                stopped,
-                serial_through,
-            } => {
-                let stopped = Arc::new(stopped);
-                // The first worker failure is the one to report: the others follow from it.
-                let first_failure: Arc<std::sync::Mutex<Option<Error>>> = Arc::default();
-                let mut tasks = Vec::new();
-                for (mut applier, mut worker_rx) in workers {
-                    let stopped = stopped.clone();
-                    let first_failure = first_failure.clone();
-                    tasks.push(tokio::spawn(async move {
-                        // Tells the dispatcher even if this task ends without returning.
-                        let _stopped = StopOnDrop(stopped.clone());
-                        let result = applier.run(&mut worker_rx).await;
-                        if let Err(e) = result {
-                            if let Ok(mut first) = first_failure.lock() {
-                                first.get_or_insert(e);
-                            }
-                        }
-                        let stats = applier.stats.clone();
-                        // Dropping the applier tells the workers waiting for it.
-                        drop(applier);
-                        stopped.send_replace(true);
-                        stats
-                    }));
-                }
-                let dispatched = dispatcher.run(&mut rx).await;
-                let last_end = dispatcher.last_end();
-                // Closing the workers' queues lets them finish what they have and stop.
-                drop(dispatcher);
-                let aborts: Vec<tokio::task::AbortHandle> =
-                    tasks.iter().map(|t| t.abort_handle()).collect();
-                let mut running: futures_util::stream::FuturesUnordered<_> =
-                    tasks.into_iter().collect();
-                let mut stats = ApplyStats::default();
-                let mut result = Ok(());
-                while let Some(joined) = running.next().await {
-                    match joined {
-                        Ok(s) => stats.add(&s),
-                        Err(e) if e.is_cancelled() => {}
-                        Err(e) => {
-                            result = Err(Error::definite(format!("an apply worker failed: {e}")))
-                        }
-                    }
-                    if first_failure.lock().is_ok_and(|f| f.is_some()) {
-                        // The others may be waiting on the server for a transaction that will
-                        // not commit now: drop their connections rather than wait for that.
-                        for abort in &aborts {
-                            abort.abort();
-                        }
-                    }
-                }
-                let failure = first_failure.lock().ok().and_then(|mut f| f.take());
-                if let Some(e) = failure {
-                    // The transactions in flight when it failed are applied one at a time by
-                    // the retry, in case they depend on each other in ways not seen here.
-                    serial_through.fetch_max(last_end.0, std::sync::atomic::Ordering::Relaxed);
-                    result = Err(e);
-                } else if result.is_ok() {
-                    result = dispatched;
-                }
-                (stats, result)
-            }
+            ApplyStart::Parallel(workers) => workers.run(&mut rx).await,
         };
         let _ = done.send(true);
         outcome

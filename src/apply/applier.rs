@@ -1065,7 +1065,7 @@ impl Applier {
                 for dep in &turn.deps {
                     self.pending.push(Pending {
                         statement: statements.wait.clone(),
-                        params: wait_params(worker, dep),
+                        params: wait_params(worker, dep, WAIT_FOR_COMMIT_MS),
                         about: None,
                         batch: Vec::new(),
                         orders: true,
@@ -2447,14 +2447,14 @@ impl Applier {
         // (timeout 0), and fails this transaction on the server if not, so its COMMIT can not
         // follow. (A row count checked in the client would come too late: the COMMIT is already
         // on its way.)
-        let mut params = wait_params(worker, &after);
-        if after.worker == worker.index {
-            params.pop();
-            params.push(WireValue::Text("0".into()));
-        }
+        let timeout_ms = if after.worker == worker.index {
+            0
+        } else {
+            WAIT_FOR_COMMIT_MS
+        };
         let pending = Pending {
             statement: statements.wait.clone(),
-            params,
+            params: wait_params(worker, &after, timeout_ms),
             about: None,
             batch: Vec::new(),
             orders: true,
@@ -2536,8 +2536,8 @@ impl Applier {
     }
 }
 
-/// Parameters of `pgapply.wait_for_commit` for an earlier transaction of another worker.
-fn wait_params(worker: &WorkerRole, after: &After) -> Vec<WireValue> {
+/// Parameters of `pgapply.wait_for_commit` for an earlier transaction.
+fn wait_params(worker: &WorkerRole, after: &After, timeout_ms: u32) -> Vec<WireValue> {
     let mut params = turn_lock_params(worker.lock_key, after.seq);
     params.push(WireValue::Text(
         worker
@@ -2548,7 +2548,7 @@ fn wait_params(worker: &WorkerRole, after: &After) -> Vec<WireValue> {
             .into(),
     ));
     params.push(WireValue::Text(after.end_lsn.to_string().into()));
-    params.push(WireValue::Text(WAIT_FOR_COMMIT_MS.to_string().into()));
+    params.push(WireValue::Text(timeout_ms.to_string().into()));
     params
 }
 

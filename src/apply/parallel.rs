@@ -38,7 +38,10 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, watch};
 
-use super::applier::Envelope;
+use futures_util::StreamExt;
+
+use super::applier::{ApplyStats, Envelope};
+use super::Applier;
 use crate::error::{Error, Result};
 use crate::protocol::pgoutput::{LogicalMessage, Oid, ReplicaIdentity};
 use crate::protocol::{Lsn, Tuple, Value};
@@ -566,6 +569,87 @@ impl Dispatcher {
             .tx
             .send(envelope)
             .map_err(|_| Error::transient(format!("apply worker {worker} stopped")))
+    }
+}
+
+/// A parallel apply, connected and ready: the dispatcher and its workers.
+pub struct Workers {
+    pub dispatcher: Dispatcher,
+    pub workers: Vec<(Applier, mpsc::UnboundedReceiver<Envelope>)>,
+    /// Set when a worker stops (the dispatcher watches it).
+    pub stopped: watch::Sender<bool>,
+    pub serial_through: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Sets `stopped` when a worker's task ends, however it ends.
+struct StopOnDrop(Arc<watch::Sender<bool>>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.send_replace(true);
+    }
+}
+
+impl Workers {
+    /// Applies what arrives on `rx` until it closes or a worker fails.
+    pub async fn run(self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> (ApplyStats, Result<()>) {
+        let Workers {
+            mut dispatcher,
+            workers,
+            stopped,
+            serial_through,
+        } = self;
+        let stopped = Arc::new(stopped);
+        // The first worker failure is the one to report: the others follow from it.
+        let first_failure: Arc<std::sync::Mutex<Option<Error>>> = Arc::default();
+        let mut tasks = Vec::new();
+        for (mut applier, mut worker_rx) in workers {
+            let stopped = StopOnDrop(stopped.clone());
+            let first_failure = first_failure.clone();
+            tasks.push(tokio::spawn(async move {
+                let _stopped = stopped;
+                let result = applier.run(&mut worker_rx).await;
+                if let Err(e) = result {
+                    if let Ok(mut first) = first_failure.lock() {
+                        first.get_or_insert(e);
+                    }
+                }
+                applier.stats.clone()
+            }));
+        }
+        let dispatched = dispatcher.run(rx).await;
+        let last_end = dispatcher.last_end();
+        // Closing the workers' queues lets them finish what they have and stop.
+        drop(dispatcher);
+        let aborts: Vec<tokio::task::AbortHandle> =
+            tasks.iter().map(|t| t.abort_handle()).collect();
+        let mut running: futures_util::stream::FuturesUnordered<_> = tasks.into_iter().collect();
+        let mut stats = ApplyStats::default();
+        let mut result = Ok(());
+        while let Some(joined) = running.next().await {
+            match joined {
+                Ok(s) => stats.add(&s),
+                Err(e) if e.is_cancelled() => {}
+                Err(e) => result = Err(Error::definite(format!("an apply worker failed: {e}"))),
+            }
+            if first_failure.lock().is_ok_and(|f| f.is_some()) {
+                // The others may be waiting on the server for a transaction that will not
+                // commit now: drop their connections rather than wait for that.
+                for abort in &aborts {
+                    abort.abort();
+                }
+            }
+        }
+        let failure = first_failure.lock().ok().and_then(|mut f| f.take());
+        if let Some(e) = failure {
+            // The transactions in flight when it failed are applied one at a time by the retry,
+            // in case they depend on each other in ways not seen here.
+            serial_through.fetch_max(last_end.0, Ordering::Relaxed);
+            result = Err(e);
+        } else if result.is_ok() {
+            result = dispatched;
+        }
+        (stats, result)
     }
 }
 
