@@ -2,7 +2,8 @@
 -- earlier source transaction has committed. That transaction holds the advisory lock (key, seq)
 -- from its BEGIN to its end, and its worker's replication origin reaches end_lsn when it commits.
 -- While the lock has not been taken yet, the wait polls every millisecond. If the transaction
--- ended without committing, or does not commit within timeout_ms, this fails with SQLSTATE 40001,
+-- ended without committing, or neither it nor its worker's origin moved for timeout_ms (its worker
+-- is not getting anywhere), this fails with SQLSTATE 40001,
 -- which rolls back the waiting transaction too (pgapply restarts and applies the transactions
 -- that were in flight one at a time).
 CREATE OR REPLACE FUNCTION pgapply.wait_for_commit(key integer, seq integer, origin text,
@@ -11,10 +12,18 @@ RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     started timestamptz := clock_timestamp();
     seen_held boolean := false;
+    progress pg_lsn;
+    last_progress pg_lsn;
 BEGIN
     LOOP
-        IF pg_catalog.pg_replication_origin_progress(origin, false) >= end_lsn THEN
+        progress := pg_catalog.pg_replication_origin_progress(origin, false);
+        IF progress >= end_lsn THEN
             RETURN;
+        END IF;
+        IF progress IS DISTINCT FROM last_progress THEN
+            -- Its worker is moving: the time allowed counts from here.
+            last_progress := progress;
+            started := clock_timestamp();
         END IF;
         IF pg_catalog.pg_try_advisory_lock_shared(key, seq) THEN
             -- Not held: not begun yet, or ended.
