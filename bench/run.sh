@@ -5,6 +5,7 @@
 # Environment:
 #   SCALE=10 TXNS=150000 ROUNDS=3 CLIENTS=4   workload size
 #   PGAPPLY_BIN      use this binary instead of `cargo build --release`
+#   PGAPPLY_ARGS     extra options for pgapply in the catch-up rounds (e.g. "--binary"), split on spaces
 #   PG_BIN           PostgreSQL 15 bin dir (default /usr/lib/postgresql/15/bin)
 #   CATCHUP_TIMEOUT  seconds an applier may take per round before the run fails (default 3600)
 #   SHARED_BUFFERS   shared_buffers of both clusters (default 1GB)
@@ -12,12 +13,16 @@
 #   COPY_BENCH=1     also time the initial copy (built-in copy_data vs pgapply --copy-data); 0 skips it
 #   COPY_SCALE       pgbench scale of the copy dataset (default SCALE)
 #   COPY_JOBS        pgapply --copy-jobs for the copy phase (default 4)
-#   LATENCY_BENCH=1  also apply one backlog with pgapply directly and through bench/delay_proxy.py
-#                    (DELAY_MS each way in front of the target); 0 skips it
+#   LATENCY_BENCH=1  also apply one backlog with pgapply directly and through examples/delay_proxy.rs
+#                    (DELAY_MS each way in front of the target, and 0 ms to show the proxy's own
+#                    cost); 0 skips it
 #   LATENCY_TXNS     transactions of that backlog (default TXNS)
 #   DELAY_MS         proxy delay per direction in milliseconds (default 1)
 #   LAT_WORKERS      also apply that backlog through the proxy with --apply-workers LAT_WORKERS
 #                    (default 4; 1 skips it)
+#   PROFILE=1        record a system-wide CPU profile (perf record -a) of every catch-up phase,
+#                    report per process where the CPU went, and keep the data next to RESULTS
+#                    as perf-<applier>-round<r>.data (needs perf); 0 (default) skips it
 #   LAG_BENCH=1      also measure replication lag under a fixed-rate pgbench load; 0 skips it
 #   LAG_SECONDS      length of that load per applier (default 20)
 #   RATE             its pgbench -R rate in txn/s (default: 80% of the built-in's catch-up txn/s,
@@ -49,11 +54,12 @@ LAG_SECONDS="${LAG_SECONDS:-20}"
 RATE="${RATE:-}"
 BIGTXN_BENCH="${BIGTXN_BENCH:-1}"
 BIGTXN_ROWS="${BIGTXN_ROWS:-1000000}"
+PROFILE="${PROFILE:-0}"
 
 log() { echo "bench: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-for v in COPY_BENCH LATENCY_BENCH LAG_BENCH BIGTXN_BENCH; do
+for v in COPY_BENCH LATENCY_BENCH LAG_BENCH BIGTXN_BENCH PROFILE; do
     [[ "${!v}" =~ ^[01]$ ]] || die "$v must be 0 or 1 (got '${!v}')"
 done
 [[ "$DELAY_MS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "DELAY_MS must be a number of milliseconds (got '$DELAY_MS')"
@@ -72,8 +78,8 @@ for p in initdb pg_ctl postgres psql pgbench; do
     [ -x "$PG_BIN/$p" ] || die "$PG_BIN/$p not found (set PG_BIN)"
 done
 PSQL="$PG_BIN/psql"
-if [ "$LATENCY_BENCH" = 1 ]; then
-    command -v python3 >/dev/null || die "LATENCY_BENCH=1 needs python3 (for bench/delay_proxy.py)"
+if [ "$PROFILE" = 1 ]; then
+    command -v perf >/dev/null || die "PROFILE=1 needs perf (Debian package linux-perf)"
 fi
 
 IS_ROOT=0
@@ -84,6 +90,8 @@ fi
 as_pg() {  # server programs must not run as root
     if [ "$IS_ROOT" = 1 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }
+
+read -r -a EXTRA_ARGS <<<"${PGAPPLY_ARGS:-}"
 
 # ---------------------------------------------------------------------------
 # 1. the binary
@@ -96,9 +104,16 @@ else
     BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/pgapply"
 fi
 [ -x "$BIN" ] || die "pgapply binary not found at $BIN"
+if [ "$LATENCY_BENCH" = 1 ]; then
+    log "building the delay proxy (examples/delay_proxy.rs, release)"
+    (cd "$ROOT" && cargo build --release --quiet --example delay_proxy)
+    PROXY_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/delay_proxy"
+    case "$PROXY_BIN" in /*) ;; *) PROXY_BIN="$PWD/$PROXY_BIN" ;; esac
+fi
 case "$BIN" in /*) ;; *) BIN="$PWD/$BIN" ;; esac
 mkdir -p "$(dirname "$RESULTS")"
 case "$RESULTS" in /*) ;; *) RESULTS="$PWD/$RESULTS" ;; esac
+PROFILE_DIR="$(dirname "$RESULTS")"   # PROFILE=1: perf-<applier>-round<r>.data, kept for perf report
 
 # ---------------------------------------------------------------------------
 # 2. throwaway clusters
@@ -111,11 +126,13 @@ if [ "$IS_ROOT" = 1 ]; then chown postgres: "$WORK"; fi
 DATADIRS=()
 SAMPLER_PID=""
 PROXY_PID=""
+PROXY0_PID=""
+PERF_PID=""
 LAG_SAMPLER_PID=""
 LAG_APPLIER_PID=""
 cleanup() {
     local d p
-    for p in "$SAMPLER_PID" "$PROXY_PID" "$LAG_SAMPLER_PID" "$LAG_APPLIER_PID"; do
+    for p in "$SAMPLER_PID" "$PERF_PID" "$PROXY_PID" "$PROXY0_PID" "$LAG_SAMPLER_PID" "$LAG_APPLIER_PID"; do
         if [ -n "$p" ]; then kill "$p" 2>/dev/null || true; fi
     done
     for d in "${DATADIRS[@]+"${DATADIRS[@]}"}"; do
@@ -346,7 +363,7 @@ run_pgapply() {  # round end_lsn
     { time "${rss_cmd[@]}" "$BIN" run --source "$SRC_CONN" \
         --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=target_pgapply" \
         --publication bench --slot pgapply_slot --endpos "$end" --status-interval 1s \
-        >"$plog" 2>&1; } 2>"$WORK/time-round$r" || rc=$?
+        "${EXTRA_ARGS[@]}" >"$plog" 2>&1; } 2>"$WORK/time-round$r" || rc=$?
     kill -TERM "$SAMPLER_PID"
     wait "$SAMPLER_PID" || true
     SAMPLER_PID=""
@@ -368,6 +385,23 @@ run_pgapply() {  # round end_lsn
 # ---------------------------------------------------------------------------
 # 4. rounds
 
+profile_start() {  # data file: sample every CPU at 499 Hz until profile_stop
+    perf record -a -g -F 499 -o "$1" >"$1.log" 2>&1 &
+    PERF_PID=$!
+    sleep 0.5   # perf needs a moment before it samples; the applier has not started yet
+}
+profile_stop() {
+    kill -INT "$PERF_PID" 2>/dev/null || true
+    wait "$PERF_PID" 2>/dev/null || true
+    PERF_PID=""
+}
+# Per process (name and pid: the walsender, the target backends and the apply worker are all
+# "postgres"), CPU seconds = samples / 499 Hz; then the top functions of each busy process.
+profile_report() {  # data file
+    perf report -i "$1" --stdio --no-children -g none --sort comm,pid -F sample,comm,pid 2>/dev/null |
+        awk '$1 ~ /^[0-9]+$/ && $1 >= 50 { printf "  %6.2f s  %s\n", $1 / 499, $3 }' | head -n 12
+}
+
 log "$ROUNDS round(s) of $NTXN tpcb-like transactions ($CLIENTS clients x $PER_CLIENT, -j $JOBS)"
 for ((r = 1; r <= ROUNDS; r++)); do
     start_lsn="$(q "$SRC_PORT" bench "SELECT pg_current_wal_flush_lsn()")"
@@ -388,7 +422,9 @@ for ((r = 1; r <= ROUNDS; r++)); do
     log "round $r: source ceiling ${CEIL_SECS[r]} s"
     for a in ${ORDER[r]}; do
         q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null   # every phase starts right after a checkpoint
+        [ "$PROFILE" = 1 ] && profile_start "$PROFILE_DIR/perf-$a-round$r.data"
         "run_$a" "$r" "$end_lsn"
+        [ "$PROFILE" = 1 ] && profile_stop
     done
     log "round $r: built-in ${SECS_builtin[r]} s, pgapply ${SECS_pgapply[r]} s"
 done
@@ -427,6 +463,12 @@ for ((r = 1; r <= ROUNDS; r++)); do
     ceil_b+=" $(calc "${CEIL_SECS[r]} / ${SECS_builtin[r]}" 2)"
     ceil_p+=" $(calc "${CEIL_SECS[r]} / ${SECS_pgapply[r]}" 2)"
     ceil_t+=" $(calc "$NTXN / ${CEIL_SECS[r]}" 0)"
+    if [ "$PROFILE" = 1 ]; then
+        for a in builtin pgapply; do
+            TABLE+="CPU by process while $a applied (perf, all CPUs, seconds):"$'\n'
+            TABLE+='```'$'\n'"$(profile_report "$PROFILE_DIR/perf-$a-round$r.data")"$'\n''```'$'\n'
+        done
+    fi
 done
 MED_SPEED="$(echo "$speed_ratios" | median)"
 MED_CPU="$(echo "$cpu_ratios" | median)"
@@ -450,7 +492,7 @@ if [ "$RES_SRC" = "$RES_BUILTIN" ] && [ "$RES_SRC" = "$RES_PGAPPLY" ]; then VERD
     echo "- PostgreSQL $PG_VERSION, source and target clusters on the same machine"
     echo "- SCALE=$SCALE TXNS=$TXNS ($NTXN run) ROUNDS=$ROUNDS CLIENTS=$CLIENTS; row changes = $ROWS_PER_TXN per transaction (3 UPDATE + 1 INSERT)"
     echo "- built-in: subscription with synchronous_commit = off, timed from ENABLE until the slot's confirmed_flush_lsn reaches the round's end LSN; CPU = apply worker"
-    echo "- pgapply: \`pgapply run --endpos\`, timed until it exits; CPU = pgapply process + its target backends (sampled every 50ms)"
+    echo "- pgapply: \`pgapply run --endpos${PGAPPLY_ARGS:+ $PGAPPLY_ARGS}\`, timed until it exits; CPU = pgapply process + its target backends (sampled every 50ms)"
     echo "$TABLE"
     echo "$SUMMARY"
     echo
@@ -634,17 +676,18 @@ drop_slot() {  # slot (must be inactive)
 # 9. latency hiding (after the other phases, in databases of its own)
 #
 # Source database latsrc gets one backlog of LATENCY_TXNS tpcb-like transactions while nothing
-# applies it; slots lat_direct and lat_delay (created before the backlog) feed two target copies
-# of the template. pgapply catches up to the same end LSN twice: directly into lat_direct, then
-# through bench/delay_proxy.py (DELAY_MS added in each direction) into lat_delay, and (LAT_WORKERS > 1)
-# through the proxy again with --apply-workers LAT_WORKERS into lat_workers. With enough
-# pipelining the delay costs little throughput; a round trip per transaction would cost ~2*DELAY_MS each.
+# applies it; one slot per mode (created before the backlog) feeds its own target copy of the
+# template. pgapply catches up to the same end LSN in each mode: directly into lat_direct; through
+# examples/delay_proxy.rs with no delay into lat_proxy0 (what the proxy itself costs); through the
+# proxy adding DELAY_MS in each direction into lat_delay; and (LAT_WORKERS > 1) through that proxy
+# again with --apply-workers LAT_WORKERS into lat_workers. With enough pipelining the delay costs
+# little throughput; a round trip per transaction would cost ~2*DELAY_MS each.
 
 LAT_VERDICT=SKIPPED
 if [ "$LATENCY_BENCH" = 1 ]; then
     LAT_NTXN=$((LAT_PER_CLIENT * CLIENTS))
-    log "latency hiding: $LAT_NTXN tpcb-like transactions in source database latsrc; pgapply directly, then through a proxy adding $DELAY_MS ms each way"
-    LAT_MODES="direct delay"
+    log "latency hiding: $LAT_NTXN tpcb-like transactions in source database latsrc; pgapply directly, then through a proxy adding 0 and $DELAY_MS ms each way"
+    LAT_MODES="direct proxy0 delay"
     [ "$LAT_WORKERS" -gt 1 ] && LAT_MODES+=" workers"
     # shellcheck disable=SC2086 # one database per mode
     new_pair latsrc $(for m in $LAT_MODES; do echo "lat_$m"; done)
@@ -653,15 +696,26 @@ if [ "$LATENCY_BENCH" = 1 ]; then
         >"$WORK/pgbench-latency.log" 2>&1 || { cat "$WORK/pgbench-latency.log" >&2; die "pgbench failed (latency phase)"; }
     lat_end="$(q "$SRC_PORT" latsrc "SELECT pg_current_wal_flush_lsn()")"
 
-    PROXY_PORT="$(free_port)"
-    python3 "$ROOT/bench/delay_proxy.py" "$PROXY_PORT" "$TGT_PORT" "$DELAY_MS" >"$WORK/proxy.log" 2>&1 &
-    PROXY_PID=$!
-    for ((i = 0; i < 100; i++)); do
-        grep -q '^ready' "$WORK/proxy.log" && break
-        kill -0 "$PROXY_PID" 2>/dev/null || break
-        sleep 0.1
-    done
-    grep -q '^ready' "$WORK/proxy.log" || { cat "$WORK/proxy.log" >&2; die "bench/delay_proxy.py did not start"; }
+    start_proxy() {  # delay_ms log -> sets STARTED_PORT, STARTED_PID
+        local port pid
+        port="$(free_port)"
+        "$PROXY_BIN" "$port" "$TGT_PORT" "$1" >"$2" 2>&1 &
+        pid=$!
+        for ((i = 0; i < 100; i++)); do
+            grep -q '^ready' "$2" && break
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        grep -q '^ready' "$2" || { cat "$2" >&2; die "the delay proxy did not start"; }
+        STARTED_PORT="$port"
+        STARTED_PID="$pid"
+    }
+    start_proxy "$DELAY_MS" "$WORK/proxy.log"
+    PROXY_PORT="$STARTED_PORT"
+    PROXY_PID="$STARTED_PID"
+    start_proxy 0 "$WORK/proxy0.log"
+    PROXY0_PORT="$STARTED_PORT"
+    PROXY0_PID="$STARTED_PID"
 
     # The round trip a client sees: average latency of 200 one-statement transactions, 1 client.
     echo "SELECT 1;" >"$WORK/select1.sql"
@@ -670,16 +724,26 @@ if [ "$LATENCY_BENCH" = 1 ]; then
             sed -n 's/^latency average = \([0-9.]*\) ms$/\1/p'
     }
     RTT_direct="$(rtt_ms "$TGT_PORT")"
+    RTT_proxy0="$(rtt_ms "$PROXY0_PORT")"
     RTT_delay="$(rtt_ms "$PROXY_PORT")"
-    log "latency hiding: SELECT 1 round trip ${RTT_direct:-?} ms direct, ${RTT_delay:-?} ms through the proxy"
+    log "latency hiding: SELECT 1 round trip ${RTT_direct:-?} ms direct, ${RTT_proxy0:-?} ms through the proxy with no delay, ${RTT_delay:-?} ms with the delay"
 
-    declare -A LAT_SECS=()
+    declare -A LAT_SECS=() LAT_CPU=() LAT_PROXY_CPU=()
     for mode in $LAT_MODES; do
-        port="$TGT_PORT"
-        [ "$mode" != direct ] && port="$PROXY_PORT"
+        port="$PROXY_PORT"
+        [ "$mode" = direct ] && port="$TGT_PORT"
+        [ "$mode" = proxy0 ] && port="$PROXY0_PORT"
         workers=1
         [ "$mode" = workers ] && workers="$LAT_WORKERS"
+        # Each mode's target is loaded into shared_buffers just before its run: the targets of
+        # all modes together may not fit.
+        prewarm "$TGT_PORT" "lat_$mode"
         q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+        proxy_pid=""
+        [ "$mode" = proxy0 ] && proxy_pid="$PROXY0_PID"
+        [ "$mode" != direct ] && [ "$mode" != proxy0 ] && proxy_pid="$PROXY_PID"
+        proxy_before=0
+        [ -n "$proxy_pid" ] && proxy_before="$(proc_cpu_ticks "$proxy_pid")"
         rc=0
         TIMEFORMAT='%3R %3U %3S'
         { time "$BIN" run --source "host=127.0.0.1 port=$SRC_PORT user=postgres dbname=latsrc" \
@@ -691,45 +755,56 @@ if [ "$LATENCY_BENCH" = 1 ]; then
             tail -n 30 "$WORK/pgapply-lat-$mode.log" >&2
             die "latency hiding ($mode): pgapply exited with status $rc (log above)"
         fi
-        read -r lat_wall _ _ <"$WORK/time-lat-$mode"
+        read -r lat_wall lat_user lat_sys <"$WORK/time-lat-$mode"
         LAT_SECS[$mode]="$lat_wall"
+        LAT_CPU[$mode]="$(calc "$lat_user + $lat_sys" 2)"
+        LAT_PROXY_CPU[$mode]="-"
+        if [ -n "$proxy_pid" ]; then
+            LAT_PROXY_CPU[$mode]="$(calc "($(proc_cpu_ticks "$proxy_pid") - $proxy_before) / $CLK_TCK" 2)"
+        fi
         drop_slot "lat_$mode"
-        log "latency hiding: $mode ${LAT_SECS[$mode]} s"
+        log "latency hiding: $mode ${LAT_SECS[$mode]} s (pgapply CPU ${LAT_CPU[$mode]} s, proxy CPU ${LAT_PROXY_CPU[$mode]} s)"
     done
-    kill "$PROXY_PID" 2>/dev/null || true
-    wait "$PROXY_PID" 2>/dev/null || true
+    for p in "$PROXY_PID" "$PROXY0_PID"; do
+        kill "$p" 2>/dev/null || true
+        wait "$p" 2>/dev/null || true
+    done
     PROXY_PID=""
+    PROXY0_PID=""
 
     LAT_SRC_RES="$(q "$SRC_PORT" latsrc "$CHECK_SQL")"
     LAT_RES_direct="$(q "$TGT_PORT" lat_direct "$CHECK_SQL")"
+    LAT_RES_proxy0="$(q "$TGT_PORT" lat_proxy0 "$CHECK_SQL")"
     LAT_RES_delay="$(q "$TGT_PORT" lat_delay "$CHECK_SQL")"
     LAT_RES_workers="$LAT_SRC_RES"
     [ "$LAT_WORKERS" -gt 1 ] && LAT_RES_workers="$(q "$TGT_PORT" lat_workers "$CHECK_SQL")"
-    if [ "$LAT_RES_direct" = "$LAT_SRC_RES" ] && [ "$LAT_RES_delay" = "$LAT_SRC_RES" ] && [ "$LAT_RES_workers" = "$LAT_SRC_RES" ]; then LAT_VERDICT=MATCH; else LAT_VERDICT=MISMATCH; fi
+    if [ "$LAT_RES_direct" = "$LAT_SRC_RES" ] && [ "$LAT_RES_proxy0" = "$LAT_SRC_RES" ] && [ "$LAT_RES_delay" = "$LAT_SRC_RES" ] && [ "$LAT_RES_workers" = "$LAT_SRC_RES" ]; then LAT_VERDICT=MATCH; else LAT_VERDICT=MISMATCH; fi
     LAT_RATIO="$(calc "${LAT_SECS[direct]} / ${LAT_SECS[delay]}" 2)"
     LAT_GOAL=met
     [ "$(calc "$LAT_RATIO >= 0.8" 0)" = 1 ] || LAT_GOAL="not met"
-    LAT_TABLE="| pgapply target connection        | seconds | txn/s | row changes/s |"$'\n'
-    LAT_TABLE+="|----------------------------------|--------:|------:|--------------:|"$'\n'
+    LAT_TABLE="| pgapply target connection        | seconds | txn/s | row changes/s | pgapply CPU s | proxy CPU s |"$'\n'
+    LAT_TABLE+="|----------------------------------|--------:|------:|--------------:|--------------:|------------:|"$'\n'
     for mode in $LAT_MODES; do
         name="direct"
+        [ "$mode" = proxy0 ] && name="through proxy, no delay"
         [ "$mode" = delay ] && name="through proxy, +$DELAY_MS ms each way"
         [ "$mode" = workers ] && name="the same, --apply-workers $LAT_WORKERS"
-        LAT_TABLE+="$(printf '| %-32s | %7.2f | %5.0f | %13.0f |' "$name" "${LAT_SECS[$mode]}" \
-            "$(calc "$LAT_NTXN / ${LAT_SECS[$mode]}" 1)" "$(calc "$LAT_NTXN * $ROWS_PER_TXN / ${LAT_SECS[$mode]}" 1)")"$'\n'
+        LAT_TABLE+="$(printf '| %-32s | %7.2f | %5.0f | %13.0f | %13s | %11s |' "$name" "${LAT_SECS[$mode]}" \
+            "$(calc "$LAT_NTXN / ${LAT_SECS[$mode]}" 1)" "$(calc "$LAT_NTXN * $ROWS_PER_TXN / ${LAT_SECS[$mode]}" 1)" \
+            "${LAT_CPU[$mode]}" "${LAT_PROXY_CPU[$mode]}")"$'\n'
     done
-    LAT_SUMMARY="throughput with delay / without: x$LAT_RATIO (goal >= 0.8: $LAT_GOAL)"
+    LAT_SUMMARY="throughput with delay / without: x$LAT_RATIO (goal >= 0.8: $LAT_GOAL); the proxy alone: x$(calc "${LAT_SECS[direct]} / ${LAT_SECS[proxy0]}" 2)"
     if [ "$LAT_WORKERS" -gt 1 ]; then
         LAT_SUMMARY+="; with --apply-workers $LAT_WORKERS: x$(calc "${LAT_SECS[direct]} / ${LAT_SECS[workers]}" 2)"
     fi
-    LAT_RTT="round trip of SELECT 1 (pgbench, 1 client, average): direct ${RTT_direct:-?} ms, through the proxy ${RTT_delay:-?} ms"
-    LAT_CORRECT="Correctness ($CHECK_DESC): $LAT_VERDICT (source [$LAT_SRC_RES] direct [$LAT_RES_direct] delayed [$LAT_RES_delay] workers [$LAT_RES_workers])"
+    LAT_RTT="round trip of SELECT 1 (pgbench, 1 client, average): direct ${RTT_direct:-?} ms, through the proxy ${RTT_proxy0:-?} ms with no delay and ${RTT_delay:-?} ms with the delay"
+    LAT_CORRECT="Correctness ($CHECK_DESC): $LAT_VERDICT (source [$LAT_SRC_RES] direct [$LAT_RES_direct] proxy [$LAT_RES_proxy0] delayed [$LAT_RES_delay] workers [$LAT_RES_workers])"
     {
         echo
         echo "## Latency hiding"
         echo
-        echo "- one backlog of $LAT_NTXN tpcb-like transactions (SCALE=$SCALE, $CLIENTS clients) in source database latsrc, applied by \`pgapply run --endpos\` twice, each into its own prewarmed target copy and slot"
-        echo "- delayed: the target connection goes through bench/delay_proxy.py (127.0.0.1), which holds every chunk DELAY_MS=$DELAY_MS ms in each direction without limiting throughput"
+        echo "- one backlog of $LAT_NTXN tpcb-like transactions (SCALE=$SCALE, $CLIENTS clients) in source database latsrc, applied by \`pgapply run --endpos\` once per row of the table, each into its own prewarmed target copy and slot"
+        echo "- proxy: the target connection goes through examples/delay_proxy.rs (127.0.0.1), which holds every chunk DELAY_MS=$DELAY_MS ms (or 0 ms) in each direction without limiting throughput"
         echo "- $LAT_RTT"
         echo
         echo "$LAT_TABLE"
