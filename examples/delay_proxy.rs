@@ -34,11 +34,18 @@ fn main() {
             .parse::<u16>()
             .ok()
             .zip(upstream.parse::<u16>().ok())
-            .zip(delay.parse::<f64>().ok().filter(|d| d.is_finite() && *d >= 0.0)),
+            .zip(
+                delay
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|d| d.is_finite() && *d >= 0.0),
+            ),
         _ => None,
     };
     let Some(((listen_port, upstream_port), delay_ms)) = parsed else {
-        eprintln!("usage: delay_proxy LISTEN_PORT UPSTREAM_PORT DELAY_MS (ports 1-65535, delay >= 0)");
+        eprintln!(
+            "usage: delay_proxy LISTEN_PORT UPSTREAM_PORT DELAY_MS (ports 1-65535, delay >= 0)"
+        );
         std::process::exit(2);
     };
     let delay = Duration::from_secs_f64(delay_ms / 1000.0);
@@ -86,7 +93,10 @@ fn pump(mut from: TcpStream, mut to: TcpStream, delay: Duration) {
             match from.read(&mut buf) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
-                    if tx.send((Instant::now() + delay, buf[..n].to_vec())).is_err() {
+                    if tx
+                        .send((Instant::now() + delay, buf[..n].to_vec()))
+                        .is_err()
+                    {
                         break;
                     }
                 }
