@@ -878,7 +878,8 @@ if [ "$LAG_BENCH" = 1 ]; then
         if [ "$a" = builtin ]; then
             q "$TGT_PORT" "$db" "CREATE SUBSCRIPTION lag_sub CONNECTION '$src_conn' PUBLICATION ${src}_pub
                 WITH (copy_data = false, create_slot = false, slot_name = '$slot', synchronous_commit = off)" >/dev/null
-            wait_slot_active "$slot" || die "lag ($a): the subscription did not start streaming within 60 s"
+            wait_slot_active "$slot" ||
+                { tail -n 30 "$TGT_LOG" >&2; die "lag ($a): the subscription did not start streaming within 60 s (target server log above)"; }
         else
             "$BIN" run --source "$src_conn" --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=$db" \
                 --publication "${src}_pub" --slot "$slot" --status-interval 1s >"$WORK/pgapply-lag.log" 2>&1 &

@@ -133,8 +133,9 @@ pub struct RunArgs {
     /// Exit 0 once every transaction committed before this LSN is applied.
     #[arg(long, value_name = "LSN", env = "PGAPPLY_ENDPOS")]
     pub endpos: Option<String>,
-    /// Receive large transactions while they run (PostgreSQL 14+), spooled until they commit
-    /// [default: on for a 14+ source, else off].
+    /// Receive large transactions while they run (PostgreSQL 14+): `on` spools them until they
+    /// commit; `parallel` (16+) applies one at a time as it arrives, on a second target
+    /// connection [default: on for a 14+ source, else off].
     #[arg(long, value_enum, env = "PGAPPLY_STREAMING")]
     pub streaming: Option<Streaming>,
     /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).

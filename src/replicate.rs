@@ -23,6 +23,7 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use crate::apply::applier::{ApplyStats, Envelope};
 use crate::apply::parallel::{Dispatcher, DispatcherOptions, WorkerLink, WorkerRole, Workers};
 use crate::apply::{Applier, ApplierOptions, ApplySettings, ProgressMode, ProgressStore};
+use crate::cli::Streaming;
 use crate::conninfo;
 use crate::copy::{self, CopySettings, CopyStatus};
 use crate::error::{Error, Result};
@@ -149,6 +150,7 @@ pub async fn run(
 ) -> Result<RunOutcome> {
     // Setup, tracker, heartbeat and per applier two connections (statements, catalog reads),
     // plus the dispatcher's catalog reads with parallel workers.
+    // (The --streaming parallel helper has a pool of its own: `ApplyStart::add_live_helper`.)
     let pool = target_pool(&config.target, 5 + 2 * config.apply_workers.max(1))?;
     let mut setup = target_connection(&pool, &config.target).await?;
     crate::migrations::apply(&mut setup).await?;
@@ -219,8 +221,20 @@ pub async fn run(
             )
             .await?;
     }
+    // The --streaming parallel helper keeps its origin from run to run.
+    let live_possible = negotiated.streaming == Streaming::Parallel
+        && !negotiated.two_phase
+        && config.apply_workers.max(1) == 1;
+    if negotiated.streaming == Streaming::Parallel && !live_possible {
+        tracing::info!("--streaming parallel with --two-phase or --apply-workers above 1: streamed transactions are spooled and applied at commit");
+    }
+    let origins_in_use = if live_possible {
+        LIVE_HELPER_INDEX + 1
+    } else {
+        config.apply_workers.max(1)
+    };
     store
-        .retire_unused_workers(&setup, config.apply_workers.max(1), resume)
+        .retire_unused_workers(&setup, origins_in_use, resume)
         .await?;
     drop(setup);
     if session.server_version() < 110000 {
@@ -267,6 +281,7 @@ pub async fn run(
             .clone()
             .unwrap_or_else(|| std::env::temp_dir().join(format!("pgapply-spool-{}", config.slot))),
         worker: None,
+        live_streaming: live_possible,
     };
     let apply = ApplyStart::prepare(&config, &pool, &store, resume, applied_tx, options).await?;
     let mut stream = session
@@ -365,6 +380,10 @@ pub async fn run(
     })
 }
 
+/// The `--streaming parallel` helper records its position in the origin a second parallel worker
+/// would use (`pgapply_<slot>-w1`): the two never run together.
+const LIVE_HELPER_INDEX: usize = 1;
+
 /// The applier of a run, connected and ready: one, or parallel workers behind a dispatcher.
 enum ApplyStart {
     Single(Box<Applier>),
@@ -383,16 +402,20 @@ impl ApplyStart {
         let connect = || target_connection(pool, &config.target);
         let n = config.apply_workers.max(1);
         if n == 1 {
-            let applier = Applier::new(
+            let live = options.live_streaming;
+            let mut applier = Applier::new(
                 connect().await?,
                 connect().await?,
                 store.clone(),
                 resume,
                 config.apply.clone(),
                 applied,
-                options,
+                options.clone(),
             )
             .await?;
+            if live {
+                Self::add_live_helper(&mut applier, config, store, resume, options).await?;
+            }
             return Ok(ApplyStart::Single(Box::new(applier)));
         }
         let setup = connect().await?;
@@ -457,6 +480,66 @@ impl ApplyStart {
             stopped,
             serial_through,
         })))
+    }
+
+    /// `--streaming parallel`: a helper applier on connections of its own, with its own origin
+    /// (`applier::live`). Not with the progress table (one row, one session) nor after a
+    /// failure of such a transaction in this process: then streamed transactions are spooled.
+    async fn add_live_helper(
+        applier: &mut Applier,
+        config: &RunConfig,
+        store: &ProgressStore,
+        resume: Lsn,
+        options: ApplierOptions,
+    ) -> Result<()> {
+        if store.is_table_mode() {
+            tracing::info!("--streaming parallel: progress is kept in the pgapply.progress table (no replication origins), so streamed transactions are spooled and applied at commit");
+            return Ok(());
+        }
+        if config
+            .apply
+            .live_streaming_off
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            tracing::info!("--streaming parallel: streamed transactions are spooled and applied at commit after the failure above");
+            return Ok(());
+        }
+        // Its own pool: a helper stopped inside its transaction must not hand that session to
+        // anyone else. Two connections for the helper, one at a time for the watchdog.
+        let pool = target_pool(&config.target, 3)?;
+        let connect = || target_connection(&pool, &config.target);
+        let helper = async {
+            let helper_store = store
+                .for_worker(&*connect().await?, LIVE_HELPER_INDEX)
+                .await?;
+            let (helper_applied, _) = watch::channel(resume);
+            // The helper's transaction has no commit LSN until it commits: a failed batch of it
+            // must not turn batching off for the main applier's later transactions.
+            let settings = ApplySettings {
+                unbatched_through: Arc::default(),
+                ..config.apply.clone()
+            };
+            Applier::new(
+                connect().await?,
+                connect().await?,
+                helper_store,
+                resume,
+                settings,
+                helper_applied,
+                options,
+            )
+            .await
+        }
+        .await;
+        let attached = match helper {
+            Ok(helper) => applier.attach_live_helper(helper, pool.clone()).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = attached {
+            // Spooling works wherever this does not (no free replication origin, say).
+            tracing::warn!(error = %e, "--streaming parallel: could not set up the second target session; streamed transactions are spooled and applied at commit");
+        }
+        Ok(())
     }
 
     /// Applies what arrives on `rx` until it closes or applying fails.

@@ -66,9 +66,105 @@ async fn interleaved_streamed_transactions_with_parallel_workers() {
     interleaved_streamed_transactions("streampar", &["--apply-workers", "3"]).await;
 }
 
-async fn interleaved_streamed_transactions(prefix: &str, extra: &[&str]) {
-    if !pgapply_version_or_skip("streaming", 140000).await {
+/// `--streaming parallel` (16+): the first streamed transaction is applied as it arrives on the
+/// helper connection (savepoints for its subtransactions), the one interleaved with it is spooled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_streamed_transactions_applied_as_they_arrive() {
+    if !pgapply_version_or_skip("--streaming parallel", 160000).await {
         return;
+    }
+    let db = interleaved_streamed_transactions("streamlive", &["--streaming", "parallel"]).await;
+    assert!(
+        helper_progress(&db).await.is_some(),
+        "the helper committed a streamed transaction (origin {}-w1 has a position)",
+        origin(&db)
+    );
+}
+
+/// `--streaming parallel`: a streamed transaction updates rows that ordinary transactions
+/// inserted just before (committed on the source before the update, received before its block):
+/// the helper must see them, so they commit on the target before the block is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_transaction_sees_rows_committed_before_its_changes() {
+    if !pgapply_version_or_skip("--streaming parallel", 160000).await {
+        return;
+    }
+    let db = TestDb::new("streamsees").await;
+    db.both("CREATE TABLE v (id int PRIMARY KEY, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE v").await;
+    let big = connect(db.source_port, &db.name).await;
+    big.batch_execute(
+        "BEGIN; INSERT INTO v SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 3000) g;",
+    )
+    .await
+    .unwrap();
+    // Many small transactions: the main applier is still busy with them (its group open) when
+    // the next block of the streamed transaction arrives.
+    let small = connect(db.source_port, &db.name).await;
+    for i in 0..1000 {
+        small
+            .execute("INSERT INTO v VALUES ($1, 'small')", &[&(100_000 + i)])
+            .await
+            .unwrap();
+    }
+    big.batch_execute(
+        "UPDATE v SET pad = 'seen' WHERE id >= 100000; \
+         INSERT INTO v SELECT g, repeat(md5(g::text), 8) FROM generate_series(3001, 6000) g; COMMIT;",
+    )
+    .await
+    .unwrap();
+    let endpos = db.source_wal().await;
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--endpos",
+                &endpos,
+                "--spool-dir",
+                &dir_arg,
+                "--streaming",
+                "parallel",
+            ],
+        ),
+        120,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM v WHERE pad = 'seen'")
+            .await,
+        1000
+    );
+    db.assert_same("v").await;
+    assert!(
+        helper_progress(&db).await.is_some(),
+        "applied by the helper"
+    );
+}
+
+fn origin(db: &TestDb) -> String {
+    format!("pgapply_{}", db.slot())
+}
+
+/// The position of the `--streaming parallel` helper's origin on the target, if it has one.
+async fn helper_progress(db: &TestDb) -> Option<String> {
+    db.target
+        .query_opt(
+            "SELECT remote_lsn::text FROM pg_replication_origin_status \
+             WHERE external_id = $1 AND remote_lsn <> '0/0'",
+            &[&format!("{}-w1", origin(db))],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+async fn interleaved_streamed_transactions(prefix: &str, extra: &[&str]) -> TestDb {
+    if !pgapply_version_or_skip("streaming", 140000).await {
+        return TestDb::new(prefix).await;
     }
     let db = TestDb::new(prefix).await;
     db.both("CREATE TABLE s (id int PRIMARY KEY, who text, pad text)")
@@ -87,7 +183,10 @@ async fn interleaved_streamed_transactions(prefix: &str, extra: &[&str]) {
     ))
     .await
     .unwrap();
-    a.batch_execute(&format!("SAVEPOINT x; INSERT INTO s SELECT g, 'a-aborted', {pad} FROM generate_series(3001, 6000) g; ROLLBACK TO SAVEPOINT x;")).await.unwrap();
+    // Nested subtransactions: x2 (and its updates of rows of the top level) rolls back, x stays.
+    a.batch_execute(&format!("SAVEPOINT x; INSERT INTO s SELECT g, 'a-sub', {pad} FROM generate_series(3001, 4000) g; \
+        SAVEPOINT x2; INSERT INTO s SELECT g, 'a-aborted', {pad} FROM generate_series(4001, 6000) g; \
+        UPDATE s SET pad = 'a-aborted-update' WHERE id <= 500; ROLLBACK TO SAVEPOINT x2; RELEASE SAVEPOINT x;")).await.unwrap();
     db.source_sql("INSERT INTO s VALUES (-1, 'small', 'between')")
         .await;
     b.batch_execute(&format!("SAVEPOINT y; UPDATE s SET pad = 'b-updated' WHERE id > 102000; SAVEPOINT z; DELETE FROM s WHERE id > 102500; RELEASE SAVEPOINT z; INSERT INTO s SELECT g, 'b-more', {pad} FROM generate_series(103001, 104000) g; COMMIT;")).await.unwrap();
@@ -101,16 +200,21 @@ async fn interleaved_streamed_transactions(prefix: &str, extra: &[&str]) {
     args.extend_from_slice(extra);
     let out = run_with_deadline(db.pgapply("p", &args), 120).await;
     assert!(out.status.success(), "{}", stderr(&out));
+    let expected = if extra.contains(&"parallel") {
+        "streaming parallel"
+    } else {
+        "streaming on"
+    };
     assert!(
-        stderr(&out).contains("streaming on"),
-        "negotiated streaming: {}",
+        stderr(&out).contains(expected),
+        "negotiated {expected}: {}",
         stderr(&out)
     );
     db.assert_same("s").await;
     assert_eq!(
         db.count(
             &db.target,
-            "SELECT count(*) FROM s WHERE who IN ('a-aborted', 'gone')"
+            "SELECT count(*) FROM s WHERE who IN ('a-aborted', 'gone') OR pad = 'a-aborted-update'"
         )
         .await,
         0
@@ -122,6 +226,162 @@ async fn interleaved_streamed_transactions(prefix: &str, extra: &[&str]) {
         1001
     );
     assert_eq!(spool_files(&dir), 0, "spool files are removed after use");
+    db
+}
+
+/// `--streaming parallel`: an ordinary transaction that, on the target, must wait for rows the
+/// open streamed transaction holds (here an ENABLE ALWAYS trigger on the target keeps a count
+/// in one row; the source has no such trigger) would wait forever, as the streamed one commits
+/// only after it. The watchdog finds the wait, and the run is retried with the streamed
+/// transaction spooled: everything lands, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_transaction_that_blocks_an_ordinary_one_is_retried_spooled() {
+    if !pgapply_version_or_skip("--streaming parallel", 160000).await {
+        return;
+    }
+    let db = TestDb::new("streamblock").await;
+    db.both("CREATE TABLE b (id int PRIMARY KEY, pad text)")
+        .await;
+    db.target_sql(
+        "CREATE TABLE tally (n bigint NOT NULL); INSERT INTO tally VALUES (0); \
+         CREATE FUNCTION count_row() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN UPDATE tally SET n = n + 1; RETURN NULL; END $$; \
+         CREATE TRIGGER count_row AFTER INSERT ON b FOR EACH ROW EXECUTE FUNCTION count_row(); \
+         ALTER TABLE b ENABLE ALWAYS TRIGGER count_row;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE b").await;
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let log_path = std::env::temp_dir().join(format!("pgapply-test-{}.log", db.name));
+    let mut cmd = db.pgapply("p", &["--spool-dir", &dir_arg, "--streaming", "parallel"]);
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    let big = connect(db.source_port, &db.name).await;
+    big.batch_execute(
+        "BEGIN; INSERT INTO b SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 5000) g;",
+    )
+    .await
+    .unwrap();
+    // The helper's open transaction has counted its rows: it holds the tally row.
+    wait_for("the helper to hold the tally row", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+             WHERE l.relation = 'tally'::regclass AND l.mode = 'RowExclusiveLock' \
+             AND a.state = 'idle in transaction'",
+        )
+        .await
+            > 0
+    })
+    .await;
+    // Its count waits for the helper's transaction, which cannot commit before it.
+    db.source_sql("INSERT INTO b VALUES (-1, 'small')").await;
+    big.batch_execute("INSERT INTO b SELECT g, 'tail' FROM generate_series(5001, 6000) g; COMMIT;")
+        .await
+        .unwrap();
+    wait_for("everything, after the retry", 120, || async {
+        db.count(&db.target, "SELECT count(*) FROM b").await == 6001
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        log.contains("waits for rows the streamed transaction holds")
+            && log.contains("retrying with streamed transactions spooled"),
+        "the watchdog found the wait and the run was retried: {log}"
+    );
+    db.assert_same("b").await;
+    assert_eq!(
+        db.count(&db.target, "SELECT n FROM tally").await,
+        6001,
+        "each row inserted once"
+    );
+}
+
+/// `--streaming parallel`: killed while the helper holds a streamed transaction, and again after
+/// the source committed it; the restarted run applies it exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_while_a_streamed_transaction_is_applied_as_it_arrives() {
+    if !pgapply_version_or_skip("--streaming parallel", 160000).await {
+        return;
+    }
+    let db = TestDb::new("streamlivekill").await;
+    db.both("CREATE TABLE k (id int PRIMARY KEY, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k").await;
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let args = ["--spool-dir", dir_arg.as_str(), "--streaming", "parallel"];
+    let big = connect(db.source_port, &db.name).await;
+    let mut child = spawn(db.pgapply("p", &args));
+    db.source_sql("INSERT INTO k VALUES (-1, 'before')").await;
+    wait_for("the first row", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM k").await == 1
+    })
+    .await;
+    big.batch_execute(
+        "BEGIN; INSERT INTO k SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 20000) g;",
+    )
+    .await
+    .unwrap();
+    // The helper's open transaction holds the rows it inserted: their keys are locked.
+    wait_for(
+        "the helper to apply part of the open transaction",
+        60,
+        || async {
+            db.count(
+                &db.target,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND state = 'idle in transaction' AND backend_xid IS NOT NULL",
+            )
+            .await
+                > 0
+        },
+    )
+    .await;
+    assert_eq!(spool_files(&dir), 0, "applied as it arrives, not spooled");
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    big.batch_execute(
+        "INSERT INTO k SELECT g, 'tail' FROM generate_series(20001, 21000) g; COMMIT;",
+    )
+    .await
+    .unwrap();
+    let endpos = db.source_wal().await;
+    let mut with_end = args.to_vec();
+    with_end.extend_from_slice(&["--endpos", &endpos]);
+    let out = run_with_deadline(db.pgapply("p", &with_end), 120).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("k").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM k").await, 21001);
+    // The streamed transaction was the last one: only the helper's origin holds its position,
+    // and the rerun below must resume from there.
+    let main_lsn: String = db
+        .target
+        .query_one(
+            "SELECT coalesce(max(remote_lsn), '0/0')::text FROM pg_replication_origin_status WHERE external_id = $1",
+            &[&origin(&db)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let helper_lsn = helper_progress(&db).await.expect("the helper committed it");
+    assert_eq!(
+        db.count(
+            &db.target,
+            &format!("SELECT ('{helper_lsn}'::pg_lsn > '{main_lsn}'::pg_lsn)::int::bigint")
+        )
+        .await,
+        1,
+        "the helper's position {helper_lsn} is past the main origin's {main_lsn}"
+    );
+    // Once more from the start: everything is applied already, nothing twice.
+    let out = run_with_deadline(db.pgapply("p", &with_end), 120).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("k").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

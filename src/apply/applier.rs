@@ -23,6 +23,8 @@ use crate::protocol::{Lsn, PgTimestamp, Tuple, Value};
 use crate::relation::{RelationCache, RelationEntry};
 use crate::sql::quote_ident;
 
+mod live;
+
 /// A decoded message on its way from the source reader to the applier. The permit holds the
 /// message's bytes against the queue's byte budget until the applier is done with it.
 pub struct Envelope {
@@ -49,6 +51,9 @@ pub struct ApplySettings {
     /// set when a batched statement failed, so that the retry names the failing transaction.
     /// Shared by the attempts of one run.
     pub unbatched_through: Arc<std::sync::atomic::AtomicU64>,
+    /// Set when applying failed while a streamed transaction was applied as it arrived
+    /// (`--streaming parallel`): from then on the process spools them (see `applier::live`).
+    pub live_streaming_off: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Default for ApplySettings {
@@ -59,6 +64,7 @@ impl Default for ApplySettings {
             group_age: Duration::from_millis(200),
             batch_updates: true,
             unbatched_through: Arc::default(),
+            live_streaming_off: Arc::default(),
         }
     }
 }
@@ -343,6 +349,11 @@ pub struct Applier {
     turn_statements: Option<TurnStatements>,
     /// The turn of the transaction whose Begin comes next.
     next_turn: Option<Turn>,
+    /// The helper for `--streaming parallel` (main applier), or this applier is one (`live`).
+    live: Option<live::LiveLink>,
+    live_helper: Option<live::HelperState>,
+    /// The queue permit of the message being dispatched, for a message forwarded to the helper.
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 /// Prepared statements of the turn steps.
@@ -386,6 +397,9 @@ pub struct ApplierOptions {
     pub skip_lsn: Option<Lsn>,
     /// Set for each worker of a parallel apply.
     pub worker: Option<WorkerRole>,
+    /// `--streaming parallel` was negotiated (and two-phase was not): apply streamed
+    /// transactions as they arrive on a helper connection (`applier::live`).
+    pub live_streaming: bool,
 }
 
 impl Applier {
@@ -534,6 +548,9 @@ impl Applier {
             worker: options.worker,
             turn_statements,
             next_turn: None,
+            live: None,
+            live_helper: None,
+            permit: None,
         })
     }
 
@@ -548,6 +565,17 @@ impl Applier {
     /// Applies messages until the channel closes. A source transaction that is incomplete when it
     /// closes is rolled back on the target; complete ones are committed.
     pub async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
+        let result = self.run_messages(rx).await;
+        match result {
+            Err(e) => Err(self.live_failed(e)),
+            Ok(()) => {
+                self.live_finish().await;
+                Ok(())
+            }
+        }
+    }
+
+    async fn run_messages(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
         loop {
             // A failure noted while sending (answers taken on the way) ends the run before it
             // waits for more: later answers may be waiting on it.
@@ -575,8 +603,9 @@ impl Applier {
                     if envelope.turn.is_some() {
                         self.next_turn = envelope.turn;
                     }
+                    self.permit = envelope.permit;
                     self.dispatch(envelope.message, envelope.raw).await?;
-                    drop(envelope.permit);
+                    self.permit = None;
                     // Between source transactions a finished group may commit: right after a
                     // commit, or when other messages (stream blocks, non-transactional messages)
                     // follow it.
@@ -607,10 +636,22 @@ impl Applier {
         Ok(())
     }
 
-    /// Routes a message: inside a streamed block it is spooled; stream and two-phase control
-    /// messages are handled here; everything else is applied.
+    /// Routes a message: inside a streamed block it is spooled, or forwarded to the helper when
+    /// that transaction is the helper's (`live`); stream and two-phase control messages are
+    /// handled here; everything else is applied. A helper routes everything its own way.
     async fn dispatch(&mut self, message: LogicalMessage, raw: bytes::Bytes) -> Result<()> {
+        if self.live_helper.is_some() {
+            return self.live_dispatch(message).await;
+        }
         match message {
+            LogicalMessage::StreamStart(s) if self.live_takes(&s) => self.live_start(s, raw).await,
+            LogicalMessage::StreamStop if self.live_in_block() => self.live_stop(raw).await,
+            LogicalMessage::StreamAbort(a) if self.live_holds(a.xid) => {
+                self.live_abort(a, raw).await
+            }
+            LogicalMessage::StreamCommit(c) if self.live_holds(c.xid) => {
+                self.live_commit(c, raw).await
+            }
             LogicalMessage::StreamStart(s) => {
                 self.spool.start(s.xid, s.first_segment);
                 self.streaming = Some(s.xid);
@@ -644,6 +685,7 @@ impl Applier {
             LogicalMessage::Message(m) if !m.transactional() => {
                 self.handle(LogicalMessage::Message(m)).await
             }
+            message if self.live_in_block() => self.live_change(message, raw).await,
             message => match self.streaming {
                 Some(xid) => {
                     let subxid = streamed_xid(&message);

@@ -74,7 +74,7 @@ impl Negotiated {
             match self.streaming {
                 Streaming::Off => "off",
                 Streaming::On => "on",
-                Streaming::Parallel => "parallel (received as it arrives, applied at commit)",
+                Streaming::Parallel => "parallel",
             },
             on_off(self.two_phase),
             on_off(self.binary),
