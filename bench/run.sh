@@ -170,7 +170,7 @@ listen_addresses = '127.0.0.1'
 unix_socket_directories = '$dir/data'
 wal_level = logical
 max_wal_senders = 10
-max_replication_slots = 10
+max_replication_slots = 64
 max_worker_processes = 16
 max_logical_replication_workers = 8
 shared_buffers = $SHARED_BUFFERS
@@ -993,14 +993,19 @@ fi
 # transaction inserts BIGTXN_ROWS rows and updates half of them, far beyond
 # logical_decoding_work_mem, so the source streams it while it runs. Slots made before it feed:
 # the built-in subscriber with streaming = on (and, on 16+, streaming = parallel), each into a
-# target database of its own, then pgapply (streaming on: spooled to disk, applied at commit).
+# target database of its own, then pgapply (streaming on: spooled to disk, applied at commit;
+# and, on 16+, --streaming parallel: applied as it arrives on a second session).
 # Time: from enabling the subscriber / starting pgapply until the slot confirms the commit.
 # pgapply's peak RSS comes from GNU time (/usr/bin/time) when it is installed.
 
 BIG_VERDICT=SKIPPED
 if [ "$BIGTXN_BENCH" = 1 ]; then
     BIG_MODES="on"
-    [ "$(q "$SRC_PORT" postgres "SHOW server_version_num")" -ge 160000 ] && BIG_MODES="on parallel"
+    PGA_MODES="pgapply"
+    if [ "$(q "$SRC_PORT" postgres "SHOW server_version_num")" -ge 160000 ]; then
+        BIG_MODES="on parallel"
+        PGA_MODES="pgapply pgapply_parallel"
+    fi
     log "large transaction: $BIGTXN_ROWS rows inserted and $((BIGTXN_ROWS / 2)) updated in one transaction; built-in streaming = ${BIG_MODES// / and }, then pgapply"
     BIG_TABLE_SQL="CREATE TABLE big (id int PRIMARY KEY, v int NOT NULL, pad text NOT NULL)"
     BIG_CHECK="SELECT count(*) || ' ' || sum(v) || ' ' || sum(length(pad)) FROM big"
@@ -1008,11 +1013,11 @@ if [ "$BIGTXN_BENCH" = 1 ]; then
     q "$SRC_PORT" bigsrc "$BIG_TABLE_SQL" >/dev/null
     q "$SRC_PORT" bigsrc "CREATE PUBLICATION big_pub FOR TABLE big" >/dev/null
     big_conn="host=127.0.0.1 port=$SRC_PORT user=postgres dbname=bigsrc"
-    for m in $BIG_MODES pgapply; do
+    for m in $BIG_MODES $PGA_MODES; do
         q "$TGT_PORT" postgres "CREATE DATABASE big_$m" >/dev/null
         q "$TGT_PORT" "big_$m" "$BIG_TABLE_SQL" >/dev/null
         create_slot bigsrc "big_$m"
-        if [ "$m" != pgapply ]; then
+        if [[ "$m" != pgapply* ]]; then
             q "$TGT_PORT" "big_$m" "CREATE SUBSCRIPTION big_sub_$m CONNECTION '$big_conn' PUBLICATION big_pub
                 WITH (copy_data = false, create_slot = false, slot_name = 'big_$m', enabled = false,
                       synchronous_commit = off, streaming = $m)" >/dev/null
@@ -1024,7 +1029,6 @@ if [ "$BIGTXN_BENCH" = 1 ]; then
     BIG_SRC_RES="$(q "$SRC_PORT" bigsrc "$BIG_CHECK")"
     q "$SRC_PORT" bigsrc "CHECKPOINT" >/dev/null
     declare -A BIG_SECS=() BIG_RES=()
-    BIG_RSS=n/a
     for m in $BIG_MODES; do
         q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
         t0="$(now)"
@@ -1036,39 +1040,54 @@ if [ "$BIGTXN_BENCH" = 1 ]; then
         BIG_RES[$m]="$(q "$TGT_PORT" "big_$m" "$BIG_CHECK")"
         log "large transaction: built-in streaming = $m ${BIG_SECS[$m]} s"
     done
-    q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
-    big_cmd=("$BIN" run --source "$big_conn" --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=big_pgapply"
-        --publication big_pub --slot big_pgapply --endpos "$big_end" --status-interval 1s --spool-dir "$WORK/spool")
-    rc=0
-    t0="$(now)"
-    if [ -x /usr/bin/time ] && /usr/bin/time -f '%M' true >/dev/null 2>&1; then
-        /usr/bin/time -o "$WORK/big-time" -f '%M' "${big_cmd[@]}" >"$WORK/pgapply-big.log" 2>&1 || rc=$?
-        BIG_RSS="$(calc "$(tail -n 1 "$WORK/big-time") / 1024" 0) MB"
-    else
-        "${big_cmd[@]}" >"$WORK/pgapply-big.log" 2>&1 || rc=$?
-    fi
-    t1="$(now)"
-    if [ "$rc" != 0 ]; then
-        tail -n 30 "$WORK/pgapply-big.log" >&2
-        die "large transaction: pgapply exited with status $rc (log above)"
-    fi
-    BIG_SECS[pgapply]="$(calc "$t1 - $t0" 2)"
-    BIG_RES[pgapply]="$(q "$TGT_PORT" big_pgapply "$BIG_CHECK")"
-    log "large transaction: pgapply ${BIG_SECS[pgapply]} s, peak RSS $BIG_RSS"
-    drop_slot big_pgapply
+    declare -A BIG_RSS=()
+    for m in $PGA_MODES; do
+        q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+        streaming=on
+        [ "$m" = pgapply_parallel ] && streaming=parallel
+        big_cmd=("$BIN" run --source "$big_conn" --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=big_$m"
+            --publication big_pub --slot "big_$m" --endpos "$big_end" --status-interval 1s --spool-dir "$WORK/spool"
+            --streaming "$streaming")
+        rc=0
+        BIG_RSS[$m]=n/a
+        t0="$(now)"
+        if [ -x /usr/bin/time ] && /usr/bin/time -f '%M' true >/dev/null 2>&1; then
+            /usr/bin/time -o "$WORK/big-time" -f '%M' "${big_cmd[@]}" >"$WORK/pgapply-big.log" 2>&1 || rc=$?
+            BIG_RSS[$m]="$(calc "$(tail -n 1 "$WORK/big-time") / 1024" 0) MB"
+        else
+            "${big_cmd[@]}" >"$WORK/pgapply-big.log" 2>&1 || rc=$?
+        fi
+        t1="$(now)"
+        if [ "$rc" != 0 ]; then
+            tail -n 30 "$WORK/pgapply-big.log" >&2
+            die "large transaction: pgapply (--streaming $streaming) exited with status $rc (log above)"
+        fi
+        BIG_SECS[$m]="$(calc "$t1 - $t0" 2)"
+        BIG_RES[$m]="$(q "$TGT_PORT" "big_$m" "$BIG_CHECK")"
+        log "large transaction: pgapply --streaming $streaming ${BIG_SECS[$m]} s, peak RSS ${BIG_RSS[$m]}"
+        drop_slot "big_$m"
+    done
 
     BIG_VERDICT=MATCH
-    BIG_TABLE="| applier                        | seconds | ratio (built-in s / pgapply s) |"$'\n'
-    BIG_TABLE+="|--------------------------------|--------:|-------------------------------:|"$'\n'
+    BIG_TABLE="| applier                                     | seconds | ratio (built-in s / pgapply s) |"$'\n'
+    BIG_TABLE+="|---------------------------------------------|--------:|-------------------------------:|"$'\n'
     for m in $BIG_MODES; do
-        BIG_TABLE+="$(printf '| %-30s | %7.2f | %30s |' "built-in, streaming = $m" "${BIG_SECS[$m]}" "x$(calc "${BIG_SECS[$m]} / ${BIG_SECS[pgapply]}" 2)")"$'\n'
+        BIG_TABLE+="$(printf '| %-43s | %7.2f | %30s |' "built-in, streaming = $m" "${BIG_SECS[$m]}" "x$(calc "${BIG_SECS[$m]} / ${BIG_SECS[pgapply]}" 2)")"$'\n'
         [ "${BIG_RES[$m]}" = "$BIG_SRC_RES" ] || BIG_VERDICT=MISMATCH
     done
-    BIG_TABLE+="$(printf '| %-30s | %7.2f | %30s |' "pgapply (peak RSS $BIG_RSS)" "${BIG_SECS[pgapply]}" "")"$'\n'
-    [ "${BIG_RES[pgapply]}" = "$BIG_SRC_RES" ] || BIG_VERDICT=MISMATCH
+    for m in $PGA_MODES; do
+        name="pgapply --streaming on (peak RSS ${BIG_RSS[$m]})"
+        ratio=""
+        if [ "$m" = pgapply_parallel ]; then
+            name="pgapply --streaming parallel (peak RSS ${BIG_RSS[$m]})"
+            ratio="vs built-in parallel: x$(calc "${BIG_SECS[parallel]} / ${BIG_SECS[$m]}" 2)"
+        fi
+        BIG_TABLE+="$(printf '| %-43s | %7.2f | %30s |' "$name" "${BIG_SECS[$m]}" "$ratio")"$'\n'
+        [ "${BIG_RES[$m]}" = "$BIG_SRC_RES" ] || BIG_VERDICT=MISMATCH
+    done
     BIG_NOTE=""
     [ "$BIG_MODES" = on ] && BIG_NOTE="streaming = parallel needs PostgreSQL 16+ (these servers: $PG_VERSION)"
-    BIG_CORRECT="Correctness (count(*) sum(v) sum(length(pad)) of big): $BIG_VERDICT (source [$BIG_SRC_RES]$(for m in $BIG_MODES pgapply; do printf ' %s [%s]' "$m" "${BIG_RES[$m]}"; done))"
+    BIG_CORRECT="Correctness (count(*) sum(v) sum(length(pad)) of big): $BIG_VERDICT (source [$BIG_SRC_RES]$(for m in $BIG_MODES $PGA_MODES; do printf ' %s [%s]' "$m" "${BIG_RES[$m]}"; done))"
     {
         echo
         echo "## One large transaction"

@@ -504,9 +504,11 @@ impl ApplyStart {
             tracing::info!("--streaming parallel: streamed transactions are spooled and applied at commit after the failure above");
             return Ok(());
         }
-        // Its own pool: a helper stopped inside its transaction must not hand that session to
-        // anyone else. Two connections for the helper, one at a time for the watchdog.
-        let pool = target_pool(&config.target, 3)?;
+        // Its own pool, dropped here: when the helper stops (even inside its transaction, after
+        // an error) its sessions close with it and release what they hold, instead of going
+        // back to a pool for someone else. The watchdog has a one-session pool of its own.
+        let pool = target_pool(&config.target, 2)?;
+        let watchdog_pool = target_pool(&config.target, 1)?;
         let connect = || target_connection(&pool, &config.target);
         let helper = async {
             let helper_store = store
@@ -532,7 +534,7 @@ impl ApplyStart {
         }
         .await;
         let attached = match helper {
-            Ok(helper) => applier.attach_live_helper(helper, pool.clone()).await,
+            Ok(helper) => applier.attach_live_helper(helper, watchdog_pool).await,
             Err(e) => Err(e),
         };
         if let Err(e) = attached {

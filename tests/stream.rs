@@ -301,6 +301,73 @@ async fn a_streamed_transaction_that_blocks_an_ordinary_one_is_retried_spooled()
     );
 }
 
+/// `--streaming parallel`: a subtransaction of the open streamed transaction updates a row and
+/// rolls back; an ordinary transaction then updates that row. The rollback must reach the target
+/// at once, or the ordinary one waits for the helper's lock until the watchdog steps in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_subtransaction_releases_its_rows_at_once() {
+    if !pgapply_version_or_skip("--streaming parallel", 160000).await {
+        return;
+    }
+    let db = TestDb::new("streamrelease").await;
+    db.both("CREATE TABLE r (id int PRIMARY KEY, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE r").await;
+    db.source_sql("INSERT INTO r VALUES (-5, 'before')").await;
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let log_path = std::env::temp_dir().join(format!("pgapply-test-{}.log", db.name));
+    let mut cmd = db.pgapply("p", &["--spool-dir", &dir_arg, "--streaming", "parallel"]);
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    wait_for("the first row", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM r").await == 1
+    })
+    .await;
+    let big = connect(db.source_port, &db.name).await;
+    // The update inside the subtransaction is streamed (the rows after it fill a block) before
+    // the subtransaction rolls back.
+    big.batch_execute(
+        "BEGIN; INSERT INTO r SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 3000) g; \
+         SAVEPOINT s; UPDATE r SET pad = 'undone' WHERE id = -5; \
+         INSERT INTO r SELECT g, repeat(md5(g::text), 8) FROM generate_series(3001, 6000) g; \
+         ROLLBACK TO SAVEPOINT s;",
+    )
+    .await
+    .unwrap();
+    db.source_sql("UPDATE r SET pad = 'after' WHERE id = -5")
+        .await;
+    wait_for("the ordinary update", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM r WHERE id = -5 AND pad = 'after'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    big.batch_execute("INSERT INTO r VALUES (7000, 'tail'); COMMIT;")
+        .await
+        .unwrap();
+    wait_for("the streamed transaction", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM r").await == 3002
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        !log.contains("waits for rows the streamed transaction holds") && !log.contains("retrying"),
+        "no wait on the helper, no retry: {log}"
+    );
+    db.assert_same("r").await;
+    assert!(
+        helper_progress(&db).await.is_some(),
+        "applied by the helper"
+    );
+}
+
 /// `--streaming parallel`: killed while the helper holds a streamed transaction, and again after
 /// the source committed it; the restarted run applies it exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

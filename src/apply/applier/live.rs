@@ -45,6 +45,22 @@ use crate::protocol::{Lsn, PgTimestamp};
 /// How often the watchdog looks for the main session waiting on the helper's.
 const WATCHDOG_EVERY: Duration = Duration::from_secs(1);
 
+/// Whether the main session ($2) waits, directly or behind other sessions, for the helper's
+/// ($1), while the helper's session sits idle in its transaction.
+const WAITS_FOR_HELPER: &str = "WITH RECURSIVE blockers(pid) AS ( \
+       SELECT unnest(pg_catalog.pg_blocking_pids($2::int4)) \
+       UNION SELECT unnest(pg_catalog.pg_blocking_pids(b.pid)) FROM blockers b) \
+     SELECT coalesce($1::int4 IN (SELECT pid FROM blockers) \
+       AND (SELECT state = 'idle in transaction' FROM pg_catalog.pg_stat_activity \
+            WHERE pid = $1::int4), false)";
+
+/// Cancels the main session's statement only if it still waits for the helper's (the same
+/// test in the same statement, so the cancel cannot hit a later statement).
+const CANCEL_IF_WAITING: &str = "WITH RECURSIVE blockers(pid) AS ( \
+       SELECT unnest(pg_catalog.pg_blocking_pids($2::int4)) \
+       UNION SELECT unnest(pg_catalog.pg_blocking_pids(b.pid)) FROM blockers b) \
+     SELECT pg_catalog.pg_cancel_backend($2::int4) WHERE $1::int4 IN (SELECT pid FROM blockers)";
+
 /// Bytes of messages forwarded to the helper and not yet handed to its connection.
 const HELPER_QUEUE_BYTES: usize = 16 * 1024 * 1024;
 
@@ -68,7 +84,7 @@ pub(crate) struct LiveLink {
 }
 
 struct Watchdog {
-    /// The helper's pool: a connection per look, so a lost one is replaced.
+    /// A pool of its own: a connection per look, so a lost one is replaced.
     pool: deadpool_postgres::Pool,
     main_pid: i32,
     helper_pid: i32,
@@ -94,12 +110,7 @@ impl Watchdog {
                 let idle = queued.load(Ordering::SeqCst) == 0;
                 let blocked = match pool.get().await {
                     Ok(conn) => conn
-                        .query_one(
-                            "SELECT coalesce($1::int4 = ANY (pg_catalog.pg_blocking_pids($2::int4)) \
-                             AND (SELECT state = 'idle in transaction' FROM pg_catalog.pg_stat_activity \
-                                  WHERE pid = $1::int4), false)",
-                            &[&helper_pid, &main_pid],
-                        )
+                        .query_one(WAITS_FOR_HELPER, &[&helper_pid, &main_pid])
                         .await
                         .map(|r| r.get::<_, bool>(0))
                         .map_err(|e| crate::error::describe_postgres(&e)),
@@ -123,10 +134,7 @@ impl Watchdog {
                 );
                 let cancelled = match pool.get().await {
                     Ok(conn) => conn
-                        .execute(
-                            "SELECT pg_catalog.pg_cancel_backend($1::int4)",
-                            &[&main_pid],
-                        )
+                        .execute(CANCEL_IF_WAITING, &[&helper_pid, &main_pid])
                         .await
                         .map(|_| ())
                         .map_err(|e| crate::error::describe_postgres(&e)),
@@ -158,9 +166,9 @@ impl Drop for LiveLink {
 
 /// The helper's side: the savepoints of the open transaction.
 pub(crate) struct HelperState {
-    /// Subtransactions with changes, in the order their savepoints were made, each with the
-    /// number of conflicts noted before it (a rolled-back subtransaction's are forgotten).
-    subxacts: Vec<(Xid, usize)>,
+    /// Subtransactions with changes, in the order their savepoints were made (and as a set).
+    subxacts: Vec<Xid>,
+    known: std::collections::HashSet<Xid>,
     /// One savepoint name for every depth: SAVEPOINT, ROLLBACK TO SAVEPOINT, RELEASE SAVEPOINT.
     /// Rolling back to depth d pops the savepoints above it one by one, so three prepared
     /// statements serve any nesting.
@@ -172,8 +180,7 @@ pub(crate) struct HelperState {
 
 impl Applier {
     /// Makes `helper` this applier's helper for `--streaming parallel` and starts it. `pool` is
-    /// the helper's own pool (nobody else gets its connections, which may be left inside its
-    /// transaction when it is stopped); the deadlock watchdog takes its connections from it.
+    /// the deadlock watchdog's own pool.
     pub async fn attach_live_helper(
         &mut self,
         mut helper: Applier,
@@ -204,6 +211,13 @@ impl Applier {
             )
             .await
             .map_err(|e| Error::postgres("configuring the streamed-transaction session", e))?;
+        // Newer limits (14+, 17+): an error on an older server only means there is no limit.
+        for sql in [
+            "SET idle_session_timeout = 0",
+            "SET transaction_timeout = 0",
+        ] {
+            let _ = helper.client.batch_execute(sql).await;
+        }
         let prepare = |sql: &'static str| {
             let client = helper.client.clone();
             async move {
@@ -216,6 +230,7 @@ impl Applier {
         let queued = Arc::new(AtomicUsize::new(0));
         helper.live_helper = Some(HelperState {
             subxacts: Vec::new(),
+            known: Default::default(),
             savepoint: prepare("SAVEPOINT pgapply_sub").await?,
             rollback_to: prepare("ROLLBACK TO SAVEPOINT pgapply_sub").await?,
             release: prepare("RELEASE SAVEPOINT pgapply_sub").await?,
@@ -372,6 +387,7 @@ impl Applier {
             live.xid = None;
             live.in_block = false;
             live.watchdog.stop();
+            live.watchdog.fired.store(false, Ordering::SeqCst);
         }
     }
 
@@ -454,7 +470,7 @@ impl Applier {
         };
         live.off.store(true, Ordering::SeqCst);
         let why = if live.watchdog.fired.load(Ordering::SeqCst) {
-            format!("a change waited for rows that streamed transaction {xid} holds on the target, and that transaction can only commit after it (the target has a unique index or constraint the source does not)")
+            format!("a change waited for rows that streamed transaction {xid} holds on the target, and that transaction can only commit after it (the target has a trigger, unique index or constraint the source does not)")
         } else {
             format!("applying failed while streamed transaction {xid} was applied as it arrived")
         };
@@ -507,6 +523,7 @@ impl Applier {
                     })?;
                     if let Some(h) = &mut self.live_helper {
                         h.subxacts.clear();
+                        h.known.clear();
                     }
                 }
                 Ok(())
@@ -522,7 +539,9 @@ impl Applier {
             }
             LogicalMessage::StreamAbort(a) => self.rollback_subxact(a.subxid).await,
             LogicalMessage::StreamCommit(c) => {
-                // Conflicts met on the way name the transaction by its commit, known only now.
+                // Conflicts met on the way name the transaction by its commit, known only now:
+                // every answer first (held rows included), then the names.
+                self.send_pipeline().await?;
                 for conflict in &mut self.conflicts {
                     if conflict.source_lsn == Lsn(u64::MAX) {
                         conflict.source_lsn = c.commit_lsn;
@@ -550,37 +569,37 @@ impl Applier {
     /// The first change of subtransaction `sub`: a savepoint, so its abort can undo just it.
     async fn savepoint_for(&mut self, sub: Xid) -> Result<()> {
         let statement = match &self.live_helper {
-            Some(h) if !h.subxacts.iter().any(|(x, _)| *x == sub) => h.savepoint.clone(),
+            Some(h) if !h.known.contains(&sub) => h.savepoint.clone(),
             _ => return Ok(()),
         };
         // Held rows belong before the savepoint.
         self.flush_held_updates(None).await?;
         self.flush_insert_run().await?;
         self.push_plain(statement);
-        let noted = self.conflicts.len();
         if let Some(h) = &mut self.live_helper {
-            h.subxacts.push((sub, noted));
+            h.subxacts.push(sub);
+            h.known.insert(sub);
         }
         Ok(())
     }
 
     /// Stream Abort of subtransaction `sub`: back to its savepoint, which also undoes the
     /// subtransactions after it (they were inside it, or aborted with it), as PostgreSQL's
-    /// parallel apply does.
+    /// parallel apply does. (Conflicts its changes met are still recorded if the transaction
+    /// commits: over-reporting, never hiding one.)
     async fn rollback_subxact(&mut self, sub: Xid) -> Result<()> {
-        let Some((depth, noted, rollback_to, release)) = self.live_helper.as_ref().and_then(|h| {
+        let Some((depth, rollback_to, release)) = self.live_helper.as_ref().and_then(|h| {
             h.subxacts
                 .iter()
-                .position(|(x, _)| *x == sub)
-                .map(|d| (d, h.subxacts[d].1, h.rollback_to.clone(), h.release.clone()))
+                .rposition(|x| *x == sub)
+                .map(|d| (d, h.rollback_to.clone(), h.release.clone()))
         }) else {
             // No change of it reached the target.
             return Ok(());
         };
-        // Everything before the rollback is answered first (held rows included), so that the
-        // conflicts of what is undone can be told from those that stand.
-        self.send_pipeline().await?;
-        self.conflicts.truncate(noted);
+        // Held rows go out first, so that the rollback undoes those of the subtransaction.
+        self.flush_held_updates(None).await?;
+        self.flush_insert_run().await?;
         let above = self.live_helper.as_ref().map_or(0, |h| h.subxacts.len()) - depth;
         // Each pair undoes the innermost savepoint and removes it: the server's nesting stays
         // equal to the list's.
@@ -589,8 +608,12 @@ impl Applier {
             self.push_plain(release.clone());
         }
         if let Some(h) = &mut self.live_helper {
-            h.subxacts.truncate(depth);
+            for x in h.subxacts.drain(depth..) {
+                h.known.remove(&x);
+            }
         }
+        // Out now: the main session may be about to wait for the rows this releases.
+        self.submit_pending();
         Ok(())
     }
 
