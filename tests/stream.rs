@@ -289,7 +289,7 @@ async fn a_streamed_transaction_that_blocks_an_ordinary_one_is_retried_spooled()
     let _ = child.wait().await;
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(
-        log.contains("waits for rows the streamed transaction holds")
+        log.contains("waited for rows the streamed transaction holds")
             && log.contains("retrying with streamed transactions spooled"),
         "the watchdog found the wait and the run was retried: {log}"
     );
@@ -299,6 +299,62 @@ async fn a_streamed_transaction_that_blocks_an_ordinary_one_is_retried_spooled()
         6001,
         "each row inserted once"
     );
+}
+
+/// `--streaming parallel`: the run ends (end position) while the helper holds a streamed
+/// transaction that an ordinary transaction in the last group waits for (an ENABLE ALWAYS trigger
+/// on the target counts rows in one row). The helper's transaction is given up first, so the last
+/// group commits and pgapply stops cleanly, without a watchdog cancel or a retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_end_position_inside_a_streamed_transaction_stops_cleanly() {
+    if !pgapply_version_or_skip("--streaming parallel", 160000).await {
+        return;
+    }
+    let db = TestDb::new("streamend").await;
+    db.both("CREATE TABLE e (id int PRIMARY KEY, pad text)")
+        .await;
+    db.target_sql(
+        "CREATE TABLE tally (n bigint NOT NULL); INSERT INTO tally VALUES (0); \
+         CREATE FUNCTION count_row() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN UPDATE tally SET n = n + 1; RETURN NULL; END $$; \
+         CREATE TRIGGER count_row AFTER INSERT ON e FOR EACH ROW EXECUTE FUNCTION count_row(); \
+         ALTER TABLE e ENABLE ALWAYS TRIGGER count_row;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE e").await;
+    let big = connect(db.source_port, &db.name).await;
+    big.batch_execute(
+        "BEGIN; INSERT INTO e SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 5000) g;",
+    )
+    .await
+    .unwrap();
+    db.source_sql("INSERT INTO e VALUES (-1, 'small')").await;
+    let endpos = db.source_wal().await;
+    let dir = spool_dir(&db);
+    let dir_arg = dir.to_string_lossy().to_string();
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--endpos",
+                &endpos,
+                "--spool-dir",
+                &dir_arg,
+                "--streaming",
+                "parallel",
+            ],
+        ),
+        120,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(!log.contains("retrying"), "stopped without a retry: {log}");
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM e").await, 1);
+    assert_eq!(db.count(&db.target, "SELECT n FROM tally").await, 1);
+    big.batch_execute("COMMIT").await.unwrap();
+    db.sync("p").await;
+    db.assert_same("e").await;
 }
 
 /// `--streaming parallel`: a subtransaction of the open streamed transaction updates a row and
@@ -358,7 +414,8 @@ async fn a_rolled_back_subtransaction_releases_its_rows_at_once() {
     let _ = child.wait().await;
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(
-        !log.contains("waits for rows the streamed transaction holds") && !log.contains("retrying"),
+        !log.contains("waited for rows the streamed transaction holds")
+            && !log.contains("retrying"),
         "no wait on the helper, no retry: {log}"
     );
     db.assert_same("r").await;

@@ -625,6 +625,10 @@ impl Applier {
                 }
             }
         }
+        // A streamed transaction still open on the helper ends with its sessions (it never
+        // committed on the source before the end): first, as the last group may wait for its
+        // rows.
+        self.live_abandon();
         if self.current.is_some() {
             self.rollback().await;
         } else if self.group.is_some() {

@@ -128,20 +128,26 @@ impl Watchdog {
                     continue;
                 }
                 seen = 0;
-                fired.store(true, Ordering::SeqCst);
-                tracing::warn!(
-                    "the main apply session waits for rows the streamed transaction holds on the target; cancelling its statement (the run restarts with streamed transactions spooled)"
-                );
                 let cancelled = match pool.get().await {
                     Ok(conn) => conn
-                        .execute(CANCEL_IF_WAITING, &[&helper_pid, &main_pid])
+                        .query_opt(CANCEL_IF_WAITING, &[&helper_pid, &main_pid])
                         .await
-                        .map(|_| ())
+                        .map(|row| row.is_some_and(|r| r.get::<_, bool>(0)))
                         .map_err(|e| crate::error::describe_postgres(&e)),
                     Err(e) => Err(e.to_string()),
                 };
-                if let Err(e) = cancelled {
-                    tracing::warn!(error = %e, "could not cancel the blocked apply session; trying again");
+                match cancelled {
+                    Ok(true) => {
+                        // Set before the failure it causes reaches the main applier.
+                        fired.store(true, Ordering::SeqCst);
+                        tracing::warn!(
+                            "the main apply session waited for rows the streamed transaction holds on the target; its statement was cancelled (the run restarts with streamed transactions spooled)"
+                        );
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not cancel the blocked apply session; trying again");
+                    }
                 }
             }
         }));
@@ -217,6 +223,7 @@ impl Applier {
             "SET transaction_timeout = 0",
         ] {
             let _ = helper.client.batch_execute(sql).await;
+            let _ = helper.catalog.batch_execute(sql).await;
         }
         let prepare = |sql: &'static str| {
             let client = helper.client.clone();
@@ -387,7 +394,17 @@ impl Applier {
             live.xid = None;
             live.in_block = false;
             live.watchdog.stop();
-            live.watchdog.fired.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// The end of the run while the helper may hold a transaction: its sessions close, which
+    /// rolls it back on the target and releases what it holds.
+    pub(super) fn live_abandon(&mut self) {
+        if self.live.as_ref().is_some_and(|l| l.xid.is_some()) {
+            tracing::debug!(
+                "the run ends inside a streamed transaction: the helper's sessions close"
+            );
+            self.live = None;
         }
     }
 
@@ -465,12 +482,17 @@ impl Applier {
         let Some(live) = &self.live else {
             return e;
         };
-        let Some(xid) = live.xid else {
-            return e;
+        // The watchdog's cancel may reach the main session after the streamed transaction ended
+        // (it aborted meanwhile): still this cause, and still worth a retry.
+        let fired = live.watchdog.fired.load(Ordering::SeqCst);
+        let xid = match (live.xid, fired) {
+            (Some(xid), _) => xid.to_string(),
+            (None, true) => "(already ended)".to_owned(),
+            (None, false) => return e,
         };
         live.off.store(true, Ordering::SeqCst);
-        let why = if live.watchdog.fired.load(Ordering::SeqCst) {
-            format!("a change waited for rows that streamed transaction {xid} holds on the target, and that transaction can only commit after it (the target has a trigger, unique index or constraint the source does not)")
+        let why = if fired {
+            format!("a change waited for rows that streamed transaction {xid} held on the target, and that transaction could only commit after it (the target has a trigger, unique index or constraint the source does not)")
         } else {
             format!("applying failed while streamed transaction {xid} was applied as it arrived")
         };
