@@ -114,24 +114,7 @@ async fn a_streamed_transaction_sees_rows_committed_before_its_changes() {
     )
     .await
     .unwrap();
-    let endpos = db.source_wal().await;
-    let dir = spool_dir(&db);
-    let dir_arg = dir.to_string_lossy().to_string();
-    let out = run_with_deadline(
-        db.pgapply(
-            "p",
-            &[
-                "--endpos",
-                &endpos,
-                "--spool-dir",
-                &dir_arg,
-                "--streaming",
-                "parallel",
-            ],
-        ),
-        120,
-    )
-    .await;
+    let out = live_catch_up(&db).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(
         db.count(&db.target, "SELECT count(*) FROM v WHERE pad = 'seen'")
@@ -143,6 +126,45 @@ async fn a_streamed_transaction_sees_rows_committed_before_its_changes() {
         helper_progress(&db).await.is_some(),
         "applied by the helper"
     );
+}
+
+/// `--streaming parallel` up to the source's current WAL end.
+async fn live_catch_up(db: &TestDb) -> std::process::Output {
+    let endpos = db.source_wal().await;
+    let dir = spool_dir(db).to_string_lossy().to_string();
+    let args = [
+        "--endpos",
+        &endpos,
+        "--spool-dir",
+        &dir,
+        "--streaming",
+        "parallel",
+    ];
+    run_with_deadline(db.pgapply("p", &args), 120).await
+}
+
+/// `--streaming parallel` in the background, its log in a file the test reads.
+fn spawn_live(db: &TestDb) -> (tokio::process::Child, std::path::PathBuf) {
+    let dir = spool_dir(db).to_string_lossy().to_string();
+    let log_path = std::env::temp_dir().join(format!("pgapply-test-{}.log", db.name));
+    let mut cmd = db.pgapply("p", &["--spool-dir", &dir, "--streaming", "parallel"]);
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap());
+    (cmd.spawn().unwrap(), log_path)
+}
+
+/// A trigger on the target only, enabled ALWAYS (it fires for replicated rows): every insert
+/// into `table` updates the one row of `tally`, so two open transactions inserting there wait
+/// for each other.
+async fn count_inserts_on_target(db: &TestDb, table: &str) {
+    db.target_sql(&format!(
+        "CREATE TABLE tally (n bigint NOT NULL); INSERT INTO tally VALUES (0); \
+         CREATE FUNCTION count_row() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN UPDATE tally SET n = n + 1; RETURN NULL; END $$; \
+         CREATE TRIGGER count_row AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION count_row(); \
+         ALTER TABLE {table} ENABLE ALWAYS TRIGGER count_row;"
+    ))
+    .await;
 }
 
 fn origin(db: &TestDb) -> String {
@@ -242,22 +264,9 @@ async fn a_streamed_transaction_that_blocks_an_ordinary_one_is_retried_spooled()
     let db = TestDb::new("streamblock").await;
     db.both("CREATE TABLE b (id int PRIMARY KEY, pad text)")
         .await;
-    db.target_sql(
-        "CREATE TABLE tally (n bigint NOT NULL); INSERT INTO tally VALUES (0); \
-         CREATE FUNCTION count_row() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN UPDATE tally SET n = n + 1; RETURN NULL; END $$; \
-         CREATE TRIGGER count_row AFTER INSERT ON b FOR EACH ROW EXECUTE FUNCTION count_row(); \
-         ALTER TABLE b ENABLE ALWAYS TRIGGER count_row;",
-    )
-    .await;
+    count_inserts_on_target(&db, "b").await;
     db.publish("CREATE PUBLICATION p FOR TABLE b").await;
-    let dir = spool_dir(&db);
-    let dir_arg = dir.to_string_lossy().to_string();
-    let log_path = std::env::temp_dir().join(format!("pgapply-test-{}.log", db.name));
-    let mut cmd = db.pgapply("p", &["--spool-dir", &dir_arg, "--streaming", "parallel"]);
-    cmd.stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log_path).unwrap());
-    let mut child = cmd.spawn().unwrap();
+    let (mut child, log_path) = spawn_live(&db);
     let big = connect(db.source_port, &db.name).await;
     big.batch_execute(
         "BEGIN; INSERT INTO b SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 5000) g;",
@@ -313,14 +322,7 @@ async fn the_end_position_inside_a_streamed_transaction_stops_cleanly() {
     let db = TestDb::new("streamend").await;
     db.both("CREATE TABLE e (id int PRIMARY KEY, pad text)")
         .await;
-    db.target_sql(
-        "CREATE TABLE tally (n bigint NOT NULL); INSERT INTO tally VALUES (0); \
-         CREATE FUNCTION count_row() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN UPDATE tally SET n = n + 1; RETURN NULL; END $$; \
-         CREATE TRIGGER count_row AFTER INSERT ON e FOR EACH ROW EXECUTE FUNCTION count_row(); \
-         ALTER TABLE e ENABLE ALWAYS TRIGGER count_row;",
-    )
-    .await;
+    count_inserts_on_target(&db, "e").await;
     db.publish("CREATE PUBLICATION p FOR TABLE e").await;
     let big = connect(db.source_port, &db.name).await;
     big.batch_execute(
@@ -329,24 +331,7 @@ async fn the_end_position_inside_a_streamed_transaction_stops_cleanly() {
     .await
     .unwrap();
     db.source_sql("INSERT INTO e VALUES (-1, 'small')").await;
-    let endpos = db.source_wal().await;
-    let dir = spool_dir(&db);
-    let dir_arg = dir.to_string_lossy().to_string();
-    let out = run_with_deadline(
-        db.pgapply(
-            "p",
-            &[
-                "--endpos",
-                &endpos,
-                "--spool-dir",
-                &dir_arg,
-                "--streaming",
-                "parallel",
-            ],
-        ),
-        120,
-    )
-    .await;
+    let out = live_catch_up(&db).await;
     let log = stderr(&out);
     assert!(out.status.success(), "{log}");
     assert!(!log.contains("retrying"), "stopped without a retry: {log}");
@@ -370,13 +355,7 @@ async fn a_rolled_back_subtransaction_releases_its_rows_at_once() {
         .await;
     db.publish("CREATE PUBLICATION p FOR TABLE r").await;
     db.source_sql("INSERT INTO r VALUES (-5, 'before')").await;
-    let dir = spool_dir(&db);
-    let dir_arg = dir.to_string_lossy().to_string();
-    let log_path = std::env::temp_dir().join(format!("pgapply-test-{}.log", db.name));
-    let mut cmd = db.pgapply("p", &["--spool-dir", &dir_arg, "--streaming", "parallel"]);
-    cmd.stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log_path).unwrap());
-    let mut child = cmd.spawn().unwrap();
+    let (mut child, log_path) = spawn_live(&db);
     wait_for("the first row", 30, || async {
         db.count(&db.target, "SELECT count(*) FROM r").await == 1
     })
