@@ -31,6 +31,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "parallel_apply",
         include_str!("../migrations/0005_parallel_apply.sql"),
     ),
+    (
+        6,
+        "wait_for_visible_commit",
+        include_str!("../migrations/0006_wait_for_visible_commit.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.
