@@ -45,21 +45,30 @@ use crate::protocol::{Lsn, PgTimestamp};
 /// How often the watchdog looks for the main session waiting on the helper's.
 const WATCHDOG_EVERY: Duration = Duration::from_secs(1);
 
-/// Whether the main session ($2) waits, directly or behind other sessions, for the helper's
-/// ($1), while the helper's session sits idle in its transaction.
-const WAITS_FOR_HELPER: &str = "WITH RECURSIVE blockers(pid) AS ( \
-       SELECT unnest(pg_catalog.pg_blocking_pids($2::int4)) \
-       UNION SELECT unnest(pg_catalog.pg_blocking_pids(b.pid)) FROM blockers b) \
-     SELECT coalesce($1::int4 IN (SELECT pid FROM blockers) \
+/// The sessions the main session ($2) waits for, directly or behind other sessions.
+macro_rules! blockers_of_main {
+    () => {
+        "WITH RECURSIVE blockers(pid) AS ( \
+           SELECT unnest(pg_catalog.pg_blocking_pids($2::int4)) \
+           UNION SELECT unnest(pg_catalog.pg_blocking_pids(b.pid)) FROM blockers b) "
+    };
+}
+
+/// Whether the main session ($2) waits for the helper's ($1), while the helper's session sits
+/// idle in its transaction.
+const WAITS_FOR_HELPER: &str = concat!(
+    blockers_of_main!(),
+    "SELECT coalesce($1::int4 IN (SELECT pid FROM blockers) \
        AND (SELECT state = 'idle in transaction' FROM pg_catalog.pg_stat_activity \
-            WHERE pid = $1::int4), false)";
+            WHERE pid = $1::int4), false)"
+);
 
 /// Cancels the main session's statement only if it still waits for the helper's (the same
 /// test in the same statement, so the cancel cannot hit a later statement).
-const CANCEL_IF_WAITING: &str = "WITH RECURSIVE blockers(pid) AS ( \
-       SELECT unnest(pg_catalog.pg_blocking_pids($2::int4)) \
-       UNION SELECT unnest(pg_catalog.pg_blocking_pids(b.pid)) FROM blockers b) \
-     SELECT pg_catalog.pg_cancel_backend($2::int4) WHERE $1::int4 IN (SELECT pid FROM blockers)";
+const CANCEL_IF_WAITING: &str = concat!(
+    blockers_of_main!(),
+    "SELECT pg_catalog.pg_cancel_backend($2::int4) WHERE $1::int4 IN (SELECT pid FROM blockers)"
+);
 
 /// Bytes of messages forwarded to the helper and not yet handed to its connection.
 const HELPER_QUEUE_BYTES: usize = 16 * 1024 * 1024;
@@ -192,20 +201,8 @@ impl Applier {
         mut helper: Applier,
         pool: deadpool_postgres::Pool,
     ) -> Result<()> {
-        const PID: &str = "SELECT pg_catalog.pg_backend_pid()";
-        let context = |e| Error::postgres("reading an apply session's process id", e);
-        let main_pid: i32 = self
-            .client
-            .query_one(PID, &[])
-            .await
-            .map_err(context)?
-            .get(0);
-        let helper_pid: i32 = helper
-            .client
-            .query_one(PID, &[])
-            .await
-            .map_err(context)?
-            .get(0);
+        let main_pid = backend_pid(&self.client).await?;
+        let helper_pid = backend_pid(&helper.client).await?;
         // The helper's changes must see what the main session committed before each block
         // (read committed, whatever the role's default), and it waits idle in its transaction
         // between blocks for as long as the source transaction runs.
@@ -649,4 +646,13 @@ impl Applier {
             orders: false,
         });
     }
+}
+
+/// The server process id of a session (what `pg_blocking_pids` and `pg_cancel_backend` take).
+async fn backend_pid(client: &tokio_postgres::Client) -> Result<i32> {
+    client
+        .query_one("SELECT pg_catalog.pg_backend_pid()", &[])
+        .await
+        .map(|r| r.get(0))
+        .map_err(|e| Error::postgres("reading an apply session's process id", e))
 }
