@@ -120,7 +120,20 @@ pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool>
         target.clone(),
         crate::tls::make_tls(target)?,
         ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
+            // A session handed back by a task that failed may still be inside its (aborted or
+            // open) transaction; reusing it would put the next user's writes into it, to be
+            // rolled back with it. Outside a transaction block a statement's transaction starts
+            // with the statement (one simple-protocol message), so now() equals
+            // statement_timestamp(); inside one it is older, and the cast below fails (as does any
+            // statement in an aborted transaction): the pool then closes that session and hands
+            // out another, logging the text below. (Appending the stable, empty
+            // left(now()::text, 0) keeps the planner from folding, and so raising, the cast
+            // before the comparison is known.)
+            recycling_method: RecyclingMethod::Custom(
+                "SELECT CASE WHEN now() = statement_timestamp() THEN 1 ELSE \
+                 ('session left inside a transaction, closed' || left(now()::text, 0))::int END"
+                    .into(),
+            ),
         },
     );
     Pool::builder(manager)

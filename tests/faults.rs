@@ -217,6 +217,18 @@ async fn target_errors_definite_and_transient() {
         "{}",
         stderr(&out)
     );
+    // The run's last word reaches the progress row: the failed transaction's session, handed
+    // back to the pool, is not reused for it.
+    let state = db
+        .target
+        .query_one("SELECT state FROM pgapply.progress", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        state.get::<_, String>(0),
+        "stopped",
+        "state after a definite error"
+    );
     db.target_sql("UPDATE g SET v = v WHERE false; CREATE OR REPLACE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            IF NEW.v = 'full' AND NOT EXISTS (SELECT 1 FROM pg_class WHERE relname = 'disk_ok') THEN \
              RAISE EXCEPTION 'could not extend file' USING ERRCODE = 'disk_full'; END IF; RETURN NEW; END $$;").await;
@@ -266,4 +278,68 @@ async fn a_transaction_that_changes_nothing_on_the_target_still_moves_the_slot()
     .await;
     child.start_kill().unwrap();
     let _ = child.wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_left_inside_a_transaction_is_not_handed_out_again() {
+    let db = TestDb::new("pooltx").await;
+    let config: tokio_postgres::Config = db.target_conninfo().parse().unwrap();
+    let pool = pgapply::replicate::target_pool(&config, 1).unwrap();
+    // (Simple protocol: one message, so a statement outside a block starts its transaction.)
+    let in_transaction = "SELECT now() <> statement_timestamp()";
+    // One session left in an open transaction, then one in an aborted transaction.
+    for leave in ["BEGIN", "BEGIN; SELECT 1/0"] {
+        let first = pgapply::replicate::target_connection(&pool, &config)
+            .await
+            .unwrap();
+        let pid: i32 = first
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let _ = first.batch_execute(leave).await;
+        drop(first);
+        let next = pgapply::replicate::target_connection(&pool, &config)
+            .await
+            .unwrap();
+        let answer = next
+            .simple_query(&format!("{in_transaction}, pg_backend_pid()"))
+            .await
+            .unwrap();
+        let Some(row) = answer.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        }) else {
+            panic!("no row: {answer:?}");
+        };
+        assert_eq!(
+            row.get(0),
+            Some("f"),
+            "{leave}: handed out inside a transaction"
+        );
+        assert_ne!(
+            row.get(1),
+            Some(pid.to_string().as_str()),
+            "{leave}: the same session again"
+        );
+    }
+    // A session outside a transaction is reused as before.
+    let first = pgapply::replicate::target_connection(&pool, &config)
+        .await
+        .unwrap();
+    let pid: i32 = first
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    drop(first);
+    let next = pgapply::replicate::target_connection(&pool, &config)
+        .await
+        .unwrap();
+    let again: i32 = next
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(again, pid, "an idle session is reused");
 }
