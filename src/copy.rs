@@ -62,6 +62,11 @@ pub struct PublishedTable {
     /// The publications' row filter (ORed), or none.
     pub row_filter: Option<String>,
     pub pages: i64,
+    /// A partitioned table (published through its root): its rows are in its partitions.
+    pub partitioned: bool,
+    /// A published column has a type not built into PostgreSQL (an enum, a domain, an extension's
+    /// type, an array or composite of one): binary COPY would carry the source's type OIDs.
+    pub user_types: bool,
 }
 
 impl PublishedTable {
@@ -167,20 +172,31 @@ pub async fn published_tables(
         let qualified = qualified_name(&schema, &name);
         let info = source
             .query(
-                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), c.relpages::int8 \
+                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), c.relpages::int8, \
+                        c.relkind = 'p', a.atttypid >= 10000, coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '' \
                  FROM pg_catalog.pg_class c JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid \
                  WHERE c.oid = $1::text::regclass AND a.attnum > 0 AND NOT a.attisdropped \
-                   AND (to_jsonb(a) ->> 'attgenerated') IS DISTINCT FROM 's' \
                  ORDER BY a.attnum",
                 &[&qualified],
             )
             .await
             .map_err(|e| Error::postgres(format!("reading the columns of {qualified} on the source"), e))?;
         let pages = info.first().map_or(0, |r| r.get::<_, i64>(2));
-        let columns = info
+        let partitioned = info.first().is_some_and(|r| r.get::<_, bool>(3));
+        // The publication's column list says what is published (PostgreSQL 18 may list stored
+        // generated columns: their values are streamed, so they are copied too). Without a list
+        // (before 15) every column but the generated ones is.
+        let published: Vec<&tokio_postgres::Row> = info
+            .iter()
+            .filter(|r| match &m.columns {
+                Some(list) => list.contains(&r.get::<_, String>(0)),
+                None => !r.get::<_, bool>(5),
+            })
+            .collect();
+        let user_types = published.iter().any(|r| r.get::<_, bool>(4));
+        let columns = published
             .iter()
             .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
-            .filter(|(c, _)| m.columns.as_ref().is_none_or(|list| list.contains(c)))
             .collect();
         let row_filter = m.filters.filter(|f| !f.is_empty()).map(|f| {
             f.iter()
@@ -200,6 +216,8 @@ pub async fn published_tables(
             columns,
             row_filter,
             pages,
+            partitioned,
+            user_types,
         });
     }
     Ok(tables)
@@ -231,7 +249,7 @@ async fn prepare_target(
                 "table {qualified} is published by the source but does not exist on the target: create it first (for example with `pgapply schema` or pg_dump --schema-only)"
             )));
         }
-        let mut same_types = same_major;
+        let mut same_types = same_major && !table.user_types;
         for (column, source_type) in &table.columns {
             let found = rows.iter().find(|r| r.get::<_, String>(0) == *column);
             let Some(found) = found else {
@@ -292,6 +310,46 @@ struct TableProgress {
     rows: AtomicU64,
     bytes: AtomicU64,
     jobs_left: AtomicU64,
+}
+
+/// After a finished copy, names the tables published since: their earlier rows were never copied
+/// (their changes are streamed from when they joined the publication). Only a warning: the run
+/// goes on.
+pub async fn warn_tables_not_copied(
+    source_config: &tokio_postgres::Config,
+    target: &Client,
+    slot: &str,
+    publications: &[String],
+    table_map: &crate::config::TableMap,
+) {
+    let check = async {
+        let source = connect_source(source_config).await?;
+        let tables = published_tables(&source, publications, table_map).await?;
+        let copied = target
+            .query(
+                "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+        let copied: Vec<(String, String)> = copied.iter().map(|r| (r.get(0), r.get(1))).collect();
+        Ok::<_, Error>(
+            tables
+                .into_iter()
+                .filter(|t| !copied.contains(&(t.schema.clone(), t.name.clone())))
+                .map(|t| t.qualified())
+                .collect::<Vec<_>>(),
+        )
+    };
+    match check.await {
+        Ok(missing) if !missing.is_empty() => tracing::warn!(
+            slot,
+            tables = %missing.join(", "),
+            "published now but not part of the initial copy (added to the publication later): their rows from before are not on the target. Copy them by hand, or start over with a new slot and --copy-data --truncate-target"
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::debug!(error = %e, "could not compare the published tables with the initial copy"),
+    }
 }
 
 /// Empties the tables a previous, interrupted copy wrote into, and forgets its state.
@@ -371,18 +429,6 @@ pub async fn copy_tables(
         source_major == target_major,
     )
     .await?;
-    for table in &tables {
-        target
-            .execute(
-                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state) VALUES ($1, $2, $3, 'pending') \
-                 ON CONFLICT (slot_name, schema_name, table_name) DO UPDATE SET state = 'pending', rows_copied = 0, bytes_copied = 0",
-                &[&slot, &table.schema, &table.name],
-            )
-            .await
-            .map_err(|e| Error::postgres("recording the initial copy on the target", e))?;
-    }
-    drop(target);
-
     // Large tables are split by page ranges; TID range scans make that cheap from PostgreSQL 14.
     let mut jobs = Vec::new();
     let jobs_wanted = settings.jobs.max(1) as i64;
@@ -409,6 +455,19 @@ pub async fn copy_tables(
             });
         }
     }
+    for (i, table) in tables.iter().enumerate() {
+        let jobs_total = jobs.iter().filter(|j| j.table == i).count() as i32;
+        target
+            .execute(
+                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total) VALUES ($1, $2, $3, 'pending', $4) \
+                 ON CONFLICT (slot_name, schema_name, table_name) DO UPDATE \
+                 SET state = 'pending', rows_copied = 0, bytes_copied = 0, jobs_total = $4, jobs_done = 0",
+                &[&slot, &table.schema, &table.name, &jobs_total],
+            )
+            .await
+            .map_err(|e| Error::postgres("recording the initial copy on the target", e))?;
+    }
+    drop(target);
     let progress: Vec<Arc<TableProgress>> = tables
         .iter()
         .enumerate()
@@ -588,7 +647,11 @@ async fn connect_source(config: &tokio_postgres::Config) -> Result<Client> {
     })?;
     client
         .batch_execute(
-            "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3",
+            // A big table's COPY may take hours: the role's or database's timeouts must not end
+            // it (transaction_timeout exists from PostgreSQL 17).
+            "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; \
+             SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0; \
+             SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
         )
         .await
         .map_err(|e| Error::postgres("configuring a source copy session", e))?;
@@ -624,7 +687,11 @@ async fn copy_one(
         format!(" WHERE {}", conditions.join(" AND "))
     };
     let format = if binary { " (FORMAT binary)" } else { "" };
-    let copy_out = format!("COPY (SELECT {columns} FROM {qualified}{filter}) TO STDOUT{format}");
+    // ONLY: an inheritance parent's children are published (and copied) as tables of their own.
+    // A partitioned table published through its root has its rows in its partitions.
+    let only = if table.partitioned { "" } else { "ONLY " };
+    let copy_out =
+        format!("COPY (SELECT {columns} FROM {only}{qualified}{filter}) TO STDOUT{format}");
     let copy_in = format!(
         "COPY {} ({columns}) FROM STDIN{format}",
         table.target_qualified()
@@ -651,7 +718,26 @@ async fn copy_one(
         ))
         .await
         .map_err(src_err)?;
+    // Marked in a statement of its own: held in the copy's transaction, the row's lock would
+    // make the other ranges of the table wait for this one.
+    target
+        .execute(
+            "UPDATE pgapply.copy_state SET state = 'copying', started_at = coalesce(started_at, now()) \
+             WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3 AND state = 'pending'",
+            &[&slot, &table.schema, &table.name],
+        )
+        .await
+        .map_err(dst_err)?;
     let target_tx = target.transaction().await.map_err(dst_err)?;
+    // A big table's COPY may take hours: the role's or database's timeouts must not end it.
+    target_tx
+        .batch_execute(
+            "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; \
+             SET LOCAL idle_in_transaction_session_timeout = 0; \
+             SELECT pg_catalog.set_config(name, '0', true) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
+        )
+        .await
+        .map_err(dst_err)?;
     // Triggers and foreign keys stay quiet during the copy where the role may ask for it (tables
     // are copied in parallel, in any order).
     let version: i32 = target_tx
@@ -675,14 +761,6 @@ async fn copy_one(
             .await
             .map_err(dst_err)?;
     }
-    target_tx
-        .execute(
-            "UPDATE pgapply.copy_state SET state = 'copying', started_at = coalesce(started_at, now()) \
-             WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
-            &[&slot, &table.schema, &table.name],
-        )
-        .await
-        .map_err(dst_err)?;
     let out = source_tx.copy_out(&copy_out).await.map_err(src_err)?;
     let sink = target_tx
         .copy_in::<_, bytes::Bytes>(&copy_in)
@@ -713,19 +791,21 @@ async fn copy_one(
     let rows = sink.finish().await.map_err(dst_err)?;
     progress.rows.fetch_add(rows, Ordering::Relaxed);
     crate::metrics::METRICS.copied(&qualified, rows, bytes);
-    let last = progress.jobs_left.fetch_sub(1, Ordering::SeqCst) == 1;
+    // The table is done when its last range commits, counted here under the row's lock.
     target_tx
         .execute(
             "UPDATE pgapply.copy_state SET rows_copied = rows_copied + $4, bytes_copied = bytes_copied + $5, \
-                    state = CASE WHEN $6 THEN 'done' ELSE state END, \
-                    finished_at = CASE WHEN $6 THEN now() ELSE finished_at END \
+                    jobs_done = jobs_done + 1, \
+                    state = CASE WHEN jobs_done + 1 >= jobs_total THEN 'done' ELSE state END, \
+                    finished_at = CASE WHEN jobs_done + 1 >= jobs_total THEN now() ELSE finished_at END \
              WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
-            &[&slot, &table.schema, &table.name, &(rows as i64), &(bytes as i64), &last],
+            &[&slot, &table.schema, &table.name, &(rows as i64), &(bytes as i64)],
         )
         .await
         .map_err(dst_err)?;
     target_tx.commit().await.map_err(dst_err)?;
     source_tx.commit().await.map_err(src_err)?;
+    progress.jobs_left.fetch_sub(1, Ordering::SeqCst);
     tracing::info!(table = %what, rows, "copied");
     Ok(())
 }

@@ -36,6 +36,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "wait_for_visible_commit",
         include_str!("../migrations/0006_wait_for_visible_commit.sql"),
     ),
+    (
+        7,
+        "copy_ranges",
+        include_str!("../migrations/0007_copy_ranges.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

@@ -164,7 +164,9 @@ pub async fn run(
     // Setup, tracker, heartbeat and per applier two connections (statements, catalog reads),
     // plus the dispatcher's catalog reads with parallel workers.
     // (The --streaming parallel helper has a pool of its own: `ApplyStart::add_live_helper`.)
-    let pool = target_pool(&config.target, 5 + 2 * config.apply_workers.max(1))?;
+    // The initial copy needs one per copy job besides the setup session.
+    let sessions = (5 + 2 * config.apply_workers.max(1)).max(config.copy.jobs + 2);
+    let pool = target_pool(&config.target, sessions)?;
     let mut setup = target_connection(&pool, &config.target).await?;
     crate::migrations::apply(&mut setup).await?;
 
@@ -184,8 +186,15 @@ pub async fn run(
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
     let copy_status = copy::status(&setup, &config.slot).await?;
-    if config.copy_data && copy_status != CopyStatus::Done {
-        if session.slot_exists(&config.slot).await? {
+    let slot_exists = session.slot_exists(&config.slot).await?;
+    // The slot of a finished copy is gone (dropped, or invalidated by the source): the changes it
+    // held are lost, so with --copy-data the copy is made again, into a new slot.
+    let copy_again = config.copy_data && copy_status == CopyStatus::Done && !slot_exists;
+    if copy_again {
+        tracing::warn!(slot = %config.slot, "the initial copy was done, but its slot no longer exists on the source: copying the tables again into a new slot (the target tables must be empty, or use --truncate-target)");
+    }
+    if config.copy_data && (copy_status != CopyStatus::Done || copy_again) {
+        if slot_exists {
             if copy_status == CopyStatus::Incomplete || !resume.is_valid() {
                 // Nothing was applied from this slot: a new one with a fresh snapshot loses nothing.
                 session.drop_slot(&config.slot).await?;
@@ -224,6 +233,24 @@ pub async fn run(
                 "the initial copy for slot {:?} was interrupted and cannot continue: rerun with --copy-data to start it over",
                 config.slot
             )));
+        }
+        if !slot_exists && resume.is_valid() {
+            // A new slot starts at the source's current position: whatever the old one still
+            // held for the target would be skipped without a word.
+            return Err(Error::definite(format!(
+                "replication slot {:?} no longer exists on the source, but pgapply applied changes from it up to {resume}: a new slot would start after changes that were never applied. Start over with --copy-data --truncate-target (copies the published tables again into a new slot)",
+                config.slot
+            )));
+        }
+        if config.copy_data && copy_status == CopyStatus::Done {
+            copy::warn_tables_not_copied(
+                &config.source,
+                &setup,
+                &config.slot,
+                &config.publications,
+                &config.table_map,
+            )
+            .await;
         }
         session
             .ensure_slot(

@@ -113,6 +113,16 @@ async fn copy_while_the_source_changes_then_stream() {
         .unwrap()
         .get(0);
     assert_eq!(jobs, 3);
+    let (total, done): (i32, i32) = db
+        .target
+        .query_one(
+            "SELECT jobs_total, jobs_done FROM pgapply.copy_state WHERE table_name = 'big'",
+            &[],
+        )
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert!(total > 1 && done == total, "big copied in {done} of {total} page ranges");
     // Streaming goes on after a restart without --copy-data, and a second --copy-data does not copy again.
     db.source_sql("INSERT INTO big VALUES (999999, 'after')")
         .await;
@@ -125,6 +135,78 @@ async fn copy_while_the_source_changes_then_stream() {
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("big").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
+    let db = TestDb::new("copyinh").await;
+    // A type on the target only, so the enum's type OIDs differ between the two sides (binary
+    // COPY of an array of it would carry the source's OID).
+    db.target_sql("CREATE TYPE unrelated AS ENUM ('u')").await;
+    db.both(
+        "CREATE TYPE mood AS ENUM ('calm', 'loud'); \
+         CREATE TABLE animals (id int PRIMARY KEY, moods mood[], m mood); \
+         CREATE TABLE dogs (PRIMARY KEY (id)) INHERITS (animals);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO animals SELECT g, ARRAY['calm', 'loud']::mood[], 'calm' FROM generate_series(1, 50) g; \
+         INSERT INTO dogs SELECT g, ARRAY['loud']::mood[], 'loud' FROM generate_series(101, 120) g; \
+         CREATE PUBLICATION p FOR TABLE animals;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    for (sql, want) in [
+        ("SELECT count(*) FROM ONLY animals", 50),
+        ("SELECT count(*) FROM dogs", 20),
+        ("SELECT count(*) FROM animals WHERE moods = ARRAY['calm', 'loud']::mood[]", 50),
+        ("SELECT count(*) FROM dogs WHERE moods = ARRAY['loud']::mood[] AND m = 'loud'", 20),
+    ] {
+        assert_eq!(db.count(&db.target, sql).await, want, "{sql}");
+    }
+
+    // A table published after the copy: named, as its earlier rows are not on the target.
+    db.both("CREATE TABLE later (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO later VALUES (1); ALTER PUBLICATION p ADD TABLE later")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("not part of the initial copy") && stderr(&out).contains("later"),
+        "{}",
+        stderr(&out)
+    );
+
+    // The slot is lost: a new one would skip what the old one held. Refused, with the way out.
+    db.source
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
+        .await
+        .unwrap();
+    db.source_sql("INSERT INTO dogs VALUES (200, NULL, 'calm')").await;
+    let out = run_with_deadline(db.pgapply("p", &["--create-slot"]), 60).await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("no longer exists") && stderr(&out).contains("--truncate-target"),
+        "{}",
+        stderr(&out)
+    );
+    // Taking it: the tables are copied again into a new slot.
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--truncate-target", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM dogs").await, 21);
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM later").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
