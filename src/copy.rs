@@ -348,7 +348,9 @@ pub async fn warn_tables_not_copied(
             "published now but not part of the initial copy (added to the publication later): their rows from before are not on the target. Copy them by hand, or start over with a new slot and --copy-data --truncate-target"
         ),
         Ok(_) => {}
-        Err(e) => tracing::debug!(error = %e, "could not compare the published tables with the initial copy"),
+        Err(e) => {
+            tracing::debug!(error = %e, "could not compare the published tables with the initial copy")
+        }
     }
 }
 

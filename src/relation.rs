@@ -23,6 +23,9 @@ pub struct TargetColumn {
     /// `format_type(atttypid, NULL)`: for messages.
     pub type_name: String,
     pub generated: bool,
+    /// `GENERATED ALWAYS AS IDENTITY`: an INSERT needs OVERRIDING SYSTEM VALUE to write the
+    /// source's value, and an UPDATE may not set it at all.
+    pub identity_always: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -35,6 +38,13 @@ pub struct TargetTable {
     /// A partitioned table: row identity needs `tableoid` as well as `ctid`.
     pub partitioned: bool,
     pub columns: Vec<TargetColumn>,
+}
+
+impl TargetTable {
+    /// A column is `GENERATED ALWAYS AS IDENTITY`.
+    pub fn has_identity_always(&self) -> bool {
+        self.columns.iter().any(|c| c.identity_always)
+    }
 }
 
 /// One published relation, resolved against the target.
@@ -198,7 +208,7 @@ async fn load_target_table(
     };
     let sql = format!(
         "SELECT c.oid, c.relkind::text, a.attname::text, a.atttypid, \
-                pg_catalog.format_type(a.atttypid, NULL), {generated} \
+                pg_catalog.format_type(a.atttypid, NULL), {generated}, a.attidentity::text \
          FROM pg_catalog.pg_class c \
          JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
          LEFT JOIN pg_catalog.pg_attribute a \
@@ -231,11 +241,13 @@ async fn load_target_table(
         let column: Option<String> = row.get(2);
         let Some(column) = column else { continue };
         let generated: Option<String> = row.get(5);
+        let identity: Option<String> = row.get(6);
         table.columns.push(TargetColumn {
             name: column,
             type_oid: row.get(3),
             type_name: row.get(4),
             generated: generated.is_some_and(|g| !g.is_empty()),
+            identity_always: identity.as_deref() == Some("a"),
         });
     }
     Ok(Some(table))

@@ -122,7 +122,10 @@ async fn copy_while_the_source_changes_then_stream() {
         .await
         .map(|r| (r.get(0), r.get(1)))
         .unwrap();
-    assert!(total > 1 && done == total, "big copied in {done} of {total} page ranges");
+    assert!(
+        total > 1 && done == total,
+        "big copied in {done} of {total} page ranges"
+    );
     // Streaming goes on after a restart without --copy-data, and a second --copy-data does not copy again.
     db.source_sql("INSERT INTO big VALUES (999999, 'after')")
         .await;
@@ -165,8 +168,14 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
     for (sql, want) in [
         ("SELECT count(*) FROM ONLY animals", 50),
         ("SELECT count(*) FROM dogs", 20),
-        ("SELECT count(*) FROM animals WHERE moods = ARRAY['calm', 'loud']::mood[]", 50),
-        ("SELECT count(*) FROM dogs WHERE moods = ARRAY['loud']::mood[] AND m = 'loud'", 20),
+        (
+            "SELECT count(*) FROM animals WHERE moods = ARRAY['calm', 'loud']::mood[]",
+            50,
+        ),
+        (
+            "SELECT count(*) FROM dogs WHERE moods = ARRAY['loud']::mood[] AND m = 'loud'",
+            20,
+        ),
     ] {
         assert_eq!(db.count(&db.target, sql).await, want, "{sql}");
     }
@@ -189,7 +198,8 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
         .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
         .await
         .unwrap();
-    db.source_sql("INSERT INTO dogs VALUES (200, NULL, 'calm')").await;
+    db.source_sql("INSERT INTO dogs VALUES (200, NULL, 'calm')")
+        .await;
     let out = run_with_deadline(db.pgapply("p", &["--create-slot"]), 60).await;
     assert!(!out.status.success());
     assert!(
@@ -200,7 +210,10 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
     // Taking it: the tables are copied again into a new slot.
     let endpos = db.source_wal().await;
     let out = run_with_deadline(
-        db.pgapply("p", &["--copy-data", "--truncate-target", "--endpos", &endpos]),
+        db.pgapply(
+            "p",
+            &["--copy-data", "--truncate-target", "--endpos", &endpos],
+        ),
         60,
     )
     .await;

@@ -1430,7 +1430,7 @@ impl Applier {
             // A failed Parse aborts the open transaction: say why, not "transaction aborted".
             Some(e) => {
                 let what = format!("a multi-row INSERT into table {}", entry.target.qualified);
-                self.prepare_failed(&what, e).await
+                self.prepare_failed(&what, &entry.target.qualified, e).await
             }
         }
     }
@@ -1530,6 +1530,7 @@ impl Applier {
         // The common case first: an update that keeps its key, held for a batched statement.
         if update.old.is_none()
             && !entry.key_columns.is_empty()
+            && !identity_outside_key(&entry)
             && policies.update_missing == Policy::Skip
             && policies.update_exists == Policy::Error
             && policies.multiple_unique_conflicts == Policy::Error
@@ -1566,8 +1567,11 @@ impl Applier {
         }
         self.flush_held_updates(Some(entry.target.oid)).await?;
         let mut params = Vec::with_capacity(update.new.len() * 2);
-        let mut unchanged = ColumnSet::default();
+        let mut unchanged = identity_kept(&entry, &update);
         for (i, value) in update.new.values().enumerate() {
+            if unchanged.contains(i) {
+                continue;
+            }
             match WireValue::from_value(value) {
                 Some(v) => params.push(v),
                 None => unchanged.insert(i),
@@ -1583,7 +1587,8 @@ impl Applier {
         let guarded = (policies.update_exists != Policy::Error
             || policies.multiple_unique_conflicts != Policy::Error)
             && row_match == RowMatch::Key;
-        // The missing row can be inserted only when the new row is complete.
+        // The missing row can be inserted only when the new row is complete (no unchanged TOAST
+        // value, no identity column left out of the SET).
         let (on_conflict, signal) = match policy {
             Policy::ApplyRemote if unchanged.is_empty() => {
                 (OnConflict::UpdateOrInsert, (Policy::ApplyRemote, 1))
@@ -1786,7 +1791,7 @@ impl Applier {
             Ok(s) => s,
             Err(e) => {
                 let what = format!("a batched UPDATE of table {}", entry.target.qualified);
-                return self.prepare_failed(&what, e).await;
+                return self.prepare_failed(&what, &entry.target.qualified, e).await;
             }
         };
         self.statements.insert(shape, statement.clone());
@@ -2053,7 +2058,7 @@ impl Applier {
             }
             Err(e) => {
                 let what = format!("a statement for table {}", entry.target.qualified);
-                return self.prepare_failed(&what, e).await;
+                return self.prepare_failed(&what, &entry.target.qualified, e).await;
             }
         };
         self.statements.insert(shape, statement.clone());
@@ -2062,13 +2067,20 @@ impl Applier {
 
     /// A statement could not be prepared. An earlier statement of the group may have failed (this
     /// one then fails with "transaction aborted"): that earlier failure is the one to report.
-    async fn prepare_failed<T>(&mut self, what: &str, e: tokio_postgres::Error) -> Result<T> {
+    async fn prepare_failed<T>(
+        &mut self,
+        what: &str,
+        table: &str,
+        e: tokio_postgres::Error,
+    ) -> Result<T> {
         self.drain_to(0).await;
         self.fail_if_failed().await?;
-        Err(Error::postgres(
-            format!("preparing {what} on the target"),
-            e,
-        ))
+        let hint = e.code().and_then(|c| target_table_hint(c.code(), table));
+        let err = Error::postgres(format!("preparing {what} on the target"), e);
+        Err(match hint {
+            Some(hint) => err.context_after(hint),
+            None => err,
+        })
     }
 
     /// Hands the queued statements to the connection without waiting for their results, so the
@@ -2328,6 +2340,7 @@ impl Applier {
         e: tokio_postgres::Error,
     ) -> Error {
         let what = about.map_or_else(|| "a statement".to_owned(), ChangeInfo::describe);
+        let code = e.code().map(|c| c.code().to_owned());
         let kind = if kind.is_empty() {
             String::new()
         } else {
@@ -2337,7 +2350,12 @@ impl Applier {
         // A statement with several transactions' changes is retried one change at a time; the
         // hint comes with that retry's error.
         if let Some(about) = about.filter(|a| a.through.is_none()) {
-            err = err.context_after(self.skip_hint(about.commit_lsn));
+            // Skipping would lose the transaction for what a change on the target fixes.
+            let hint = code
+                .as_deref()
+                .and_then(|c| target_table_hint(c, &about.relation.target.qualified))
+                .unwrap_or_else(|| self.skip_hint(about.commit_lsn));
+            err = err.context_after(hint);
         }
         err
     }
@@ -2686,6 +2704,62 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
 }
 
 /// A conflict in words, for the log.
+/// What to do when the target refuses a statement because of how its table is defined (SQLSTATE
+/// `code`): a change on the target fixes it, not skipping the transaction.
+fn target_table_hint(code: &str, table: &str) -> Option<String> {
+    match code {
+        "428C9" => Some(format!(
+            "pgapply writes the source's values, and an UPDATE may write into an identity column of {table} only if it is GENERATED BY DEFAULT (pgapply leaves it out only when it is part of the key, or the old row shows it unchanged): run ALTER TABLE {table} ALTER COLUMN ... SET GENERATED BY DEFAULT on the target and start pgapply again"
+        )),
+        c if c.starts_with("42") => Some(format!(
+            "target table {table} does not take the source's rows as they are (a column or type changed on the target, or a privilege is missing): fix the target table and start pgapply again (it reads the target's columns when it starts); `pgapply check` lists what differs"
+        )),
+        _ => None,
+    }
+}
+
+/// A target `GENERATED ALWAYS AS IDENTITY` column that is not part of the key: an UPDATE cannot
+/// tell whether it changed, and sets it (the target then refuses, saying what to change).
+fn identity_outside_key(entry: &RelationEntry) -> bool {
+    entry.target.has_identity_always()
+        && (0..entry.source.columns.len()).any(|c| {
+            !entry.key_columns.contains(&c)
+                && entry.target_column(c).is_some_and(|t| t.identity_always)
+        })
+}
+
+/// The target's `GENERATED ALWAYS AS IDENTITY` columns that an UPDATE leaves as they are: such a
+/// column may not be SET, not even to its own value, so it is left out of the SET (as an
+/// unchanged column is). Known to stay: a key column when no old key was sent (the key did not
+/// change), or any column whose old value (REPLICA IDENTITY FULL, or a changed key) equals the
+/// new one. A column that does change, or might, stays in: the target's error then says why.
+fn identity_kept(entry: &RelationEntry, update: &Update) -> ColumnSet {
+    let mut kept = ColumnSet::default();
+    if !entry.target.has_identity_always() {
+        return kept;
+    }
+    let new: Vec<Value> = update.new.values().collect();
+    let old: Option<Vec<Value>> = update.old.as_ref().map(|o| o.tuple().values().collect());
+    for (i, value) in new.iter().enumerate() {
+        if !entry.target_column(i).is_some_and(|t| t.identity_always) {
+            continue;
+        }
+        let stays = match &old {
+            None => entry.key_columns.contains(&i),
+            Some(old) => match (old.get(i), value) {
+                (Some(Value::Text(a)), Value::Text(b))
+                | (Some(Value::Binary(a)), Value::Binary(b)) => a == b,
+                (Some(Value::Null), Value::Null) => true,
+                _ => false,
+            },
+        };
+        if stays {
+            kept.insert(i);
+        }
+    }
+    kept
+}
+
 fn conflict_sentence(operation: &str, signal: Signal) -> String {
     let kind = signal.conflict.name();
     match (signal.conflict, signal.policy) {

@@ -308,6 +308,7 @@ mod tests {
             type_oid: 23,
             type_name: "integer".into(),
             generated: false,
+            identity_always: false,
         };
         Arc::new(RelationEntry {
             source: Relation {

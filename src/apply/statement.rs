@@ -171,6 +171,13 @@ fn needs_text_comparison(type_oid: Oid) -> bool {
 pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
     let table = &entry.target.qualified;
     let ncols = entry.source.columns.len();
+    // The source's value goes into a GENERATED ALWAYS identity column too, as with PostgreSQL's
+    // own subscriber.
+    let overriding = if entry.target.has_identity_always() {
+        " OVERRIDING SYSTEM VALUE"
+    } else {
+        ""
+    };
     let mut param = 0usize;
     let mut next = || {
         param += 1;
@@ -188,7 +195,7 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                 })
                 .collect::<Vec<_>>()
                 .join("), (");
-            let insert = format!("INSERT INTO {table} ({columns}) VALUES ({values})");
+            let insert = format!("INSERT INTO {table} ({columns}){overriding} VALUES ({values})");
             match shape.on_conflict {
                 OnConflict::InsertDoNothing => format!("{insert} ON CONFLICT DO NOTHING"),
                 OnConflict::InsertOverwrite => {
@@ -241,7 +248,7 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                     .collect::<Vec<_>>()
                     .join(", ");
                 format!(
-                    "WITH upd AS ({update} RETURNING 1) INSERT INTO {table} ({columns}) \
+                    "WITH upd AS ({update} RETURNING 1) INSERT INTO {table} ({columns}){overriding} \
                      SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM upd)"
                 )
             } else {
