@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::protocol::pgoutput::{Oid, Relation, ReplicaIdentity, TypeInfo};
 use crate::sql::{qualified_name, quote_ident};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TargetColumn {
     pub name: String,
     pub type_oid: Oid,
@@ -28,7 +28,7 @@ pub struct TargetColumn {
     pub identity_always: bool,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TargetTable {
     pub oid: Oid,
     pub schema: String,
@@ -175,6 +175,19 @@ impl RelationCache {
             .collect();
         if relation.replica_identity == ReplicaIdentity::Nothing {
             tracing::debug!(relation = %shown, "replica identity NOTHING: only inserts can be replicated");
+        }
+        // The source sends a Relation again in every streamed transaction that touches the table
+        // and after any cache invalidation on its side: when nothing changed on either side, the
+        // entry (and so the statements prepared for it) stays, instead of a new generation's
+        // statements being prepared next to the old ones for as long as the process runs.
+        if let Some(known) = self.relations.get(&relation.oid) {
+            let same_source = known.source.namespace == relation.namespace
+                && known.source.name == relation.name
+                && known.source.replica_identity == relation.replica_identity
+                && known.source.columns == relation.columns;
+            if same_source && known.target == target {
+                return Ok(known.clone());
+            }
         }
         self.generation += 1;
         let entry = Arc::new(RelationEntry {

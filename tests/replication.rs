@@ -468,3 +468,55 @@ async fn updates_of_one_group_are_collapsed_and_land_exactly() {
     let updates = db.count(&db.target, stats).await - updates_before;
     assert!(updates < 250, "{updates} row updates on the target");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relation_sent_again_unchanged_keeps_its_prepared_statements() {
+    use pgapply::protocol::pgoutput::{Relation, RelationColumn, ReplicaIdentity};
+    let db = TestDb::new("relcache").await;
+    db.target_sql("CREATE TABLE r (id int PRIMARY KEY, v text)")
+        .await;
+    let mut cache = pgapply::relation::RelationCache::new(Default::default());
+    let column = |name: &str, key: bool| RelationColumn {
+        flags: u8::from(key),
+        name: name.into(),
+        type_oid: 23,
+        type_modifier: -1,
+    };
+    let relation = |xid: Option<u32>, columns: Vec<RelationColumn>| Relation {
+        xid,
+        oid: 4242,
+        namespace: "public".into(),
+        name: "r".into(),
+        replica_identity: ReplicaIdentity::Default,
+        columns,
+    };
+    let first = cache
+        .update(relation(None, vec![column("id", true)]), &db.target)
+        .await
+        .unwrap();
+    // Sent again in a streamed transaction (with its xid), nothing changed: the same entry.
+    let again = cache
+        .update(relation(Some(77), vec![column("id", true)]), &db.target)
+        .await
+        .unwrap();
+    assert_eq!(again.generation, first.generation);
+    // A column more on the source: a new entry.
+    let wider = cache
+        .update(
+            relation(None, vec![column("id", true), column("v", false)]),
+            &db.target,
+        )
+        .await
+        .unwrap();
+    assert_ne!(wider.generation, first.generation);
+    // The same message after a change on the target (a column more there): a new entry too.
+    db.target_sql("ALTER TABLE r ADD COLUMN extra int").await;
+    let retargeted = cache
+        .update(
+            relation(None, vec![column("id", true), column("v", false)]),
+            &db.target,
+        )
+        .await
+        .unwrap();
+    assert_ne!(retargeted.generation, wider.generation);
+}
