@@ -47,21 +47,46 @@ pub struct TableResult {
     pub note: Option<String>,
 }
 
-async fn connect(config: &tokio_postgres::Config, role: &str) -> Result<Client> {
+/// How both sides print floating-point numbers. PostgreSQL 12 changed the output: from 12 on,
+/// `extra_float_digits` above 0 gives the shortest exact form, before 12 it gave 17 digits, so
+/// 0.1 reads `0.1` on one side and `0.100000000000000006` on the other. When one side runs 11 or
+/// older, both print 15 significant digits (`extra_float_digits = 0`), as both versions do alike;
+/// otherwise the exact form.
+fn float_digits(source_version: i32, target_version: i32) -> i32 {
+    if source_version.min(target_version) < 120000 {
+        0
+    } else {
+        3
+    }
+}
+
+async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32) -> Result<Client> {
     let client = crate::tls::connect_to(config, role).await?;
     // The same text for the same value on both sides.
     client
-        .batch_execute("SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET timezone = 'UTC'")
+        .batch_execute(&format!(
+            "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = {float_digits}; \
+             SET timezone = 'UTC'; SET bytea_output = hex; SET lc_monetary = 'C'; SET statement_timeout = 0"
+        ))
         .await
         .map_err(|e| Error::postgres(format!("configuring the {role} session"), e))?;
     Ok(client)
 }
 
-/// Primary key columns of a source table (or of its replica identity index).
+async fn server_version(client: &Client, role: &str) -> Result<i32> {
+    Ok(client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(|e| Error::postgres(format!("reading the {role}'s version"), e))?
+        .get(0))
+}
+
+/// Primary key columns of a source table (or of its replica identity index), with their types
+/// (with the type modifier: `character(8)`, not `character`, which is `character(1)`).
 async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(String, String)>> {
     let rows = source
         .query(
-            "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, NULL) \
+            "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod) \
              FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
              WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
              ORDER BY i.indisprimary DESC, array_position(i.indkey::int2[], a.attnum)",
@@ -92,14 +117,35 @@ struct Chunk {
     to: Option<Vec<String>>,
 }
 
-fn row_expr(keys: &[(String, String)]) -> String {
-    format!(
-        "({})",
-        keys.iter()
-            .map(|(k, _)| quote_ident(k))
-            .collect::<Vec<_>>()
-            .join(", ")
+/// A key column as compared and sorted: text-like columns in the "C" collation (byte order), so
+/// that both sides put the same rows in the same chunks and order whatever their collations
+/// (which differ after an operating system upgrade, a common reason to migrate).
+fn key_expr(prefix: &str, column: &str, ty: &str) -> String {
+    if collatable(ty) {
+        format!("{prefix}{} COLLATE \"C\"", quote_ident(column))
+    } else {
+        format!("{prefix}{}", quote_ident(column))
+    }
+}
+
+/// The built-in collatable types of a key (text, varchar, char, name; arrays of them).
+fn collatable(ty: &str) -> bool {
+    let base = ty.split(['(', '[']).next().unwrap_or(ty).trim();
+    matches!(
+        base,
+        "text" | "character varying" | "character" | "name" | "citext"
     )
+}
+
+fn key_list(prefix: &str, keys: &[(String, String)]) -> String {
+    keys.iter()
+        .map(|(k, ty)| key_expr(prefix, k, ty))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn row_expr(keys: &[(String, String)]) -> String {
+    format!("({})", key_list("", keys))
 }
 
 fn bound_expr(keys: &[(String, String)], first_param: usize) -> String {
@@ -107,7 +153,14 @@ fn bound_expr(keys: &[(String, String)], first_param: usize) -> String {
         "({})",
         keys.iter()
             .enumerate()
-            .map(|(i, (_, ty))| format!("${}::text::{ty}", first_param + i))
+            .map(|(i, (_, ty))| {
+                let cast = format!("${}::text::{ty}", first_param + i);
+                if collatable(ty) {
+                    format!("{cast} COLLATE \"C\"")
+                } else {
+                    cast
+                }
+            })
             .collect::<Vec<_>>()
             .join(", ")
     )
@@ -148,15 +201,14 @@ async fn chunk_digest(
         format!(" WHERE {}", conditions.join(" AND "))
     };
     let order = if keys.is_empty() {
-        "r::text".to_owned()
+        "r::text COLLATE \"C\"".to_owned()
     } else {
-        keys.iter()
-            .map(|(k, _)| format!("r.{}", quote_ident(k)))
-            .collect::<Vec<_>>()
-            .join(", ")
+        key_list("r.", keys)
     };
+    // A digest of the rows' digests: 32 bytes a row to aggregate, however wide the rows (one
+    // string of whole rows could pass PostgreSQL's 1 GB limit for a value).
     let sql = format!(
-        "SELECT count(*), coalesce(md5(string_agg(r::text, E'\\n' ORDER BY {order})), '') \
+        "SELECT count(*), coalesce(md5(string_agg(md5(r::text), '' ORDER BY {order})), '') \
          FROM (SELECT {columns} FROM {table_sql}{filter}) r"
     );
     let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
@@ -175,9 +227,10 @@ async fn verify_table(
     target_config: tokio_postgres::Config,
     table: PublishedTable,
     settings: VerifySettings,
+    float_digits: i32,
 ) -> Result<TableResult> {
-    let source = connect(&source_config, "source").await?;
-    let target = connect(&target_config, "target").await?;
+    let source = connect(&source_config, "source", float_digits).await?;
+    let target = connect(&target_config, "target", float_digits).await?;
     let keys = key_columns(&source, &table).await?;
     let columns = table
         .columns
@@ -194,23 +247,19 @@ async fn verify_table(
             to: None,
         });
     } else {
-        let key_list = keys
+        let key_texts = keys
             .iter()
             .map(|(k, _)| format!("{}::text", quote_ident(k)))
             .collect::<Vec<_>>()
             .join(", ");
-        let order = keys
-            .iter()
-            .map(|(k, _)| quote_ident(k))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let order = key_list("", &keys);
         let filter = table
             .row_filter
             .as_ref()
             .map(|f| format!(" WHERE ({f})"))
             .unwrap_or_default();
         let sql = format!(
-            "SELECT {key_list} FROM (SELECT *, row_number() OVER (ORDER BY {order}) AS pgapply_rn FROM {}{filter}) s \
+            "SELECT {key_texts} FROM (SELECT *, row_number() OVER (ORDER BY {order}) AS pgapply_rn FROM {}{filter}) s \
              WHERE pgapply_rn % $1 = 1 ORDER BY pgapply_rn",
             table.qualified()
         );
@@ -283,7 +332,13 @@ pub async fn verify(
     table_map: &TableMap,
     settings: &VerifySettings,
 ) -> Result<Vec<TableResult>> {
-    let client = connect(source, "source").await?;
+    let client = connect(source, "source", 3).await?;
+    let target_client = connect(target, "target", 3).await?;
+    let float_digits = float_digits(
+        server_version(&client, "source").await?,
+        server_version(&target_client, "target").await?,
+    );
+    drop(target_client);
     let tables = published_tables(&client, publications, table_map).await?;
     if tables.is_empty() {
         return Err(Error::definite(
@@ -301,7 +356,7 @@ pub async fn verify(
         );
         tasks.push(tokio::spawn(async move {
             let _permit = limit.acquire_owned().await;
-            verify_table(s, t, table, settings).await
+            verify_table(s, t, table, settings, float_digits).await
         }));
     }
     let mut results = Vec::new();

@@ -494,3 +494,69 @@ async fn verify_names_a_corrupted_row() {
     assert_eq!(bad.len(), 1);
     assert_eq!(bad[0]["table"], "\"public\".\"v\"");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_agrees_across_collations_char_keys_and_floats() {
+    let db = TestDb::new("verifycoll").await;
+    // The target sorts the text key in another collation (as after an operating system upgrade);
+    // a char(4) key; floats whose text form depends on the server version.
+    db.source_sql(
+        "CREATE TABLE t (k text COLLATE \"C\" PRIMARY KEY, f float8); \
+         CREATE TABLE c (code char(4) PRIMARY KEY, r real);",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE t (k text COLLATE \"und-x-icu\" PRIMARY KEY, f float8); \
+         CREATE TABLE c (code char(4) PRIMARY KEY, r real);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO t SELECT CASE WHEN g % 2 = 0 THEN upper(md5(g::text)) ELSE md5(g::text) END, g / 10.0 FROM generate_series(1, 3000) g; \
+         INSERT INTO c SELECT lpad(g::text, 4, 'x'), g / 3.0 FROM generate_series(1, 900) g; \
+         CREATE PUBLICATION p FOR TABLE t, c;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let verify = || {
+        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
+        c.args([
+            "verify",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &db.target_conninfo(),
+            "--publication",
+            "p",
+            "--chunk-rows",
+            "100",
+        ]);
+        c.kill_on_drop(true);
+        c
+    };
+    let out = run_with_deadline(verify(), 120).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("OK        \"public\".\"t\" (3000 rows, 30 chunks)")
+            && text.contains("OK        \"public\".\"c\" (900 rows, 9 chunks)"),
+        "{text}"
+    );
+    // And a changed row is still found, in its chunk.
+    db.target_sql("UPDATE c SET r = 0 WHERE code = 'x450'")
+        .await;
+    let out = run_with_deadline(verify(), 120).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("MISMATCH  \"public\".\"c\"")
+            && text.contains("key range [(x400) .. (x500))")
+            && text.contains("OK        \"public\".\"t\""),
+        "{text}"
+    );
+}
