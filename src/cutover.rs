@@ -4,8 +4,10 @@
 //! 2. Optionally freeze writes (`--freeze-writes ROLE,...`): those roles get
 //!    `default_transaction_read_only = on` and their sessions are ended. Undo with
 //!    `ALTER ROLE <role> RESET default_transaction_read_only`.
-//! 3. Take the source's flushed WAL position as the end and drain replication to it: wait for the
-//!    running worker to confirm it, or, when none runs, apply up to it here.
+//! 3. Take the source's flushed WAL position as the end and drain replication to it: the running
+//!    worker is asked to stop there (`pgapply.progress.stop_lsn`, read by the worker every
+//!    second) and this waits until it has confirmed the end and stopped; when none runs, or it
+//!    goes away before the end, the rest is applied here.
 //! 4. Copy sequences (owned by published tables, or all with `--all-sequences`): the source's
 //!    `last_value` and `is_called`, not max(column).
 //! 5. Verify the tables (`pgapply verify`).
@@ -155,6 +157,7 @@ pub async fn cutover(
     }
 
     // 2. Freeze writes.
+    let mut ended_pids: Vec<i32> = Vec::new();
     for role in &settings.freeze_roles {
         source
             .batch_execute(&format!(
@@ -163,50 +166,48 @@ pub async fn cutover(
             ))
             .await
             .map_err(|e| Error::postgres(format!("step 2: making role {role:?} read-only"), e))?;
-        let ended = source
-            .execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1 AND pid <> pg_backend_pid()",
+        // The sessions first, then the signal: in one WHERE clause the planner may call
+        // pg_terminate_backend before the role filter.
+        let context =
+            |e| Error::postgres(format!("step 2: ending the sessions of role {role:?}"), e);
+        let pids: Vec<i32> = source
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND pid <> pg_backend_pid()",
                 &[role],
             )
             .await
-            .map_err(|e| Error::postgres(format!("step 2: ending the sessions of role {role:?}"), e))?;
+            .map_err(context)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let ended = source
+            .execute(
+                "SELECT pg_terminate_backend(p) FROM unnest($1::int4[]) p",
+                &[&pids],
+            )
+            .await
+            .map_err(context)?;
+        ended_pids.extend(pids);
         println!(
             "step 2: role {role:?} is read-only now and {ended} session(s) ended; undo with: ALTER ROLE {} RESET default_transaction_read_only",
             quote_ident(role)
         );
     }
 
-    // 3. Drain to the end position.
-    let end: Lsn = source
-        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
-        .await
-        .map_err(|e| Error::postgres("step 3: reading the source's WAL position", e))?
-        .get::<_, String>(0)
-        .parse()
-        .map_err(|e: crate::protocol::ParseLsnError| Error::definite(e.to_string()))?;
-    println!("step 3: draining replication to {end}");
-    let (active, _, _) = slot_state(&source, &slot).await?;
-    if active {
-        loop {
-            let (_, confirmed, _) = slot_state(&source, &slot).await?;
-            if confirmed >= end {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(Error::definite(format!(
-                    "step 3: the worker did not confirm {end} in time (confirmed {confirmed})"
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+    // From here on, a failure leaves the roles read-only: say so with it.
+    let frozen = |e: Error| {
+        if settings.freeze_roles.is_empty() {
+            e
+        } else {
+            e.context_after(format!(
+                "writes are still frozen for {}: undo with ALTER ROLE ... RESET default_transaction_read_only, or run the cutover again",
+                settings.freeze_roles.join(", ")
+            ))
         }
-    } else {
-        let mut config = run_config.clone();
-        config.endpos = Some(end);
-        let (_stop, stop_rx) = watch::channel(false);
-        run(config, stop_rx, None)
-            .await
-            .map_err(|e| e.context("step 3"))?;
-    }
+    };
+    let end = drain(&source, &target, &run_config, &ended_pids, deadline)
+        .await
+        .map_err(frozen)?;
     println!("step 3: everything up to {end} is applied");
 
     // 4. Sequences.
@@ -217,7 +218,8 @@ pub async fn cutover(
         &run_config.table_map,
         settings.all_sequences,
     )
-    .await?;
+    .await
+    .map_err(frozen)?;
     println!("step 4: copied {copied} sequence(s)");
 
     // 5. Verify.
@@ -228,19 +230,124 @@ pub async fn cutover(
         &run_config.table_map,
         &verify_settings,
     )
-    .await?;
-    verify::report(&results, false).map_err(|e| e.context("step 5"))?;
+    .await
+    .map_err(frozen)?;
+    verify::report(&results, false).map_err(|e| frozen(e.context("step 5")))?;
     println!("step 5: {} table(s) verified", results.len());
 
     // 6. Reverse replication.
     if settings.reverse {
-        prepare_reverse(&target, &run_config).await?;
+        prepare_reverse(&target, &run_config)
+            .await
+            .map_err(frozen)?;
     }
     println!(
         "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target",
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Step 3: takes the end position once the frozen roles' sessions are gone, and drains replication
+/// to it. Returns the end.
+async fn drain(
+    source: &Client,
+    target: &Client,
+    run_config: &RunConfig,
+    ended_pids: &[i32],
+    deadline: Instant,
+) -> Result<Lsn> {
+    let slot = &run_config.slot;
+    // pg_terminate_backend only signals: a session caught committing may still write. The end
+    // is taken once they are gone.
+    while !ended_pids.is_empty() {
+        let left: i64 = source
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY ($1)",
+                &[&ended_pids],
+            )
+            .await
+            .map_err(|e| Error::postgres("step 3: waiting for the ended sessions", e))?
+            .get(0);
+        if left == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::definite(format!(
+                "step 3: {left} session(s) of the frozen roles did not end in time"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The flushed position, once it covers every commit made so far (commits with
+    // synchronous_commit = off are visible a moment before they are flushed).
+    let lsn = |sql: &'static str| async move {
+        source
+            .query_one(sql, &[])
+            .await
+            .map_err(|e| Error::postgres("step 3: reading the source's WAL position", e))?
+            .get::<_, String>(0)
+            .parse::<Lsn>()
+            .map_err(|e| Error::definite(e.to_string()))
+    };
+    let written = lsn("SELECT pg_current_wal_lsn()::text").await?;
+    let end = loop {
+        let flushed = lsn("SELECT pg_current_wal_flush_lsn()::text").await?;
+        if flushed >= written {
+            break flushed;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::definite(format!(
+                "step 3: the source did not flush its WAL up to {written} in time"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    println!("step 3: draining replication to {end}");
+    let (active, _, _) = slot_state(source, slot).await?;
+    if active {
+        // The running worker stops at the end, as with --endpos: it must not go on applying the
+        // source's later writes to what is now the primary.
+        target
+            .execute(
+                "UPDATE pgapply.progress SET stop_lsn = $2::text::pg_lsn WHERE slot_name = $1",
+                &[slot, &end.to_string()],
+            )
+            .await
+            .map_err(|e| Error::postgres("step 3: asking the worker to stop at the end", e))?;
+        println!("step 3: asked the running worker to stop at {end}");
+        let mut inactive_since: Option<Instant> = None;
+        loop {
+            let (active, confirmed, _) = slot_state(source, slot).await?;
+            if !active && confirmed >= end {
+                println!("step 3: the worker confirmed {end} and stopped");
+                return Ok(end);
+            }
+            if active {
+                inactive_since = None;
+            } else if inactive_since.get_or_insert_with(Instant::now).elapsed()
+                > Duration::from_secs(5)
+            {
+                // Gone before the end (stopped, or failed and not back within 5 s).
+                println!("step 3: the worker stopped at {confirmed}, before {end}: applying the rest here");
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::definite(format!(
+                    "step 3: the worker did not confirm {end} and stop in time (confirmed {confirmed}, slot {}): see its log",
+                    if active { "still in use" } else { "free" }
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let mut config = run_config.clone();
+    config.endpos = Some(end);
+    let (_stop, stop_rx) = watch::channel(false);
+    run(config, stop_rx, None)
+        .await
+        .map_err(|e| e.context("step 3"))?;
+    Ok(end)
 }
 
 /// Copies sequence states from source to target. Returns how many.
@@ -258,10 +365,16 @@ pub async fn copy_sequences(
         .collect();
     let rows = source
         .query(
-            "SELECT n.nspname::text, c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg_toast%' \
+            // Owned by a published table or by one of its ancestors: a partition's serial
+            // column takes its values from the partitioned table's sequence.
+            "WITH RECURSIVE rel (oid) AS ( \
+                 SELECT x::regclass::oid FROM unnest($2::text[]) x \
+                 UNION SELECT i.inhparent FROM pg_inherits i JOIN rel ON i.inhrelid = rel.oid) \
+             SELECT n.nspname::text, c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema') \
+               AND n.nspname NOT LIKE 'pg_toast%' AND n.nspname NOT LIKE 'pg_temp%' \
                AND ($1 OR EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid \
-                    AND d.deptype IN ('a', 'i') AND d.refobjid = ANY (ARRAY(SELECT x::regclass::oid FROM unnest($2::text[]) x)))) \
+                    AND d.deptype IN ('a', 'i') AND d.refobjid IN (SELECT oid FROM rel))) \
              ORDER BY 1, 2",
             &[&all, &tables],
         )

@@ -41,6 +41,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "copy_ranges",
         include_str!("../migrations/0007_copy_ranges.sql"),
     ),
+    (
+        8,
+        "stop_request",
+        include_str!("../migrations/0008_stop_request.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

@@ -338,11 +338,13 @@ pub async fn run(
     ));
 
     let reported = Arc::new(tokio::sync::Mutex::new(HeartbeatCounts::default()));
+    let (stop_tx, stop_rx) = watch::channel(None);
     let heartbeat = tokio::spawn(heartbeat(
         target_connection(&pool, &config.target).await?,
         config.slot.clone(),
         config.status_interval,
         reported.clone(),
+        stop_tx,
     ));
 
     let (tx, rx) = mpsc::unbounded_channel();
@@ -361,6 +363,9 @@ pub async fn run(
         keepalive_end: Lsn::INVALID,
         received: resume,
         endpos: config.endpos,
+        stop_request: stop_rx,
+        stop_requested: None,
+        stop_unheard: false,
         status_interval: config.status_interval,
         progress,
         last_heard: Instant::now(),
@@ -396,11 +401,25 @@ pub async fn run(
     if let Some(p) = &reader.progress {
         p.send_replace(RunProgress { durable: flushed });
     }
+    let reader_stop_requested = reader.stop_requested;
     drop(reader);
     stream.close().await;
     if let Ok(client) = target_connection(&pool, &config.target).await {
         let mut last = reported.lock().await;
         let _ = write_heartbeat(&client, &config.slot, "stopped", &mut last).await;
+        if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
+            // Honoured: a later `pgapply run` must not stop there again.
+            let cleared = client
+                .execute(
+                    "UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = $1 AND stop_lsn <= $2::text::pg_lsn",
+                    &[&config.slot, &flushed.max(stop).to_string()],
+                )
+                .await;
+            if let Err(e) = cleared {
+                tracing::warn!(error = %e, "could not clear the stop request on the target");
+            }
+            tracing::info!(stop_lsn = %stop, "stopped where `pgapply cutover` asked");
+        }
     }
 
     apply_result?;
@@ -675,18 +694,45 @@ struct HeartbeatCounts {
 }
 
 /// Records state and counters for `pgapply status`, every status interval.
+/// Records the worker's state on the target every status interval (at most 10 s), and every
+/// second reads whether `pgapply cutover` asked it to stop at a position.
 async fn heartbeat(
     client: Object,
     slot: String,
     every: Duration,
     reported: Arc<tokio::sync::Mutex<HeartbeatCounts>>,
+    stop: watch::Sender<Option<Lsn>>,
 ) {
-    let mut tick = tokio::time::interval(every.min(Duration::from_secs(10)));
+    let every = every.min(Duration::from_secs(10));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut beaten: Option<Instant> = None;
     loop {
         tick.tick().await;
-        let mut last = reported.lock().await;
-        if let Err(e) = write_heartbeat(&client, &slot, "streaming", &mut last).await {
-            tracing::warn!(error = %e, "could not record the heartbeat on the target");
+        if beaten.is_none_or(|at| at.elapsed() >= every) {
+            beaten = Some(Instant::now());
+            let mut last = reported.lock().await;
+            if let Err(e) = write_heartbeat(&client, &slot, "streaming", &mut last).await {
+                tracing::warn!(error = %e, "could not record the heartbeat on the target");
+            }
+        }
+        let request = client
+            .query_opt(
+                "SELECT stop_lsn::text FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await;
+        match request {
+            Ok(row) => {
+                let lsn = row
+                    .and_then(|r| r.get::<_, Option<String>>(0))
+                    .and_then(|t| t.parse::<Lsn>().ok());
+                stop.send_if_modified(|current| {
+                    let changed = *current != lsn;
+                    *current = lsn;
+                    changed
+                });
+            }
+            Err(e) => tracing::debug!(error = %e, "could not read the stop request on the target"),
         }
     }
 }
@@ -802,6 +848,12 @@ struct Reader<'a> {
     /// Highest WAL position received.
     received: Lsn,
     endpos: Option<Lsn>,
+    /// A position `pgapply cutover` asked this worker to stop at (`pgapply.progress.stop_lsn`).
+    stop_request: watch::Receiver<Option<Lsn>>,
+    /// The stop position taken from a request, once one came.
+    stop_requested: Option<Lsn>,
+    /// No request can come any more.
+    stop_unheard: bool,
     status_interval: Duration,
     progress: Option<watch::Sender<RunProgress>>,
     /// When the source last sent anything.
@@ -897,6 +949,19 @@ impl Reader<'_> {
                 }
                 _ = probe.tick(), if self.endpos.is_some() && !self.in_transaction => {
                     self.send_status(true).await?
+                }
+                changed = self.stop_request.changed(), if self.stop_requested.is_none() && !self.stop_unheard => {
+                    let request = if changed.is_ok() { *self.stop_request.borrow_and_update() } else { None };
+                    if changed.is_err() {
+                        // The heartbeat task is gone (the run is ending): nothing more to hear.
+                        self.stop_unheard = true;
+                    } else if let Some(stop) = request {
+                        tracing::info!(stop_lsn = %stop, "`pgapply cutover` asks to stop there: applying everything committed before it, then stopping");
+                        self.stop_requested = Some(stop);
+                        self.endpos = Some(self.endpos.map_or(stop, |e| e.min(stop)));
+                        // Ask for the source's WAL end now: an idle source tells with its reply.
+                        self.send_status(true).await?;
+                    }
                 }
                 changed = self.durable.changed() => {
                     if changed.is_err() {

@@ -433,9 +433,79 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         )
         .await;
     assert_eq!((next_order, next_item), (502, 502));
-    worker.start_kill().unwrap();
-    let _ = worker.wait().await;
+    // The worker was asked to stop at the cutover's end position: it has, cleanly, and applies
+    // nothing the source (still writable for other roles) does afterwards.
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), worker.wait())
+        .await
+        .expect("the worker stops after the cutover")
+        .unwrap();
+    assert!(status.success(), "worker exit: {status}");
     db.assert_same("items").await;
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE stop_lsn IS NOT NULL"
+        )
+        .await,
+        0,
+        "the stop request is cleared once honoured"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
+    let db = TestDb::new("cutpart").await;
+    if common::clusters().source_major < 11 {
+        common::skip("a serial column on a partitioned table needs PostgreSQL 11");
+        return;
+    }
+    db.both(
+        "CREATE TABLE events (id serial, at int NOT NULL, PRIMARY KEY (id, at)) PARTITION BY RANGE (at); \
+         CREATE TABLE events_a PARTITION OF events FOR VALUES FROM (0) TO (100); \
+         CREATE TABLE events_b PARTITION OF events FOR VALUES FROM (100) TO (200);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO events (at) SELECT g % 200 FROM generate_series(1, 300) g; \
+         CREATE PUBLICATION p FOR TABLE events;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql("INSERT INTO events (at) VALUES (150)").await;
+    // No worker runs: the cutover applies the rest itself, then copies the sequence that the
+    // partitions' column takes its values from (owned by the partitioned table).
+    let out = run_with_deadline(
+        pgapply_cmd(&[
+            "cutover",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &db.target_conninfo(),
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+            "--timeout",
+            "60s",
+        ]),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(text.contains("step 4: copied 1 sequence(s)"), "{text}");
+    assert_eq!(
+        db.count(&db.target, "SELECT nextval('events_id_seq')")
+            .await,
+        302
+    );
+    db.assert_same("events").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
