@@ -145,6 +145,48 @@ async fn replica_identity_using_index() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_identity_full_compared_by_text_with_binary_values_and_other_time_zones() {
+    let db = TestDb::new("fullbin").await;
+    db.both(
+        "CREATE TABLE f (a int, j json, p point, t timestamptz); ALTER TABLE f REPLICA IDENTITY FULL;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE f").await;
+    // The target's sessions print times in another zone than the source's.
+    db.target_sql(&format!(
+        "ALTER DATABASE {} SET timezone = 'Asia/Kolkata'",
+        db.name
+    ))
+    .await;
+    db.source_sql(
+        "INSERT INTO f VALUES (1, '{\"k\": [1, 2]}', '(1.5,2)', '2026-01-02 03:04:05+00'), \
+                              (2, '[]', '(0,0)', '2026-06-01 00:00:00+00')",
+    )
+    .await;
+    db.source_sql("UPDATE f SET a = 10 WHERE a = 1; DELETE FROM f WHERE a = 2")
+        .await;
+    for args in [&["--binary"][..], &[][..]] {
+        let endpos = db.source_wal().await;
+        let mut all = vec!["--endpos", endpos.as_str()];
+        all.extend_from_slice(args);
+        let out = run_with_deadline(db.pgapply("p", &all), 60).await;
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("update_missing"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+        assert!(
+            !stderr(&out).contains("delete_missing"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+        db.assert_same("f").await;
+        db.source_sql("UPDATE f SET a = a + 1").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn toast_value_kept_when_other_column_updated() {
     let db = TestDb::new("toast").await;
     db.both("CREATE TABLE d (id int PRIMARY KEY, title text, body text)")

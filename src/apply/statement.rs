@@ -290,9 +290,14 @@ fn row_filter(
                     conditions.push(format!("{column} IS NULL"));
                     continue;
                 }
-                let type_oid = entry.target_column(c).map_or(0, |t| t.type_oid);
+                let target = entry.target_column(c);
+                let type_oid = target.map_or(0, |t| t.type_oid);
                 if *as_text || needs_text_comparison(type_oid) {
-                    conditions.push(format!("{column}::text = ${}::text", next()));
+                    // The value is read as the column's type and printed again, in this session:
+                    // binary values (--binary) are read correctly, and both sides print alike
+                    // (time zone, a json's or a point's own form) whatever the source's settings.
+                    let ty = target.map_or("text", |t| t.type_name.as_str());
+                    conditions.push(format!("{column}::text = (${}::{ty})::text", next()));
                 } else {
                     conditions.push(format!("{column} = ${}", next()));
                 }
