@@ -134,12 +134,29 @@ impl RelationCache {
             .unwrap_or_else(|| (schema.clone(), relation.name.clone()));
         let target = load_target_table(catalog, &target_schema, &target_name).await?;
         let shown = qualified_name(&schema, &relation.name);
-        let target = target.ok_or_else(|| {
-            Error::definite(format!(
-                "table {shown} is published by the source but target table {} does not exist: create it on the target with the same columns (for example with `pgapply schema` or pg_dump --schema-only)",
-                qualified_name(&target_schema, &target_name)
-            ))
-        })?;
+        let known = self.relations.get(&relation.oid).cloned();
+        let target = match target {
+            Some(t) => t,
+            // The same table (same OID) had another name: renamed on the source. A new, empty
+            // table on the target would lose the rows the old one holds.
+            None => match &known {
+                Some(k) if k.display_name() != shown => {
+                    return Err(Error::definite(format!(
+                        "table {} was renamed to {shown} on the source: rename {} on the target too (ALTER TABLE {} RENAME TO {}, and SET SCHEMA if the schema changed), then start pgapply again",
+                        k.display_name(),
+                        k.target.qualified,
+                        k.target.qualified,
+                        quote_ident(&target_name)
+                    )))
+                }
+                _ => {
+                    return Err(Error::definite(format!(
+                        "table {shown} is published by the source but target table {} does not exist: create it on the target with the same columns (for example with `pgapply schema` or pg_dump --schema-only)",
+                        qualified_name(&target_schema, &target_name)
+                    )))
+                }
+            },
+        };
         let mut quoted_columns = Vec::with_capacity(relation.columns.len());
         let mut target_columns = Vec::with_capacity(relation.columns.len());
         for column in &relation.columns {
@@ -148,6 +165,27 @@ impl RelationCache {
                 .iter()
                 .position(|t| t.name == column.name)
                 .ok_or_else(|| {
+                    // A column of the same position and type had another name, which the target
+                    // still has: renamed on the source. Adding a column would leave it empty.
+                    let renamed = known.as_ref().and_then(|k| {
+                        let i = relation.columns.iter().position(|c| c.name == column.name)?;
+                        let before = k.source.columns.get(i)?;
+                        (before.name != column.name
+                            && before.type_oid == column.type_oid
+                            && !relation.columns.iter().any(|c| c.name == before.name)
+                            && target.columns.iter().any(|t| t.name == before.name))
+                        .then(|| before.name.clone())
+                    });
+                    if let Some(old) = renamed {
+                        return Error::definite(format!(
+                            "column {} of table {shown} was renamed to {} on the source: rename it on the target too (ALTER TABLE {} RENAME COLUMN {} TO {}), then start pgapply again",
+                            quote_ident(&old),
+                            quote_ident(&column.name),
+                            target.qualified,
+                            quote_ident(&old),
+                            quote_ident(&column.name)
+                        ));
+                    }
                     Error::definite(format!(
                         "column {} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} ...)",
                         quote_ident(&column.name),

@@ -561,4 +561,29 @@ async fn a_relation_sent_again_unchanged_keeps_its_prepared_statements() {
         .await
         .unwrap();
     assert_ne!(retargeted.generation, wider.generation);
+
+    // Renamed on the source: the error says to rename on the target (adding would lose rows).
+    let mut renamed_column = relation(None, vec![column("id", true), column("w", false)]);
+    renamed_column.columns[1].type_oid = 23;
+    let err = cache
+        .update(renamed_column, &db.target)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("was renamed to \"w\"") && err.contains("RENAME COLUMN \"v\" TO \"w\""),
+        "{err}"
+    );
+    let mut renamed_table = relation(None, vec![column("id", true), column("v", false)]);
+    renamed_table.name = "r2".into();
+    let err = cache
+        .update(renamed_table, &db.target)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("\"public\".\"r\" was renamed to \"public\".\"r2\"")
+            && err.contains("RENAME TO \"r2\""),
+        "{err}"
+    );
 }
