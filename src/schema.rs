@@ -21,7 +21,13 @@ fn find_pg_dump() -> PathBuf {
     crate::cluster::newest_installed("pg_dump").unwrap_or_else(|| PathBuf::from("pg_dump"))
 }
 
-/// libpq keywords for a connection, without the password (that goes in PGPASSWORD).
+/// A libpq keyword value, quoted.
+fn libpq_value(value: &str) -> String {
+    format!("'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+/// libpq keywords for a connection, without the password (that goes in PGPASSWORD); TLS as
+/// pgapply itself connects (sslmode and sslrootcert are pgapply's, not tokio-postgres's).
 fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
     let mut parts = Vec::new();
     if let Some(tokio_postgres::config::Host::Tcp(h)) = config.get_hosts().first() {
@@ -34,12 +40,43 @@ fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
         parts.push(format!("port={port}"));
     }
     if let Some(u) = config.get_user() {
-        parts.push(format!("user='{}'", u.replace('\'', "\\'")));
+        parts.push(format!("user={}", libpq_value(u)));
     }
     if let Some(d) = config.get_dbname() {
-        parts.push(format!("dbname='{}'", d.replace('\'', "\\'")));
+        parts.push(format!("dbname={}", libpq_value(d)));
+    }
+    let tls = crate::tls::settings_for(config);
+    let mode = match tls.mode {
+        crate::tls::SslMode::Disable => "disable",
+        crate::tls::SslMode::Prefer => "prefer",
+        crate::tls::SslMode::Require => "require",
+        crate::tls::SslMode::VerifyCa => "verify-ca",
+        crate::tls::SslMode::VerifyFull => "verify-full",
+    };
+    parts.push(format!("sslmode={mode}"));
+    if let Some(root) = &tls.root_cert {
+        parts.push(format!(
+            "sslrootcert={}",
+            libpq_value(&root.to_string_lossy())
+        ));
     }
     parts.join(" ")
+}
+
+/// Drops `SET name = ...;` lines of settings the target does not know: a newer pg_dump sets
+/// parameters an older server rejects (`transaction_timeout` from 17, `default_table_access_method`
+/// from 12), and the dump is otherwise valid for it.
+fn without_unknown_settings(sql: &str, known: &[String]) -> String {
+    sql.lines()
+        .filter(|line| {
+            let Some(rest) = line.strip_prefix("SET ") else {
+                return true;
+            };
+            let name = rest.split([' ', '=']).next().unwrap_or("");
+            !line.trim_end().ends_with(';') || known.iter().any(|k| k == name)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 pub async fn schema(
@@ -66,7 +103,23 @@ pub async fn schema(
     if tables.is_empty() {
         return Err(Error::definite("the publications contain no tables"));
     }
-    let mut schemas: Vec<String> = tables.iter().map(|t| t.schema.clone()).collect();
+    // The published tables with their partitions and parents: a partitioned table published
+    // through its root needs its partitions to take rows, a published partition needs its parent
+    // to be created.
+    let names: Vec<String> = tables.iter().map(|t| t.qualified()).collect();
+    let related = source
+        .query(
+            "WITH RECURSIVE pub (oid) AS (SELECT x::regclass::oid FROM unnest($1::text[]) x), \
+             up (oid) AS (SELECT oid FROM pub UNION SELECT i.inhparent FROM pg_inherits i JOIN up ON i.inhrelid = up.oid), \
+             down (oid) AS (SELECT oid FROM pub UNION SELECT i.inhrelid FROM pg_inherits i JOIN down ON i.inhparent = down.oid) \
+             SELECT n.nspname::text, c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid IN (SELECT oid FROM up UNION SELECT oid FROM down)",
+            &[&names],
+        )
+        .await
+        .map_err(|e| Error::postgres("listing the published tables' partitions and parents", e))?;
+    let keep: Vec<(String, String)> = related.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let mut schemas: Vec<String> = keep.iter().map(|(schema, _)| schema.clone()).collect();
     schemas.sort();
     schemas.dedup();
     // Relations in those schemas that are not published stay behind.
@@ -123,7 +176,7 @@ pub async fn schema(
     }
     for row in &others {
         let (schema, name): (String, String) = (row.get(0), row.get(1));
-        if !tables.iter().any(|t| t.schema == schema && t.name == name) {
+        if !keep.iter().any(|(s, n)| *s == schema && *n == name) {
             cmd.arg(format!(
                 "--exclude-table={}",
                 qualified_name(&schema, &name)
@@ -157,14 +210,51 @@ pub async fn schema(
     })?;
     // Schemas that already exist on the target (public) are fine.
     let sql = sql.replace("CREATE SCHEMA ", "CREATE SCHEMA IF NOT EXISTS ");
+    let known: Vec<String> = target
+        .query("SELECT name FROM pg_catalog.pg_settings", &[])
+        .await
+        .map_err(|e| Error::postgres("reading the target's settings", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let sql = without_unknown_settings(&sql, &known);
     target
         .batch_execute(&sql)
         .await
-        .map_err(|e| Error::postgres("creating the definitions on the target", e))?;
+        .map_err(|e| {
+            let hint = match e.code().map(|c| c.code()) {
+                // A type or function from an extension: pg_dump --schema leaves extensions out.
+                Some("42704") | Some("42883") => "; if it comes from an extension, CREATE EXTENSION it on the target first",
+                // A foreign key to a table that is not published.
+                Some("42P01") => "; a table it refers to may not be published: publish it, or create it on the target first",
+                _ => "",
+            };
+            Error::postgres(format!("creating the definitions on the target (all or nothing: nothing was created){hint}"), e)
+        })?;
     println!(
         "created the definitions ({section}) of {} published table(s) in schema(s) {} on the target",
         tables.len(),
         schemas.join(", ")
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_the_target_does_not_know_are_dropped() {
+        let dump = "SET statement_timeout = 0;\nSET transaction_timeout = 0;\nSELECT pg_catalog.set_config('search_path', '', false);\nCREATE TABLE t (SET int);\nSET default_table_access_method = heap;";
+        let known = vec!["statement_timeout".to_owned(), "search_path".to_owned()];
+        assert_eq!(
+            without_unknown_settings(dump, &known),
+            "SET statement_timeout = 0;\nSELECT pg_catalog.set_config('search_path', '', false);\nCREATE TABLE t (SET int);"
+        );
+    }
+
+    #[test]
+    fn libpq_values_are_quoted() {
+        assert_eq!(libpq_value("a b'c\\d"), "'a b\\'c\\\\d'");
+    }
 }

@@ -303,14 +303,9 @@ async fn non_empty_target_is_refused_unless_truncate_target() {
     db.assert_same("t").await;
 }
 
-fn pgapply_cmd(args: &[&str]) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
-    cmd.args(args).kill_on_drop(true);
-    cmd
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn schema_then_copy_then_cutover_with_sequences() {
+/// Whether a pg_dump at least as new as the source is installed (`pgapply schema` needs one);
+/// says why not when not.
+fn pg_dump_usable() -> bool {
     let c = common::clusters();
     let pg_dump = std::env::var_os("PGAPPLY_PG_DUMP")
         .map(std::path::PathBuf::from)
@@ -328,6 +323,20 @@ async fn schema_then_copy_then_cutover_with_sequences() {
             "pgapply schema needs pg_dump {} or newer (set PGAPPLY_PG_DUMP); found {dump_major}",
             c.source_major
         ));
+        return false;
+    }
+    true
+}
+
+fn pgapply_cmd(args: &[&str]) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.args(args).kill_on_drop(true);
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_then_copy_then_cutover_with_sequences() {
+    if !pg_dump_usable() {
         return;
     }
     let db = TestDb::new("cutover").await;
@@ -629,4 +638,46 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
             && text.contains("OK        \"public\".\"t\""),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_brings_the_partitions_of_a_table_published_through_its_root() {
+    if !pg_dump_usable() || common::clusters().source_major < 13 {
+        common::skip("publish_via_partition_root needs PostgreSQL 13 and a pg_dump for the source");
+        return;
+    }
+    let db = TestDb::new("schemapart").await;
+    db.source_sql(
+        "CREATE TABLE m (id int, at int NOT NULL, PRIMARY KEY (id, at)) PARTITION BY RANGE (at); \
+         CREATE TABLE m_1 PARTITION OF m FOR VALUES FROM (0) TO (10); \
+         CREATE TABLE m_2 PARTITION OF m FOR VALUES FROM (10) TO (20); \
+         INSERT INTO m SELECT g, g % 20 FROM generate_series(1, 100) g; \
+         CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = true);",
+    )
+    .await;
+    let out = run_with_deadline(
+        pgapply_cmd(&[
+            "schema",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &db.target_conninfo(),
+            "--publication",
+            "p",
+        ]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql("INSERT INTO m VALUES (500, 15)").await;
+    db.sync("p").await;
+    db.assert_same("m").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM m_2").await, 51);
 }
