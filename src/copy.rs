@@ -499,8 +499,11 @@ pub async fn copy_tables(
         tokio::spawn(report_progress(tables, progress, started))
     };
 
+    // Once a job failed the copy starts over anyway: the others stop taking jobs.
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut workers = Vec::new();
     for _ in 0..settings.jobs.max(1).min(total_jobs.max(1)) {
+        let failed = failed.clone();
         let queue = queue.clone();
         let tables = tables.clone();
         let binary = binary.clone();
@@ -514,9 +517,12 @@ pub async fn copy_tables(
             let mut source = connect_source(&source_config).await?;
             let mut target = crate::replicate::target_connection(&pool, &target_config).await?;
             loop {
+                if failed.load(Ordering::Relaxed) {
+                    return Ok::<(), Error>(());
+                }
                 let job = queue.lock().await.next();
                 let Some(job) = job else {
-                    return Ok::<(), Error>(());
+                    return Ok(());
                 };
                 let table = &tables[job.table];
                 copy_one(
@@ -529,7 +535,8 @@ pub async fn copy_tables(
                     &slot,
                     &progress[job.table],
                 )
-                .await?;
+                .await
+                .inspect_err(|_| failed.store(true, Ordering::Relaxed))?;
             }
         }));
     }
@@ -720,6 +727,30 @@ async fn copy_one(
         ))
         .await
         .map_err(src_err)?;
+    // A table rewritten by ALTER TABLE since the snapshot has rows the snapshot cannot see (they
+    // carry the ALTER's transaction id), and the rewrite is not streamed: copied now, it would
+    // come out empty. Locked first (so it cannot happen from here on), then compared: the
+    // snapshot's pg_class row against the file the table has now. (Partitioned tables have no
+    // file of their own.)
+    if !table.partitioned {
+        source_tx
+            .batch_execute(&format!("LOCK TABLE {qualified} IN ACCESS SHARE MODE"))
+            .await
+            .map_err(src_err)?;
+        let same_file: bool = source_tx
+            .query_one(
+                "SELECT c.relfilenode = pg_catalog.pg_relation_filenode(c.oid) FROM pg_catalog.pg_class c WHERE c.oid = $1::text::regclass",
+                &[&qualified],
+            )
+            .await
+            .map_err(src_err)?
+            .get(0);
+        if !same_file {
+            return Err(Error::transient(format!(
+                "table {qualified} was rewritten on the source (ALTER TABLE, TRUNCATE, VACUUM FULL or CLUSTER) during the initial copy: its rows cannot be read in the copy's snapshot any more, so the copy starts over"
+            )));
+        }
+    }
     // Marked in a statement of its own: held in the copy's transaction, the row's lock would
     // make the other ranges of the table wait for this one.
     target

@@ -681,3 +681,72 @@ async fn schema_brings_the_partitions_of_a_table_published_through_its_root() {
     db.assert_same("m").await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM m_2").await, 51);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_rewritten_during_the_copy_is_not_copied_empty() {
+    let db = TestDb::new("copyddl").await;
+    let tables: Vec<String> = (1..=6).map(|i| format!("t{i}")).collect();
+    db.both(
+        &tables
+            .iter()
+            .map(|t| format!("CREATE TABLE {t} (id int PRIMARY KEY, pad text);"))
+            .collect::<String>(),
+    )
+    .await;
+    db.source_sql(
+        &tables
+            .iter()
+            .map(|t| {
+                format!(
+                    "INSERT INTO {t} SELECT g, repeat('x', 200) FROM generate_series(1, 40000) g;"
+                )
+            })
+            .collect::<String>(),
+    )
+    .await;
+    db.source_sql(&format!(
+        "CREATE PUBLICATION p FOR TABLE {}",
+        tables.join(", ")
+    ))
+    .await;
+    let mut child = spawn(db.pgapply("p", &["--copy-data", "--create-slot", "--copy-jobs", "1"]));
+    wait_for("the copy to be under way", 60, || async {
+        db.target
+            .query_one("SELECT count(*) FILTER (WHERE state = 'done') > 0 AND count(*) FILTER (WHERE state <> 'done') > 1 FROM pgapply.copy_state", &[])
+            .await
+            .map(|r| r.get::<_, Option<bool>>(0) == Some(true))
+            .unwrap_or(false)
+    })
+    .await;
+    // A rewriting ALTER of a table still waiting in the queue: its rows can no longer be read in
+    // the copy's snapshot. The copy notices and starts over, instead of copying it empty.
+    let not_done: String = db
+        .target
+        .query_one(
+            "SELECT max(table_name) FROM pgapply.copy_state WHERE state = 'pending'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    db.source_sql(&format!(
+        "ALTER TABLE {not_done} ALTER COLUMN pad TYPE varchar(300); INSERT INTO {not_done} VALUES (0, 'after')"
+    ))
+    .await;
+    wait_for("every row on the target", 120, || async {
+        db.count(&db.target, &format!("SELECT count(*) FROM {not_done}"))
+            .await
+            == 40001
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    for t in &tables {
+        assert_eq!(
+            db.count(&db.target, &format!("SELECT count(*) FROM {t}"))
+                .await,
+            if *t == not_done { 40001 } else { 40000 },
+            "{t}"
+        );
+    }
+}
