@@ -737,14 +737,15 @@ async fn copy_one(
             .batch_execute(&format!("LOCK TABLE {qualified} IN ACCESS SHARE MODE"))
             .await
             .map_err(src_err)?;
+        // (No row: the table was created after the snapshot, which holds none of its rows.)
         let same_file: bool = source_tx
-            .query_one(
+            .query_opt(
                 "SELECT c.relfilenode = pg_catalog.pg_relation_filenode(c.oid) FROM pg_catalog.pg_class c WHERE c.oid = $1::text::regclass",
                 &[&qualified],
             )
             .await
             .map_err(src_err)?
-            .get(0);
+            .is_none_or(|r| r.get(0));
         if !same_file {
             return Err(Error::transient(format!(
                 "table {qualified} was rewritten on the source (ALTER TABLE, TRUNCATE, VACUUM FULL or CLUSTER) during the initial copy: its rows cannot be read in the copy's snapshot any more, so the copy starts over"

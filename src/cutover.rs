@@ -194,16 +194,21 @@ pub async fn cutover(
         );
     }
 
-    // From here on, a failure leaves the roles read-only: say so with it.
+    // From here on, a failure leaves the roles read-only and (once step 3 has written the end)
+    // the slot's worker stopped: say so with it, and how to go back.
     let frozen = |e: Error| {
-        if settings.freeze_roles.is_empty() {
+        let e = if settings.freeze_roles.is_empty() {
             e
         } else {
             e.context_after(format!(
                 "writes are still frozen for {}: undo with ALTER ROLE ... RESET default_transaction_read_only, or run the cutover again",
                 settings.freeze_roles.join(", ")
             ))
-        }
+        };
+        e.context_after(format!(
+            "to go back to mirroring instead of finishing the cutover, clear the stop position the cutover may have set on the target: UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}', and start pgapply run again",
+            slot.replace('\'', "''")
+        ))
     };
     let end = drain(&source, &target, &run_config, &ended_pids, deadline)
         .await
@@ -304,17 +309,21 @@ async fn drain(
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     println!("step 3: draining replication to {end}");
-    let (active, _, _) = slot_state(source, slot).await?;
-    if active {
-        // The running worker stops at the end, as with --endpos: it must not go on applying the
-        // source's later writes to what is now the primary.
+    // The slot's worker stops at the end, as with --endpos, and stays stopped there when started
+    // again: it must not apply the source's later writes to what is now the primary. (Written
+    // again after a run of our own, which may have made the slot's row.)
+    let fence = || async {
         target
             .execute(
                 "UPDATE pgapply.progress SET stop_lsn = $2::text::pg_lsn WHERE slot_name = $1",
                 &[slot, &end.to_string()],
             )
             .await
-            .map_err(|e| Error::postgres("step 3: asking the worker to stop at the end", e))?;
+            .map_err(|e| Error::postgres("step 3: asking the worker to stop at the end", e))
+    };
+    fence().await?;
+    let (active, _, _) = slot_state(source, slot).await?;
+    if active {
         println!("step 3: asked the running worker to stop at {end}");
         let mut inactive_since: Option<Instant> = None;
         loop {
@@ -344,9 +353,16 @@ async fn drain(
     let mut config = run_config.clone();
     config.endpos = Some(end);
     let (_stop, stop_rx) = watch::channel(false);
-    run(config, stop_rx, None)
+    let outcome = run(config, stop_rx, None)
         .await
         .map_err(|e| e.context("step 3"))?;
+    fence().await?;
+    if outcome.flushed < end {
+        return Err(Error::definite(format!(
+            "step 3: replication stopped at {} before the end {end}: run the cutover again",
+            outcome.flushed
+        )));
+    }
     Ok(end)
 }
 

@@ -20,7 +20,8 @@ use crate::sql::{qualified_name, quote_ident};
 pub struct TargetColumn {
     pub name: String,
     pub type_oid: Oid,
-    /// `format_type(atttypid, NULL)`: for messages.
+    /// `format_type(atttypid, atttypmod)`: for messages and casts (`character(8)`: without the
+    /// modifier, `character` is `character(1)`).
     pub type_name: String,
     pub generated: bool,
     /// `GENERATED ALWAYS AS IDENTITY`: an INSERT needs OVERRIDING SYSTEM VALUE to write the
@@ -60,6 +61,9 @@ pub struct RelationEntry {
     pub key_columns: Vec<usize>,
     /// Changes each time the relation is replaced.
     pub generation: u64,
+    /// The first source column whose type differs from its target column's (by OID): binary
+    /// values (`--binary`, decided when the run starts) cannot go into it.
+    pub type_differs: Option<usize>,
 }
 
 impl RelationEntry {
@@ -178,12 +182,14 @@ impl RelationCache {
                     });
                     if let Some(old) = renamed {
                         return Error::definite(format!(
-                            "column {} of table {shown} was renamed to {} on the source: rename it on the target too (ALTER TABLE {} RENAME COLUMN {} TO {}), then start pgapply again",
+                            "column {} of table {shown} is gone on the source and {} is new in its place: if it was renamed, rename it on the target too (ALTER TABLE {} RENAME COLUMN {} TO {}); if one was dropped and the other added, add {} on the target (ALTER TABLE {} ADD COLUMN ...); then start pgapply again",
                             quote_ident(&old),
                             quote_ident(&column.name),
                             target.qualified,
                             quote_ident(&old),
-                            quote_ident(&column.name)
+                            quote_ident(&column.name),
+                            quote_ident(&column.name),
+                            target.qualified
                         ));
                     }
                     Error::definite(format!(
@@ -228,6 +234,11 @@ impl RelationCache {
             }
         }
         self.generation += 1;
+        let type_differs = relation
+            .columns
+            .iter()
+            .zip(&target_columns)
+            .position(|(c, &t)| target.columns[t].type_oid != c.type_oid);
         let entry = Arc::new(RelationEntry {
             source: relation,
             target,
@@ -235,6 +246,7 @@ impl RelationCache {
             target_columns,
             key_columns,
             generation: self.generation,
+            type_differs,
         });
         self.relations.insert(entry.source.oid, entry.clone());
         Ok(entry)
@@ -259,7 +271,7 @@ async fn load_target_table(
     };
     let sql = format!(
         "SELECT c.oid, c.relkind::text, a.attname::text, a.atttypid, \
-                pg_catalog.format_type(a.atttypid, NULL), {generated}, a.attidentity::text \
+                pg_catalog.format_type(a.atttypid, a.atttypmod), {generated}, a.attidentity::text \
          FROM pg_catalog.pg_class c \
          JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
          LEFT JOIN pg_catalog.pg_attribute a \

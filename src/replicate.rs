@@ -185,6 +185,28 @@ pub async fn run(
 
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
+    // A slot that `pgapply cutover` stopped at a position stays stopped there: after a cutover
+    // the target is the primary, and a worker started again (by a service manager, say) must not
+    // apply the old source's later writes to it, nor copy the tables again.
+    let fence = stop_position(&setup, &config.slot).await?;
+    if let Some(fence) = fence {
+        if resume.is_valid() && resume >= fence {
+            fenced_warning(&config.slot, fence);
+            return Ok(RunOutcome {
+                reason: StopReason::EndPosition,
+                flushed: resume,
+                stats: ApplyStats::default(),
+            });
+        }
+        tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
+    }
+    let config = RunConfig {
+        endpos: match (config.endpos, fence) {
+            (Some(e), Some(f)) => Some(e.min(f)),
+            (e, f) => e.or(f),
+        },
+        ..config
+    };
     let copy_status = copy::status(&setup, &config.slot).await?;
     let slot_exists = session.slot_exists(&config.slot).await?;
     // The slot of a finished copy is gone (dropped, or invalidated by the source): the changes it
@@ -364,7 +386,7 @@ pub async fn run(
         received: resume,
         endpos: config.endpos,
         stop_request: stop_rx,
-        stop_requested: None,
+        stop_requested: fence,
         stop_unheard: false,
         status_interval: config.status_interval,
         progress,
@@ -407,19 +429,10 @@ pub async fn run(
     if let Ok(client) = target_connection(&pool, &config.target).await {
         let mut last = reported.lock().await;
         let _ = write_heartbeat(&client, &config.slot, "stopped", &mut last).await;
-        if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
-            // Honoured: a later `pgapply run` must not stop there again.
-            let cleared = client
-                .execute(
-                    "UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = $1 AND stop_lsn <= $2::text::pg_lsn",
-                    &[&config.slot, &flushed.max(stop).to_string()],
-                )
-                .await;
-            if let Err(e) = cleared {
-                tracing::warn!(error = %e, "could not clear the stop request on the target");
-            }
-            tracing::info!(stop_lsn = %stop, "stopped where `pgapply cutover` asked");
-        }
+    }
+    if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
+        // The request stays: a run started again stops there too (see `stop_position`).
+        fenced_warning(&config.slot, stop);
     }
 
     apply_result?;
@@ -694,6 +707,29 @@ struct HeartbeatCounts {
 }
 
 /// Records state and counters for `pgapply status`, every status interval.
+fn fenced_warning(slot: &str, fence: Lsn) {
+    tracing::warn!(
+        slot,
+        stop_lsn = %fence,
+        "this slot was stopped at {fence} by `pgapply cutover`: nothing after it is applied. To replicate from it again, clear that on the target: UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}'",
+        slot.replace('\'', "''")
+    );
+}
+
+/// The position `pgapply cutover` asked this slot's worker to stop at, if any.
+async fn stop_position(target: &tokio_postgres::Client, slot: &str) -> Result<Option<Lsn>> {
+    let row = target
+        .query_opt(
+            "SELECT stop_lsn::text FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
+    Ok(row
+        .and_then(|r| r.get::<_, Option<String>>(0))
+        .and_then(|t| t.parse::<Lsn>().ok()))
+}
+
 /// Records the worker's state on the target every status interval (at most 10 s), and every
 /// second reads whether `pgapply cutover` asked it to stop at a position.
 async fn heartbeat(

@@ -66,14 +66,20 @@ fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
 /// Drops `SET name = ...;` lines of settings the target does not know: a newer pg_dump sets
 /// parameters an older server rejects (`transaction_timeout` from 17, `default_table_access_method`
 /// from 12), and the dump is otherwise valid for it.
+/// Only pg_dump's own form is touched (`SET lower_case_name = value;` on one line); `SET LOCAL`,
+/// `SET CONSTRAINTS`, `SET TIME ZONE` and custom `a.b` settings, as in function bodies, are kept.
 fn without_unknown_settings(sql: &str, known: &[String]) -> String {
     sql.lines()
         .filter(|line| {
             let Some(rest) = line.strip_prefix("SET ") else {
                 return true;
             };
-            let name = rest.split([' ', '=']).next().unwrap_or("");
-            !line.trim_end().ends_with(';') || known.iter().any(|k| k == name)
+            let Some((name, _)) = rest.split_once(" = ") else {
+                return true;
+            };
+            let plain =
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_lowercase() || c == '_');
+            !plain || !line.trim_end().ends_with(';') || known.iter().any(|k| k == name)
         })
         .collect::<Vec<_>>()
         .join("\n")
@@ -245,11 +251,11 @@ mod tests {
 
     #[test]
     fn settings_the_target_does_not_know_are_dropped() {
-        let dump = "SET statement_timeout = 0;\nSET transaction_timeout = 0;\nSELECT pg_catalog.set_config('search_path', '', false);\nCREATE TABLE t (SET int);\nSET default_table_access_method = heap;";
+        let dump = "SET statement_timeout = 0;\nSET transaction_timeout = 0;\nSELECT pg_catalog.set_config('search_path', '', false);\nCREATE TABLE t (SET int);\nSET default_table_access_method = heap;\nSET LOCAL work_mem = '1MB';\nSET CONSTRAINTS ALL DEFERRED;\nSET app.x = 1;";
         let known = vec!["statement_timeout".to_owned(), "search_path".to_owned()];
         assert_eq!(
             without_unknown_settings(dump, &known),
-            "SET statement_timeout = 0;\nSELECT pg_catalog.set_config('search_path', '', false);\nCREATE TABLE t (SET int);"
+            "SET statement_timeout = 0;\nSELECT pg_catalog.set_config('search_path', '', false);\nCREATE TABLE t (SET int);\nSET LOCAL work_mem = '1MB';\nSET CONSTRAINTS ALL DEFERRED;\nSET app.x = 1;"
         );
     }
 

@@ -128,13 +128,11 @@ fn key_expr(prefix: &str, column: &str, ty: &str) -> String {
     }
 }
 
-/// The built-in collatable types of a key (text, varchar, char, name; arrays of them).
+/// The built-in collatable types of a key (text, varchar, char; arrays of them). `name` sorts
+/// in "C" on every version (and takes no COLLATE before 12).
 fn collatable(ty: &str) -> bool {
     let base = ty.split(['(', '[']).next().unwrap_or(ty).trim();
-    matches!(
-        base,
-        "text" | "character varying" | "character" | "name" | "citext"
-    )
+    matches!(base, "text" | "character varying" | "character" | "citext")
 }
 
 fn key_list(prefix: &str, keys: &[(String, String)]) -> String {

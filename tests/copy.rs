@@ -450,15 +450,25 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         .unwrap();
     assert!(status.success(), "worker exit: {status}");
     db.assert_same("items").await;
+    // Started again (a service manager would), it stays stopped: the target is the primary now.
+    db.source_sql("INSERT INTO orders (note) VALUES ('after the cutover')")
+        .await;
+    let out = run_with_deadline(db.pgapply("p", &[]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("stopped at"), "{}", stderr(&out));
     assert_eq!(
         db.count(
             &db.target,
-            "SELECT count(*) FROM pgapply.progress WHERE stop_lsn IS NOT NULL"
+            "SELECT count(*) FROM orders WHERE note = 'after the cutover'"
         )
         .await,
-        0,
-        "the stop request is cleared once honoured"
+        0
     );
+    // Going back to mirroring is one statement away.
+    db.target_sql("UPDATE pgapply.progress SET stop_lsn = NULL")
+        .await;
+    db.sync("p").await;
+    db.assert_same("orders").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

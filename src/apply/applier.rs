@@ -1204,7 +1204,24 @@ impl Applier {
                 entry.source.columns.len()
             )));
         }
-        Ok(())
+        Self::check_binary(entry, tuple)
+    }
+
+    /// Binary values (`--binary`) need the same type on both sides; the run checked that when it
+    /// started, but a column's type may change on either side while it runs.
+    fn check_binary(entry: &RelationEntry, tuple: &Tuple) -> Result<()> {
+        let Some(c) = entry.type_differs else {
+            return Ok(());
+        };
+        if !tuple.values().any(|v| matches!(v, Value::Binary(_))) {
+            return Ok(());
+        }
+        Err(Error::definite(format!(
+            "column {} of table {} now has a different type on the source than on the target ({}), and its values arrive in binary (--binary), which needs the same type on both sides: start pgapply again (it then receives text values, or align the types first)",
+            quote_ident(&entry.source.columns[c].name),
+            entry.display_name(),
+            entry.target_column(c).map_or("?", |t| t.type_name.as_str())
+        )))
     }
 
     async fn insert(&mut self, insert: Insert) -> Result<()> {
@@ -1913,6 +1930,7 @@ impl Applier {
             return Ok(());
         };
         let entry = self.relations.get(delete.relation)?.clone();
+        Self::check_binary(&entry, delete.old.tuple())?;
         self.flush_held_updates(Some(entry.target.oid)).await?;
         let mut params = Vec::new();
         let old = delete.old;
