@@ -133,6 +133,22 @@ impl ReplicationSession {
                 "replication slot {slot:?} belongs to database {slot_db:?}, but the source connection is to database {database:?}"
             )));
         }
+        // Invalidated (13+: WAL it needed was removed, max_slot_wal_keep_size; 16+: conflicts on
+        // a standby; 17+: the reason named): START_REPLICATION would fail with less to go on.
+        // (Columns read through to_jsonb, as they differ by version.)
+        let sql = format!(
+            "SELECT coalesce(to_jsonb(s) ->> 'invalidation_reason', CASE WHEN to_jsonb(s) ->> 'wal_status' = 'lost' THEN 'wal_removed' WHEN to_jsonb(s) ->> 'conflicting' = 'true' THEN 'conflict on a standby' END) AS invalidated \
+             FROM pg_catalog.pg_replication_slots s WHERE slot_name = {}",
+            quote_literal(slot)
+        );
+        let invalid = self.conn.simple_query(&sql).await?;
+        if let Some(reason) = invalid.first("invalidated").filter(|r| !r.is_empty()) {
+            return Err(Error::definite(format!(
+                "replication slot {slot:?} on the source {} was invalidated ({reason}): the changes it still held for the target are gone (the source removed WAL the slot needed; see max_slot_wal_keep_size). Drop it (SELECT pg_drop_replication_slot('{}')) and start over with --copy-data --truncate-target",
+                self.conn.endpoint,
+                slot.replace('\'', "''")
+            )));
+        }
         if two_phase && r.first("two_phase") != Some("true") {
             return Err(Error::definite(format!(
                 "replication slot {slot:?} was created without two-phase support, which --two-phase needs: drop it and let pgapply create it (--create-slot), or run without --two-phase"
