@@ -214,6 +214,33 @@ pub async fn cutover(
         .await
         .map_err(frozen)?;
     println!("step 3: everything up to {end} is applied");
+    // A transaction prepared on the source before the end (--two-phase) and not yet committed or
+    // rolled back there stays prepared on the target: somebody must decide it.
+    let prepared: Vec<String> = target
+        .query(
+            "SELECT gid FROM pg_catalog.pg_prepared_xacts WHERE gid LIKE $1",
+            &[&format!(
+                "pgapply\\_{}\\_%",
+                slot.replace('\\', "\\\\")
+                    .replace('_', "\\_")
+                    .replace('%', "\\%")
+            )],
+        )
+        .await
+        .map_err(|e| {
+            frozen(Error::postgres(
+                "step 3: reading prepared transactions on the target",
+                e,
+            ))
+        })?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for gid in &prepared {
+        println!(
+            "step 3: WARNING: transaction {gid} is still prepared on the target (prepared on the source, neither committed nor rolled back there before the end): COMMIT PREPARED or ROLLBACK PREPARED it on the target as the source decides"
+        );
+    }
 
     // 4. Sequences.
     let copied = copy_sequences(
@@ -321,8 +348,13 @@ async fn drain(
             .await
             .map_err(|e| Error::postgres("step 3: asking the worker to stop at the end", e))
     };
-    fence().await?;
+    let marked = fence().await?;
     let (active, _, _) = slot_state(source, slot).await?;
+    if active && marked == 0 {
+        return Err(Error::definite(format!(
+            "step 3: a worker streams slot {slot:?}, but the target has no pgapply progress for it: is --target the database that worker replicates into?"
+        )));
+    }
     if active {
         println!("step 3: asked the running worker to stop at {end}");
         let mut inactive_since: Option<Instant> = None;
@@ -357,10 +389,12 @@ async fn drain(
         .await
         .map_err(|e| e.context("step 3"))?;
     fence().await?;
-    if outcome.flushed < end {
+    // It stops at the first transaction committed at or after the end, or when the source's
+    // position passes it: either way everything before the end is applied.
+    if outcome.reason != crate::replicate::StopReason::EndPosition {
         return Err(Error::definite(format!(
-            "step 3: replication stopped at {} before the end {end}: run the cutover again",
-            outcome.flushed
+            "step 3: replication stopped before the end {end} ({:?}): run the cutover again",
+            outcome.reason
         )));
     }
     Ok(end)

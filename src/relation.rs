@@ -61,9 +61,11 @@ pub struct RelationEntry {
     pub key_columns: Vec<usize>,
     /// Changes each time the relation is replaced.
     pub generation: u64,
-    /// The first source column whose type differs from its target column's (by OID): binary
-    /// values (`--binary`, decided when the run starts) cannot go into it.
-    pub type_differs: Option<usize>,
+    /// Source columns of a built-in type whose target column has another built-in type with
+    /// another binary form: binary values (`--binary`, decided when the run starts) cannot go
+    /// into them. (User-defined types have other OIDs on every cluster; the run checked them
+    /// by name when it started.)
+    pub type_differs: Vec<usize>,
 }
 
 impl RelationEntry {
@@ -77,6 +79,17 @@ impl RelationEntry {
             .columns
             .get(*self.target_columns.get(source_column)?)
     }
+}
+
+/// Two built-in types whose binary forms differ (text, varchar and char send the same bytes).
+fn binary_forms_differ(source: Oid, target: Oid) -> bool {
+    // Below FirstNormalObjectId: built into every cluster with the same OID.
+    const BUILT_IN: Oid = 16384;
+    let text_like = |oid| matches!(oid, 25 | 1042 | 1043);
+    source != target
+        && source < BUILT_IN
+        && target < BUILT_IN
+        && !(text_like(source) && text_like(target))
 }
 
 /// The server sends an empty namespace for pg_catalog.
@@ -238,7 +251,10 @@ impl RelationCache {
             .columns
             .iter()
             .zip(&target_columns)
-            .position(|(c, &t)| target.columns[t].type_oid != c.type_oid);
+            .enumerate()
+            .filter(|(_, (c, &t))| binary_forms_differ(c.type_oid, target.columns[t].type_oid))
+            .map(|(i, _)| i)
+            .collect();
         let entry = Arc::new(RelationEntry {
             source: relation,
             target,

@@ -190,7 +190,10 @@ pub async fn run(
     // apply the old source's later writes to it, nor copy the tables again.
     let fence = stop_position(&setup, &config.slot).await?;
     if let Some(fence) = fence {
-        if resume.is_valid() && resume >= fence {
+        // Reached, or nothing to stop at without a slot: a run that would copy the tables again
+        // or make a new slot is what the fence is there to prevent.
+        let slot_gone = !session.slot_exists(&config.slot).await?;
+        if (resume.is_valid() && resume >= fence) || slot_gone {
             fenced_warning(&config.slot, fence);
             return Ok(RunOutcome {
                 reason: StopReason::EndPosition,
@@ -200,6 +203,9 @@ pub async fn run(
         }
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
+    // The fence decides where this run stops unless --endpos comes first (the cutover's own run
+    // stops at the same position: no warning then).
+    let fence_decides = fence.filter(|f| config.endpos.is_none_or(|e| e > *f));
     let config = RunConfig {
         endpos: match (config.endpos, fence) {
             (Some(e), Some(f)) => Some(e.min(f)),
@@ -215,7 +221,7 @@ pub async fn run(
     if copy_again {
         tracing::warn!(slot = %config.slot, "the initial copy was done, but its slot no longer exists on the source: copying the tables again into a new slot (the target tables must be empty, or use --truncate-target)");
     }
-    if config.copy_data && (copy_status != CopyStatus::Done || copy_again) {
+    if config.copy_data && fence.is_none() && (copy_status != CopyStatus::Done || copy_again) {
         if slot_exists {
             if copy_status == CopyStatus::Incomplete || !resume.is_valid() {
                 // Nothing was applied from this slot: a new one with a fresh snapshot loses nothing.
@@ -386,8 +392,8 @@ pub async fn run(
         received: resume,
         endpos: config.endpos,
         stop_request: stop_rx,
-        stop_requested: fence,
-        stop_unheard: false,
+        stop_requested: fence_decides,
+        stop_unheard: fence.is_some(),
         status_interval: config.status_interval,
         progress,
         last_heard: Instant::now(),
@@ -431,7 +437,16 @@ pub async fn run(
         let _ = write_heartbeat(&client, &config.slot, "stopped", &mut last).await;
     }
     if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
-        // The request stays: a run started again stops there too (see `stop_position`).
+        // The request stays: a run started again stops there too (see `stop_position`). Where
+        // everything before it is known applied, the position says so, and the next run stops
+        // without reading the source's stream at all.
+        if flushed >= stop {
+            if let Ok(client) = target_connection(&pool, &config.target).await {
+                if let Err(e) = store.set_position(&client, stop).await {
+                    tracing::debug!(error = %e, "could not record the stop position as applied");
+                }
+            }
+        }
         fenced_warning(&config.slot, stop);
     }
 
@@ -1081,6 +1096,12 @@ impl Reader<'_> {
                             } else {
                                 Step::Continue
                             });
+                        }
+                        // A stop position that came while the transaction arrived: if the
+                        // transaction commits at or after it, it is not applied (its changes are
+                        // rolled back when the queue closes).
+                        if reached(c.commit_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.forwarded_end = c.end_lsn;
                         stop_after = reached(c.end_lsn);

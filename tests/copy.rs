@@ -464,10 +464,35 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         .await,
         0
     );
-    // Going back to mirroring is one statement away.
+    // Nor does it copy the tables again when the slot is gone, whatever its options say.
+    db.source
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
+        .await
+        .unwrap();
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--truncate-target", "--create-slot"]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("stopped at"), "{}", stderr(&out));
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM orders").await,
+        501
+    );
+    // Going back to mirroring (here: copying again) is one statement away.
     db.target_sql("UPDATE pgapply.progress SET stop_lsn = NULL")
         .await;
-    db.sync("p").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &["--copy-data", "--truncate-target", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("orders").await;
 }
 

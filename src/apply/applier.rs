@@ -1210,12 +1210,17 @@ impl Applier {
     /// Binary values (`--binary`) need the same type on both sides; the run checked that when it
     /// started, but a column's type may change on either side while it runs.
     fn check_binary(entry: &RelationEntry, tuple: &Tuple) -> Result<()> {
-        let Some(c) = entry.type_differs else {
-            return Ok(());
-        };
-        if !tuple.values().any(|v| matches!(v, Value::Binary(_))) {
+        if entry.type_differs.is_empty() {
             return Ok(());
         }
+        let values: Vec<Value> = tuple.values().collect();
+        let Some(&c) = entry
+            .type_differs
+            .iter()
+            .find(|&&c| matches!(values.get(c), Some(Value::Binary(_))))
+        else {
+            return Ok(());
+        };
         Err(Error::definite(format!(
             "column {} of table {} now has a different type on the source than on the target ({}), and its values arrive in binary (--binary), which needs the same type on both sides: start pgapply again (it then receives text values, or align the types first)",
             quote_ident(&entry.source.columns[c].name),

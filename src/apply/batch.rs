@@ -331,7 +331,7 @@ mod tests {
             target_columns: vec![0, 1, 2],
             key_columns: vec![0],
             generation: 1,
-            type_differs: None,
+            type_differs: Vec::new(),
         })
     }
 

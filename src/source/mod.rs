@@ -144,8 +144,9 @@ impl ReplicationSession {
         let invalid = self.conn.simple_query(&sql).await?;
         if let Some(reason) = invalid.first("invalidated").filter(|r| !r.is_empty()) {
             return Err(Error::definite(format!(
-                "replication slot {slot:?} on the source {} was invalidated ({reason}): the changes it still held for the target are gone (the source removed WAL the slot needed; see max_slot_wal_keep_size). Drop it (SELECT pg_drop_replication_slot('{}')) and start over with --copy-data --truncate-target",
+                "replication slot {slot:?} on the source {} was invalidated ({reason}{}): the changes it still held for the target cannot be read any more. Drop it (SELECT pg_drop_replication_slot('{}')) and start over with --copy-data --truncate-target",
                 self.conn.endpoint,
+                if reason == "wal_removed" { ": the source removed WAL the slot needed, see max_slot_wal_keep_size" } else { "" },
                 slot.replace('\'', "''")
             )));
         }
