@@ -25,6 +25,8 @@ pub struct SlotStatus {
     pub truncates: i64,
     pub conflicts: serde_json::Value,
     pub copy: Vec<CopyTableStatus>,
+    /// Where `pgapply cutover` stopped this slot's worker (it stays stopped there).
+    pub stop_lsn: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -58,8 +60,9 @@ pub async fn collect(args: &StatusArgs) -> Result<Vec<SlotStatus>> {
                     greatest(lsn, applied_lsn)::text, \
                     to_char(last_commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
                     extract(epoch FROM now() - heartbeat_at)::float8, lag_seconds, \
-                    transactions, inserts, updates, deletes, truncates, conflicts::text \
-             FROM pgapply.progress WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
+                    transactions, inserts, updates, deletes, truncates, conflicts::text, \
+                    to_jsonb(p) ->> 'stop_lsn' \
+             FROM pgapply.progress p WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
             &[&args.slot],
         )
         .await
@@ -121,6 +124,7 @@ pub async fn collect(args: &StatusArgs) -> Result<Vec<SlotStatus>> {
                     bytes: r.get(4),
                 })
                 .collect(),
+            stop_lsn: row.get(13),
         });
     }
     Ok(out)
@@ -159,6 +163,11 @@ pub async fn status_command(args: &StatusArgs) -> Result<()> {
             s.transactions, s.inserts, s.updates, s.deletes, s.truncates
         );
         println!("  conflicts {}", s.conflicts);
+        if let Some(stop) = &s.stop_lsn {
+            println!(
+                "  stopped at {stop} by `pgapply cutover`: nothing after it is applied (clear pgapply.progress.stop_lsn to replicate again)"
+            );
+        }
         for c in &s.copy {
             println!(
                 "  copy {} {}: {} rows, {} bytes",

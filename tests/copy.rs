@@ -464,6 +464,13 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         .await,
         0
     );
+    let out = run_with_deadline(
+        pgapply_cmd(&["status", "--target", &db.target_conninfo()]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.contains("by `pgapply cutover`"), "{text}");
     // Nor does it copy the tables again when the slot is gone, whatever its options say.
     db.source
         .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
