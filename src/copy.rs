@@ -729,20 +729,24 @@ async fn copy_one(
         .map_err(src_err)?;
     // A table rewritten by ALTER TABLE since the snapshot has rows the snapshot cannot see (they
     // carry the ALTER's transaction id), and the rewrite is not streamed: copied now, it would
-    // come out empty. Locked first (so it cannot happen from here on), then compared: the
-    // snapshot's pg_class row against the file the table has now. (Partitioned tables have no
-    // file of their own.)
-    if !table.partitioned {
+    // come out empty. Locked first (so it cannot happen from here on; the lock covers a
+    // partitioned table's partitions), then compared: the snapshot's pg_class rows against the
+    // files the table (or each partition of a partitioned table, 12+) has now.
+    {
         source_tx
             .batch_execute(&format!("LOCK TABLE {qualified} IN ACCESS SHARE MODE"))
             .await
             .map_err(src_err)?;
-        // (No row: the table was created after the snapshot, which holds none of its rows.)
+        // (No row: created after the snapshot, which holds none of its rows.)
+        let sql = if table.partitioned {
+            "SELECT coalesce(bool_and(c.relfilenode = pg_catalog.pg_relation_filenode(c.oid)), true) \
+             FROM pg_catalog.pg_partition_tree($1::text::regclass) t JOIN pg_catalog.pg_class c ON c.oid = t.relid \
+             WHERE t.isleaf"
+        } else {
+            "SELECT c.relfilenode = pg_catalog.pg_relation_filenode(c.oid) FROM pg_catalog.pg_class c WHERE c.oid = $1::text::regclass"
+        };
         let same_file: bool = source_tx
-            .query_opt(
-                "SELECT c.relfilenode = pg_catalog.pg_relation_filenode(c.oid) FROM pg_catalog.pg_class c WHERE c.oid = $1::text::regclass",
-                &[&qualified],
-            )
+            .query_opt(sql, &[&qualified])
             .await
             .map_err(src_err)?
             .is_none_or(|r| r.get(0));
