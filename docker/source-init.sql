@@ -7,7 +7,7 @@ CREATE TABLE public.sample (
     created_at timestamptz NOT NULL DEFAULT now()
 );
 
--- The same rows are seeded on the target (pgapply has no initial copy yet).
+-- Rows that exist before pgapply starts: its initial copy (--copy-data) brings them over.
 INSERT INTO public.sample (id, note, created_at) VALUES
     (1, 'first row',  '2024-01-01 00:00:00+00'),
     (2, 'second row', '2024-01-01 00:00:01+00'),
