@@ -215,8 +215,9 @@ pub async fn run(
     };
     let copy_status = copy::status(&setup, &config.slot).await?;
     let slot_exists = session.slot_exists(&config.slot).await?;
-    // The slot of a finished copy is gone (dropped, or invalidated by the source): the changes it
-    // held are lost, so with --copy-data the copy is made again, into a new slot.
+    // The slot of a finished copy was dropped: the changes it held are lost, so with --copy-data
+    // the copy is made again, into a new slot. (An invalidated slot still exists: ensure_slot
+    // names it.)
     let copy_again = config.copy_data && copy_status == CopyStatus::Done && !slot_exists;
     if copy_again {
         tracing::warn!(slot = %config.slot, "the initial copy was done, but its slot no longer exists on the source: copying the tables again into a new slot (the target tables must be empty, or use --truncate-target)");
@@ -439,8 +440,9 @@ pub async fn run(
     if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
         // The request stays: a run started again stops there too (see `stop_position`). Where
         // everything before it is known applied, the position says so, and the next run stops
-        // without reading the source's stream at all.
-        if flushed >= stop {
+        // without reading the source's stream at all. (Only forward: transactions queued before
+        // the request may have taken the position past it.)
+        if flushed >= stop && durable < stop {
             if let Ok(client) = target_connection(&pool, &config.target).await {
                 if let Err(e) = store.set_position(&client, stop).await {
                     tracing::debug!(error = %e, "could not record the stop position as applied");
