@@ -216,15 +216,13 @@ pub async fn cutover(
     println!("step 3: everything up to {end} is applied");
     // A transaction prepared on the source before the end (--two-phase) and not yet committed or
     // rolled back there stays prepared on the target: somebody must decide it.
+    // (Named pgapply_<slot>_<xid>: the rest after the slot's prefix is all digits, which keeps
+    // slot app's transactions apart from slot app_eu's.)
+    let prefix = format!("pgapply_{slot}_");
     let prepared: Vec<String> = target
         .query(
-            "SELECT gid FROM pg_catalog.pg_prepared_xacts WHERE gid LIKE $1",
-            &[&format!(
-                "pgapply\\_{}\\_%",
-                slot.replace('\\', "\\\\")
-                    .replace('_', "\\_")
-                    .replace('%', "\\%")
-            )],
+            "SELECT gid FROM pg_catalog.pg_prepared_xacts WHERE database = current_database()",
+            &[],
         )
         .await
         .map_err(|e| {
@@ -234,7 +232,11 @@ pub async fn cutover(
             ))
         })?
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| r.get::<_, String>(0))
+        .filter(|gid| {
+            gid.strip_prefix(&prefix)
+                .is_some_and(|xid| !xid.is_empty() && xid.bytes().all(|b| b.is_ascii_digit()))
+        })
         .collect();
     for gid in &prepared {
         println!(

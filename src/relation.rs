@@ -61,10 +61,8 @@ pub struct RelationEntry {
     pub key_columns: Vec<usize>,
     /// Changes each time the relation is replaced.
     pub generation: u64,
-    /// Source columns of a built-in type whose target column has another built-in type with
-    /// another binary form: binary values (`--binary`, decided when the run starts) cannot go
-    /// into them. (User-defined types have other OIDs on every cluster; the run checked them
-    /// by name when it started.)
+    /// Source columns whose target column has another type (`binary_forms_differ`): binary
+    /// values (`--binary`, decided when the run starts) may not fit them.
     pub type_differs: Vec<usize>,
 }
 
@@ -81,15 +79,12 @@ impl RelationEntry {
     }
 }
 
-/// Two built-in types whose binary forms differ (text, varchar and char send the same bytes).
+/// Whether binary values of the source's type may not fit the target's: another type (a
+/// user-defined type counts as another on every cluster: its OID differs), except text, varchar
+/// and char, which send the same bytes.
 fn binary_forms_differ(source: Oid, target: Oid) -> bool {
-    // Below FirstNormalObjectId: built into every cluster with the same OID.
-    const BUILT_IN: Oid = 16384;
     let text_like = |oid| matches!(oid, 25 | 1042 | 1043);
-    source != target
-        && source < BUILT_IN
-        && target < BUILT_IN
-        && !(text_like(source) && text_like(target))
+    source != target && !(text_like(source) && text_like(target))
 }
 
 /// The server sends an empty namespace for pg_catalog.
@@ -330,4 +325,18 @@ async fn load_target_table(
         });
     }
     Ok(Some(table))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::binary_forms_differ;
+
+    #[test]
+    fn binary_forms() {
+        assert!(!binary_forms_differ(23, 23), "int4 = int4");
+        assert!(binary_forms_differ(23, 20), "int4 into int8");
+        assert!(!binary_forms_differ(25, 1043), "text into varchar: same bytes");
+        assert!(!binary_forms_differ(1042, 25), "char into text: same bytes");
+        assert!(binary_forms_differ(16500, 16600), "user-defined types: OIDs differ by cluster");
+    }
 }

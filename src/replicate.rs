@@ -190,10 +190,13 @@ pub async fn run(
     // apply the old source's later writes to it, nor copy the tables again.
     let fence = stop_position(&setup, &config.slot).await?;
     if let Some(fence) = fence {
-        // Reached, or nothing to stop at without a slot: a run that would copy the tables again
-        // or make a new slot is what the fence is there to prevent.
-        let slot_gone = !session.slot_exists(&config.slot).await?;
-        if (resume.is_valid() && resume >= fence) || slot_gone {
+        // Reached (applied here, or confirmed to the source, which pgapply does only for what is
+        // durable on the target), or nothing to stop at without a slot: a run that would copy
+        // the tables again or make a new slot is what the fence is there to prevent.
+        let confirmed = session.slot_confirmed(&config.slot).await?;
+        let reached =
+            (resume.is_valid() && resume >= fence) || confirmed.is_some_and(|c| c >= fence);
+        if reached || confirmed.is_none() {
             fenced_warning(&config.slot, fence);
             return Ok(RunOutcome {
                 reason: StopReason::EndPosition,
@@ -438,17 +441,7 @@ pub async fn run(
         let _ = write_heartbeat(&client, &config.slot, "stopped", &mut last).await;
     }
     if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
-        // The request stays: a run started again stops there too (see `stop_position`). Where
-        // everything before it is known applied, the position says so, and the next run stops
-        // without reading the source's stream at all. (Only forward: transactions queued before
-        // the request may have taken the position past it.)
-        if flushed >= stop && durable < stop {
-            if let Ok(client) = target_connection(&pool, &config.target).await {
-                if let Err(e) = store.set_position(&client, stop).await {
-                    tracing::debug!(error = %e, "could not record the stop position as applied");
-                }
-            }
-        }
+        // The request stays: a run started again stops there too (see `stop_position`).
         fenced_warning(&config.slot, stop);
     }
 
@@ -1098,12 +1091,6 @@ impl Reader<'_> {
                             } else {
                                 Step::Continue
                             });
-                        }
-                        // A stop position that came while the transaction arrived: if the
-                        // transaction commits at or after it, it is not applied (its changes are
-                        // rolled back when the queue closes).
-                        if reached(c.commit_lsn) {
-                            return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.forwarded_end = c.end_lsn;
                         stop_after = reached(c.end_lsn);

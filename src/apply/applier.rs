@@ -1222,7 +1222,7 @@ impl Applier {
             return Ok(());
         };
         Err(Error::definite(format!(
-            "column {} of table {} now has a different type on the source than on the target ({}), and its values arrive in binary (--binary), which needs the same type on both sides: start pgapply again (it then receives text values, or align the types first)",
+            "column {} of table {} has type {} on the target, which the source's binary values (--binary) may not fit (the source's column has another type, or a user-defined one): start pgapply again (it then checks the types and receives text values where they differ)",
             quote_ident(&entry.source.columns[c].name),
             entry.display_name(),
             entry.target_column(c).map_or("?", |t| t.type_name.as_str())

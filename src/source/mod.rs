@@ -158,6 +158,17 @@ impl ReplicationSession {
         Ok(())
     }
 
+    /// The slot's confirmed flush position, if the slot exists (0/0 if it has none yet).
+    pub async fn slot_confirmed(&mut self, slot: &str) -> Result<Option<Lsn>> {
+        let sql = format!(
+            "SELECT coalesce(confirmed_flush_lsn, '0/0')::text AS confirmed FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
+            quote_literal(slot)
+        );
+        let r = self.conn.simple_query(&sql).await?;
+        Ok(r.first("confirmed")
+            .map(|t| t.parse::<Lsn>().unwrap_or(Lsn::INVALID)))
+    }
+
     pub async fn slot_exists(&mut self, slot: &str) -> Result<bool> {
         let sql = format!(
             "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
