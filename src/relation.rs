@@ -335,8 +335,14 @@ mod tests {
     fn binary_forms() {
         assert!(!binary_forms_differ(23, 23), "int4 = int4");
         assert!(binary_forms_differ(23, 20), "int4 into int8");
-        assert!(!binary_forms_differ(25, 1043), "text into varchar: same bytes");
+        assert!(
+            !binary_forms_differ(25, 1043),
+            "text into varchar: same bytes"
+        );
         assert!(!binary_forms_differ(1042, 25), "char into text: same bytes");
-        assert!(binary_forms_differ(16500, 16600), "user-defined types: OIDs differ by cluster");
+        assert!(
+            binary_forms_differ(16500, 16600),
+            "user-defined types: OIDs differ by cluster"
+        );
     }
 }
