@@ -312,6 +312,22 @@ struct TableProgress {
     jobs_left: AtomicU64,
 }
 
+/// The source tables (schema, name) a slot's initial copy took in.
+async fn copied_tables(
+    target: &Client,
+    slot: &str,
+) -> std::result::Result<Vec<(String, String)>, tokio_postgres::Error> {
+    Ok(target
+        .query(
+            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect())
+}
+
 /// After a finished copy, names the tables published since: their earlier rows were never copied
 /// (their changes are streamed from when they joined the publication). Only a warning: the run
 /// goes on.
@@ -325,14 +341,9 @@ pub async fn warn_tables_not_copied(
     let check = async {
         let source = connect_source(source_config).await?;
         let tables = published_tables(&source, publications, table_map).await?;
-        let copied = target
-            .query(
-                "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1",
-                &[&slot],
-            )
+        let copied = copied_tables(target, slot)
             .await
             .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
-        let copied: Vec<(String, String)> = copied.iter().map(|r| (r.get(0), r.get(1))).collect();
         Ok::<_, Error>(
             tables
                 .into_iter()
@@ -361,16 +372,8 @@ pub async fn reset_interrupted(
     table_map: &crate::config::TableMap,
 ) -> Result<()> {
     let context = |e| Error::postgres("resetting an interrupted initial copy on the target", e);
-    let rows = target
-        .query(
-            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .map_err(context)?;
     let mut tables = Vec::new();
-    for row in rows {
-        let key: (String, String) = (row.get(0), row.get(1));
+    for key in copied_tables(target, slot).await.map_err(context)? {
         let (schema, name) = table_map.get(&key).cloned().unwrap_or(key);
         let qualified = qualified_name(&schema, &name);
         let exists: bool = target

@@ -761,17 +761,8 @@ async fn heartbeat(
                 tracing::warn!(error = %e, "could not record the heartbeat on the target");
             }
         }
-        let request = client
-            .query_opt(
-                "SELECT stop_lsn::text FROM pgapply.progress WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await;
-        match request {
-            Ok(row) => {
-                let lsn = row
-                    .and_then(|r| r.get::<_, Option<String>>(0))
-                    .and_then(|t| t.parse::<Lsn>().ok());
+        match stop_position(&client, &slot).await {
+            Ok(lsn) => {
                 stop.send_if_modified(|current| {
                     let changed = *current != lsn;
                     *current = lsn;

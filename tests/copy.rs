@@ -334,6 +334,22 @@ fn pgapply_cmd(args: &[&str]) -> tokio::process::Command {
     cmd
 }
 
+/// `pgapply <command>` between the test's source and target, for publication p.
+fn on_both(db: &TestDb, command: &str, extra: &[&str]) -> tokio::process::Command {
+    let (source, target) = (db.source_conninfo(), db.target_conninfo());
+    let mut args = vec![
+        command,
+        "--source",
+        &source,
+        "--target",
+        &target,
+        "--publication",
+        "p",
+    ];
+    args.extend_from_slice(extra);
+    pgapply_cmd(&args)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schema_then_copy_then_cutover_with_sequences() {
     if !pg_dump_usable() {
@@ -353,19 +369,7 @@ async fn schema_then_copy_then_cutover_with_sequences() {
     ))
     .await;
     // Definitions: types, sequences, tables; not the unpublished table.
-    let out = run_with_deadline(
-        pgapply_cmd(&[
-            "schema",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &db.target_conninfo(),
-            "--publication",
-            "p",
-        ]),
-        60,
-    )
-    .await;
+    let out = run_with_deadline(on_both(&db, "schema", &[]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(
         db.count(
@@ -405,21 +409,18 @@ async fn schema_then_copy_then_cutover_with_sequences() {
     .await;
     // Cutover with the worker running: lag, freeze, drain, sequences, verify.
     let out = run_with_deadline(
-        pgapply_cmd(&[
+        on_both(
+            &db,
             "cutover",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &db.target_conninfo(),
-            "--publication",
-            "p",
-            "--slot",
-            &db.slot(),
-            "--freeze-writes",
-            &role,
-            "--timeout",
-            "60s",
-        ]),
+            &[
+                "--slot",
+                &db.slot(),
+                "--freeze-writes",
+                &role,
+                "--timeout",
+                "60s",
+            ],
+        ),
         120,
     )
     .await;
@@ -532,19 +533,7 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     // No worker runs: the cutover applies the rest itself, then copies the sequence that the
     // partitions' column takes its values from (owned by the partitioned table).
     let out = run_with_deadline(
-        pgapply_cmd(&[
-            "cutover",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &db.target_conninfo(),
-            "--publication",
-            "p",
-            "--slot",
-            &db.slot(),
-            "--timeout",
-            "60s",
-        ]),
+        on_both(&db, "cutover", &["--slot", &db.slot(), "--timeout", "60s"]),
         120,
     )
     .await;
@@ -569,22 +558,10 @@ async fn verify_names_a_corrupted_row() {
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     let base = |json: bool| {
-        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
-        c.args([
-            "verify",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &db.target_conninfo(),
-            "--publication",
-            "p",
-            "--chunk-rows",
-            "1000",
-        ]);
+        let mut c = on_both(&db, "verify", &["--chunk-rows", "1000"]);
         if json {
             c.arg("--json");
         }
-        c.kill_on_drop(true);
         c
     };
     let out = run_with_deadline(base(false), 60).await;
@@ -644,22 +621,7 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
     )
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
-    let verify = || {
-        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
-        c.args([
-            "verify",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &db.target_conninfo(),
-            "--publication",
-            "p",
-            "--chunk-rows",
-            "100",
-        ]);
-        c.kill_on_drop(true);
-        c
-    };
+    let verify = || on_both(&db, "verify", &["--chunk-rows", "100"]);
     let out = run_with_deadline(verify(), 120).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "{text}{}", stderr(&out));
@@ -697,19 +659,7 @@ async fn schema_brings_the_partitions_of_a_table_published_through_its_root() {
          CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = true);",
     )
     .await;
-    let out = run_with_deadline(
-        pgapply_cmd(&[
-            "schema",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &db.target_conninfo(),
-            "--publication",
-            "p",
-        ]),
-        60,
-    )
-    .await;
+    let out = run_with_deadline(on_both(&db, "schema", &[]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     let endpos = db.source_wal().await;
     let out = run_with_deadline(

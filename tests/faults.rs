@@ -292,11 +292,7 @@ async fn a_session_left_inside_a_transaction_is_not_handed_out_again() {
         let first = pgapply::replicate::target_connection(&pool, &config)
             .await
             .unwrap();
-        let pid: i32 = first
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let pid = backend_pid(&first).await;
         let _ = first.batch_execute(leave).await;
         drop(first);
         let next = pgapply::replicate::target_connection(&pool, &config)
@@ -327,19 +323,19 @@ async fn a_session_left_inside_a_transaction_is_not_handed_out_again() {
     let first = pgapply::replicate::target_connection(&pool, &config)
         .await
         .unwrap();
-    let pid: i32 = first
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let pid = backend_pid(&first).await;
     drop(first);
     let next = pgapply::replicate::target_connection(&pool, &config)
         .await
         .unwrap();
-    let again: i32 = next
+    let again = backend_pid(&next).await;
+    assert_eq!(again, pid, "an idle session is reused");
+}
+
+async fn backend_pid(client: &tokio_postgres::Client) -> i32 {
+    client
         .query_one("SELECT pg_backend_pid()", &[])
         .await
         .unwrap()
-        .get(0);
-    assert_eq!(again, pid, "an idle session is reused");
+        .get(0)
 }
