@@ -68,10 +68,16 @@ for target in $TARGETS; do
                 else
                     status=FAIL
                     failures=$((failures + 1))
+                    echo "   FAILED $name"
                 fi
                 result["$key|$col"]=$status
             done < <(sed -n 's/^test \([a-z0-9_]*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1 \2/p' "$log")
             grep -h "PGAPPLY-SKIP" "$log" | sed 's/^/   /' | sort -u || true
+            # A failure's own output, so that a CI log says why without the work directory.
+            # (--nocapture prints a panic where it happens, not under "failures:").
+            if grep -q '^failures:$' "$log"; then
+                grep -B 30 -A 12 "panicked at" "$log" | head -n 300 | sed 's/^/   | /' || true
+            fi
         done
     done
 done

@@ -63,7 +63,12 @@ fn main() -> ExitCode {
                 .flatten_event(true)
                 .with_writer(std::io::stderr),
         ),
-        LogFormat::Text => Box::new(tracing_subscriber::fmt::layer().with_writer(std::io::stderr)),
+        // Colours only on a terminal: a log file or journal gets plain text.
+        LogFormat::Text => Box::new(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_writer(std::io::stderr),
+        ),
     };
     tracing_subscriber::registry()
         .with(filter)

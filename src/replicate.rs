@@ -453,6 +453,7 @@ pub async fn run(
         inserts = stats.inserts,
         updates = stats.updates,
         deletes = stats.deletes,
+        peak_rss_mb = peak_rss_mb(),
         "replication stopped"
     );
     Ok(RunOutcome {
@@ -460,6 +461,19 @@ pub async fn run(
         flushed,
         stats,
     })
+}
+
+/// This process's peak resident memory in MB, for the last log line (memory is bounded by the
+/// queue budgets, whatever the size of a transaction; this shows it).
+fn peak_rss_mb() -> i64 {
+    // SAFETY: getrusage fills the zeroed struct it is given a valid pointer to.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    // Linux reports kilobytes.
+    usage.ru_maxrss / 1024
 }
 
 /// The `--streaming parallel` helper records its position in the origin a second parallel worker
@@ -620,6 +634,11 @@ impl ApplyStart {
             Err(e) => Err(e),
         };
         if let Err(e) = attached {
+            // A connection lost, or the helper's origin still held by the session of a run that
+            // was just killed: the run is retried, as for the main session's origin.
+            if e.is_transient() {
+                return Err(e);
+            }
             // Spooling works wherever this does not (no free replication origin, say).
             tracing::warn!(error = %e, "--streaming parallel: could not set up the second target session; streamed transactions are spooled and applied at commit");
         }

@@ -298,7 +298,7 @@ async fn a_streamed_transaction_that_blocks_an_ordinary_one_is_retried_spooled()
     let _ = child.wait().await;
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(
-        log.contains("waited for rows the streamed transaction holds")
+        log.contains("waited for rows that streamed transaction")
             && log.contains("retrying with streamed transactions spooled"),
         "the watchdog found the wait and the run was retried: {log}"
     );
@@ -521,19 +521,17 @@ async fn kill_9_during_a_streamed_transaction_and_during_replay() {
     .unwrap();
     // 2. Killed while the committed transaction is being replayed from the spool.
     let mut child = spawn(db.pgapply("p", &["--spool-dir", &dir_arg]));
-    wait_for("the transaction to be received again", 60, || async {
-        spool_files(&dir) > 0
-    })
-    .await;
-    wait_for("the replay to start", 60, || async {
-        spool_files(&dir) == 0
-            || db
-                .count(
-                    &db.target,
-                    "SELECT count(*) FROM pgapply.progress WHERE applied_lsn IS NOT NULL",
-                )
-                .await
-                >= 0
+    // The replay writes on the target inside one transaction (a session with an xid); on a
+    // fast machine it may be over before the test looks, which is fine too.
+    wait_for("the replay to start (or end)", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND backend_xid IS NOT NULL AND pid <> pg_backend_pid()",
+        )
+        .await
+            > 0
+            || db.count(&db.target, "SELECT count(*) FROM k").await == 21000
     })
     .await;
     child.start_kill().unwrap();
@@ -541,16 +539,6 @@ async fn kill_9_during_a_streamed_transaction_and_during_replay() {
     db.sync("p").await;
     db.assert_same("k").await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM k").await, 21000);
-}
-
-/// Peak RSS of the pgapply processes this test binary waited for, in kB.
-fn children_max_rss_kb() -> i64 {
-    // SAFETY: getrusage with a valid pointer to a zeroed struct.
-    unsafe {
-        let mut usage: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage);
-        usage.ru_maxrss
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -581,7 +569,14 @@ async fn memory_stays_flat_for_a_huge_transaction() {
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("big").await;
-    let rss_mb = children_max_rss_kb() / 1024;
+    // pgapply's own figure: the test binary's other children (other tests) do not count.
+    let log = stderr(&out);
+    let rss_mb: i64 = log
+        .split("peak_rss_mb=")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no peak_rss_mb in the log: {log}"));
     eprintln!("peak RSS of pgapply for a {rows}-row transaction: {rss_mb} MB");
     // The bound does not depend on the transaction's size: the queue (64 MB of messages at most),
     // 4 MB of spool memory, statement batches and the runtime.
@@ -621,7 +616,8 @@ async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
     assert_eq!(
         db.count(
             &db.target,
-            "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'pgapply_%'"
+            "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'pgapply_%' \
+             AND database = current_database()"
         )
         .await,
         1
@@ -638,8 +634,12 @@ async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("tp").await;
     assert_eq!(
-        db.count(&db.target, "SELECT count(*) FROM pg_prepared_xacts")
-            .await,
+        // This test's database only: other tests prepare transactions on the same target.
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()"
+        )
+        .await,
         0
     );
 }

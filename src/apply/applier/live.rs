@@ -19,8 +19,8 @@
 //! connection can wait for a row lock of the helper's open transaction, which can only commit
 //! after the main connection gets past that transaction: a wait no server sees as a deadlock.
 //! A watchdog asks the target every second whether the main session waits for the helper's
-//! while the helper is idle with nothing left to send; twice in a row, and it cancels the main
-//! session's statement. The other direction cannot hang: the helper's backlog has a budget of its
+//! while the helper is idle with nothing left to send; five times in a row, and it cancels the
+//! main session's statement. The other direction cannot hang: the helper's backlog has a budget of its
 //! own, and the main applier waits for that budget only inside a block, when it has committed
 //! everything and holds no lock.
 //! Whenever applying fails while the helper holds a transaction, the error is retried with
@@ -44,6 +44,12 @@ use crate::protocol::{Lsn, PgTimestamp};
 
 /// How often the watchdog looks for the main session waiting on the helper's.
 const WATCHDOG_EVERY: Duration = Duration::from_secs(1);
+
+/// How many looks in a row must find that wait before the watchdog cancels it. A wait on a row
+/// the helper is about to release (a subtransaction abort not sent yet), or at the end of a run
+/// (the helper's transaction is given up once the reader has seen the end), is not a deadlock;
+/// on a busy machine these take a second or two.
+const WATCHDOG_LOOKS: u32 = 5;
 
 /// The sessions the main session ($2) waits for, directly or behind other sessions.
 macro_rules! blockers_of_main {
@@ -111,8 +117,6 @@ impl Watchdog {
         let queued = self.queued.clone();
         let fired = self.fired.clone();
         self.task = Some(tokio::spawn(async move {
-            // Twice in a row: a wait on a row the helper is about to release (a subtransaction
-            // abort it has not sent yet) is not a deadlock.
             let mut seen = 0;
             loop {
                 tokio::time::sleep(WATCHDOG_EVERY).await;
@@ -133,10 +137,13 @@ impl Watchdog {
                         seen = 0;
                     }
                 }
-                if seen < 2 {
+                if seen < WATCHDOG_LOOKS {
                     continue;
                 }
                 seen = 0;
+                // Set before the cancel: its failure can reach the main applier (which then drops
+                // this task) before the answer below arrives here.
+                fired.store(true, Ordering::SeqCst);
                 let cancelled = match pool.get().await {
                     Ok(conn) => conn
                         .query_opt(CANCEL_IF_WAITING, &[&helper_pid, &main_pid])
@@ -147,14 +154,13 @@ impl Watchdog {
                 };
                 match cancelled {
                     Ok(true) => {
-                        // Set before the failure it causes reaches the main applier.
-                        fired.store(true, Ordering::SeqCst);
                         tracing::warn!(
                             "the main apply session waited for rows the streamed transaction holds on the target; its statement was cancelled (the run restarts with streamed transactions spooled)"
                         );
                     }
-                    Ok(false) => {}
+                    Ok(false) => fired.store(false, Ordering::SeqCst),
                     Err(e) => {
+                        fired.store(false, Ordering::SeqCst);
                         tracing::warn!(error = %e, "could not cancel the blocked apply session; trying again");
                     }
                 }
