@@ -279,7 +279,7 @@ async fn a_streamed_transaction_that_blocks_an_ordinary_one_is_retried_spooled()
             &db.target,
             "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
              WHERE l.relation = 'tally'::regclass AND l.mode = 'RowExclusiveLock' \
-             AND a.state = 'idle in transaction'",
+             AND a.datname = current_database() AND a.state = 'idle in transaction'",
         )
         .await
             > 0
