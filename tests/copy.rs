@@ -328,28 +328,6 @@ fn pg_dump_usable() -> bool {
     true
 }
 
-fn pgapply_cmd(args: &[&str]) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
-    cmd.args(args).kill_on_drop(true);
-    cmd
-}
-
-/// `pgapply <command>` between the test's source and target, for publication p.
-fn on_both(db: &TestDb, command: &str, extra: &[&str]) -> tokio::process::Command {
-    let (source, target) = (db.source_conninfo(), db.target_conninfo());
-    let mut args = vec![
-        command,
-        "--source",
-        &source,
-        "--target",
-        &target,
-        "--publication",
-        "p",
-    ];
-    args.extend_from_slice(extra);
-    pgapply_cmd(&args)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schema_then_copy_then_cutover_with_sequences() {
     if !pg_dump_usable() {
@@ -369,7 +347,7 @@ async fn schema_then_copy_then_cutover_with_sequences() {
     ))
     .await;
     // Definitions: types, sequences, tables; not the unpublished table.
-    let out = run_with_deadline(on_both(&db, "schema", &[]), 60).await;
+    let out = run_with_deadline(db.on_both("schema", &[]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(
         db.count(
@@ -409,8 +387,7 @@ async fn schema_then_copy_then_cutover_with_sequences() {
     .await;
     // Cutover with the worker running: lag, freeze, drain, sequences, verify.
     let out = run_with_deadline(
-        on_both(
-            &db,
+        db.on_both(
             "cutover",
             &[
                 "--slot",
@@ -466,7 +443,7 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         0
     );
     let out = run_with_deadline(
-        pgapply_cmd(&["status", "--target", &db.target_conninfo()]),
+        common::pgapply_command(&["status", "--target", &db.target_conninfo()]),
         60,
     )
     .await;
@@ -533,7 +510,7 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     // No worker runs: the cutover applies the rest itself, then copies the sequence that the
     // partitions' column takes its values from (owned by the partitioned table).
     let out = run_with_deadline(
-        on_both(&db, "cutover", &["--slot", &db.slot(), "--timeout", "60s"]),
+        db.on_both("cutover", &["--slot", &db.slot(), "--timeout", "60s"]),
         120,
     )
     .await;
@@ -548,6 +525,168 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.assert_same("events").await;
 }
 
+/// A migration as users run it: the application keeps writing (hot rows updated, a history
+/// table growing) while a worker with `--apply-workers 2` mirrors. The cutover freezes the
+/// application's role, drains the running worker to its end position, copies the sequence and
+/// verifies: afterwards both sides hold exactly the same rows and the worker has stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_while_the_application_writes_and_parallel_workers_apply() {
+    let db = TestDb::new("cutlive").await;
+    let role = format!("app_{}", db.name);
+    db.both(
+        "CREATE TABLE acct (id int PRIMARY KEY, bal bigint NOT NULL); \
+         CREATE TABLE hist (id bigserial PRIMARY KEY, acct int NOT NULL, delta int NOT NULL);",
+    )
+    .await;
+    db.source_sql(&format!(
+        "INSERT INTO acct SELECT g, 0 FROM generate_series(1, 50) g; \
+         CREATE PUBLICATION p FOR TABLE acct, hist; \
+         CREATE ROLE {role} LOGIN PASSWORD 'app'; \
+         GRANT ALL ON acct, hist, hist_id_seq TO {role};"
+    ))
+    .await;
+    let app_conninfo = format!(
+        "host=127.0.0.1 port={} user={role} password=app dbname={}",
+        db.source_port, db.name
+    );
+    let (app, connection) = tokio_postgres::connect(&app_conninfo, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    // Writes until the cutover ends its session; returns how many transactions committed.
+    let writes = tokio::spawn(async move {
+        let mut committed = 0u64;
+        loop {
+            let a = (committed % 50) as i32 + 1;
+            let sql = format!(
+                "BEGIN; UPDATE acct SET bal = bal + 1 WHERE id = {a}; \
+                 INSERT INTO hist (acct, delta) VALUES ({a}, 1); COMMIT;"
+            );
+            if app.batch_execute(&sql).await.is_err() {
+                return committed;
+            }
+            committed += 1;
+        }
+    });
+    let mut worker = spawn(db.pgapply("p", &["--copy-data", "--apply-workers", "2"]));
+    wait_for("the worker to mirror the writes", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM hist").await > 200
+    })
+    .await;
+    let out = run_with_deadline(
+        db.on_both(
+            "cutover",
+            &[
+                "--slot",
+                &db.slot(),
+                "--freeze-writes",
+                &role,
+                "--timeout",
+                "60s",
+            ],
+        ),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(text.contains("cutover done"), "{text}");
+    let committed = tokio::time::timeout(std::time::Duration::from_secs(30), writes)
+        .await
+        .expect("the application's session ends with the freeze")
+        .unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), worker.wait())
+        .await
+        .expect("the worker stops at the cutover's end position")
+        .unwrap();
+    assert!(status.success(), "worker exit: {status}");
+    db.assert_same("acct").await;
+    db.assert_same("hist").await;
+    // Every transaction the application saw commit arrived, once (the one its session was ended
+    // in may have committed unseen).
+    let rows = db.count(&db.target, "SELECT count(*) FROM hist").await;
+    assert!(
+        rows == committed as i64 || rows == committed as i64 + 1,
+        "{rows} rows for {committed} commits"
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT sum(bal)::bigint FROM acct")
+            .await,
+        rows
+    );
+    // The target's sequence continues after the source's last value.
+    assert_eq!(
+        db.count(&db.target, "SELECT nextval('hist_id_seq')").await,
+        db.count(&db.source, "SELECT last_value + 1 FROM hist_id_seq")
+            .await
+    );
+}
+
+/// `--two-phase`: a transaction prepared on the source and not decided there before the cutover
+/// stays prepared on the target. The cutover names it and says what to do; it does not commit
+/// or roll it back by itself, and the rest of the cutover goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_names_a_transaction_still_prepared() {
+    if common::clusters().source_major < 15 {
+        common::skip("--two-phase needs a PostgreSQL 15 source");
+        return;
+    }
+    let db = TestDb::new("cutprep").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
+    let mut worker = spawn(db.pgapply("p", &["--two-phase", "--create-slot"]));
+    let slot = db.slot();
+    wait_for("the worker to stream", 60, || async {
+        db.source
+            .query_one(
+                "SELECT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0))
+            .unwrap_or(false)
+    })
+    .await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.source_sql("BEGIN; INSERT INTO t VALUES (2); PREPARE TRANSACTION 'undecided';")
+        .await;
+    let prepared_on_target = "SELECT count(*) FROM pg_prepared_xacts \
+         WHERE database = current_database() AND gid LIKE 'pgapply\\_%'";
+    wait_for("the prepared transaction on the target", 60, || async {
+        db.count(&db.target, prepared_on_target).await == 1
+    })
+    .await;
+    let out = run_with_deadline(
+        db.on_both("cutover", &["--slot", &slot, "--timeout", "60s"]),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(
+        text.contains("is still prepared on the target") && text.contains("COMMIT PREPARED"),
+        "{text}"
+    );
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), worker.wait())
+        .await
+        .expect("the worker stops at the cutover's end position")
+        .unwrap();
+    assert!(status.success(), "worker exit: {status}");
+    assert_eq!(db.count(&db.target, prepared_on_target).await, 1);
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 1);
+    db.source_sql("ROLLBACK PREPARED 'undecided'").await;
+    let gid: String = db
+        .target
+        .query_one(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    db.target_sql(&format!("ROLLBACK PREPARED '{gid}'")).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_names_a_corrupted_row() {
     let db = TestDb::new("verify").await;
@@ -558,7 +697,7 @@ async fn verify_names_a_corrupted_row() {
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     let base = |json: bool| {
-        let mut c = on_both(&db, "verify", &["--chunk-rows", "1000"]);
+        let mut c = db.on_both("verify", &["--chunk-rows", "1000"]);
         if json {
             c.arg("--json");
         }
@@ -621,7 +760,7 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
     )
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
-    let verify = || on_both(&db, "verify", &["--chunk-rows", "100"]);
+    let verify = || db.on_both("verify", &["--chunk-rows", "100"]);
     let out = run_with_deadline(verify(), 120).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "{text}{}", stderr(&out));
@@ -659,7 +798,7 @@ async fn schema_brings_the_partitions_of_a_table_published_through_its_root() {
          CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = true);",
     )
     .await;
-    let out = run_with_deadline(on_both(&db, "schema", &[]), 60).await;
+    let out = run_with_deadline(db.on_both("schema", &[]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     let endpos = db.source_wal().await;
     let out = run_with_deadline(

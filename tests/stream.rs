@@ -404,6 +404,66 @@ async fn a_rolled_back_subtransaction_releases_its_rows_at_once() {
     );
 }
 
+/// `--streaming parallel`: a cutover while the helper applies a streamed transaction that is
+/// still open on the source. The worker stops at the cutover's end position, giving the open
+/// transaction up (it never committed before the end), and the target holds exactly what the
+/// source had committed. What the source commits afterwards stays out: the target is the primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_while_the_helper_holds_an_open_streamed_transaction() {
+    if !pgapply_version_or_skip("--streaming parallel", 160000).await {
+        return;
+    }
+    let db = TestDb::new("streamcut").await;
+    db.both("CREATE TABLE c (id int PRIMARY KEY, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE c").await;
+    let big = connect(db.source_port, &db.name).await;
+    let (mut child, log_path) = spawn_live(&db);
+    db.source_sql("INSERT INTO c VALUES (-1, 'before')").await;
+    wait_for("the first row", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM c").await == 1
+    })
+    .await;
+    big.batch_execute(
+        "BEGIN; INSERT INTO c SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 5000) g;",
+    )
+    .await
+    .unwrap();
+    wait_for("the helper to apply the open transaction", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND state = 'idle in transaction' AND backend_xid IS NOT NULL",
+        )
+        .await
+            > 0
+    })
+    .await;
+    db.source_sql("INSERT INTO c VALUES (-2, 'committed during')")
+        .await;
+    let out = run_with_deadline(
+        db.on_both("cutover", &["--slot", &db.slot(), "--timeout", "60s"]),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait())
+        .await
+        .expect("the worker stops at the cutover's end position")
+        .unwrap();
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(status.success(), "worker exit: {status}\n{log}");
+    assert!(!log.contains("retrying"), "stopped without a retry: {log}");
+    db.assert_same("c").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM c").await, 2);
+    big.batch_execute("COMMIT").await.unwrap();
+    let out = run_with_deadline(db.pgapply("p", &["--streaming", "parallel"]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("stopped at"), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM c").await, 2);
+}
+
 /// `--streaming parallel`: killed while the helper holds a streamed transaction, and again after
 /// the source committed it; the restarted run applies it exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

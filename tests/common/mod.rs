@@ -180,6 +180,22 @@ impl TestDb {
             .get(0)
     }
 
+    /// `pgapply <command> --source .. --target .. --publication p <extra>` for this database.
+    pub fn on_both(&self, command: &str, extra: &[&str]) -> Command {
+        let (source, target) = (self.source_conninfo(), self.target_conninfo());
+        let mut args = vec![
+            command,
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+        ];
+        args.extend_from_slice(extra);
+        pgapply_command(&args)
+    }
+
     /// `pgapply run` against this database pair with the given publication and extra arguments.
     pub fn pgapply(&self, publication: &str, extra: &[&str]) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
@@ -273,6 +289,13 @@ pub async fn run_with_deadline(mut cmd: Command, seconds: u64) -> Output {
         Ok(out) => out.expect("pgapply output"),
         Err(_) => panic!("pgapply did not finish within {seconds}s"),
     }
+}
+
+/// `pgapply <args>`, killed if the test drops it.
+pub fn pgapply_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.args(args).kill_on_drop(true);
+    cmd
 }
 
 /// Starts pgapply in the background; its log goes to a file in the temp directory (named in the
