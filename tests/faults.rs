@@ -339,3 +339,90 @@ async fn backend_pid(client: &tokio_postgres::Client) -> i32 {
         .unwrap()
         .get(0)
 }
+
+/// A slot the source invalidated (it removed WAL the slot still needed: max_slot_wal_keep_size)
+/// stops pgapply at once, with an error that names the slot and the reason and says what to do,
+/// instead of retrying for ever. (A source cluster of its own: the setting would invalidate the
+/// slots of other tests.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidated_slot_is_named_with_what_to_do() {
+    let c = common::clusters();
+    if c.source_major < 13 {
+        common::skip("max_slot_wal_keep_size needs PostgreSQL 13");
+        return;
+    }
+    let source = pgapply::cluster::LocalCluster::start(
+        &c.source_bin,
+        &["max_slot_wal_keep_size = 1MB", "wal_keep_size = 0"],
+    )
+    .expect("a source cluster of its own");
+    let admin = common::connect(source.port, "postgres").await;
+    admin
+        .batch_execute(
+            "CREATE TABLE t (id int PRIMARY KEY, pad text); CREATE PUBLICATION p FOR TABLE t",
+        )
+        .await
+        .unwrap();
+    admin
+        .batch_execute("SELECT pg_create_logical_replication_slot('lost_slot', 'pgoutput')")
+        .await
+        .unwrap();
+    let db = TestDb::new("lostslot").await;
+    db.target_sql("CREATE TABLE t (id int PRIMARY KEY, pad text)")
+        .await;
+    // WAL beyond the slot's reach: new segments, then a checkpoint removes the old ones.
+    let mut round = 0;
+    wait_for("the source to invalidate the slot", 60, || {
+        round += 1;
+        let admin = &admin;
+        async move {
+            for sql in [
+                format!(
+                    "INSERT INTO t SELECT g, repeat('x', 200) \
+                     FROM generate_series({round} * 10000, {round} * 10000 + 9999) g"
+                ),
+                "SELECT pg_switch_wal()".to_owned(),
+                "CHECKPOINT".to_owned(),
+            ] {
+                admin.batch_execute(&sql).await.unwrap();
+            }
+            admin
+                .query_one(
+                    "SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'lost_slot'",
+                    &[],
+                )
+                .await
+                .map(|r| r.get::<_, Option<String>>(0).as_deref() == Some("lost"))
+                .unwrap_or(false)
+        }
+    })
+    .await;
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "run",
+            "--source",
+            &source.conninfo("postgres"),
+            "--target",
+            &db.target_conninfo(),
+            "--publication",
+            "p",
+            "--slot",
+            "lost_slot",
+        ]),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a definite error, not retried: {log}"
+    );
+    assert!(
+        log.contains("\"lost_slot\"")
+            && log.contains("was invalidated")
+            && log.contains("max_slot_wal_keep_size")
+            && log.contains("pg_drop_replication_slot('lost_slot')"),
+        "{log}"
+    );
+}
