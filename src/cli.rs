@@ -181,23 +181,41 @@ pub struct RunArgs {
     pub metrics_addr: Option<String>,
 }
 
-/// Source, target and publications, for commands that compare or copy definitions.
+/// Source, target and publications, for commands that compare or copy definitions. Each may
+/// come from the config file instead, as for `run`.
 #[derive(Debug, Args)]
 pub struct ServersArgs {
+    /// Configuration file (the keys of `run`: source, target, password files, publication,
+    /// tables).
+    #[arg(long, env = "PGAPPLY_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Source connection.
     #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
-    pub source: String,
+    pub source: Option<String>,
     /// Target connection.
     #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
-    pub target: String,
+    pub target: Option<String>,
+    /// File holding the source password (instead of PGPASSWORD or ~/.pgpass).
+    #[arg(long, env = "PGAPPLY_SOURCE_PASSWORD_FILE")]
+    pub source_password_file: Option<PathBuf>,
+    /// File holding the target password.
+    #[arg(long, env = "PGAPPLY_TARGET_PASSWORD_FILE")]
+    pub target_password_file: Option<PathBuf>,
     /// Publication name(s) whose tables are concerned.
-    #[arg(
-        long,
-        env = "PGAPPLY_PUBLICATION",
-        value_delimiter = ',',
-        required = true
-    )]
+    #[arg(long, env = "PGAPPLY_PUBLICATION", value_delimiter = ',')]
     pub publication: Vec<String>,
+}
+
+impl ServersArgs {
+    pub fn flags(&self) -> crate::config::ServerFlags<'_> {
+        crate::config::ServerFlags {
+            source: self.source.as_ref(),
+            target: self.target.as_ref(),
+            source_password_file: self.source_password_file.as_ref(),
+            target_password_file: self.target_password_file.as_ref(),
+            publication: &self.publication,
+        }
+    }
 }
 
 /// `pgapply verify`.
@@ -205,9 +223,6 @@ pub struct ServersArgs {
 pub struct VerifyArgs {
     #[command(flatten)]
     pub servers: ServersArgs,
-    /// Configuration file, for table name mapping.
-    #[arg(long, env = "PGAPPLY_CONFIG")]
-    pub config: Option<PathBuf>,
     /// Rows per compared chunk.
     #[arg(long, default_value = "10000")]
     pub chunk_rows: i64,

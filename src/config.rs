@@ -48,6 +48,23 @@ pub struct TableFile {
     pub conflicts: Option<crate::apply::conflict::PoliciesFile>,
 }
 
+/// Names given as one comma-separated string or as a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Names {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Names {
+    fn to_vec(&self) -> Vec<String> {
+        match self {
+            Names::One(text) => text.split(',').map(str::to_owned).collect(),
+            Names::Many(names) => names.clone(),
+        }
+    }
+}
+
 /// The TOML configuration file.
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -57,6 +74,8 @@ pub struct FileConfig {
     pub source_password_file: Option<PathBuf>,
     pub target_password_file: Option<PathBuf>,
     pub publications: Option<Vec<String>>,
+    /// The flag's own name: "a,b" as on the command line, or a list.
+    pub publication: Option<Names>,
     pub slot: Option<String>,
     pub create_slot: Option<bool>,
     pub copy_data: Option<bool>,
@@ -77,6 +96,12 @@ pub struct FileConfig {
     pub log_level: Option<String>,
     pub log_format: Option<LogFormat>,
     pub retry: Option<RetryFile>,
+    /// The flags' names for `[retry]`'s min, max and max_attempts (these win over the table).
+    #[serde(default, deserialize_with = "duration")]
+    pub retry_min: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub retry_max: Option<Duration>,
+    pub max_retries: Option<u32>,
     /// Conflict policies for every table.
     pub conflicts: Option<crate::apply::conflict::PoliciesFile>,
     /// Per source table (`schema.table`): settings such as the target table name.
@@ -85,9 +110,8 @@ pub struct FileConfig {
 
 impl FileConfig {
     pub fn load(path: &Path) -> Result<FileConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::definite(format!("--config: cannot read {}: {e}", path.display()))
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::usage(format!("--config: cannot read {}: {e}", path.display())))?;
         Self::parse(&text).map_err(|e| e.context(format!("--config {}", path.display())))
     }
 
@@ -103,7 +127,7 @@ impl FileConfig {
                     format!("line {line}: ")
                 })
                 .unwrap_or_default();
-            Error::definite(format!("{position}{message}"))
+            Error::usage(format!("{position}{message}"))
         })
     }
 }
@@ -134,7 +158,7 @@ pub fn parse_table_name(text: &str) -> Result<(String, String)> {
         [schema, table] if !schema.is_empty() && !table.is_empty() && !quoted => {
             Ok((schema.clone(), table.clone()))
         }
-        _ => Err(Error::definite(format!(
+        _ => Err(Error::usage(format!(
             "invalid table name {text:?}: write it as schema.table (quote parts that contain dots: \"my.schema\".\"t\")"
         ))),
     }
@@ -142,12 +166,22 @@ pub fn parse_table_name(text: &str) -> Result<(String, String)> {
 
 fn read_password_file(path: &Path, which: &str) -> Result<String> {
     let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::definite(format!(
+        Error::usage(format!(
             "{which} password file {}: cannot read it: {e}",
             path.display()
         ))
     })?;
     Ok(text.trim_end_matches(['\n', '\r']).to_owned())
+}
+
+/// An on/off setting: the flag, else `PGAPPLY_*` (clap reads a false value there as "not
+/// given", but it must still win over the file), else the file, else off.
+fn switch(flag_or_env: bool, env: &str, file: Option<bool>) -> bool {
+    if flag_or_env {
+        return true;
+    }
+    let env_says_off = std::env::var(env).is_ok_and(|v| !v.trim().is_empty());
+    !env_says_off && file.unwrap_or(false)
 }
 
 /// Everything `pgapply run` needs besides the run configuration itself.
@@ -159,43 +193,63 @@ pub struct ServiceSettings {
     pub metrics_addr: Option<String>,
 }
 
-/// Flags and environment (already merged by clap) over the file over defaults.
-pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceSettings)> {
-    let missing = |what: &str, key: &str| {
-        Error::definite(format!(
-            "no {what} given: use --{} (or PGAPPLY_{}), or `{key} = ...` in the config file",
-            key.replace('_', "-"),
-            key.to_uppercase()
-        ))
-    };
+/// The servers and publications given by flags or environment (`args`), else by the file.
+pub struct Servers {
+    pub source: tokio_postgres::Config,
+    pub target: tokio_postgres::Config,
+    pub publications: Vec<String>,
+}
+
+/// What `--source`, `--target`, their password files and `--publication` hold, for any command.
+pub struct ServerFlags<'a> {
+    pub source: Option<&'a String>,
+    pub target: Option<&'a String>,
+    pub source_password_file: Option<&'a PathBuf>,
+    pub target_password_file: Option<&'a PathBuf>,
+    pub publication: &'a [String],
+}
+
+fn missing(what: &str, key: &str) -> Error {
+    Error::usage(format!(
+        "no {what} given: use --{} (or PGAPPLY_{}), or `{key} = ...` in the config file",
+        key.replace('_', "-"),
+        key.to_uppercase()
+    ))
+}
+
+/// Flags and environment (already merged by clap) over the file.
+pub fn resolve_servers(args: ServerFlags<'_>, file: &FileConfig) -> Result<Servers> {
     let source_text = args
         .source
-        .clone()
-        .or_else(|| file.source.clone())
+        .or(file.source.as_ref())
         .ok_or_else(|| missing("source connection", "source"))?;
     let target_text = args
         .target
-        .clone()
-        .or_else(|| file.target.clone())
+        .or(file.target.as_ref())
         .ok_or_else(|| missing("target connection", "target"))?;
-    let mut source = conninfo::parse("source", &source_text)?;
-    let mut target = conninfo::parse("target", &target_text)?;
+    let mut source = conninfo::parse("source", source_text)?;
+    let mut target = conninfo::parse("target", target_text)?;
     if let Some(path) = args
         .source_password_file
-        .as_ref()
         .or(file.source_password_file.as_ref())
     {
         source.password(read_password_file(path, "source")?);
     }
     if let Some(path) = args
         .target_password_file
-        .as_ref()
         .or(file.target_password_file.as_ref())
     {
         target.password(read_password_file(path, "target")?);
     }
     let publications: Vec<String> = if !args.publication.is_empty() {
-        args.publication.clone()
+        args.publication.to_vec()
+    } else if let Some(names) = &file.publication {
+        if file.publications.is_some() {
+            return Err(Error::usage(
+                "the config file gives both publication and publications: keep one",
+            ));
+        }
+        names.to_vec()
     } else {
         file.publications.clone().unwrap_or_default()
     }
@@ -205,15 +259,42 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     if publications.is_empty() {
         return Err(missing("publication", "publication"));
     }
+    Ok(Servers {
+        source,
+        target,
+        publications,
+    })
+}
+
+/// Flags and environment (already merged by clap) over the file over defaults.
+pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceSettings)> {
+    let Servers {
+        source,
+        target,
+        publications,
+    } = resolve_servers(
+        ServerFlags {
+            source: args.source.as_ref(),
+            target: args.target.as_ref(),
+            source_password_file: args.source_password_file.as_ref(),
+            target_password_file: args.target_password_file.as_ref(),
+            publication: &args.publication,
+        },
+        file,
+    )?;
     let slot = args
         .slot
         .clone()
         .or_else(|| file.slot.clone())
         .ok_or_else(|| missing("slot", "slot"))?;
     let mut config = RunConfig::new(source, target, publications, slot);
-    config.create_slot = args.create_slot || file.create_slot.unwrap_or(false);
-    config.copy_data = args.copy_data || file.copy_data.unwrap_or(false);
-    config.copy.truncate_target = args.truncate_target || file.truncate_target.unwrap_or(false);
+    config.create_slot = switch(args.create_slot, "PGAPPLY_CREATE_SLOT", file.create_slot);
+    config.copy_data = switch(args.copy_data, "PGAPPLY_COPY_DATA", file.copy_data);
+    config.copy.truncate_target = switch(
+        args.truncate_target,
+        "PGAPPLY_TRUNCATE_TARGET",
+        file.truncate_target,
+    );
     if let Some(jobs) = args.copy_jobs.or(file.copy_jobs) {
         config.copy.jobs = jobs.max(1);
     }
@@ -222,7 +303,7 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     }
     if let Some(interval) = args.status_interval.or(file.status_interval) {
         if interval.is_zero() {
-            return Err(Error::definite("status_interval must be more than 0s"));
+            return Err(Error::usage("status_interval must be more than 0s"));
         }
         config.status_interval = interval;
     }
@@ -230,19 +311,19 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         config.endpos = Some(
             endpos
                 .parse()
-                .map_err(|e| Error::definite(format!("--endpos: {e}")))?,
+                .map_err(|e| Error::usage(format!("--endpos: {e}")))?,
         );
     }
     config.requested = crate::source::options::Requested {
         streaming: args.streaming.or(file.streaming),
-        two_phase: args.two_phase || file.two_phase.unwrap_or(false),
-        binary: args.binary || file.binary.unwrap_or(false),
-        messages: args.messages || file.messages.unwrap_or(false),
+        two_phase: switch(args.two_phase, "PGAPPLY_TWO_PHASE", file.two_phase),
+        binary: switch(args.binary, "PGAPPLY_BINARY", file.binary),
+        messages: switch(args.messages, "PGAPPLY_MESSAGES", file.messages),
         origin_none: match args.origin.clone().or_else(|| file.origin.clone()).as_deref() {
             None | Some("any") => false,
             Some("none") => true,
             Some(other) => {
-                return Err(Error::definite(format!(
+                return Err(Error::usage(format!(
                     "origin {other:?}: use \"any\" (every change) or \"none\" (only changes made on the source itself)"
                 )))
             }
@@ -254,12 +335,12 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     }
     let workers = args.apply_workers.or(file.apply_workers).unwrap_or(1);
     if !(1..=64).contains(&workers) {
-        return Err(Error::definite(format!(
+        return Err(Error::usage(format!(
             "apply_workers is {workers}: use a number from 1 to 64 (each worker is one target connection)"
         )));
     }
     if workers > 1 && config.requested.two_phase {
-        return Err(Error::definite(
+        return Err(Error::usage(
             "--two-phase and --apply-workers above 1 can not be combined: prepared transactions are applied by one connection; use --apply-workers 1 with --two-phase",
         ));
     }
@@ -289,13 +370,19 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     let service = ServiceSettings {
         retry_min: args
             .retry_min
+            .or(file.retry_min)
             .or(retry.min)
             .unwrap_or(Duration::from_secs(1)),
         retry_max: args
             .retry_max
+            .or(file.retry_max)
             .or(retry.max)
             .unwrap_or(Duration::from_secs(60)),
-        max_retries: args.max_retries.or(retry.max_attempts).unwrap_or(0),
+        max_retries: args
+            .max_retries
+            .or(file.max_retries)
+            .or(retry.max_attempts)
+            .unwrap_or(0),
         metrics_addr: args
             .metrics_addr
             .clone()
@@ -328,6 +415,31 @@ mod tests {
         let ok = FileConfig::parse("status_interval = \"250ms\"\n[retry]\nmax = \"2m\"").unwrap();
         assert_eq!(ok.status_interval, Some(Duration::from_millis(250)));
         assert_eq!(ok.retry.unwrap().max, Some(Duration::from_secs(120)));
+    }
+
+    #[test]
+    fn the_flags_names_work_in_the_file() {
+        let file = FileConfig::parse(
+            "source = \"host=a\"\ntarget = \"host=b\"\nslot = \"s\"\npublication = \"p1,p2\"\n\
+             retry_min = \"2s\"\nretry_max = \"1m\"\nmax_retries = 3\n[retry]\nmin = \"5s\"\n",
+        )
+        .unwrap();
+        let (config, service) = resolve(&RunArgs::default(), &file).unwrap();
+        assert_eq!(config.publications, vec!["p1", "p2"]);
+        assert_eq!(service.retry_min, Duration::from_secs(2));
+        assert_eq!(service.retry_max, Duration::from_secs(60));
+        assert_eq!(service.max_retries, 3);
+        let listed = FileConfig::parse("publication = [\"a\", \"b\"]").unwrap();
+        assert_eq!(
+            listed.publication.map(|n| n.to_vec()),
+            Some(vec!["a".into(), "b".into()])
+        );
+        let both = FileConfig::parse(
+            "source = \"host=a\"\ntarget = \"host=b\"\nslot = \"s\"\npublication = \"p\"\npublications = [\"q\"]",
+        )
+        .unwrap();
+        let err = resolve(&RunArgs::default(), &both).unwrap_err();
+        assert_eq!(err.class(), crate::error::ErrorClass::Usage);
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
         .map_err(|e| e.context(format!("--{role}: invalid connection string")))?;
     let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
         // tokio-postgres' message names the bad key or value, never the password.
-        Error::definite(format!("--{role}: invalid connection string: {e}"))
+        Error::usage(format!("--{role}: invalid connection string: {e}"))
     })?;
     complete_from_environment(&mut config);
     let mut tls = tls;
@@ -46,7 +46,7 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings)
                 tls.root_cert = Some(PathBuf::from(value));
                 Ok(true)
             }
-            "sslcert" | "sslkey" => Err(Error::definite(format!(
+            "sslcert" | "sslkey" => Err(Error::usage(format!(
                 "{key}: client certificates are not supported yet; authenticate with a password"
             ))),
             _ => Ok(false),

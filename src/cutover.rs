@@ -45,7 +45,7 @@ impl MaxLag {
             Err(_) => humantime::parse_duration(text.trim())
                 .map(MaxLag::Time)
                 .map_err(|_| {
-                    Error::definite(format!(
+                    Error::usage(format!(
                         "--max-lag {text:?}: give a size (16MB) or a duration (5s)"
                     ))
                 }),
@@ -89,9 +89,10 @@ pub fn parse_size(text: &str) -> Result<u64> {
     })?;
     let factor = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
-        "kb" | "k" => 1024,
-        "mb" | "m" => 1024 * 1024,
-        "gb" | "g" => 1024 * 1024 * 1024,
+        // No one-letter units: "5m" is five minutes (humantime), not five megabytes.
+        "kb" => 1024,
+        "mb" => 1024 * 1024,
+        "gb" => 1024 * 1024 * 1024,
         _ => {
             return Err(Error::definite(format!(
                 "invalid size {text:?}: units are B, kB, MB, GB"
@@ -519,6 +520,11 @@ mod tests {
         assert_eq!(super::parse_size("512kB").unwrap(), 512 << 10);
         assert_eq!(super::parse_size("100").unwrap(), 100);
         assert!(super::parse_size("lots").is_err());
+        assert!(
+            matches!(super::MaxLag::parse("5m"), Ok(super::MaxLag::Time(t)) if t.as_secs() == 300)
+        );
+        assert!(matches!(super::MaxLag::parse("2MB"), Ok(super::MaxLag::Bytes(b)) if b == 2 << 20));
+        assert!(super::MaxLag::parse("fast").is_err());
         assert_eq!(
             super::MaxLag::parse("5s").unwrap(),
             super::MaxLag::Time(std::time::Duration::from_secs(5))

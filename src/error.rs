@@ -7,8 +7,11 @@ use std::fmt;
 pub enum ErrorClass {
     /// Connection lost, server shutting down, serialization failure: retry from the recorded position.
     Transient,
-    /// Missing table, bad configuration, constraint violation: retrying gives the same result.
+    /// Missing table, constraint violation: retrying gives the same result.
     Definite,
+    /// A bad flag, environment variable or config file value: nothing was started; fix the
+    /// invocation (exit code 2, as for what the argument parser itself refuses).
+    Usage,
 }
 
 #[derive(Debug)]
@@ -24,6 +27,14 @@ impl Error {
     pub fn definite(message: impl Into<String>) -> Self {
         Error {
             class: ErrorClass::Definite,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    pub fn usage(message: impl Into<String>) -> Self {
+        Error {
+            class: ErrorClass::Usage,
             message: message.into(),
             source: None,
         }

@@ -13,9 +13,7 @@ use pgapply::config::{self, FileConfig};
 use pgapply::error::{Error, ErrorClass};
 use pgapply::replicate::run;
 use pgapply::retry::Backoff;
-use pgapply::{
-    check, conninfo, cutover, demo, metrics, schema, skip, source_speed, status, verify,
-};
+use pgapply::{check, cutover, demo, metrics, schema, skip, source_speed, status, verify};
 
 /// Exit codes (documented in the README): 0 done, 1 a definite error (fix something and rerun),
 /// 2 bad command line, 3 a transient error that did not clear (rerunning may work).
@@ -29,21 +27,28 @@ fn main() -> ExitCode {
     let config_path = match &cli.command {
         Command::Run(a) | Command::Check(a) => a.config.clone(),
         Command::Cutover(a) => a.run.config.clone(),
-        Command::Verify(a) => a.config.clone(),
+        Command::Verify(a) => a.servers.config.clone(),
+        Command::Schema(a) => a.servers.config.clone(),
         _ => None,
     };
     let file = match config_path.as_deref().map(FileConfig::load).transpose() {
         Ok(f) => f.unwrap_or_default(),
         Err(e) => {
             eprintln!("pgapply: error: {e}");
-            return ExitCode::from(EXIT_DEFINITE);
+            return ExitCode::from(EXIT_USAGE);
         }
     };
-    let level = cli.log_level.clone().or_else(|| file.log_level.clone());
-    let filter = match &level {
-        Some(level) => EnvFilter::try_new(level),
-        None => EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new("info")),
-    };
+    // Flag (or PGAPPLY_LOG_LEVEL) over RUST_LOG over the file over "info", as for every setting.
+    let level = cli
+        .log_level
+        .clone()
+        .or_else(|| {
+            std::env::var("RUST_LOG")
+                .ok()
+                .filter(|v| !v.trim().is_empty())
+        })
+        .or_else(|| file.log_level.clone());
+    let filter = EnvFilter::try_new(level.as_deref().unwrap_or("info"));
     let filter = match filter {
         Ok(f) => f,
         Err(e) => {
@@ -75,7 +80,8 @@ fn main() -> ExitCode {
         .with(fmt_layer)
         .init();
     // The log level can follow the config file on SIGHUP unless a flag or RUST_LOG set it.
-    let level_from_file = cli.log_level.is_none() && std::env::var_os("RUST_LOG").is_none();
+    let level_from_file =
+        cli.log_level.is_none() && std::env::var("RUST_LOG").map_or(true, |v| v.trim().is_empty());
     // One thread by default: reader, applier and connections hand work to each other for every
     // message, and on one thread that costs no wake-ups across cores (measured with bench/run.sh:
     // about 30% less CPU and 15% more throughput than two threads). PGAPPLY_WORKER_THREADS=N
@@ -115,16 +121,18 @@ fn main() -> ExitCode {
             Command::Skip(args) => skip::skip_command(&args).await,
             Command::Verify(args) => verify_command(args, file).await,
             Command::Cutover(args) => cutover_command(args, file).await,
-            Command::Schema(args) => {
-                let source = conninfo::parse("source", &args.servers.source);
-                let target = conninfo::parse("target", &args.servers.target);
-                match (source, target) {
-                    (Ok(s), Ok(t)) => {
-                        schema::schema(&s, &t, &args.servers.publication, &args.section).await
-                    }
-                    (Err(e), _) | (_, Err(e)) => Err(e),
+            Command::Schema(args) => match config::resolve_servers(args.servers.flags(), &file) {
+                Ok(servers) => {
+                    schema::schema(
+                        &servers.source,
+                        &servers.target,
+                        &servers.publications,
+                        &args.section,
+                    )
+                    .await
                 }
-            }
+                Err(e) => Err(e),
+            },
             Command::Demo(args) => demo::demo(args.duration, args.pg_bin).await,
             Command::SourceSpeed(args) => source_speed::source_speed_command(&args).await,
         }
@@ -137,6 +145,7 @@ fn main() -> ExitCode {
             ExitCode::from(match e.class() {
                 ErrorClass::Definite => EXIT_DEFINITE,
                 ErrorClass::Transient => EXIT_TRANSIENT,
+                ErrorClass::Usage => EXIT_USAGE,
             })
         }
     }
@@ -263,8 +272,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
 }
 
 async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error> {
-    let source = conninfo::parse("source", &args.servers.source)?;
-    let target = conninfo::parse("target", &args.servers.target)?;
+    let servers = config::resolve_servers(args.servers.flags(), &file)?;
     let mut table_map = config::TableMap::new();
     for (name, table) in file.tables.iter().flatten() {
         if let Some(to) = &table.target {
@@ -280,9 +288,9 @@ async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error>
         ..Default::default()
     };
     let results = verify::verify(
-        &source,
-        &target,
-        &args.servers.publication,
+        &servers.source,
+        &servers.target,
+        &servers.publications,
         &table_map,
         &settings,
     )

@@ -172,7 +172,7 @@ pub async fn schema(
             cmd.arg(format!("--section={section}"));
         }
         other => {
-            return Err(Error::definite(format!(
+            return Err(Error::usage(format!(
                 "--section {other:?}: use pre-data, post-data or all"
             )))
         }

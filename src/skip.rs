@@ -13,7 +13,7 @@ pub async fn skip_command(args: &SkipArgs) -> Result<()> {
     let lsn: Lsn = args
         .lsn
         .parse()
-        .map_err(|e| Error::definite(format!("--lsn: {e}")))?;
+        .map_err(|e| Error::usage(format!("--lsn: {e}")))?;
     let config = conninfo::parse("target", &args.target)?;
     let client = crate::tls::connect(&config).await.map_err(|e| {
         e.into_error(format!(

@@ -56,7 +56,7 @@ impl SslMode {
             "verify-ca" => SslMode::VerifyCa,
             "verify-full" => SslMode::VerifyFull,
             other => {
-                return Err(Error::definite(format!(
+                return Err(Error::usage(format!(
                     "sslmode {other:?}: use disable, prefer, require, verify-ca or verify-full"
                 )))
             }

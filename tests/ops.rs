@@ -71,12 +71,29 @@ async fn config_file_and_precedence() {
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("t").await;
 
+    // verify and schema read the same file: servers and publication (the flag's name) from it.
+    let servers = write_config(&format!(
+        "source = \"{}\"\ntarget = \"{}\"\npublication = \"p\"\n",
+        db.source_conninfo(),
+        db.target_conninfo()
+    ));
+    let mut cmd = pgapply();
+    cmd.args(["verify", "--json", "--config"])
+        .arg(servers.arg());
+    let out = run_with_deadline(cmd, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("\"ok\": true") && text.contains("public"),
+        "{text}"
+    );
+
     // A typo is an error naming the key and the line.
     let bad = write_config("slot = \"s\"\nstatus_intervall = \"1s\"\n");
     let mut cmd = pgapply();
     cmd.arg("run").arg("--config").arg(bad.arg());
     let out = run_with_deadline(cmd, 30).await;
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2), "a configuration error exits 2");
     let err = stderr(&out);
     assert!(
         err.contains("status_intervall") && err.contains("line 2"),
@@ -88,12 +105,138 @@ async fn config_file_and_precedence() {
     let mut cmd = pgapply();
     cmd.arg("run").arg("--config").arg(bad.arg());
     let out = run_with_deadline(cmd, 30).await;
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     assert!(
         stderr(&out).contains("invalid duration \"soon\""),
         "{}",
         stderr(&out)
     );
+
+    // An on/off setting in the file is overridden by PGAPPLY_* saying off: here the file's
+    // two_phase = true would refuse --apply-workers 2 before anything starts.
+    let on = write_config("two_phase = true\n");
+    let check = |env_off: bool| {
+        let mut cmd = pgapply();
+        cmd.args(["check", "--config"]).arg(on.arg()).args([
+            "--source",
+            "host=127.0.0.1 port=1",
+            "--target",
+            "host=127.0.0.1 port=1",
+            "--publication",
+            "p",
+            "--slot",
+            "s",
+            "--apply-workers",
+            "2",
+        ]);
+        if env_off {
+            cmd.env("PGAPPLY_TWO_PHASE", "false");
+        }
+        cmd
+    };
+    let out = run_with_deadline(check(false), 30).await;
+    assert!(
+        stderr(&out).contains("--two-phase and --apply-workers"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run_with_deadline(check(true), 30).await;
+    assert!(
+        !stderr(&out).contains("--two-phase and --apply-workers"),
+        "{}",
+        stderr(&out)
+    );
+
+    // Values the argument parser cannot check are refused the same way, before anything starts:
+    // exit 2, naming the setting.
+    for (args, named) in [
+        (
+            vec![
+                "run",
+                "--target",
+                "host=x",
+                "--publication",
+                "p",
+                "--slot",
+                "s",
+            ],
+            "--source",
+        ),
+        (
+            vec![
+                "run",
+                "--source",
+                "host=x",
+                "--target",
+                "host=x",
+                "--publication",
+                "p",
+                "--slot",
+                "s",
+                "--endpos",
+                "zz",
+            ],
+            "--endpos",
+        ),
+        (
+            vec![
+                "run",
+                "--source",
+                "host=x",
+                "--target",
+                "host=x",
+                "--publication",
+                "p",
+                "--slot",
+                "s",
+                "--origin",
+                "sometimes",
+            ],
+            "origin",
+        ),
+        (
+            vec![
+                "run",
+                "--source",
+                "host=x",
+                "--target",
+                "host=x",
+                "--publication",
+                "p",
+                "--slot",
+                "s",
+                "--apply-workers",
+                "0",
+            ],
+            "apply_workers",
+        ),
+        (
+            vec![
+                "cutover",
+                "--source",
+                "host=x",
+                "--target",
+                "host=x",
+                "--publication",
+                "p",
+                "--slot",
+                "s",
+                "--max-lag",
+                "fast",
+            ],
+            "--max-lag",
+        ),
+        (
+            vec!["skip", "--target", "host=x", "--slot", "s", "--lsn", "bad"],
+            "--lsn",
+        ),
+    ] {
+        let mut cmd = pgapply();
+        cmd.args(&args);
+        let out = run_with_deadline(cmd, 30).await;
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(named), "{args:?}: {}", stderr(&out));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -120,7 +120,7 @@ impl Policies {
                 .unwrap_or(base.multiple_unique_conflicts),
         };
         let refuse = |what: &str, policy: Policy| {
-            Err(Error::definite(format!(
+            Err(Error::usage(format!(
                 "{scope}: {what} = {:?} is not supported; use {}",
                 policy.name(),
                 match what {
