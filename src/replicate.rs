@@ -164,8 +164,8 @@ pub async fn run(
     // Setup, tracker, heartbeat and per applier two connections (statements, catalog reads),
     // plus the dispatcher's catalog reads with parallel workers.
     // (The --streaming parallel helper has a pool of its own: `ApplyStart::add_live_helper`.)
-    // The initial copy needs one per copy job besides the setup session.
-    let sessions = (5 + 2 * config.apply_workers.max(1)).max(config.copy.jobs + 2);
+    // The initial copy needs one per copy job besides the setup session and its heartbeat.
+    let sessions = (5 + 2 * config.apply_workers.max(1)).max(config.copy.jobs + 3);
     let pool = target_pool(&config.target, sessions)?;
     let mut setup = target_connection(&pool, &config.target).await?;
     crate::migrations::apply(&mut setup).await?;
@@ -243,7 +243,11 @@ pub async fn run(
         let snapshot = session
             .create_slot_with_snapshot(&config.slot, negotiated.two_phase)
             .await?;
-        copy::copy_tables(
+        let beat = tokio::spawn(copy_heartbeat(
+            target_connection(&pool, &config.target).await?,
+            config.slot.clone(),
+        ));
+        let copied = copy::copy_tables(
             &config.source,
             &pool,
             &config.target,
@@ -254,7 +258,9 @@ pub async fn run(
             &config.table_map,
             session.server_version() / 10000,
         )
-        .await?;
+        .await;
+        beat.abort();
+        copied?;
         store
             .set_position(&setup, snapshot.consistent_point)
             .await?;
@@ -733,6 +739,7 @@ struct HeartbeatCounts {
     updates: u64,
     deletes: u64,
     truncates: u64,
+    conflicts: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Records state and counters for `pgapply status`, every status interval.
@@ -759,6 +766,28 @@ async fn stop_position(target: &tokio_postgres::Client, slot: &str) -> Result<Op
         .and_then(|t| t.parse::<Lsn>().ok()))
 }
 
+/// During the initial copy: `pgapply status` shows the state `copying` (its per-table progress
+/// is in `pgapply.copy_state`), with a heartbeat as fresh as while streaming.
+async fn copy_heartbeat(client: Object, slot: String) {
+    loop {
+        if let Err(e) = client
+            .execute(
+                "UPDATE pgapply.progress SET state = 'copying', pid = $2, heartbeat_at = now() \
+                 WHERE slot_name = $1",
+                &[&slot, &(std::process::id() as i32)],
+            )
+            .await
+        {
+            tracing::debug!(error = %crate::error::describe_postgres(&e), "could not record the copy's heartbeat on the target");
+        }
+        tokio::time::sleep(HEARTBEAT_MAX_EVERY).await;
+    }
+}
+
+/// The longest time between two heartbeats of a running worker: `pgapply status` calls a worker
+/// whose heartbeat is three times older "not responding".
+pub const HEARTBEAT_MAX_EVERY: Duration = Duration::from_secs(10);
+
 /// Records the worker's state on the target every status interval (at most 10 s), and every
 /// second reads whether `pgapply cutover` asked it to stop at a position.
 async fn heartbeat(
@@ -768,7 +797,7 @@ async fn heartbeat(
     reported: Arc<tokio::sync::Mutex<HeartbeatCounts>>,
     stop: watch::Sender<Option<Lsn>>,
 ) {
-    let every = every.min(Duration::from_secs(10));
+    let every = every.min(HEARTBEAT_MAX_EVERY);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut beaten: Option<Instant> = None;
     loop {
@@ -806,20 +835,27 @@ async fn write_heartbeat(
         updates: m.updates.get(),
         deletes: m.deletes.get(),
         truncates: m.truncates.get(),
+        conflicts: m.conflicts.lock().map(|c| c.clone()).unwrap_or_default(),
     };
     let delta = |a: u64, b: u64| (a.saturating_sub(b)) as i64;
     let applied = Lsn(m.applied_lsn.get());
     let received = Lsn(m.received_lsn.get());
     let commit = crate::protocol::PgTimestamp(m.last_commit_time.get() as i64);
-    let conflicts = m
+    // Added to what earlier runs recorded, like the other counters.
+    let conflict_delta: std::collections::BTreeMap<&str, i64> = now
         .conflicts
-        .lock()
-        .map(|c| serde_json::to_string(&*c).unwrap_or_else(|_| "{}".into()))
-        .unwrap_or_else(|_| "{}".into());
+        .iter()
+        .map(|(kind, n)| {
+            let before = last.conflicts.get(kind).copied().unwrap_or(0);
+            (*kind, delta(*n, before))
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    let conflicts = serde_json::to_string(&conflict_delta).unwrap_or_else(|_| "{}".into());
     let pid = (state == "streaming").then_some(std::process::id() as i32);
     client
         .execute(
-            "UPDATE pgapply.progress SET state = $2, pid = $3,                  applied_lsn = CASE WHEN $4::text = '0/0' THEN applied_lsn ELSE $4::text::pg_lsn END,                  received_lsn = CASE WHEN $5::text = '0/0' THEN received_lsn ELSE $5::text::pg_lsn END,                  last_commit_time = CASE WHEN $6::bigint = 0 THEN last_commit_time ELSE $7::text::timestamptz END,                  lag_seconds = $8, transactions = transactions + $9, inserts = inserts + $10,                  updates = updates + $11, deletes = deletes + $12, truncates = truncates + $13,                  conflicts = $14::text::jsonb, heartbeat_at = now()              WHERE slot_name = $1",
+            "UPDATE pgapply.progress SET state = $2, pid = $3,                  applied_lsn = CASE WHEN $4::text = '0/0' THEN applied_lsn ELSE $4::text::pg_lsn END,                  received_lsn = CASE WHEN $5::text = '0/0' THEN received_lsn ELSE $5::text::pg_lsn END,                  last_commit_time = CASE WHEN $6::bigint = 0 THEN last_commit_time ELSE $7::text::timestamptz END,                  lag_seconds = $8, transactions = transactions + $9, inserts = inserts + $10,                  updates = updates + $11, deletes = deletes + $12, truncates = truncates + $13,                  conflicts = (SELECT coalesce(jsonb_object_agg(kind, n), '{}') FROM (SELECT kind, sum(n) AS n FROM (SELECT key AS kind, value::bigint AS n FROM jsonb_each_text(coalesce(conflicts, '{}')) UNION ALL SELECT key, value::bigint FROM jsonb_each_text($14::text::jsonb)) c GROUP BY kind) s), heartbeat_at = now()              WHERE slot_name = $1",
             &[
                 &slot,
                 &state,

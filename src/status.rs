@@ -97,9 +97,18 @@ pub async fn collect(args: &StatusArgs) -> Result<Vec<SlotStatus>> {
             .await
             .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
         let conflicts: String = row.get(12);
+        let mut state: String = row.get(1);
+        let heartbeat_age: Option<f64> = row.get(5);
+        let silent_after = 3.0 * crate::replicate::HEARTBEAT_MAX_EVERY.as_secs_f64();
+        if (state == "streaming" || state == "copying")
+            && heartbeat_age.is_none_or(|age| age > silent_after)
+        {
+            // Killed, or cut off from the target: it could not record that it stopped.
+            state = format!("not responding (last recorded: {state})");
+        }
         out.push(SlotStatus {
             slot,
-            state: row.get(1),
+            state,
             pid: row.get(2),
             applied_lsn: applied,
             last_commit_time: row.get(4),

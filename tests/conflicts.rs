@@ -115,6 +115,14 @@ async fn policies_resolve_and_record_conflicts() {
         "apply_remote made the target match"
     );
     let recorded = conflicts(&db).await;
+    // `pgapply status` counts the conflicts of both runs, as the log does.
+    let counted = db
+        .count(
+            &db.target,
+            "SELECT coalesce(sum(value::bigint), 0)::bigint FROM pgapply.progress, jsonb_each_text(conflicts)",
+        )
+        .await;
+    assert_eq!(counted, recorded.len() as i64, "{recorded:?}");
     let kinds: Vec<(&str, &str)> = recorded
         .iter()
         .map(|(k, p, ..)| (k.as_str(), p.as_str()))

@@ -378,6 +378,31 @@ async fn status_and_metrics_move_with_the_workload() {
     // SAFETY: signalling our own child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     assert!(child.wait().await.unwrap().success());
+    let status_text = || async {
+        let mut c = pgapply();
+        c.args(["status", "--target", &db.target_conninfo()]);
+        let out = run_with_deadline(c, 30).await;
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let text = status_text().await;
+    assert!(
+        text.contains(&format!("slot {}: stopped", db.slot())),
+        "{text}"
+    );
+    // A worker killed (or cut off from the target) cannot record that it stopped: its old
+    // heartbeat gives it away.
+    db.target_sql(
+        "UPDATE pgapply.progress SET state = 'streaming', heartbeat_at = now() - interval '1 minute'",
+    )
+    .await;
+    let text = status_text().await;
+    assert!(
+        text.contains(&format!(
+            "slot {}: not responding (last recorded: streaming)",
+            db.slot()
+        )),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
