@@ -622,6 +622,79 @@ async fn cutover_while_the_application_writes_and_parallel_workers_apply() {
     );
 }
 
+/// `cutover --reverse`: the new primary gets a publication and a slot, and the command the
+/// cutover prints replicates what the application then writes there back to the old primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_reverse_replicates_back_to_the_old_primary() {
+    let db = TestDb::new("cutrev").await;
+    db.both("CREATE TABLE t (id serial PRIMARY KEY, v text)")
+        .await;
+    db.source_sql(
+        "INSERT INTO t (v) SELECT 'old ' || g FROM generate_series(1, 10) g; \
+         CREATE PUBLICATION p FOR TABLE t;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run_with_deadline(
+        db.on_both(
+            "cutover",
+            &["--slot", &db.slot(), "--reverse", "--timeout", "60s"],
+        ),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    // The printed command, with the two servers filled in.
+    let printed = text
+        .lines()
+        .find(|l| {
+            l.trim_start()
+                .starts_with("pgapply run --source <new primary>")
+        })
+        .unwrap_or_else(|| panic!("no command printed: {text}"))
+        .trim()
+        .replace("<new primary>", "NEW")
+        .replace("<old primary>", "OLD");
+    let (new_primary, old_primary) = (db.target_conninfo(), db.source_conninfo());
+    let mut args: Vec<&str> = printed
+        .split_whitespace()
+        .skip(1)
+        .map(|a| match a {
+            "NEW" => new_primary.as_str(),
+            "OLD" => old_primary.as_str(),
+            other => other,
+        })
+        .collect();
+    // The application now writes on the new primary.
+    db.target_sql("INSERT INTO t (v) VALUES ('written on the new primary')")
+        .await;
+    let target_wal: String = db
+        .target
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    args.extend_from_slice(&["--endpos", &target_wal]);
+    let out = run_with_deadline(common::pgapply_command(&args), 60).await;
+    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.source,
+            "SELECT count(*) FROM t WHERE id = 11 AND v = 'written on the new primary'"
+        )
+        .await,
+        1
+    );
+    db.assert_same("t").await;
+}
+
 /// `--two-phase`: a transaction prepared on the source and not decided there before the cutover
 /// stays prepared on the target. The cutover names it and says what to do; it does not commit
 /// or roll it back by itself, and the rest of the cutover goes on.
