@@ -154,6 +154,39 @@ async fn password_from_environment_and_scram() {
     assert!(out.status.success(), "{err}");
     assert!(!err.contains("s3cret"), "password leaked: {err}");
     db.assert_same("t").await;
+
+    // The same password from --source-password-file (a secrets file ends with a newline).
+    let file = std::env::temp_dir().join(format!("pgapply-test-{}.password", db.name));
+    std::fs::write(&file, "s3cret\n").unwrap();
+    db.source_sql("INSERT INTO t VALUES (3)").await;
+    let endpos = db.source_wal().await;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.arg("run")
+        .arg("--source")
+        .arg(format!(
+            "host=127.0.0.1 port={} user={user} dbname={}",
+            db.source_port, db.name
+        ))
+        .arg("--source-password-file")
+        .arg(&file)
+        .arg("--target")
+        .arg(db.target_conninfo())
+        .args([
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+            "--endpos",
+            &endpos,
+        ])
+        .env_remove("PGPASSWORD")
+        .kill_on_drop(true);
+    let out = run_with_deadline(cmd, 60).await;
+    let _ = std::fs::remove_file(&file);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("s3cret"), "password leaked: {err}");
+    db.assert_same("t").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -426,3 +426,47 @@ async fn an_invalidated_slot_is_named_with_what_to_do() {
         "{log}"
     );
 }
+
+/// A source that cannot be reached: pgapply retries with backoff, and once --max-retries are
+/// used up it exits 3 (transient: running it again later resumes), naming the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_used_up_exit_3() {
+    let db = TestDb::new("retriesout").await;
+    // A port nobody listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let source = format!(
+        "host=127.0.0.1 port={closed} user=postgres dbname={}",
+        db.name
+    );
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "run",
+            "--source",
+            &source,
+            "--target",
+            &db.target_conninfo(),
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+            "--max-retries",
+            "2",
+            "--retry-min",
+            "100ms",
+            "--retry-max",
+            "200ms",
+        ]),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{log}");
+    assert!(
+        log.contains("source") && log.contains(&closed.to_string()),
+        "{log}"
+    );
+}

@@ -613,3 +613,16 @@ async fn confirmed_lsn(db: &TestDb) -> String {
     );
     db.source.query_one(&sql, &[]).await.unwrap().get(0)
 }
+
+/// The README's first command: two throwaway clusters, a live workload mirrored, both sides
+/// compared. (Uses the harness's server binaries.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_mirrors_a_live_workload() {
+    let bin = common::clusters().target_bin.to_string_lossy().to_string();
+    let mut cmd = pgapply();
+    cmd.args(["demo", "--duration", "2s", "--pg-bin", &bin]);
+    let out = run_with_deadline(cmd, 180).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(text.contains("source and target match"), "{text}");
+}
