@@ -499,7 +499,9 @@ pub async fn copy_tables(
     let reporter = {
         let tables = tables.clone();
         let progress = progress.clone();
-        tokio::spawn(report_progress(tables, progress, started))
+        tokio::spawn(tracing::Instrument::in_current_span(report_progress(
+            tables, progress, started,
+        )))
     };
 
     // Once a job failed the copy starts over anyway: the others stop taking jobs.
@@ -516,32 +518,34 @@ pub async fn copy_tables(
         let pool = target_pool.clone();
         let slot = slot.to_owned();
         let snapshot = snapshot.to_owned();
-        workers.push(tokio::spawn(async move {
-            let mut source = connect_source(&source_config).await?;
-            let mut target = crate::replicate::target_connection(&pool, &target_config).await?;
-            loop {
-                if failed.load(Ordering::Relaxed) {
-                    return Ok::<(), Error>(());
+        workers.push(tokio::spawn(tracing::Instrument::in_current_span(
+            async move {
+                let mut source = connect_source(&source_config).await?;
+                let mut target = crate::replicate::target_connection(&pool, &target_config).await?;
+                loop {
+                    if failed.load(Ordering::Relaxed) {
+                        return Ok::<(), Error>(());
+                    }
+                    let job = queue.lock().await.next();
+                    let Some(job) = job else {
+                        return Ok(());
+                    };
+                    let table = &tables[job.table];
+                    copy_one(
+                        &mut source,
+                        &mut target,
+                        table,
+                        job.pages,
+                        binary[job.table],
+                        &snapshot,
+                        &slot,
+                        &progress[job.table],
+                    )
+                    .await
+                    .inspect_err(|_| failed.store(true, Ordering::Relaxed))?;
                 }
-                let job = queue.lock().await.next();
-                let Some(job) = job else {
-                    return Ok(());
-                };
-                let table = &tables[job.table];
-                copy_one(
-                    &mut source,
-                    &mut target,
-                    table,
-                    job.pages,
-                    binary[job.table],
-                    &snapshot,
-                    &slot,
-                    &progress[job.table],
-                )
-                .await
-                .inspect_err(|_| failed.store(true, Ordering::Relaxed))?;
-            }
-        }));
+            },
+        )));
     }
     let mut failure = None;
     for w in workers {

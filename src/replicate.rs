@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
 use tokio::sync::{mpsc, watch, Semaphore};
+use tracing::Instrument;
 
 use crate::apply::applier::{ApplyStats, Envelope};
 use crate::apply::parallel::{Dispatcher, DispatcherOptions, WorkerLink, WorkerRole, Workers};
@@ -155,8 +156,20 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
     })
 }
 
-/// Runs until `shutdown` turns true, `endpos` is reached, or an error.
+/// Runs until `shutdown` turns true, `endpos` is reached, or an error. Every log line of the
+/// run, its tasks' included, carries the slot (a span; `in_current_span` on each spawn).
 pub async fn run(
+    config: RunConfig,
+    shutdown: watch::Receiver<bool>,
+    progress: Option<watch::Sender<RunProgress>>,
+) -> Result<RunOutcome> {
+    let span = tracing::info_span!("run", slot = %config.slot);
+    run_in_span(config, shutdown, progress)
+        .instrument(span)
+        .await
+}
+
+async fn run_in_span(
     config: RunConfig,
     mut shutdown: watch::Receiver<bool>,
     progress: Option<watch::Sender<RunProgress>>,
@@ -243,10 +256,13 @@ pub async fn run(
         let snapshot = session
             .create_slot_with_snapshot(&config.slot, negotiated.two_phase)
             .await?;
-        let beat = tokio::spawn(copy_heartbeat(
-            target_connection(&pool, &config.target).await?,
-            config.slot.clone(),
-        ));
+        let beat = tokio::spawn(
+            copy_heartbeat(
+                target_connection(&pool, &config.target).await?,
+                config.slot.clone(),
+            )
+            .in_current_span(),
+        );
         let copied = copy::copy_tables(
             &config.source,
             &pool,
@@ -368,26 +384,26 @@ pub async fn run(
 
     let (durable_tx, durable_rx) = watch::channel(resume);
     let tracker_conn = target_connection(&pool, &config.target).await?;
-    let tracker = tokio::spawn(track_durable(
-        store.clone(),
-        tracker_conn,
-        applied_rx,
-        durable_tx,
-    ));
+    let tracker = tokio::spawn(
+        track_durable(store.clone(), tracker_conn, applied_rx, durable_tx).in_current_span(),
+    );
 
     let reported = Arc::new(tokio::sync::Mutex::new(HeartbeatCounts::default()));
     let (stop_tx, stop_rx) = watch::channel(None);
-    let heartbeat = tokio::spawn(heartbeat(
-        target_connection(&pool, &config.target).await?,
-        config.slot.clone(),
-        config.status_interval,
-        reported.clone(),
-        stop_tx,
-    ));
+    let heartbeat = tokio::spawn(
+        heartbeat(
+            target_connection(&pool, &config.target).await?,
+            config.slot.clone(),
+            config.status_interval,
+            reported.clone(),
+            stop_tx,
+        )
+        .in_current_span(),
+    );
 
     let (tx, rx) = mpsc::unbounded_channel();
     let (applier_done_tx, applier_done_rx) = watch::channel(false);
-    let mut applier_task = tokio::spawn(apply.run(rx, applier_done_tx));
+    let mut applier_task = tokio::spawn(apply.run(rx, applier_done_tx).in_current_span());
     let mut reader = Reader {
         stream: &mut stream,
         tx: Some(tx),

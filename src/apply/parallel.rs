@@ -606,16 +606,18 @@ impl Workers {
         for (mut applier, mut worker_rx) in workers {
             let stopped = StopOnDrop(stopped.clone());
             let first_failure = first_failure.clone();
-            tasks.push(tokio::spawn(async move {
-                let _stopped = stopped;
-                let result = applier.run(&mut worker_rx).await;
-                if let Err(e) = result {
-                    if let Ok(mut first) = first_failure.lock() {
-                        first.get_or_insert(e);
+            tasks.push(tokio::spawn(tracing::Instrument::in_current_span(
+                async move {
+                    let _stopped = stopped;
+                    let result = applier.run(&mut worker_rx).await;
+                    if let Err(e) = result {
+                        if let Ok(mut first) = first_failure.lock() {
+                            first.get_or_insert(e);
+                        }
                     }
-                }
-                applier.stats.clone()
-            }));
+                    applier.stats.clone()
+                },
+            )));
         }
         let dispatched = dispatcher.run(rx).await;
         let last_end = dispatcher.last_end();

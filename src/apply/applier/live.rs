@@ -116,56 +116,58 @@ impl Watchdog {
         let (main_pid, helper_pid) = (self.main_pid, self.helper_pid);
         let queued = self.queued.clone();
         let fired = self.fired.clone();
-        self.task = Some(tokio::spawn(async move {
-            let mut seen = 0;
-            loop {
-                tokio::time::sleep(WATCHDOG_EVERY).await;
-                let idle = queued.load(Ordering::SeqCst) == 0;
-                let blocked = match pool.get().await {
-                    Ok(conn) => conn
-                        .query_one(WAITS_FOR_HELPER, &[&helper_pid, &main_pid])
-                        .await
-                        .map(|r| r.get::<_, bool>(0))
-                        .map_err(|e| crate::error::describe_postgres(&e)),
-                    Err(e) => Err(e.to_string()),
-                };
-                match blocked {
-                    Ok(true) if idle => seen += 1,
-                    Ok(_) => seen = 0,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "the deadlock watchdog could not ask the target; trying again");
-                        seen = 0;
+        self.task = Some(tokio::spawn(tracing::Instrument::in_current_span(
+            async move {
+                let mut seen = 0;
+                loop {
+                    tokio::time::sleep(WATCHDOG_EVERY).await;
+                    let idle = queued.load(Ordering::SeqCst) == 0;
+                    let blocked = match pool.get().await {
+                        Ok(conn) => conn
+                            .query_one(WAITS_FOR_HELPER, &[&helper_pid, &main_pid])
+                            .await
+                            .map(|r| r.get::<_, bool>(0))
+                            .map_err(|e| crate::error::describe_postgres(&e)),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match blocked {
+                        Ok(true) if idle => seen += 1,
+                        Ok(_) => seen = 0,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the deadlock watchdog could not ask the target; trying again");
+                            seen = 0;
+                        }
                     }
-                }
-                if seen < WATCHDOG_LOOKS {
-                    continue;
-                }
-                seen = 0;
-                // Set before the cancel: its failure can reach the main applier (which then drops
-                // this task) before the answer below arrives here.
-                fired.store(true, Ordering::SeqCst);
-                let cancelled = match pool.get().await {
-                    Ok(conn) => conn
-                        .query_opt(CANCEL_IF_WAITING, &[&helper_pid, &main_pid])
-                        .await
-                        .map(|row| row.is_some_and(|r| r.get::<_, bool>(0)))
-                        .map_err(|e| crate::error::describe_postgres(&e)),
-                    Err(e) => Err(e.to_string()),
-                };
-                match cancelled {
-                    Ok(true) => {
-                        tracing::warn!(
+                    if seen < WATCHDOG_LOOKS {
+                        continue;
+                    }
+                    seen = 0;
+                    // Set before the cancel: its failure can reach the main applier (which then drops
+                    // this task) before the answer below arrives here.
+                    fired.store(true, Ordering::SeqCst);
+                    let cancelled = match pool.get().await {
+                        Ok(conn) => conn
+                            .query_opt(CANCEL_IF_WAITING, &[&helper_pid, &main_pid])
+                            .await
+                            .map(|row| row.is_some_and(|r| r.get::<_, bool>(0)))
+                            .map_err(|e| crate::error::describe_postgres(&e)),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match cancelled {
+                        Ok(true) => {
+                            tracing::warn!(
                             "the main apply session waited for rows the streamed transaction holds on the target; its statement was cancelled (the run restarts with streamed transactions spooled)"
                         );
-                    }
-                    Ok(false) => fired.store(false, Ordering::SeqCst),
-                    Err(e) => {
-                        fired.store(false, Ordering::SeqCst);
-                        tracing::warn!(error = %e, "could not cancel the blocked apply session; trying again");
+                        }
+                        Ok(false) => fired.store(false, Ordering::SeqCst),
+                        Err(e) => {
+                            fired.store(false, Ordering::SeqCst);
+                            tracing::warn!(error = %e, "could not cancel the blocked apply session; trying again");
+                        }
                     }
                 }
-            }
-        }));
+            },
+        )));
     }
 
     fn stop(&mut self) {
@@ -248,10 +250,10 @@ impl Applier {
         });
         let applied = helper.applied.subscribe();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(async move {
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             let result = helper.run(&mut rx).await;
             (helper.stats.clone(), result)
-        });
+        }));
         self.live = Some(LiveLink {
             tx,
             task: Some(task),
