@@ -104,6 +104,19 @@ async fn check_source(
     report: &mut Report,
     tables: &mut Vec<crate::copy::PublishedTable>,
 ) {
+    if let Ok(row) = src
+        .query_one(
+            "SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'wal_sender_timeout'",
+            &[],
+        )
+        .await
+    {
+        let ms: i64 = row.get(0);
+        match crate::replicate::status_interval_problem(config.status_interval, ms.max(0) as u64) {
+            Some(problem) => report.problem(problem),
+            None => report.ok("status interval within the source's wal_sender_timeout"),
+        }
+    }
     match src.query_one("SHOW wal_level", &[]).await {
         Ok(row) => {
             let level: String = row.get(0);

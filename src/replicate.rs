@@ -188,6 +188,12 @@ async fn run_in_span(
         .map_err(|e| e.context(format!("source {}", conninfo::describe(&config.source))))?;
     let identity = session.identify_system().await?;
     session.check_publications(&config.publications).await?;
+    if let Some(problem) = status_interval_problem(
+        config.status_interval,
+        session.wal_sender_timeout_ms().await?,
+    ) {
+        tracing::warn!("{problem}");
+    }
     let mut negotiated = negotiate(session.server_version(), &config.requested)?;
     if negotiated.binary {
         if let Some(reason) = binary_unsafe(&config, session.server_version()).await? {
@@ -780,6 +786,21 @@ async fn stop_position(target: &tokio_postgres::Client, slot: &str) -> Result<Op
     Ok(row
         .and_then(|r| r.get::<_, Option<String>>(0))
         .and_then(|t| t.parse::<Lsn>().ok()))
+}
+
+/// Status updates must reach the source well within its `wal_sender_timeout`, or it may end the
+/// connection as unresponsive while pgapply is busy (a reply to a keepalive request is sent at
+/// once, but only when pgapply reads the request).
+pub fn status_interval_problem(interval: Duration, wal_sender_timeout_ms: u64) -> Option<String> {
+    let timeout = Duration::from_millis(wal_sender_timeout_ms);
+    (wal_sender_timeout_ms > 0 && interval * 2 > timeout).then(|| {
+        format!(
+            "--status-interval {} is more than half the source's wal_sender_timeout ({}): the source may end the connection between two status updates; use --status-interval {} or less, or raise wal_sender_timeout on the source",
+            humantime::format_duration(interval),
+            humantime::format_duration(timeout),
+            humantime::format_duration(timeout / 2)
+        )
+    })
 }
 
 /// During the initial copy: `pgapply status` shows the state `copying` (its per-table progress

@@ -466,11 +466,14 @@ async fn check_lists_every_problem() {
         "--target",
         &db.target_conninfo(),
     ])
-    .args(["--publication", "p,missing_pub", "--slot", &db.slot()]);
+    .args(["--publication", "p,missing_pub", "--slot", &db.slot()])
+    // The source's wal_sender_timeout is the default 60 s.
+    .args(["--status-interval", "40s"]);
     let out = run_with_deadline(cmd, 60).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(1), "{text}");
     for expected in [
+        "--status-interval 40s is more than half the source's wal_sender_timeout (1m)",
         "publication \"missing_pub\" does not exist",
         &format!("replication slot \"{}\" does not exist", db.slot()),
         "table \"public\".\"keyless\" has no primary key",

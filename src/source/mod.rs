@@ -169,6 +169,17 @@ impl ReplicationSession {
             .map(|t| t.parse::<Lsn>().unwrap_or(Lsn::INVALID)))
     }
 
+    /// The source's `wal_sender_timeout`, in milliseconds (0: off).
+    pub async fn wal_sender_timeout_ms(&mut self) -> Result<u64> {
+        let r = self
+            .conn
+            .simple_query(
+                "SELECT setting AS ms FROM pg_catalog.pg_settings WHERE name = 'wal_sender_timeout'",
+            )
+            .await?;
+        Ok(r.first("ms").and_then(|t| t.parse().ok()).unwrap_or(0))
+    }
+
     pub async fn slot_exists(&mut self, slot: &str) -> Result<bool> {
         let sql = format!(
             "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
