@@ -310,6 +310,9 @@ struct TableProgress {
     rows: AtomicU64,
     bytes: AtomicU64,
     jobs_left: AtomicU64,
+    /// Of `bytes`, how much `record_bytes` has added to the metrics and to `pgapply.copy_state`.
+    bytes_in_metrics: AtomicU64,
+    bytes_in_state: AtomicU64,
 }
 
 /// The source tables (schema, name) a slot's initial copy took in.
@@ -481,6 +484,8 @@ pub async fn copy_tables(
                 rows: AtomicU64::new(0),
                 bytes: AtomicU64::new(0),
                 jobs_left: AtomicU64::new(jobs.iter().filter(|j| j.table == i).count() as u64),
+                bytes_in_metrics: AtomicU64::new(0),
+                bytes_in_state: AtomicU64::new(0),
             })
         })
         .collect();
@@ -502,6 +507,23 @@ pub async fn copy_tables(
         tokio::spawn(tracing::Instrument::in_current_span(report_progress(
             tables, progress, started,
         )))
+    };
+
+    let recorder = {
+        let tables = tables.clone();
+        let progress = progress.clone();
+        let pool = target_pool.clone();
+        let target_config = target_config.clone();
+        let slot = slot.to_owned();
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                if let Ok(target) = crate::replicate::target_connection(&pool, &target_config).await
+                {
+                    record_bytes(&target, &slot, &tables, &progress).await;
+                }
+            }
+        }))
     };
 
     // Once a job failed the copy starts over anyway: the others stop taking jobs.
@@ -560,9 +582,12 @@ pub async fn copy_tables(
         }
     }
     reporter.abort();
+    recorder.abort();
     if let Some(e) = failure {
         return Err(e);
     }
+    let target = crate::replicate::target_connection(target_pool, target_config).await?;
+    record_bytes(&target, slot, &tables, &progress).await;
     let rows: u64 = progress
         .iter()
         .map(|p| p.rows.load(Ordering::Relaxed))
@@ -579,6 +604,43 @@ pub async fn copy_tables(
         "initial copy done"
     );
     Ok(Arc::try_unwrap(tables).unwrap_or_else(|t| (*t).clone()))
+}
+
+/// Adds the bytes copied since the last call, per table, to the metrics and to
+/// `pgapply.copy_state`: `pgapply status` shows a table's progress while it is copied, not only
+/// when one of its ranges is done. (Rows are counted when a range is done: COPY says how many.)
+async fn record_bytes(
+    target: &Client,
+    slot: &str,
+    tables: &[PublishedTable],
+    progress: &[Arc<TableProgress>],
+) {
+    for (table, p) in tables.iter().zip(progress) {
+        let now = p.bytes.load(Ordering::Relaxed);
+        let delta = now.saturating_sub(p.bytes_in_metrics.swap(now, Ordering::Relaxed));
+        if delta > 0 {
+            crate::metrics::METRICS.copied(&table.qualified(), 0, delta);
+        }
+        let delta = now.saturating_sub(p.bytes_in_state.load(Ordering::Relaxed));
+        if delta == 0 {
+            continue;
+        }
+        let recorded = target
+            .execute(
+                "UPDATE pgapply.copy_state SET bytes_copied = bytes_copied + $4 \
+                 WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
+                &[&slot, &table.schema, &table.name, &(delta as i64)],
+            )
+            .await;
+        match recorded {
+            Ok(_) => {
+                p.bytes_in_state.fetch_add(delta, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::debug!(error = %crate::error::describe_postgres(&e), "could not record the copy's progress; trying again");
+            }
+        }
+    }
 }
 
 /// Copy progress per table: a bar per table redrawn every second on a terminal, a log line per
@@ -835,23 +897,24 @@ async fn copy_one(
     }
     let rows = sink.finish().await.map_err(dst_err)?;
     progress.rows.fetch_add(rows, Ordering::Relaxed);
-    crate::metrics::METRICS.copied(&qualified, rows, bytes);
+    // (Its bytes: `record_bytes`.)
+    crate::metrics::METRICS.copied(&qualified, rows, 0);
     // The table is done when its last range commits, counted here under the row's lock.
     target_tx
         .execute(
-            "UPDATE pgapply.copy_state SET rows_copied = rows_copied + $4, bytes_copied = bytes_copied + $5, \
+            "UPDATE pgapply.copy_state SET rows_copied = rows_copied + $4, \
                     jobs_done = jobs_done + 1, \
                     state = CASE WHEN jobs_done + 1 >= jobs_total THEN 'done' ELSE state END, \
                     finished_at = CASE WHEN jobs_done + 1 >= jobs_total THEN now() ELSE finished_at END \
              WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
-            &[&slot, &table.schema, &table.name, &(rows as i64), &(bytes as i64)],
+            &[&slot, &table.schema, &table.name, &(rows as i64)],
         )
         .await
         .map_err(dst_err)?;
     target_tx.commit().await.map_err(dst_err)?;
     source_tx.commit().await.map_err(src_err)?;
     progress.jobs_left.fetch_sub(1, Ordering::SeqCst);
-    tracing::info!(table = %what, rows, "copied");
+    tracing::info!(table = %what, rows, bytes, "copied");
     Ok(())
 }
 

@@ -177,8 +177,9 @@ async fn run_in_span(
     // Setup, tracker, heartbeat and per applier two connections (statements, catalog reads),
     // plus the dispatcher's catalog reads with parallel workers.
     // (The --streaming parallel helper has a pool of its own: `ApplyStart::add_live_helper`.)
-    // The initial copy needs one per copy job besides the setup session and its heartbeat.
-    let sessions = (5 + 2 * config.apply_workers.max(1)).max(config.copy.jobs + 3);
+    // The initial copy needs one per copy job besides the setup session, its heartbeat and the
+    // recorder of its progress.
+    let sessions = (5 + 2 * config.apply_workers.max(1)).max(config.copy.jobs + 4);
     let pool = target_pool(&config.target, sessions)?;
     let mut setup = target_connection(&pool, &config.target).await?;
     crate::migrations::apply(&mut setup).await?;

@@ -126,6 +126,14 @@ async fn copy_while_the_source_changes_then_stream() {
         total > 1 && done == total,
         "big copied in {done} of {total} page ranges"
     );
+    // Rows and bytes of every table are recorded (bytes while the copy runs, rows per range).
+    let counted = db
+        .count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.copy_state WHERE rows_copied > 0 AND bytes_copied > rows_copied",
+        )
+        .await;
+    assert_eq!(counted, 3);
     // Streaming goes on after a restart without --copy-data, and a second --copy-data does not copy again.
     db.source_sql("INSERT INTO big VALUES (999999, 'after')")
         .await;
