@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::BoolishValueParser;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
@@ -114,11 +115,11 @@ pub struct RunArgs {
     #[arg(long, env = "PGAPPLY_SLOT")]
     pub slot: Option<String>,
     /// Create the slot (pgoutput) if it does not exist.
-    #[arg(long, env = "PGAPPLY_CREATE_SLOT")]
+    #[arg(long, env = "PGAPPLY_CREATE_SLOT", value_parser = BoolishValueParser::new())]
     pub create_slot: bool,
     /// Copy the published tables' existing rows first (creates the slot with a snapshot), then
     /// stream from that point.
-    #[arg(long, env = "PGAPPLY_COPY_DATA")]
+    #[arg(long, env = "PGAPPLY_COPY_DATA", value_parser = BoolishValueParser::new())]
     pub copy_data: bool,
     /// Tables (or parts of large tables) copied at once during --copy-data [default: 4].
     #[arg(long, env = "PGAPPLY_COPY_JOBS")]
@@ -128,7 +129,7 @@ pub struct RunArgs {
     #[arg(long, env = "PGAPPLY_COPY_SPLIT_PAGES")]
     pub copy_split_pages: Option<i64>,
     /// With --copy-data: empty target tables that already hold rows instead of refusing.
-    #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET")]
+    #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET", value_parser = BoolishValueParser::new())]
     pub truncate_target: bool,
     /// Exit 0 once every transaction committed before this LSN is applied.
     #[arg(long, value_name = "LSN", env = "PGAPPLY_ENDPOS")]
@@ -139,14 +140,14 @@ pub struct RunArgs {
     #[arg(long, value_enum, env = "PGAPPLY_STREAMING")]
     pub streaming: Option<Streaming>,
     /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).
-    #[arg(long, env = "PGAPPLY_TWO_PHASE")]
+    #[arg(long, env = "PGAPPLY_TWO_PHASE", value_parser = BoolishValueParser::new())]
     pub two_phase: bool,
     /// Receive values in binary form when every published column has the same built-in type on
     /// both sides and both run the same major version (PostgreSQL 14+); text otherwise.
-    #[arg(long, env = "PGAPPLY_BINARY")]
+    #[arg(long, env = "PGAPPLY_BINARY", value_parser = BoolishValueParser::new())]
     pub binary: bool,
     /// Receive logical decoding messages (pg_logical_emit_message) and log them (PostgreSQL 14+).
-    #[arg(long, env = "PGAPPLY_MESSAGES")]
+    #[arg(long, env = "PGAPPLY_MESSAGES", value_parser = BoolishValueParser::new())]
     pub messages: bool,
     /// `none`: only changes made on the source itself, not ones it replicated from elsewhere
     /// (loop prevention, PostgreSQL 16+) [default: any].

@@ -110,8 +110,9 @@ pub struct FileConfig {
 
 impl FileConfig {
     pub fn load(path: &Path) -> Result<FileConfig> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::usage(format!("--config: cannot read {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::definite(format!("--config: cannot read {}: {e}", path.display()))
+        })?;
         Self::parse(&text).map_err(|e| e.context(format!("--config {}", path.display())))
     }
 
@@ -166,12 +167,35 @@ pub fn parse_table_name(text: &str) -> Result<(String, String)> {
 
 fn read_password_file(path: &Path, which: &str) -> Result<String> {
     let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::usage(format!(
+        Error::definite(format!(
             "{which} password file {}: cannot read it: {e}",
             path.display()
         ))
     })?;
     Ok(text.trim_end_matches(['\n', '\r']).to_owned())
+}
+
+/// The file's conflict policies, global and per table (also what SIGHUP reloads).
+pub fn conflict_policies(file: &FileConfig) -> Result<crate::apply::conflict::PolicyMap> {
+    use crate::apply::conflict::Policies;
+    let mut map = crate::apply::conflict::PolicyMap::default();
+    let global = Policies::merge(
+        Policies::default(),
+        &file.conflicts.clone().unwrap_or_default(),
+        "[conflicts]",
+    )?;
+    map.global = global;
+    for (source_name, table) in file.tables.iter().flatten() {
+        if let Some(policies) = &table.conflicts {
+            let merged = Policies::merge(
+                global,
+                policies,
+                &format!("[tables.{source_name:?}.conflicts]"),
+            )?;
+            map.tables.insert(parse_table_name(source_name)?, merged);
+        }
+    }
+    Ok(map)
 }
 
 /// An on/off setting: the flag, else `PGAPPLY_*` (clap reads a false value there as "not
@@ -345,25 +369,12 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         ));
     }
     config.apply_workers = workers;
-    use crate::apply::conflict::Policies;
-    let global = Policies::merge(
-        Policies::default(),
-        &file.conflicts.clone().unwrap_or_default(),
-        "[conflicts]",
-    )?;
-    config.policies.global = global;
+    config.policies = conflict_policies(file)?;
     for (source_name, table) in file.tables.iter().flatten() {
-        let from = parse_table_name(source_name)?;
-        if let Some(policies) = &table.conflicts {
-            let merged = Policies::merge(
-                global,
-                policies,
-                &format!("[tables.{source_name:?}.conflicts]"),
-            )?;
-            config.policies.tables.insert(from.clone(), merged);
-        }
         if let Some(to) = &table.target {
-            config.table_map.insert(from, parse_table_name(to)?);
+            config
+                .table_map
+                .insert(parse_table_name(source_name)?, parse_table_name(to)?);
         }
     }
     let retry = file.retry.clone().unwrap_or_default();

@@ -357,7 +357,6 @@ pub async fn warn_tables_not_copied(
     };
     match check.await {
         Ok(missing) if !missing.is_empty() => tracing::warn!(
-            slot,
             tables = %missing.join(", "),
             "published now but not part of the initial copy (added to the publication later): their rows from before are not on the target. Copy them by hand, or start over with a new slot and --copy-data --truncate-target"
         ),
@@ -401,7 +400,7 @@ pub async fn reset_interrupted(
         )
         .await
         .map_err(context)?;
-    tracing::warn!(slot, tables = %tables.join(", "), "the previous initial copy was interrupted: starting it over");
+    tracing::warn!(tables = %tables.join(", "), "the previous initial copy was interrupted: starting it over");
     Ok(())
 }
 
@@ -621,20 +620,21 @@ async fn record_bytes(
         if delta > 0 {
             crate::metrics::METRICS.copied(&table.qualified(), 0, delta);
         }
-        let delta = now.saturating_sub(p.bytes_in_state.load(Ordering::Relaxed));
-        if delta == 0 {
+        if now == p.bytes_in_state.load(Ordering::Relaxed) {
             continue;
         }
+        // The total, not an increment: a write cut short (the task is aborted at the end) and
+        // made again cannot count twice.
         let recorded = target
             .execute(
-                "UPDATE pgapply.copy_state SET bytes_copied = bytes_copied + $4 \
+                "UPDATE pgapply.copy_state SET bytes_copied = greatest(bytes_copied, $4) \
                  WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
-                &[&slot, &table.schema, &table.name, &(delta as i64)],
+                &[&slot, &table.schema, &table.name, &(now as i64)],
             )
             .await;
         match recorded {
             Ok(_) => {
-                p.bytes_in_state.fetch_add(delta, Ordering::Relaxed);
+                p.bytes_in_state.store(now, Ordering::Relaxed);
             }
             Err(e) => {
                 tracing::debug!(error = %crate::error::describe_postgres(&e), "could not record the copy's progress; trying again");

@@ -99,7 +99,8 @@ pub fn parse_size(text: &str) -> Result<u64> {
             )))
         }
     };
-    Ok(n * factor)
+    n.checked_mul(factor)
+        .ok_or_else(|| Error::usage(format!("invalid size {text:?}: too large")))
 }
 
 pub async fn cutover(

@@ -83,6 +83,26 @@ impl Error {
         &self.message
     }
 
+    /// The server's SQLSTATE when the error came from a server.
+    pub fn sqlstate(&self) -> Option<&str> {
+        let source = self.source.as_deref()?;
+        let pg = source.downcast_ref::<tokio_postgres::Error>()?;
+        pg.as_db_error().map(|db| db.code().code())
+    }
+
+    /// A connection lost or refused (no server error): the kind a retry is made for.
+    pub fn is_connection_lost(&self) -> bool {
+        match self.source.as_deref() {
+            Some(source) => match source.downcast_ref::<tokio_postgres::Error>() {
+                Some(pg) => pg
+                    .as_db_error()
+                    .is_none_or(|db| db.code().code().starts_with("08")),
+                None => source.downcast_ref::<std::io::Error>().is_some(),
+            },
+            None => false,
+        }
+    }
+
     /// Adds advice after the message.
     pub fn context_after(mut self, advice: impl fmt::Display) -> Self {
         self.message = format!("{}; {advice}", self.message);

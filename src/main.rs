@@ -35,7 +35,10 @@ fn main() -> ExitCode {
         Ok(f) => f.unwrap_or_default(),
         Err(e) => {
             eprintln!("pgapply: error: {e}");
-            return ExitCode::from(EXIT_USAGE);
+            return ExitCode::from(match e.class() {
+                ErrorClass::Usage => EXIT_USAGE,
+                _ => EXIT_DEFINITE,
+            });
         }
     };
     // Flag (or PGAPPLY_LOG_LEVEL) over RUST_LOG over the file over "info", as for every setting.
@@ -180,7 +183,6 @@ struct Reload {
 
 fn reload_on_sighup(
     reload: Reload,
-    args: RunArgs,
     policies: watch::Sender<std::sync::Arc<pgapply::apply::conflict::PolicyMap>>,
 ) {
     tokio::spawn(async move {
@@ -200,9 +202,10 @@ fn reload_on_sighup(
                     continue;
                 }
             };
-            match config::resolve(&args, &file) {
-                Ok((c, _)) => {
-                    policies.send_replace(std::sync::Arc::new(c.policies));
+            // Only what a reload changes: the policies (not the servers or password files).
+            match config::conflict_policies(&file) {
+                Ok(map) => {
+                    policies.send_replace(std::sync::Arc::new(map));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "SIGHUP: settings not reloaded");
@@ -234,7 +237,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
     if let Some(addr) = &service.metrics_addr {
         metrics::serve(addr).await?;
     }
-    reload_on_sighup(reload, args.clone(), policy_tx);
+    reload_on_sighup(reload, policy_tx);
     let mut shutdown = shutdown_signal();
     let mut backoff = Backoff::new(service.retry_min, service.retry_max);
     loop {

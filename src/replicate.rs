@@ -163,10 +163,40 @@ pub async fn run(
     shutdown: watch::Receiver<bool>,
     progress: Option<watch::Sender<RunProgress>>,
 ) -> Result<RunOutcome> {
-    let span = tracing::info_span!("run", slot = %config.slot);
-    run_in_span(config, shutdown, progress)
-        .instrument(span)
+    // error_span: kept whatever the log level, so that warnings and errors name the slot too.
+    let span = tracing::error_span!("run", slot = %config.slot);
+    let target = config.target.clone();
+    let slot = config.slot.clone();
+    let result = run_in_span(config, shutdown, progress)
+        .instrument(span.clone())
+        .await;
+    if result.is_err() {
+        record_failure(&target, &slot).instrument(span).await;
+    }
+    result
+}
+
+/// A run that ended with an error says so in `pgapply status` (`failed`; the log says what, and
+/// whether it is retried), instead of leaving `streaming` or `copying` behind. Only the row this
+/// process wrote (its pid): the error may be that another worker holds the slot. Best effort.
+async fn record_failure(target: &tokio_postgres::Config, slot: &str) {
+    let attempt = async {
+        let client = crate::tls::connect(target).await.ok()?;
+        client
+            .execute(
+                "UPDATE pgapply.progress SET state = 'failed', pid = NULL, heartbeat_at = now() \
+                 WHERE slot_name = $1 AND pid = $2",
+                &[&slot, &(std::process::id() as i32)],
+            )
+            .await
+            .ok()
+    };
+    if tokio::time::timeout(Duration::from_secs(3), attempt)
         .await
+        .is_err()
+    {
+        tracing::debug!("could not record the failure on the target in time");
+    }
 }
 
 async fn run_in_span(
@@ -243,7 +273,7 @@ async fn run_in_span(
     // names it.)
     let copy_again = config.copy_data && copy_status == CopyStatus::Done && !slot_exists;
     if copy_again {
-        tracing::warn!(slot = %config.slot, "the initial copy was done, but its slot no longer exists on the source: copying the tables again into a new slot (the target tables must be empty, or use --truncate-target)");
+        tracing::warn!("the initial copy was done, but its slot no longer exists on the source: copying the tables again into a new slot (the target tables must be empty, or use --truncate-target)");
     }
     if config.copy_data && fence.is_none() && (copy_status != CopyStatus::Done || copy_again) {
         if slot_exists {
@@ -263,13 +293,9 @@ async fn run_in_span(
         let snapshot = session
             .create_slot_with_snapshot(&config.slot, negotiated.two_phase)
             .await?;
-        let beat = tokio::spawn(
-            copy_heartbeat(
-                target_connection(&pool, &config.target).await?,
-                config.slot.clone(),
-            )
-            .in_current_span(),
-        );
+        let client = target_connection(&pool, &config.target).await?;
+        let slot = config.slot.clone();
+        let beat = Background::spawn(|quit| copy_heartbeat(client, slot, quit));
         let copied = copy::copy_tables(
             &config.source,
             &pool,
@@ -282,7 +308,7 @@ async fn run_in_span(
             session.server_version() / 10000,
         )
         .await;
-        beat.abort();
+        beat.stop().await;
         copied?;
         store
             .set_position(&setup, snapshot.consistent_point)
@@ -348,7 +374,6 @@ async fn run_in_span(
     tracing::info!(
         source = %conninfo::describe(&config.source),
         target = %conninfo::describe(&config.target),
-        slot = %config.slot,
         server_version = session.server_version(),
         protocol_version = negotiated.protocol_version,
         progress = match &store.mode { ProgressMode::Origin { .. } => "replication origin", ProgressMode::Table => "pgapply.progress table" },
@@ -395,18 +420,17 @@ async fn run_in_span(
         track_durable(store.clone(), tracker_conn, applied_rx, durable_tx).in_current_span(),
     );
 
-    let reported = Arc::new(tokio::sync::Mutex::new(HeartbeatCounts::default()));
+    let reported = REPORTED.clone();
     let (stop_tx, stop_rx) = watch::channel(None);
-    let heartbeat = tokio::spawn(
-        heartbeat(
-            target_connection(&pool, &config.target).await?,
+    let heartbeat = {
+        let client = target_connection(&pool, &config.target).await?;
+        let (slot, every, reported) = (
             config.slot.clone(),
             config.status_interval,
             reported.clone(),
-            stop_tx,
-        )
-        .in_current_span(),
-    );
+        );
+        Background::spawn(|quit| heartbeat(client, slot, every, reported, stop_tx, quit))
+    };
 
     let (tx, rx) = mpsc::unbounded_channel();
     let (applier_done_tx, applier_done_rx) = watch::channel(false);
@@ -441,7 +465,7 @@ async fn run_in_span(
         Err(e) => return Err(Error::definite(format!("the apply task failed: {e}"))),
     };
     tracker.abort();
-    heartbeat.abort();
+    heartbeat.stop().await;
 
     // Last word to the source: what is durable now.
     let durable = match target_connection(&pool, &config.target).await {
@@ -663,9 +687,10 @@ impl ApplyStart {
             Err(e) => Err(e),
         };
         if let Err(e) = attached {
-            // A connection lost, or the helper's origin still held by the session of a run that
-            // was just killed: the run is retried, as for the main session's origin.
-            if e.is_transient() {
+            // The helper's origin still held by the session of a run that was just killed, or a
+            // connection lost: the run is retried, as for the main session's origin. (Other
+            // transient errors, too many connections say, fall back to spooling.)
+            if e.sqlstate() == Some("55006") || e.is_connection_lost() {
                 return Err(e);
             }
             // Spooling works wherever this does not (no free replication origin, say).
@@ -794,7 +819,7 @@ async fn stop_position(target: &tokio_postgres::Client, slot: &str) -> Result<Op
 /// once, but only when pgapply reads the request).
 pub fn status_interval_problem(interval: Duration, wal_sender_timeout_ms: u64) -> Option<String> {
     let timeout = Duration::from_millis(wal_sender_timeout_ms);
-    (wal_sender_timeout_ms > 0 && interval * 2 > timeout).then(|| {
+    (wal_sender_timeout_ms > 0 && interval > timeout / 2).then(|| {
         format!(
             "--status-interval {} is more than half the source's wal_sender_timeout ({}): the source may end the connection between two status updates; use --status-interval {} or less, or raise wal_sender_timeout on the source",
             humantime::format_duration(interval),
@@ -806,7 +831,7 @@ pub fn status_interval_problem(interval: Duration, wal_sender_timeout_ms: u64) -
 
 /// During the initial copy: `pgapply status` shows the state `copying` (its per-table progress
 /// is in `pgapply.copy_state`), with a heartbeat as fresh as while streaming.
-async fn copy_heartbeat(client: Object, slot: String) {
+async fn copy_heartbeat(client: Object, slot: String, mut quit: watch::Receiver<bool>) {
     loop {
         if let Err(e) = client
             .execute(
@@ -818,9 +843,48 @@ async fn copy_heartbeat(client: Object, slot: String) {
         {
             tracing::debug!(error = %crate::error::describe_postgres(&e), "could not record the copy's heartbeat on the target");
         }
-        tokio::time::sleep(HEARTBEAT_MAX_EVERY).await;
+        tokio::select! {
+            _ = tokio::time::sleep(HEARTBEAT_MAX_EVERY) => {}
+            _ = quit.changed() => return,
+        }
     }
 }
+
+/// A task that writes to the target in the background. Stopped, it is told so and awaited, not
+/// aborted: a write it has under way then lands before what the run writes after it (and is
+/// counted as written).
+struct Background {
+    quit: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Background {
+    fn spawn<F>(make: impl FnOnce(watch::Receiver<bool>) -> F) -> Background
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let (quit, quit_rx) = watch::channel(false);
+        let task = tokio::spawn(make(quit_rx).in_current_span());
+        Background { quit, task }
+    }
+
+    async fn stop(self) {
+        let _ = self.quit.send(true);
+        let mut task = self.task;
+        // A target that stopped answering must not hold the run up for long.
+        if tokio::time::timeout(Duration::from_secs(5), &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
+        }
+    }
+}
+
+/// Counters this process has added to `pgapply.progress`. The metrics count for the whole
+/// process, across the runs its retries make: so must this.
+static REPORTED: std::sync::LazyLock<Arc<tokio::sync::Mutex<HeartbeatCounts>>> =
+    std::sync::LazyLock::new(Arc::default);
 
 /// The longest time between two heartbeats of a running worker: `pgapply status` calls a worker
 /// whose heartbeat is three times older "not responding".
@@ -834,12 +898,16 @@ async fn heartbeat(
     every: Duration,
     reported: Arc<tokio::sync::Mutex<HeartbeatCounts>>,
     stop: watch::Sender<Option<Lsn>>,
+    mut quit: watch::Receiver<bool>,
 ) {
     let every = every.min(HEARTBEAT_MAX_EVERY);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut beaten: Option<Instant> = None;
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = quit.changed() => return,
+        }
         if beaten.is_none_or(|at| at.elapsed() >= every) {
             beaten = Some(Instant::now());
             let mut last = reported.lock().await;

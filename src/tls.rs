@@ -263,11 +263,11 @@ pub async fn connect(
 ) -> std::result::Result<tokio_postgres::Client, ConnectError> {
     let tls = make_tls(config).map_err(ConnectError::Setup)?;
     let (client, connection) = config.connect(tls).await.map_err(ConnectError::Postgres)?;
-    tokio::spawn(async move {
+    tokio::spawn(tracing::Instrument::in_current_span(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "connection ended");
         }
-    });
+    }));
     Ok(client)
 }
 

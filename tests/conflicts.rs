@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{run_with_deadline, stderr, TestDb};
+use common::{run_with_deadline, spawn, stderr, wait_for, TestDb};
 use tokio::process::Command;
 
 fn config_file(name: &str, text: &str) -> std::path::PathBuf {
@@ -372,4 +372,66 @@ async fn a_failing_batched_update_names_its_own_transaction() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(rows, vec![(1, 1), (2, 0), (3, 3)]);
+}
+
+/// The counters of `pgapply status` stay exact when one process retries after losing its target
+/// connections: its metrics go on counting across the retry, and only what was not recorded yet
+/// is added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_stay_exact_across_retries_in_one_process() {
+    let db = TestDb::new("retrycount").await;
+    db.both("CREATE TABLE k (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k").await;
+    db.target_sql("INSERT INTO k VALUES (1, 'local')").await;
+    let config = config_file(
+        "retrycount",
+        "[conflicts]\ninsert_exists = \"keep_local\"\n",
+    );
+    let config_arg = config.to_string_lossy().to_string();
+    let mut child = spawn(db.pgapply(
+        "p",
+        &[
+            "--config",
+            &config_arg,
+            "--retry-min",
+            "100ms",
+            "--retry-max",
+            "200ms",
+        ],
+    ));
+    let recorded = "SELECT coalesce(sum(value::bigint), 0)::bigint FROM pgapply.progress, jsonb_each_text(conflicts)";
+    wait_for("pgapply's state on the target", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'pgapply' AND tablename = 'conflicts'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    db.source_sql("INSERT INTO k VALUES (1, 'remote'), (2, 'two')")
+        .await;
+    wait_for("the conflict in the status", 60, || async {
+        db.count(&db.target, recorded).await == 1
+    })
+    .await;
+    // Every session of the worker on the target ends: the process retries.
+    db.target_sql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'pgapply'",
+    )
+    .await;
+    db.target_sql("INSERT INTO k VALUES (3, 'local')").await;
+    db.source_sql("INSERT INTO k VALUES (3, 'remote')").await;
+    wait_for("the second conflict in the log", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM pgapply.conflicts")
+            .await
+            == 2
+    })
+    .await;
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(child.wait().await.unwrap().success());
+    assert_eq!(db.count(&db.target, recorded).await, 2);
 }

@@ -142,6 +142,11 @@ async fn config_file_and_precedence() {
     );
     let out = run_with_deadline(check(true), 30).await;
     assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ok       settings"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
         !stderr(&out).contains("--two-phase and --apply-workers"),
         "{}",
         stderr(&out)

@@ -489,7 +489,8 @@ impl Applier {
         };
         // The watchdog's cancel may reach the main session after the streamed transaction ended
         // (it aborted meanwhile): still this cause, and still worth a retry.
-        let fired = live.watchdog.fired.load(Ordering::SeqCst);
+        // Set just before the cancel is sent: only a cancelled statement is its doing.
+        let fired = live.watchdog.fired.load(Ordering::SeqCst) && e.sqlstate() == Some("57014");
         let xid = match (live.xid, fired) {
             (Some(xid), _) => xid.to_string(),
             (None, true) => "(already ended)".to_owned(),
