@@ -122,8 +122,10 @@ async fn copy_while_the_source_changes_then_stream() {
         .await
         .map(|r| (r.get(0), r.get(1)))
         .unwrap();
+    // (Page ranges need a 14+ source: TID range scans.)
+    let split = common::clusters().source_major >= 14;
     assert!(
-        total > 1 && done == total,
+        (total > 1 || !split) && done == total,
         "big copied in {done} of {total} page ranges"
     );
     // Rows and bytes of every table are recorded (bytes while the copy runs, rows per range).
@@ -492,8 +494,8 @@ async fn schema_then_copy_then_cutover_with_sequences() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     let db = TestDb::new("cutpart").await;
-    if common::clusters().source_major < 11 {
-        common::skip("a serial column on a partitioned table needs PostgreSQL 11");
+    if common::clusters().source_major < 13 {
+        common::skip("publishing a partitioned table needs PostgreSQL 13");
         return;
     }
     db.both(
