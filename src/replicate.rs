@@ -853,9 +853,10 @@ async fn copy_heartbeat(client: Object, slot: String, mut quit: watch::Receiver<
 /// A task that writes to the target in the background. Stopped, it is told so and awaited, not
 /// aborted: a write it has under way then lands before what the run writes after it (and is
 /// counted as written).
+/// (Dropped without `stop`, on an early return, it is aborted: it must not outlive its run.)
 struct Background {
     quit: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<()>,
+    task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Background {
@@ -865,17 +866,29 @@ impl Background {
     {
         let (quit, quit_rx) = watch::channel(false);
         let task = tokio::spawn(make(quit_rx).in_current_span());
-        Background { quit, task }
+        Background {
+            quit,
+            task: Some(task),
+        }
     }
 
-    async fn stop(self) {
+    async fn stop(mut self) {
         let _ = self.quit.send(true);
-        let mut task = self.task;
-        // A target that stopped answering must not hold the run up for long.
-        if tokio::time::timeout(Duration::from_secs(5), &mut task)
-            .await
-            .is_err()
-        {
+        if let Some(mut task) = self.task.take() {
+            // A target that stopped answering must not hold the run up for long.
+            if tokio::time::timeout(Duration::from_secs(5), &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+            }
+        }
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
             task.abort();
         }
     }
