@@ -435,3 +435,32 @@ async fn status_counts_stay_exact_across_retries_in_one_process() {
     assert!(child.wait().await.unwrap().success());
     assert_eq!(db.count(&db.target, recorded).await, 2);
 }
+
+/// insert_exists = apply_remote on a table whose every column is the key, here a GENERATED
+/// ALWAYS identity on the target: the row there is the row sent, so nothing is overwritten (a
+/// SET of the key would fail on such a column); the conflict is recorded and the run goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_remote_on_a_key_only_identity_table() {
+    let db = TestDb::new("keyonlyid").await;
+    db.source_sql("CREATE TABLE ko (id int PRIMARY KEY)").await;
+    db.target_sql(
+        "CREATE TABLE ko (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY); \
+         INSERT INTO ko OVERRIDING SYSTEM VALUE VALUES (1);",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE ko").await;
+    db.source_sql("INSERT INTO ko VALUES (1), (2)").await;
+    let config = config_file(
+        "keyonlyid",
+        "[conflicts]\ninsert_exists = \"apply_remote\"\n",
+    );
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("ko").await;
+    let recorded = conflicts(&db).await;
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert_eq!(
+        (recorded[0].0.as_str(), recorded[0].1.as_str()),
+        ("insert_exists", "apply_remote")
+    );
+}

@@ -205,22 +205,25 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                         .map(|&c| entry.quoted_columns[c].clone())
                         .collect::<Vec<_>>()
                         .join(", ");
-                    let mut set: Vec<String> = (0..ncols)
+                    let set: Vec<String> = (0..ncols)
                         .filter(|c| !entry.key_columns.contains(c))
                         .map(|c| format!("{0} = EXCLUDED.{0}", entry.quoted_columns[c]))
                         .collect();
                     if set.is_empty() {
-                        set = entry
-                            .key_columns
-                            .iter()
-                            .map(|&c| format!("{0} = EXCLUDED.{0}", entry.quoted_columns[c]))
-                            .collect();
+                        // Every column is in the key: the row there is the row sent, and nothing
+                        // is left to overwrite. (A SET of the key itself would also fail on a
+                        // GENERATED ALWAYS identity key.) A row back still means "it existed".
+                        format!(
+                            "WITH ins AS ({insert} ON CONFLICT ({keys}) DO NOTHING RETURNING 1) \
+                             SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM ins)"
+                        )
+                    } else {
+                        format!(
+                            "WITH ins AS ({insert} ON CONFLICT ({keys}) DO UPDATE SET {} RETURNING xmax) \
+                             SELECT 1 FROM ins WHERE xmax::text <> '0'",
+                            set.join(", ")
+                        )
                     }
-                    format!(
-                        "WITH ins AS ({insert} ON CONFLICT ({keys}) DO UPDATE SET {} RETURNING xmax) \
-                         SELECT 1 FROM ins WHERE xmax::text <> '0'",
-                        set.join(", ")
-                    )
                 }
                 _ => insert,
             }
