@@ -464,3 +464,35 @@ async fn apply_remote_on_a_key_only_identity_table() {
         ("insert_exists", "apply_remote")
     );
 }
+
+/// update_missing = apply_remote where the target's key is a GENERATED ALWAYS identity (left out
+/// of the UPDATE's SET, as it stays): the missing row is inserted with the key that was looked
+/// for, not skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_missing_inserts_the_row_with_an_identity_key() {
+    let db = TestDb::new("umident").await;
+    db.source_sql("CREATE TABLE um (id int PRIMARY KEY, v text)")
+        .await;
+    db.target_sql("CREATE TABLE um (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE um").await;
+    db.source_sql("INSERT INTO um VALUES (1, 'a'), (2, 'a')")
+        .await;
+    let config = config_file(
+        "umident",
+        "[conflicts]\nupdate_missing = \"apply_remote\"\n",
+    );
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.target_sql("DELETE FROM um WHERE id = 2").await;
+    db.source_sql("UPDATE um SET v = 'b'").await;
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("um").await;
+    let recorded = conflicts(&db).await;
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert_eq!(
+        (recorded[0].0.as_str(), recorded[0].1.as_str()),
+        ("update_missing", "apply_remote")
+    );
+}

@@ -1609,10 +1609,14 @@ impl Applier {
         let guarded = (policies.update_exists != Policy::Error
             || policies.multiple_unique_conflicts != Policy::Error)
             && row_match == RowMatch::Key;
-        // The missing row can be inserted only when the new row is complete (no unchanged TOAST
-        // value, no identity column left out of the SET).
+        // The missing row can be inserted only when the new row is complete: no unchanged TOAST
+        // value, and no identity column left out of the SET unless it is a key column (the
+        // INSERT takes it from the key that finds the row).
+        let complete = (0..update.new.len())
+            .all(|c| !unchanged.contains(c) || entry.key_columns.contains(&c))
+            && (unchanged.is_empty() || row_match == RowMatch::Key);
         let (on_conflict, signal) = match policy {
-            Policy::ApplyRemote if unchanged.is_empty() => {
+            Policy::ApplyRemote if complete => {
                 (OnConflict::UpdateOrInsert, (Policy::ApplyRemote, 1))
             }
             Policy::ApplyRemote => (OnConflict::Plain, (Policy::Skip, 0)),

@@ -240,19 +240,28 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
             let filter = row_filter(entry, &shape.row_match, &mut next);
             let update = format!("UPDATE {table} SET {set} WHERE {filter}");
             if shape.on_conflict == OnConflict::UpdateOrInsert {
-                // The SET parameters ($1..) are the whole new row: reused for the INSERT.
-                let columns = set_columns
+                // The SET parameters ($1..) are the new row: reused for the INSERT. A key column
+                // left out of the SET (a GENERATED ALWAYS identity that stays) takes the value
+                // that finds the row, the parameter after them.
+                let mut columns: Vec<String> = set_columns
                     .iter()
                     .map(|&c| entry.quoted_columns[c].clone())
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                let values = (1..=set_columns.len())
-                    .map(|i| format!("${i}"))
-                    .collect::<Vec<_>>()
-                    .join(", ");
+                    .collect();
+                let mut values: Vec<String> =
+                    (1..=set_columns.len()).map(|i| format!("${i}")).collect();
+                if shape.row_match == RowMatch::Key {
+                    for (j, &c) in entry.key_columns.iter().enumerate() {
+                        if shape.unchanged.contains(c) {
+                            columns.push(entry.quoted_columns[c].clone());
+                            values.push(format!("${}", set_columns.len() + j + 1));
+                        }
+                    }
+                }
                 format!(
-                    "WITH upd AS ({update} RETURNING 1) INSERT INTO {table} ({columns}){overriding} \
-                     SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM upd)"
+                    "WITH upd AS ({update} RETURNING 1) INSERT INTO {table} ({}){overriding} \
+                     SELECT {} WHERE NOT EXISTS (SELECT 1 FROM upd)",
+                    columns.join(", "),
+                    values.join(", ")
                 )
             } else {
                 update
