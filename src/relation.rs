@@ -101,6 +101,11 @@ pub struct RelationCache {
     /// Source (schema, table) -> target (schema, table), where they differ.
     table_map: Arc<crate::config::TableMap>,
     relations: HashMap<Oid, Arc<RelationEntry>>,
+    /// Relations whose latest description does not fit the target (no such table, a column
+    /// missing ...): the error, raised when a change uses the relation. PostgreSQL also
+    /// describes a partition when it publishes through the root, and a target may well have no
+    /// such table; PostgreSQL's own subscriber, too, looks a table up only for a change.
+    unusable: HashMap<Oid, String>,
     types: HashMap<Oid, TypeInfo>,
     generation: u64,
 }
@@ -114,6 +119,9 @@ impl RelationCache {
     }
 
     pub fn get(&self, oid: Oid) -> Result<&Arc<RelationEntry>> {
+        if let Some(message) = self.unusable.get(&oid) {
+            return Err(Error::definite(message.clone()));
+        }
         self.relations.get(&oid).ok_or_else(|| {
             Error::definite(format!(
                 "the source sent a change for relation OID {oid} before describing it in a Relation message; this is a protocol error: restart pgapply"
@@ -133,7 +141,28 @@ impl RelationCache {
     }
 
     /// Resolves a Relation message against the target's catalog and stores it.
+    /// Takes in a Relation message. A description that does not fit the target is an error
+    /// here and, remembered, for every change of the relation until a description that fits.
     pub async fn update(
+        &mut self,
+        relation: Relation,
+        catalog: &Client,
+    ) -> Result<Arc<RelationEntry>> {
+        let oid = relation.oid;
+        match self.resolve(relation, catalog).await {
+            Ok(entry) => {
+                self.unusable.remove(&oid);
+                Ok(entry)
+            }
+            Err(e) if !e.is_transient() => {
+                self.unusable.insert(oid, e.message().to_owned());
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn resolve(
         &mut self,
         relation: Relation,
         catalog: &Client,

@@ -641,3 +641,43 @@ async fn a_type_changed_while_binary_values_arrive_stops_with_what_to_do() {
     db.sync("p").await;
     db.assert_same("b").await;
 }
+
+/// A partitioned table published through its root (`publish_via_partition_root`) into a plain
+/// table on the target. PostgreSQL describes each partition too, which the target does not
+/// have: only the root's changes arrive, and they land in the plain table, row moves between
+/// partitions and TRUNCATE included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_source_through_its_root_into_a_plain_table() {
+    if common::clusters().source_major < 13 {
+        common::skip("publish_via_partition_root needs PostgreSQL 13");
+        return;
+    }
+    let db = TestDb::new("viaroot").await;
+    db.source_sql(
+        "CREATE TABLE m (id int, at int, v text, PRIMARY KEY (id, at)) PARTITION BY RANGE (at); \
+         CREATE TABLE m_1 PARTITION OF m FOR VALUES FROM (0) TO (100); \
+         CREATE TABLE m_2 PARTITION OF m FOR VALUES FROM (100) TO (200);",
+    )
+    .await;
+    db.target_sql("CREATE TABLE m (id int, at int, v text, PRIMARY KEY (id, at))")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = true)")
+        .await;
+    db.source_sql("INSERT INTO m SELECT g, g % 200, 'v' FROM generate_series(1, 300) g")
+        .await;
+    db.source_sql("UPDATE m SET v = 'changed' WHERE id % 3 = 0")
+        .await;
+    // Moves rows from m_1 to m_2.
+    db.source_sql("UPDATE m SET at = at + 100 WHERE at < 50")
+        .await;
+    db.source_sql("DELETE FROM m WHERE id % 7 = 0").await;
+    let out = db.sync("p").await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("m").await;
+    db.source_sql("TRUNCATE m").await;
+    db.source_sql("INSERT INTO m VALUES (1, 150, 'after the truncate')")
+        .await;
+    db.sync("p").await;
+    db.assert_same("m").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM m").await, 1);
+}

@@ -1023,13 +1023,15 @@ impl Applier {
                 // Held updates were built for the relation as it was.
                 self.flush_held_updates(None).await?;
                 let name = format!("{}.{}", r.namespace, r.name);
-                self.relations
-                    .update(r, &self.catalog)
-                    .await
-                    .map(|_| ())
-                    .inspect_err(|_| {
-                        tracing::debug!(relation = %name, "relation not usable on the target");
-                    })
+                match self.relations.update(r, &self.catalog).await {
+                    Ok(_) => Ok(()),
+                    // Raised by the first change of it, if one comes (see `RelationCache`).
+                    Err(e) if !e.is_transient() => {
+                        tracing::debug!(relation = %name, error = %e, "relation not usable on the target");
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
             }
             LogicalMessage::Type(t) => {
                 self.relations.remember_type(t);
