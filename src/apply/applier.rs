@@ -1982,10 +1982,18 @@ impl Applier {
         };
         self.flush_held_updates(None).await?;
         let mut tables = Vec::with_capacity(truncate.relations.len());
+        let mut names = Vec::with_capacity(truncate.relations.len());
         for oid in &truncate.relations {
-            tables.push(self.relations.get(*oid)?.target.qualified.clone());
+            let entry = self.relations.get(*oid)?;
+            tables.push(entry.target.qualified.clone());
+            // Each table the source truncated is listed: an inheritance child too, if it was.
+            names.push(format!(
+                "{}{}",
+                super::statement::only(entry),
+                entry.target.qualified
+            ));
         }
-        let mut sql = format!("TRUNCATE {}", tables.join(", "));
+        let mut sql = format!("TRUNCATE {}", names.join(", "));
         if truncate.restart_identity() {
             sql.push_str(" RESTART IDENTITY");
         }

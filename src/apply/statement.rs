@@ -238,7 +238,8 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                 .collect::<Vec<_>>()
                 .join(", ");
             let filter = row_filter(entry, &shape.row_match, &mut next);
-            let update = format!("UPDATE {table} SET {set} WHERE {filter}");
+            let only = only(entry);
+            let update = format!("UPDATE {only}{table} SET {set} WHERE {filter}");
             if shape.on_conflict == OnConflict::UpdateOrInsert {
                 // The SET parameters ($1..) are the new row: reused for the INSERT. A key column
                 // left out of the SET (a GENERATED ALWAYS identity that stays) takes the value
@@ -269,9 +270,20 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
         }
         Operation::Delete => {
             let filter = row_filter(entry, &shape.row_match, &mut next);
-            format!("DELETE FROM {table} WHERE {filter}")
+            format!("DELETE FROM {}{table} WHERE {filter}", only(entry))
         }
         Operation::UpdateBatch => super::batch::batch_sql(entry, &shape.unchanged, shape.rows),
+    }
+}
+
+/// `ONLY ` for a plain table: an UPDATE or DELETE of an inheritance parent must not reach its
+/// children (the source sends their changes as their own). A partitioned table has its rows in
+/// its partitions: no ONLY there.
+pub fn only(entry: &RelationEntry) -> &'static str {
+    if entry.target.partitioned {
+        ""
+    } else {
+        "ONLY "
     }
 }
 
@@ -324,7 +336,7 @@ fn row_filter(
             if entry.target.partitioned {
                 format!("(tableoid, ctid) = (SELECT tableoid, ctid FROM {table} WHERE {conditions} LIMIT 1)")
             } else {
-                format!("ctid = (SELECT ctid FROM {table} WHERE {conditions} LIMIT 1)")
+                format!("ctid = (SELECT ctid FROM ONLY {table} WHERE {conditions} LIMIT 1)")
             }
         }
     }
