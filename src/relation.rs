@@ -229,8 +229,33 @@ impl RelationCache {
                             target.qualified
                         ));
                     }
+                    // Without the old description (pgapply restarted since): a target column
+                    // of the same type that the source no longer sends may be the old name.
+                    let candidates: Vec<String> = target
+                        .columns
+                        .iter()
+                        .filter(|t| {
+                            !t.generated
+                                && t.type_oid == column.type_oid
+                                && !relation.columns.iter().any(|c| c.name == t.name)
+                        })
+                        .map(|t| quote_ident(&t.name))
+                        .collect();
+                    let renamed = match candidates.as_slice() {
+                        [] => String::new(),
+                        [one] => format!(
+                            "; or, if the source renamed {one} to {new}, rename it on the target instead (ALTER TABLE {table} RENAME COLUMN {one} TO {new})",
+                            new = quote_ident(&column.name),
+                            table = target.qualified
+                        ),
+                        more => format!(
+                            "; or, if the source renamed one of {} to {}, rename that one on the target instead",
+                            more.join(", "),
+                            quote_ident(&column.name)
+                        ),
+                    };
                     Error::definite(format!(
-                        "column {} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} ...)",
+                        "column {} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} ...){renamed}",
                         quote_ident(&column.name),
                         target.qualified,
                         target.qualified,

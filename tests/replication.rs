@@ -592,6 +592,23 @@ async fn a_relation_sent_again_unchanged_keeps_its_prepared_statements() {
             && err.contains("RENAME TO \"r2\""),
         "{err}"
     );
+    // A fresh cache (pgapply restarted since) has no old description: the target's column of
+    // the same type that the source no longer sends is named as the possible old name.
+    let mut fresh = pgapply::relation::RelationCache::new(Default::default());
+    let mut renamed_column = relation(None, vec![column("id", true), column("w", false)]);
+    renamed_column.columns[1].type_oid = 25;
+    let err = fresh
+        .update(renamed_column, &db.target)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("if the source renamed \"v\" to \"w\"")
+            && err.contains("RENAME COLUMN \"v\" TO \"w\""),
+        "{err}"
+    );
+    // The relation stays unusable until described again: its first change gets the error.
+    assert!(fresh.get(4242).is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
