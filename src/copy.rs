@@ -316,7 +316,7 @@ struct TableProgress {
 }
 
 /// The source tables (schema, name) a slot's initial copy took in.
-async fn copied_tables(
+pub(crate) async fn copied_tables(
     target: &Client,
     slot: &str,
 ) -> std::result::Result<Vec<(String, String)>, tokio_postgres::Error> {

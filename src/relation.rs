@@ -88,7 +88,7 @@ fn binary_forms_differ(source: Oid, target: Oid) -> bool {
 }
 
 /// The server sends an empty namespace for pg_catalog.
-fn source_schema(rel: &Relation) -> &str {
+pub fn source_schema(rel: &Relation) -> &str {
     if rel.namespace.is_empty() {
         "pg_catalog"
     } else {

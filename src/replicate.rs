@@ -363,6 +363,18 @@ async fn run_in_span(
     store
         .retire_unused_workers(&setup, origins_in_use, resume)
         .await?;
+    // After a finished initial copy, the tables it took in: a change of another table (published
+    // since) is named once, as its earlier rows are not on the target.
+    let copied_tables = match copy::status(&setup, &config.slot).await? {
+        CopyStatus::Done => Some(Arc::new(
+            copy::copied_tables(&setup, &config.slot)
+                .await
+                .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?
+                .into_iter()
+                .collect::<std::collections::HashSet<_>>(),
+        )),
+        _ => None,
+    };
     drop(setup);
     if session.server_version() < 110000 {
         tracing::warn!("the source runs PostgreSQL 10, which does not replicate TRUNCATE: truncate the target's tables yourself when you truncate on the source");
@@ -408,6 +420,7 @@ async fn run_in_span(
             .unwrap_or_else(|| std::env::temp_dir().join(format!("pgapply-spool-{}", config.slot))),
         worker: None,
         live_streaming: live_possible,
+        copied_tables,
     };
     let apply = ApplyStart::prepare(&config, &pool, &store, resume, applied_tx, options).await?;
     let mut stream = session

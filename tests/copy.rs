@@ -3,6 +3,8 @@
 
 mod common;
 
+use futures_util::FutureExt;
+
 use common::{connect, run_with_deadline, spawn, stderr, wait_for, TestDb};
 
 async fn setup(db: &TestDb) {
@@ -715,6 +717,38 @@ async fn cutover_names_a_transaction_still_prepared() {
         return;
     }
     let db = TestDb::new("cutprep").await;
+    // A prepared transaction left on the shared source would hold up every slot created after
+    // it (other tests'): it is rolled back whatever happens here.
+    let gid = format!("undecided_{}", db.name);
+    let outcome = std::panic::AssertUnwindSafe(cutover_with_a_prepared_transaction(&db, &gid))
+        .catch_unwind()
+        .await;
+    let _ = db
+        .source
+        .batch_execute(&format!("ROLLBACK PREPARED '{gid}'"))
+        .await;
+    if let Ok(rows) = db
+        .target
+        .query(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()",
+            &[],
+        )
+        .await
+    {
+        for row in rows {
+            let target_gid: String = row.get(0);
+            let _ = db
+                .target
+                .batch_execute(&format!("ROLLBACK PREPARED '{target_gid}'"))
+                .await;
+        }
+    }
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+async fn cutover_with_a_prepared_transaction(db: &TestDb, gid: &str) {
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
     let mut worker = spawn(db.pgapply("p", &["--two-phase", "--create-slot"]));
@@ -731,8 +765,10 @@ async fn cutover_names_a_transaction_still_prepared() {
     })
     .await;
     db.source_sql("INSERT INTO t VALUES (1)").await;
-    db.source_sql("BEGIN; INSERT INTO t VALUES (2); PREPARE TRANSACTION 'undecided';")
-        .await;
+    db.source_sql(&format!(
+        "BEGIN; INSERT INTO t VALUES (2); PREPARE TRANSACTION '{gid}';"
+    ))
+    .await;
     let prepared_on_target = "SELECT count(*) FROM pg_prepared_xacts \
          WHERE database = current_database() AND gid LIKE 'pgapply\\_%'";
     wait_for("the prepared transaction on the target", 60, || async {
@@ -757,17 +793,6 @@ async fn cutover_names_a_transaction_still_prepared() {
     assert!(status.success(), "worker exit: {status}");
     assert_eq!(db.count(&db.target, prepared_on_target).await, 1);
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 1);
-    db.source_sql("ROLLBACK PREPARED 'undecided'").await;
-    let gid: String = db
-        .target
-        .query_one(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    db.target_sql(&format!("ROLLBACK PREPARED '{gid}'")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -963,4 +988,47 @@ async fn a_table_rewritten_during_the_copy_is_not_copied_empty() {
             "{t}"
         );
     }
+}
+
+/// A table added to the publication while pgapply runs, after its initial copy: its changes are
+/// applied from then on, and pgapply names it once, since the rows it had before are not on the
+/// target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_published_after_the_copy_is_named_when_its_changes_arrive() {
+    let db = TestDb::new("latejoin").await;
+    db.both(
+        "CREATE TABLE early (id int PRIMARY KEY); CREATE TABLE late (id int PRIMARY KEY, v text);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO early VALUES (1); INSERT INTO late VALUES (1, 'before'); \
+         CREATE PUBLICATION p FOR TABLE early;",
+    )
+    .await;
+    let log_path = std::env::temp_dir().join(format!("pgapply-test-{}.log", db.name));
+    let mut cmd = db.pgapply("p", &["--copy-data", "--create-slot"]);
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    wait_for("the copy", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM early").await == 1
+    })
+    .await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE late").await;
+    db.source_sql("INSERT INTO late VALUES (2, 'after')").await;
+    wait_for("the new table's change", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM late").await == 1
+    })
+    .await;
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(child.wait().await.unwrap().success());
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    let named: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("the initial copy did not take in"))
+        .collect();
+    assert_eq!(named.len(), 1, "{log}");
+    assert!(named[0].contains("\"public\".\"late\""), "{log}");
 }

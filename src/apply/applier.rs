@@ -354,6 +354,7 @@ pub struct Applier {
     live_helper: Option<live::HelperState>,
     /// The queue permit of the message being dispatched, for a message forwarded to the helper.
     permit: Option<OwnedSemaphorePermit>,
+    copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
 }
 
 /// Prepared statements of the turn steps.
@@ -400,7 +401,13 @@ pub struct ApplierOptions {
     /// `--streaming parallel` was negotiated (and two-phase was not): apply streamed
     /// transactions as they arrive on a helper connection (`applier::live`).
     pub live_streaming: bool,
+    /// After a finished initial copy: the source tables (schema, name) it copied.
+    pub copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
 }
+
+/// Tables already named by `Applier::entry` in this process (parallel workers share it).
+static NOT_COPIED_WARNED: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<Oid>>> =
+    std::sync::LazyLock::new(Default::default);
 
 impl Applier {
     pub async fn new(
@@ -551,7 +558,32 @@ impl Applier {
             live: None,
             live_helper: None,
             permit: None,
+            copied_tables: options.copied_tables,
         })
+    }
+
+    /// The relation a change is for. After an initial copy, a table it did not take in (added to
+    /// the publication since) is named once: its earlier rows are not on the target.
+    fn entry(&self, oid: Oid) -> Result<Arc<RelationEntry>> {
+        let entry = self.relations.get(oid)?.clone();
+        if let Some(copied) = &self.copied_tables {
+            let source = (
+                crate::relation::source_schema(&entry.source).to_owned(),
+                entry.source.name.clone(),
+            );
+            let first = !copied.contains(&source)
+                && NOT_COPIED_WARNED
+                    .lock()
+                    .map(|mut w| w.insert(oid))
+                    .unwrap_or(false);
+            if first {
+                tracing::warn!(
+                    table = %entry.display_name(),
+                    "changes arrive for a table the initial copy did not take in (published after it): its earlier rows are not on the target, so their updates and deletes will be missing-row conflicts. Copy them by hand, or start over with a new slot and --copy-data --truncate-target"
+                );
+            }
+        }
+        Ok(entry)
     }
 
     pub fn client(&self) -> &Client {
@@ -1235,7 +1267,7 @@ impl Applier {
         let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Insert")? else {
             return Ok(());
         };
-        let entry = self.relations.get(insert.relation)?.clone();
+        let entry = self.entry(insert.relation)?;
         Self::check_width(&entry, &insert.new)?;
         self.flush_held_updates(Some(entry.target.oid)).await?;
         let mut params = Vec::with_capacity(insert.new.len());
@@ -1548,7 +1580,7 @@ impl Applier {
         let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Update")? else {
             return Ok(());
         };
-        let entry = self.relations.get(update.relation)?.clone();
+        let entry = self.entry(update.relation)?;
         Self::check_width(&entry, &update.new)?;
         let policies = self.policies_for(&entry);
         // The common case first: an update that keeps its key, held for a batched statement.
@@ -1940,7 +1972,7 @@ impl Applier {
         let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Delete")? else {
             return Ok(());
         };
-        let entry = self.relations.get(delete.relation)?.clone();
+        let entry = self.entry(delete.relation)?;
         Self::check_binary(&entry, delete.old.tuple())?;
         self.flush_held_updates(Some(entry.target.oid)).await?;
         let mut params = Vec::new();
@@ -1984,12 +2016,12 @@ impl Applier {
         let mut tables = Vec::with_capacity(truncate.relations.len());
         let mut names = Vec::with_capacity(truncate.relations.len());
         for oid in &truncate.relations {
-            let entry = self.relations.get(*oid)?;
+            let entry = self.entry(*oid)?;
             tables.push(entry.target.qualified.clone());
             // Each table the source truncated is listed: an inheritance child too, if it was.
             names.push(format!(
                 "{}{}",
-                super::statement::only(entry),
+                super::statement::only(&entry),
                 entry.target.qualified
             ));
         }
