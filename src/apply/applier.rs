@@ -355,6 +355,8 @@ pub struct Applier {
     /// The queue permit of the message being dispatched, for a message forwarded to the helper.
     permit: Option<OwnedSemaphorePermit>,
     copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
+    /// Relations `entry` has looked up in `copied_tables` already.
+    copy_checked: HashSet<Oid>,
 }
 
 /// Prepared statements of the turn steps.
@@ -405,9 +407,11 @@ pub struct ApplierOptions {
     pub copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
 }
 
-/// Tables already named by `Applier::entry` in this process (parallel workers share it).
-static NOT_COPIED_WARNED: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<Oid>>> =
-    std::sync::LazyLock::new(Default::default);
+/// Tables (slot, relation) already named by `Applier::entry` in this process: parallel workers
+/// and retries share it.
+static NOT_COPIED_WARNED: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashSet<(String, Oid)>>,
+> = std::sync::LazyLock::new(Default::default);
 
 impl Applier {
     pub async fn new(
@@ -559,28 +563,32 @@ impl Applier {
             live_helper: None,
             permit: None,
             copied_tables: options.copied_tables,
+            copy_checked: HashSet::new(),
         })
     }
 
     /// The relation a change is for. After an initial copy, a table it did not take in (added to
     /// the publication since) is named once: its earlier rows are not on the target.
-    fn entry(&self, oid: Oid) -> Result<Arc<RelationEntry>> {
+    fn entry(&mut self, oid: Oid) -> Result<Arc<RelationEntry>> {
         let entry = self.relations.get(oid)?.clone();
         if let Some(copied) = &self.copied_tables {
-            let source = (
-                crate::relation::source_schema(&entry.source).to_owned(),
-                entry.source.name.clone(),
-            );
-            let first = !copied.contains(&source)
-                && NOT_COPIED_WARNED
-                    .lock()
-                    .map(|mut w| w.insert(oid))
-                    .unwrap_or(false);
-            if first {
-                tracing::warn!(
-                    table = %entry.display_name(),
-                    "changes arrive for a table the initial copy did not take in (published after it): its earlier rows are not on the target, so their updates and deletes will be missing-row conflicts. Copy them by hand, or start over with a new slot and --copy-data --truncate-target"
+            // Once per relation: this is on every change's path.
+            if self.copy_checked.insert(oid) {
+                let source = (
+                    crate::relation::source_schema(&entry.source).to_owned(),
+                    entry.source.name.clone(),
                 );
+                let first = !copied.contains(&source)
+                    && NOT_COPIED_WARNED
+                        .lock()
+                        .map(|mut w| w.insert((self.slot.clone(), oid)))
+                        .unwrap_or(false);
+                if first {
+                    tracing::warn!(
+                        table = %entry.display_name(),
+                        "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. Copy them by hand if so, or start over with a new slot and --copy-data --truncate-target"
+                    );
+                }
             }
         }
         Ok(entry)
@@ -2750,7 +2758,8 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
             }
             Some((
                 format!(
-                    "SELECT to_jsonb(t)::text FROM {} t WHERE {}",
+                    "SELECT to_jsonb(t)::text FROM {}{} t WHERE {}",
+                    super::statement::only(entry),
                     entry.target.qualified,
                     conditions.join(" AND ")
                 ),

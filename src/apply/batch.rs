@@ -264,8 +264,9 @@ pub fn batch_sql(entry: &RelationEntry, unchanged: &ColumnSet, rows: usize) -> S
         .join(" AND ");
     format!(
         "WITH v (r{aliases}) AS (VALUES {values}), \
-         u AS (UPDATE {table} t SET {set} FROM v WHERE {matches} RETURNING v.r) \
+         u AS (UPDATE {only}{table} t SET {set} FROM v WHERE {matches} RETURNING v.r) \
          SELECT r FROM v WHERE r NOT IN (SELECT r FROM u)",
+        only = super::statement::only(entry),
         table = entry.target.qualified,
         set = set.join(", "),
     )
@@ -389,7 +390,7 @@ mod tests {
         assert_eq!(
             sql,
             "WITH v (r, c0, c1, c2) AS (VALUES (0, $1, $2, $3), (1, $4, $5, $6)), \
-             u AS (UPDATE \"public\".\"t\" t SET \"a\" = v.c1, \"b\" = v.c2 FROM v WHERE t.\"id\" = v.c0 RETURNING v.r) \
+             u AS (UPDATE ONLY \"public\".\"t\" t SET \"a\" = v.c1, \"b\" = v.c2 FROM v WHERE t.\"id\" = v.c0 RETURNING v.r) \
              SELECT r FROM v WHERE r NOT IN (SELECT r FROM u)"
         );
         let mut unchanged = ColumnSet::default();

@@ -139,8 +139,9 @@ pub async fn clashing_rows(
         return Ok(Vec::new());
     }
     let mut sql = format!(
-        "SELECT tableoid::oid, ctid::text, to_jsonb(t)::text, ARRAY[{}]::bool[] FROM {} t WHERE ({})",
+        "SELECT tableoid::oid, ctid::text, to_jsonb(t)::text, ARRAY[{}]::bool[] FROM {}{} t WHERE ({})",
         any_of.join(", "),
+        super::statement::only(entry),
         entry.target.qualified,
         any_of.join(" OR ")
     );
@@ -183,7 +184,8 @@ pub async fn delete_rows(
     rows: &[ClashingRow],
 ) -> Result<()> {
     let sql = format!(
-        "DELETE FROM {} WHERE tableoid = $1::oid AND ctid = $2::text::tid",
+        "DELETE FROM {}{} WHERE tableoid = $1::oid AND ctid = $2::text::tid",
+        super::statement::only(entry),
         entry.target.qualified
     );
     for row in rows {
