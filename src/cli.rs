@@ -93,24 +93,8 @@ pub enum Streaming {
 /// over the file.
 #[derive(Debug, Clone, Args, Default)]
 pub struct RunArgs {
-    /// Configuration file (TOML).
-    #[arg(long, env = "PGAPPLY_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Source connection: libpq key=value string or postgres:// URL.
-    #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
-    pub source: Option<String>,
-    /// Target connection: libpq key=value string or postgres:// URL.
-    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
-    pub target: Option<String>,
-    /// File holding the source password (instead of PGPASSWORD or ~/.pgpass).
-    #[arg(long, env = "PGAPPLY_SOURCE_PASSWORD_FILE")]
-    pub source_password_file: Option<PathBuf>,
-    /// File holding the target password.
-    #[arg(long, env = "PGAPPLY_TARGET_PASSWORD_FILE")]
-    pub target_password_file: Option<PathBuf>,
-    /// Publication name(s) on the source, comma separated, taken as given (case and spaces kept).
-    #[arg(long, env = "PGAPPLY_PUBLICATION", value_delimiter = ',')]
-    pub publication: Vec<String>,
+    #[command(flatten)]
+    pub servers: ServersArgs,
     /// Logical replication slot on the source.
     #[arg(long, env = "PGAPPLY_SLOT")]
     pub slot: Option<String>,
@@ -182,18 +166,17 @@ pub struct RunArgs {
     pub metrics_addr: Option<String>,
 }
 
-/// Source, target and publications, for commands that compare or copy definitions. Each may
-/// come from the config file instead, as for `run`.
-#[derive(Debug, Args)]
+/// Source, target and publications: `run`, `check`, `cutover`, `verify` and `schema`. Each may
+/// come from the config file instead.
+#[derive(Debug, Clone, Args, Default)]
 pub struct ServersArgs {
-    /// Configuration file (the keys of `run`: source, target, password files, publication,
-    /// tables).
+    /// Configuration file (TOML).
     #[arg(long, env = "PGAPPLY_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Source connection.
+    /// Source connection: libpq key=value string or postgres:// URL.
     #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
     pub source: Option<String>,
-    /// Target connection.
+    /// Target connection: libpq key=value string or postgres:// URL.
     #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
     pub target: Option<String>,
     /// File holding the source password (instead of PGPASSWORD or ~/.pgpass).
@@ -202,21 +185,9 @@ pub struct ServersArgs {
     /// File holding the target password.
     #[arg(long, env = "PGAPPLY_TARGET_PASSWORD_FILE")]
     pub target_password_file: Option<PathBuf>,
-    /// Publication name(s) whose tables are concerned.
+    /// Publication name(s) on the source, comma separated, taken as given (case and spaces kept).
     #[arg(long, env = "PGAPPLY_PUBLICATION", value_delimiter = ',')]
     pub publication: Vec<String>,
-}
-
-impl ServersArgs {
-    pub fn flags(&self) -> crate::config::ServerFlags<'_> {
-        crate::config::ServerFlags {
-            source: self.source.as_ref(),
-            target: self.target.as_ref(),
-            source_password_file: self.source_password_file.as_ref(),
-            target_password_file: self.target_password_file.as_ref(),
-            publication: &self.publication,
-        }
-    }
 }
 
 /// `pgapply verify`.

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
-use crate::cli::{LogFormat, RunArgs, Streaming};
+use crate::cli::{LogFormat, RunArgs, ServersArgs, Streaming};
 
 use crate::conninfo;
 use crate::error::{Error, Result};
@@ -224,15 +224,6 @@ pub struct Servers {
     pub publications: Vec<String>,
 }
 
-/// What `--source`, `--target`, their password files and `--publication` hold, for any command.
-pub struct ServerFlags<'a> {
-    pub source: Option<&'a String>,
-    pub target: Option<&'a String>,
-    pub source_password_file: Option<&'a PathBuf>,
-    pub target_password_file: Option<&'a PathBuf>,
-    pub publication: &'a [String],
-}
-
 fn missing(what: &str, key: &str) -> Error {
     Error::usage(format!(
         "no {what} given: use --{} (or PGAPPLY_{}), or `{key} = ...` in the config file",
@@ -242,25 +233,29 @@ fn missing(what: &str, key: &str) -> Error {
 }
 
 /// Flags and environment (already merged by clap) over the file.
-pub fn resolve_servers(args: ServerFlags<'_>, file: &FileConfig) -> Result<Servers> {
+pub fn resolve_servers(args: &ServersArgs, file: &FileConfig) -> Result<Servers> {
     let source_text = args
         .source
+        .as_ref()
         .or(file.source.as_ref())
         .ok_or_else(|| missing("source connection", "source"))?;
     let target_text = args
         .target
+        .as_ref()
         .or(file.target.as_ref())
         .ok_or_else(|| missing("target connection", "target"))?;
     let mut source = conninfo::parse("source", source_text)?;
     let mut target = conninfo::parse("target", target_text)?;
     if let Some(path) = args
         .source_password_file
+        .as_ref()
         .or(file.source_password_file.as_ref())
     {
         source.password(read_password_file(path, "source")?);
     }
     if let Some(path) = args
         .target_password_file
+        .as_ref()
         .or(file.target_password_file.as_ref())
     {
         target.password(read_password_file(path, "target")?);
@@ -296,16 +291,7 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         source,
         target,
         publications,
-    } = resolve_servers(
-        ServerFlags {
-            source: args.source.as_ref(),
-            target: args.target.as_ref(),
-            source_password_file: args.source_password_file.as_ref(),
-            target_password_file: args.target_password_file.as_ref(),
-            publication: &args.publication,
-        },
-        file,
-    )?;
+    } = resolve_servers(&args.servers, file)?;
     let slot = args
         .slot
         .clone()

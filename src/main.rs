@@ -25,8 +25,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The file may set the log level, so it is read before logging starts.
     let config_path = match &cli.command {
-        Command::Run(a) | Command::Check(a) => a.config.clone(),
-        Command::Cutover(a) => a.run.config.clone(),
+        Command::Run(a) | Command::Check(a) => a.servers.config.clone(),
+        Command::Cutover(a) => a.run.servers.config.clone(),
         Command::Verify(a) => a.servers.config.clone(),
         Command::Schema(a) => a.servers.config.clone(),
         _ => None,
@@ -113,7 +113,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => {
                 let reload = Reload {
-                    path: args.config.clone(),
+                    path: args.servers.config.clone(),
                     log: log_reload,
                     level_from_file,
                 };
@@ -124,7 +124,7 @@ fn main() -> ExitCode {
             Command::Skip(args) => skip::skip_command(&args).await,
             Command::Verify(args) => verify_command(args, file).await,
             Command::Cutover(args) => cutover_command(args, file).await,
-            Command::Schema(args) => match config::resolve_servers(args.servers.flags(), &file) {
+            Command::Schema(args) => match config::resolve_servers(&args.servers, &file) {
                 Ok(servers) => {
                     schema::schema(
                         &servers.source,
@@ -275,7 +275,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
 }
 
 async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error> {
-    let servers = config::resolve_servers(args.servers.flags(), &file)?;
+    let servers = config::resolve_servers(&args.servers, &file)?;
     let mut table_map = config::TableMap::new();
     for (name, table) in file.tables.iter().flatten() {
         if let Some(to) = &table.target {

@@ -388,33 +388,9 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         s == t
     })
     .await;
-    let slot = db.slot();
-    wait_for("the worker to stream", 60, || async {
-        db.source
-            .query_one("SELECT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
-            .await
-            .map(|r| r.get::<_, bool>(0))
-            .unwrap_or(false)
-    })
-    .await;
+    db.wait_slot_active().await;
     // Cutover with the worker running: lag, freeze, drain, sequences, verify.
-    let out = run_with_deadline(
-        db.on_both(
-            "cutover",
-            &[
-                "--slot",
-                &db.slot(),
-                "--freeze-writes",
-                &role,
-                "--timeout",
-                "60s",
-            ],
-        ),
-        120,
-    )
-    .await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let text = db.cutover(&["--freeze-writes", &role]).await;
     assert!(
         text.contains("step 4: copied 2 sequence(s)") && text.contains("cutover done"),
         "{text}"
@@ -521,13 +497,7 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.source_sql("INSERT INTO events (at) VALUES (150)").await;
     // No worker runs: the cutover applies the rest itself, then copies the sequence that the
     // partitions' column takes its values from (owned by the partitioned table).
-    let out = run_with_deadline(
-        db.on_both("cutover", &["--slot", &db.slot(), "--timeout", "60s"]),
-        120,
-    )
-    .await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let text = db.cutover(&[]).await;
     assert!(text.contains("step 4: copied 1 sequence(s)"), "{text}");
     assert_eq!(
         db.count(&db.target, "SELECT nextval('events_id_seq')")
@@ -585,23 +555,7 @@ async fn cutover_while_the_application_writes_and_parallel_workers_apply() {
         db.count(&db.target, "SELECT count(*) FROM hist").await > 200
     })
     .await;
-    let out = run_with_deadline(
-        db.on_both(
-            "cutover",
-            &[
-                "--slot",
-                &db.slot(),
-                "--freeze-writes",
-                &role,
-                "--timeout",
-                "60s",
-            ],
-        ),
-        120,
-    )
-    .await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let text = db.cutover(&["--freeze-writes", &role]).await;
     assert!(text.contains("cutover done"), "{text}");
     let committed = tokio::time::timeout(std::time::Duration::from_secs(30), writes)
         .await
@@ -653,16 +607,7 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
     )
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
-    let out = run_with_deadline(
-        db.on_both(
-            "cutover",
-            &["--slot", &db.slot(), "--reverse", "--timeout", "60s"],
-        ),
-        120,
-    )
-    .await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let text = db.cutover(&["--reverse"]).await;
     // The printed command, with the two servers filled in.
     let printed = text
         .lines()
@@ -752,18 +697,7 @@ async fn cutover_with_a_prepared_transaction(db: &TestDb, gid: &str) {
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
     let mut worker = spawn(db.pgapply("p", &["--two-phase", "--create-slot"]));
-    let slot = db.slot();
-    wait_for("the worker to stream", 60, || async {
-        db.source
-            .query_one(
-                "SELECT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .map(|r| r.get::<_, bool>(0))
-            .unwrap_or(false)
-    })
-    .await;
+    db.wait_slot_active().await;
     db.source_sql("INSERT INTO t VALUES (1)").await;
     db.source_sql(&format!(
         "BEGIN; INSERT INTO t VALUES (2); PREPARE TRANSACTION '{gid}';"
@@ -775,13 +709,7 @@ async fn cutover_with_a_prepared_transaction(db: &TestDb, gid: &str) {
         db.count(&db.target, prepared_on_target).await == 1
     })
     .await;
-    let out = run_with_deadline(
-        db.on_both("cutover", &["--slot", &slot, "--timeout", "60s"]),
-        120,
-    )
-    .await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let text = db.cutover(&[]).await;
     assert!(
         text.contains("is still prepared on the target") && text.contains("COMMIT PREPARED"),
         "{text}"

@@ -154,83 +154,28 @@ async fn config_file_and_precedence() {
 
     // Values the argument parser cannot check are refused the same way, before anything starts:
     // exit 2, naming the setting.
+    let servers = [
+        "--source",
+        "host=x",
+        "--target",
+        "host=x",
+        "--publication",
+        "p",
+        "--slot",
+        "s",
+    ];
+    let with = |command: &'static str, extra: &[&'static str]| {
+        let mut args = vec![command];
+        args.extend_from_slice(&servers);
+        args.extend_from_slice(extra);
+        args
+    };
     for (args, named) in [
-        (
-            vec![
-                "run",
-                "--target",
-                "host=x",
-                "--publication",
-                "p",
-                "--slot",
-                "s",
-            ],
-            "--source",
-        ),
-        (
-            vec![
-                "run",
-                "--source",
-                "host=x",
-                "--target",
-                "host=x",
-                "--publication",
-                "p",
-                "--slot",
-                "s",
-                "--endpos",
-                "zz",
-            ],
-            "--endpos",
-        ),
-        (
-            vec![
-                "run",
-                "--source",
-                "host=x",
-                "--target",
-                "host=x",
-                "--publication",
-                "p",
-                "--slot",
-                "s",
-                "--origin",
-                "sometimes",
-            ],
-            "origin",
-        ),
-        (
-            vec![
-                "run",
-                "--source",
-                "host=x",
-                "--target",
-                "host=x",
-                "--publication",
-                "p",
-                "--slot",
-                "s",
-                "--apply-workers",
-                "0",
-            ],
-            "apply_workers",
-        ),
-        (
-            vec![
-                "cutover",
-                "--source",
-                "host=x",
-                "--target",
-                "host=x",
-                "--publication",
-                "p",
-                "--slot",
-                "s",
-                "--max-lag",
-                "fast",
-            ],
-            "--max-lag",
-        ),
+        ([&["run"][..], &servers[2..]].concat(), "--source"),
+        (with("run", &["--endpos", "zz"]), "--endpos"),
+        (with("run", &["--origin", "sometimes"]), "origin"),
+        (with("run", &["--apply-workers", "0"]), "apply_workers"),
+        (with("cutover", &["--max-lag", "fast"]), "--max-lag"),
         (
             vec!["skip", "--target", "host=x", "--slot", "s", "--lsn", "bad"],
             "--lsn",

@@ -441,13 +441,7 @@ async fn cutover_while_the_helper_holds_an_open_streamed_transaction() {
     .await;
     db.source_sql("INSERT INTO c VALUES (-2, 'committed during')")
         .await;
-    let out = run_with_deadline(
-        db.on_both("cutover", &["--slot", &db.slot(), "--timeout", "60s"]),
-        120,
-    )
-    .await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    db.cutover(&[]).await;
     let status = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait())
         .await
         .expect("the worker stops at the cutover's end position")

@@ -196,6 +196,34 @@ impl TestDb {
         pgapply_command(&args)
     }
 
+    /// `pgapply cutover` of this database's slot (60 s timeout) with `extra` options: expects
+    /// success and returns what it printed.
+    pub async fn cutover(&self, extra: &[&str]) -> String {
+        let slot = self.slot();
+        let mut args = vec!["--slot", slot.as_str(), "--timeout", "60s"];
+        args.extend_from_slice(extra);
+        let out = run_with_deadline(self.on_both("cutover", &args), 120).await;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{text}\n{}", stderr(&out));
+        text
+    }
+
+    /// Waits until a worker streams from this database's slot.
+    pub async fn wait_slot_active(&self) {
+        let slot = self.slot();
+        wait_for("the worker to stream", 60, || async {
+            self.source
+                .query_one(
+                    "SELECT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map(|r| r.get::<_, bool>(0))
+                .unwrap_or(false)
+        })
+        .await;
+    }
+
     /// `pgapply run` against this database pair with the given publication and extra arguments.
     pub fn pgapply(&self, publication: &str, extra: &[&str]) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
