@@ -161,6 +161,10 @@ pub struct RunArgs {
     /// instead of buffered [default: 1 GiB, PostgreSQL's own limit].
     #[arg(long, env = "PGAPPLY_MAX_MESSAGE_BYTES")]
     pub max_message_bytes: Option<usize>,
+    /// Memory for changes received and not applied yet (64MB, 512kB, ...); when it is full,
+    /// pgapply reads nothing more from the source until the target has caught up [default: 64MB].
+    #[arg(long, env = "PGAPPLY_QUEUE_SIZE", value_name = "SIZE")]
+    pub queue_size: Option<String>,
     /// Serve Prometheus metrics (/metrics) and liveness (/healthz) on this address.
     #[arg(long, env = "PGAPPLY_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,

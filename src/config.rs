@@ -17,6 +17,9 @@ use crate::conninfo;
 use crate::error::{Error, Result};
 use crate::replicate::RunConfig;
 
+/// Smallest `--queue-size`: room for a few messages at least.
+const MIN_QUEUE_BYTES: u64 = 64 * 1024;
+
 fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Duration>, D::Error> {
     let text: Option<String> = Option::deserialize(d)?;
     text.map(|t| {
@@ -89,6 +92,7 @@ pub struct FileConfig {
     pub origin: Option<String>,
     pub spool_dir: Option<PathBuf>,
     pub max_message_bytes: Option<usize>,
+    pub queue_size: Option<String>,
     pub apply_workers: Option<usize>,
     #[serde(default, deserialize_with = "duration")]
     pub status_interval: Option<Duration>,
@@ -340,6 +344,17 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         },
     };
     config.spool_dir = args.spool_dir.clone().or_else(|| file.spool_dir.clone());
+    if let Some(size) = args.queue_size.as_ref().or(file.queue_size.as_ref()) {
+        let bytes = crate::cutover::parse_size(size)
+            .ok()
+            .filter(|b| *b >= MIN_QUEUE_BYTES)
+            .ok_or_else(|| {
+                Error::usage(format!(
+                    "queue_size {size:?}: give a size of at least 64kB, such as 64MB or 512kB"
+                ))
+            })?;
+        config.queue_bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+    }
     if let Some(max) = args.max_message_bytes.or(file.max_message_bytes) {
         config.max_message_bytes = max.max(1024);
     }

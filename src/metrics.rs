@@ -23,6 +23,7 @@ pub const ROWS: &str = "pgapply_rows_total";
 pub const APPLY_LATENCY: &str = "pgapply_apply_latency_seconds";
 pub const SPILLED_BYTES: &str = "pgapply_spilled_bytes_total";
 pub const RECONNECTS: &str = "pgapply_reconnects_total";
+pub const QUEUE_BYTES: &str = "pgapply_queue_bytes";
 pub const CONFLICTS: &str = "pgapply_conflicts_total";
 pub const COPY_ROWS: &str = "pgapply_copy_rows_total";
 pub const COPY_BYTES: &str = "pgapply_copy_bytes_total";
@@ -92,6 +93,8 @@ pub struct Metrics {
     pub lag_bytes: Gauge,
     /// Milliseconds between now and the commit time of the last applied transaction, while behind.
     pub lag_millis: Gauge,
+    /// Bytes received from the source and not applied yet (at most `--queue-size`).
+    pub queue_bytes: Gauge,
     /// Commit time of the last applied source transaction: µs since 2000-01-01.
     pub last_commit_time: Gauge,
     pub transactions: Counter,
@@ -170,6 +173,11 @@ impl Metrics {
             LAG_SECONDS,
             "Age of the last applied source commit while changes are pending.",
             self.lag_millis.get() as f64 / 1000.0,
+        );
+        gauge(
+            QUEUE_BYTES,
+            "Bytes received from the source and not applied yet (at most --queue-size).",
+            self.queue_bytes.get() as f64,
         );
         let mut counter = |name: &str, help: &str, v: u64| {
             let _ = writeln!(

@@ -1135,7 +1135,8 @@ impl Reader<'_> {
             }
             // Let the source's data accumulate (pause after short reads) only while the applier
             // has enough queued not to starve meanwhile.
-            let queued = self.queue_bytes - self.budget.available_permits().min(self.queue_bytes);
+            let queued = self.queued();
+            METRICS.queue_bytes.set(queued as u64);
             self.stream.set_pacing(queued >= PACE_WHEN_QUEUED);
             tokio::select! {
                 _ = shutdown.changed() => return Ok(StopReason::Shutdown),
@@ -1202,6 +1203,11 @@ impl Reader<'_> {
     }
 
     /// How long the source may stay silent although we ask it to reply at every status update.
+    /// Bytes handed to the applier and not applied yet.
+    fn queued(&self) -> usize {
+        self.queue_bytes - self.budget.available_permits().min(self.queue_bytes)
+    }
+
     fn silence_limit(&self) -> Duration {
         (self.status_interval * 3).max(Duration::from_secs(30))
     }
@@ -1309,7 +1315,13 @@ impl Reader<'_> {
                 if let Some((begin, begin_raw, begin_size)) = self.held_begin.take() {
                     self.forward(begin, begin_raw, begin_size).await?;
                 }
-                self.forward(message, raw, size).await?;
+                if self.tx.is_some() {
+                    self.forward(message, raw, size).await?;
+                }
+                if self.tx.is_none() {
+                    // A message was dropped while stopping (see `forward`): stop here.
+                    return Ok(Step::Stop(StopReason::Shutdown));
+                }
                 if stop_after {
                     return Ok(Step::Stop(StopReason::EndPosition));
                 }
@@ -1333,7 +1345,13 @@ impl Reader<'_> {
             Ok(permit) => permit,
             Err(_) => match self.wait_for_budget(cost).await? {
                 Some(permit) => permit,
-                None => return Ok(()),
+                None => {
+                    // This message is dropped, so nothing after it may reach the applier either:
+                    // its transaction would commit there without this change. Closing the queue
+                    // makes the applier roll the incomplete transaction back.
+                    self.tx = None;
+                    return Ok(());
+                }
             },
         };
         if let Some(tx) = &self.tx {
@@ -1353,6 +1371,7 @@ impl Reader<'_> {
         &mut self,
         cost: u32,
     ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>> {
+        METRICS.queue_bytes.set(self.queued() as u64);
         let mut status = tokio::time::interval(self.status_interval);
         status.tick().await;
         loop {

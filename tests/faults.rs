@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{run_with_deadline, spawn, stderr, wait_for, TestDb};
+use common::{metric, run_with_deadline, spawn, stderr, wait_for, TestDb};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -157,6 +157,67 @@ async fn network_cuts_and_stalls_are_ridden_out() {
     let _ = child.wait().await;
     db.assert_same("n").await;
     db.assert_same("f").await;
+}
+
+/// SIGTERM while the reader waits for room in a full queue: the change it holds is dropped, and so
+/// is everything after it, so no source transaction lands on the target in part. A run started
+/// again applies the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_with_a_full_queue_applies_no_transaction_in_part() {
+    let db = TestDb::new("fullq").await;
+    db.both("CREATE TABLE pairs (txn int, part int, payload text, PRIMARY KEY (txn, part))")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE pairs").await;
+    let port = common::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = spawn(db.pgapply("p", &["--queue-size", "64kB", "--metrics-addr", &addr]));
+    db.wait_slot_active().await;
+    // The applier waits for this lock, so the queue fills up behind it.
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE pairs IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    for i in 0..200 {
+        db.source
+            .batch_execute(&format!(
+                "BEGIN; INSERT INTO pairs VALUES ({i}, 1, repeat('x', 3000)); \
+                 INSERT INTO pairs VALUES ({i}, 2, repeat('y', 3000)); COMMIT"
+            ))
+            .await
+            .unwrap();
+    }
+    wait_for("the 64 kB queue to fill", 60, || async {
+        metric(
+            &common::http_get(port, "/metrics").await,
+            "pgapply_queue_bytes",
+        ) >= 50_000.0
+    })
+    .await;
+    let pid = child.id().expect("pid") as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    // The applier goes on with what it was handed, and stops.
+    locker.batch_execute("COMMIT").await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("pgapply stops after SIGTERM")
+        .expect("wait");
+    assert!(status.success(), "{status}");
+    let applied = db.count(&db.target, "SELECT count(*) FROM pairs").await;
+    let in_part = db
+        .count(
+            &db.target,
+            "SELECT count(*) FROM (SELECT txn FROM pairs GROUP BY txn HAVING count(*) <> 2) t",
+        )
+        .await;
+    assert_eq!(
+        in_part, 0,
+        "transactions applied in part ({applied} rows applied)"
+    );
+    assert!(applied < 400, "the stop came before the end of the backlog");
+    db.sync("p").await;
+    db.assert_same("pairs").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,8 +5,7 @@ mod common;
 use std::io::Write;
 use std::net::TcpListener;
 
-use common::{run_with_deadline, spawn, stderr, wait_for, TestDb};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use common::{http_get, metric, run_with_deadline, spawn, stderr, wait_for, TestDb};
 use tokio::process::Command;
 
 fn pgapply() -> Command {
@@ -175,6 +174,7 @@ async fn config_file_and_precedence() {
         (with("run", &["--endpos", "zz"]), "--endpos"),
         (with("run", &["--origin", "sometimes"]), "origin"),
         (with("run", &["--apply-workers", "0"]), "apply_workers"),
+        (with("run", &["--queue-size", "1kB"]), "queue_size"),
         (with("cutover", &["--max-lag", "fast"]), "--max-lag"),
         (
             vec!["skip", "--target", "host=x", "--slot", "s", "--lsn", "bad"],
@@ -216,26 +216,6 @@ async fn table_name_mapping() {
         )
         .await;
     assert_eq!(rows, 2);
-}
-
-async fn http_get(port: u16, path: &str) -> String {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect metrics");
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(-1.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use pgapply::cluster::{find_pg_bin, LocalCluster};
 use pgapply::compare::{table_digest, TableDigest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 use tokio_postgres::{Client, NoTls};
 
@@ -376,4 +377,34 @@ pub async fn source_version(db: &TestDb) -> i32 {
         .await
         .unwrap()
         .get(0)
+}
+
+/// A TCP port free on 127.0.0.1 right now (for `--metrics-addr`).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// The body of a plain HTTP GET (the metrics endpoint).
+pub async fn http_get(port: u16, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect metrics");
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body
+}
+
+/// A metric's value from the text exposition format; -1 when it is missing.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(-1.0)
 }
