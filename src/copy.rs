@@ -404,20 +404,29 @@ pub async fn reset_interrupted(
     Ok(())
 }
 
-/// Copies every published table as of `snapshot`. The caller keeps the exporting replication
-/// session idle until this returns.
+/// The tables an initial copy takes and the page ranges they are split into.
+pub struct CopyPlan {
+    tables: Vec<PublishedTable>,
+    jobs: Vec<CopyJob>,
+    /// Per table: binary COPY.
+    binary: Vec<bool>,
+}
+
+/// Lists the published tables, checks (or empties, with `--truncate-target`) their target tables
+/// and records them as pending in `pgapply.copy_state`. Done before the slot is created: a refusal
+/// leaves no slot behind, and once a slot exists a run without `--copy-data` finds the copy
+/// unfinished and refuses to stream into tables that were never copied.
 #[allow(clippy::too_many_arguments)]
-pub async fn copy_tables(
+pub async fn plan_copy(
     source_config: &tokio_postgres::Config,
     target_pool: &Pool,
     target_config: &tokio_postgres::Config,
     slot: &str,
     publications: &[String],
-    snapshot: &str,
     settings: &CopySettings,
     table_map: &crate::config::TableMap,
     source_major: u32,
-) -> Result<Vec<PublishedTable>> {
+) -> Result<CopyPlan> {
     let source = connect_source(source_config).await?;
     let target = crate::replicate::target_connection(target_pool, target_config).await?;
     let target_major: u32 = target
@@ -474,7 +483,29 @@ pub async fn copy_tables(
             .await
             .map_err(|e| Error::postgres("recording the initial copy on the target", e))?;
     }
-    drop(target);
+    Ok(CopyPlan {
+        tables,
+        jobs,
+        binary,
+    })
+}
+
+/// Copies the planned tables as of `snapshot`. The caller keeps the exporting replication session
+/// idle until this returns.
+pub async fn copy_tables(
+    plan: CopyPlan,
+    source_config: &tokio_postgres::Config,
+    target_pool: &Pool,
+    target_config: &tokio_postgres::Config,
+    slot: &str,
+    snapshot: &str,
+    settings: &CopySettings,
+) -> Result<Vec<PublishedTable>> {
+    let CopyPlan {
+        tables,
+        jobs,
+        binary,
+    } = plan;
     let progress: Vec<Arc<TableProgress>> = tables
         .iter()
         .enumerate()

@@ -290,6 +290,17 @@ async fn run_in_span(
         if copy_status == CopyStatus::Incomplete {
             copy::reset_interrupted(&setup, &config.slot, &config.table_map).await?;
         }
+        let plan = copy::plan_copy(
+            &config.source,
+            &pool,
+            &config.target,
+            &config.slot,
+            &config.publications,
+            &config.copy,
+            &config.table_map,
+            session.server_version() / 10000,
+        )
+        .await?;
         let snapshot = session
             .create_slot_with_snapshot(&config.slot, negotiated.two_phase)
             .await?;
@@ -297,15 +308,13 @@ async fn run_in_span(
         let slot = config.slot.clone();
         let beat = Background::spawn(|quit| copy_heartbeat(client, slot, quit));
         let copied = copy::copy_tables(
+            plan,
             &config.source,
             &pool,
             &config.target,
             &config.slot,
-            &config.publications,
             &snapshot.snapshot_name,
             &config.copy,
-            &config.table_map,
-            session.server_version() / 10000,
         )
         .await;
         beat.stop().await;

@@ -303,6 +303,17 @@ async fn non_empty_target_is_refused_unless_truncate_target() {
             && err.contains("--truncate-target"),
         "{err}"
     );
+    // Refused before the slot was made: none is left to hold WAL, or to stream from later.
+    let slots = db
+        .count(
+            &db.source,
+            &format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                db.slot()
+            ),
+        )
+        .await;
+    assert_eq!(slots, 0, "a refused copy leaves no slot behind");
     let out = run_with_deadline(
         db.pgapply(
             "p",
