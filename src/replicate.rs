@@ -219,10 +219,8 @@ async fn run_in_span(
         .map_err(|e| e.context(format!("source {}", conninfo::describe(&config.source))))?;
     let identity = session.identify_system().await?;
     session.check_publications(&config.publications).await?;
-    if let Some(problem) = status_interval_problem(
-        config.status_interval,
-        session.wal_sender_timeout_ms().await?,
-    ) {
+    let wal_sender_timeout_ms = session.wal_sender_timeout_ms().await?;
+    if let Some(problem) = status_interval_problem(config.status_interval, wal_sender_timeout_ms) {
         tracing::warn!("{problem}");
     }
     let mut negotiated = negotiate(session.server_version(), &config.requested)?;
@@ -474,6 +472,7 @@ async fn run_in_span(
         stop_requested: fence_decides,
         stop_unheard: fence.is_some(),
         status_interval: config.status_interval,
+        wal_sender_timeout: Duration::from_millis(wal_sender_timeout_ms),
         progress,
         last_heard: Instant::now(),
         held_begin: None,
@@ -709,10 +708,14 @@ impl ApplyStart {
             Err(e) => Err(e),
         };
         if let Err(e) = attached {
-            // The helper's origin still held by the session of a run that was just killed, or a
-            // connection lost: the run is retried, as for the main session's origin. (Other
+            // The helper's origin still held by the session of a run that was just killed (or
+            // moved by it after the start position was read), or a connection lost: the run is
+            // retried, as for the main session's origin. (Other
             // transient errors, too many connections say, fall back to spooling.)
-            if e.sqlstate() == Some("55006") || e.is_connection_lost() {
+            if e.sqlstate() == Some("55006")
+                || e.is_connection_lost()
+                || ProgressStore::is_resume_moved(&e)
+            {
                 return Err(e);
             }
             // Spooling works wherever this does not (no free replication origin, say).
@@ -834,6 +837,17 @@ async fn stop_position(target: &tokio_postgres::Client, slot: &str) -> Result<Op
     Ok(row
         .and_then(|r| r.get::<_, Option<String>>(0))
         .and_then(|t| t.parse::<Lsn>().ok()))
+}
+
+/// How long the source may say nothing before the connection is presumed lost. A source busy
+/// decoding changes it does not send (unpublished tables, row filters) is silent until it sends a
+/// keepalive, every `wal_sender_timeout / 2` at the latest (PostgreSQL 15+; older ones may stay
+/// silent longer): the limit waits for a whole `wal_sender_timeout`, and at least a minute, as
+/// PostgreSQL's own subscriber does (`wal_receiver_timeout`).
+pub fn silence_limit(status_interval: Duration, wal_sender_timeout: Duration) -> Duration {
+    (status_interval * 3)
+        .max(Duration::from_secs(60))
+        .max(wal_sender_timeout + status_interval)
 }
 
 /// Status updates must reach the source well within its `wal_sender_timeout`, or it may end the
@@ -1030,8 +1044,13 @@ async fn track_durable(
     // Each check flushes the target's WAL: at most ten a second.
     let mut pace = tokio::time::interval(Duration::from_millis(100));
     pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // After a failed read the same position is asked for again a second later: waiting for the
+    // next applied commit instead would hold the slot back for as long as the source is quiet.
+    let mut failed = false;
     loop {
-        if applied.changed().await.is_err() {
+        if failed {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        } else if applied.changed().await.is_err() {
             return;
         }
         let committed = *applied.borrow_and_update();
@@ -1055,9 +1074,14 @@ async fn track_durable(
                 });
             }
             Err(e) => {
-                tracing::warn!(error = %e, "could not read the durable position on the target")
+                if !failed {
+                    tracing::warn!(error = %e, "could not read the durable position on the target; trying again every second");
+                }
+                failed = true;
+                continue;
             }
         }
+        failed = false;
     }
 }
 
@@ -1088,8 +1112,10 @@ struct Reader<'a> {
     /// No request can come any more.
     stop_unheard: bool,
     status_interval: Duration,
+    /// The source's `wal_sender_timeout` (0: none).
+    wal_sender_timeout: Duration,
     progress: Option<watch::Sender<RunProgress>>,
-    /// When the source last sent anything.
+    /// When the source last sent anything (or when pgapply last started listening again).
     last_heard: Instant,
     /// A Begin not forwarded yet (see `on_frame`).
     held_begin: Option<(LogicalMessage, bytes::Bytes, usize)>,
@@ -1174,7 +1200,7 @@ impl Reader<'_> {
                     // Ask for a reply each time, so a silent source is noticed.
                     if self.last_heard.elapsed() > self.silence_limit() {
                         return Err(Error::transient(format!(
-                            "source {} sent nothing for {}: the connection is presumed lost",
+                            "source {} sent nothing for {}, not even an answer to a status update: the connection is presumed lost (a source busy decoding a large transaction of unpublished changes stays silent: on PostgreSQL before 15, raise the source's wal_sender_timeout to wait longer)",
                             self.stream.endpoint(),
                             humantime::format_duration(self.silence_limit())
                         )));
@@ -1218,7 +1244,7 @@ impl Reader<'_> {
     }
 
     fn silence_limit(&self) -> Duration {
-        (self.status_interval * 3).max(Duration::from_secs(30))
+        silence_limit(self.status_interval, self.wal_sender_timeout)
     }
 
     async fn on_frame(&mut self, frame: ReplicationFrame) -> Result<Step> {
@@ -1386,6 +1412,8 @@ impl Reader<'_> {
         loop {
             tokio::select! {
                 permit = self.budget.clone().acquire_many_owned(cost) => {
+                    // Nothing was read meanwhile: the source's silence counts from now.
+                    self.last_heard = Instant::now();
                     return permit
                         .map(Some)
                         .map_err(|_| Error::definite("the apply queue closed"));
@@ -1397,5 +1425,23 @@ impl Reader<'_> {
                 _ = self.stopping.changed() => return Ok(None),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silence_limit_waits_for_the_sources_keepalives() {
+        let s = Duration::from_secs;
+        // Defaults (10 s status interval, 60 s wal_sender_timeout): a keepalive comes every 30 s.
+        assert_eq!(silence_limit(s(10), s(60)), s(70));
+        // A raised wal_sender_timeout: its keepalives come less often.
+        assert_eq!(silence_limit(s(10), s(300)), s(310));
+        // No wal_sender_timeout, short status interval: a minute, as wal_receiver_timeout.
+        assert_eq!(silence_limit(s(1), s(0)), s(60));
+        // A long status interval: three of them.
+        assert_eq!(silence_limit(s(40), s(60)), s(120));
     }
 }

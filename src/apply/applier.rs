@@ -424,6 +424,7 @@ impl Applier {
         options: ApplierOptions,
     ) -> Result<Self> {
         progress.setup_session(&client).await?;
+        progress.check_resume(&client, resume).await?;
         if options.two_phase {
             let row = client
                 .query_one(

@@ -227,6 +227,36 @@ impl ProgressStore {
         Ok(())
     }
 
+    /// Whether `e` is `check_resume`'s: the run must start again (nothing else helps).
+    pub fn is_resume_moved(e: &Error) -> bool {
+        e.message().contains(RESUME_MOVED)
+    }
+
+    /// After `setup_session`: fails (transiently) if the session's origin moved past `resume`,
+    /// the position this run starts from. A previous run's session can still be finishing a
+    /// commit it had sent when its run failed; had it landed after `resume` was read, the run
+    /// would apply that transaction a second time. Binding the origin waits for that session to
+    /// let go of it, so reading it now is final.
+    pub async fn check_resume(&self, client: &Client, resume: Lsn) -> Result<()> {
+        let ProgressMode::Origin { name } = &self.mode else {
+            return Ok(());
+        };
+        let row = client
+            .query_one(
+                "SELECT coalesce(pg_catalog.pg_replication_origin_session_progress(false), '0/0')::text",
+                &[],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("reading replication origin {name:?}"), e))?;
+        let now = parse_lsn(row.get(0))?;
+        if now > resume {
+            return Err(Error::transient(format!(
+                "replication origin {name:?} moved from {resume} to {now} while this run started ({RESUME_MOVED}): starting again from there"
+            )));
+        }
+        Ok(())
+    }
+
     /// The commit LSN of a transaction to skip on purpose (`pgapply skip`), if one is set.
     pub async fn skip_lsn(&self, client: &Client) -> Result<Option<Lsn>> {
         let row = client
@@ -334,6 +364,9 @@ async fn ensure_origin(client: &Client, name: &str) -> Result<(), tokio_postgres
     }
     Ok(())
 }
+
+/// Marks `check_resume`'s error.
+const RESUME_MOVED: &str = "a commit of the previous run landed late";
 
 fn parse_lsn(text: Option<String>) -> Result<Lsn> {
     match text {
