@@ -1,9 +1,9 @@
 //! `pgapply cutover`: the steps that turn a running mirror into a finished migration.
 //!
 //! 1. Wait until the slot's lag is below `--max-lag`, showing it as it falls.
-//! 2. Optionally freeze writes (`--freeze-writes ROLE,...`): those roles get
-//!    `default_transaction_read_only = on` and their sessions are ended. Undo with
-//!    `ALTER ROLE <role> RESET default_transaction_read_only`.
+//! 2. Optionally freeze writes (`--freeze-writes ROLE,...`): in the source database, those roles
+//!    get `default_transaction_read_only = on` and their sessions are ended. Undo with
+//!    `ALTER ROLE <role> IN DATABASE <db> RESET default_transaction_read_only`.
 //! 3. Take the source's flushed WAL position as the end and drain replication to it: the running
 //!    worker is asked to stop there (`pgapply.progress.stop_lsn`, read by the worker every
 //!    second) and this waits until it has confirmed the end and stopped; when none runs, or it
@@ -158,13 +158,31 @@ pub async fn cutover(
         println!("step 1: no worker is streaming slot {slot:?}; this command applies the remaining changes itself");
     }
 
-    // 2. Freeze writes.
+    // 2. Freeze writes, in the migrated database only: the roles may write to other databases of
+    // the same cluster, which this cutover does not move.
     let mut ended_pids: Vec<i32> = Vec::new();
+    let database: String = if settings.freeze_roles.is_empty() {
+        String::new()
+    } else {
+        source
+            .query_one("SELECT current_database()::text", &[])
+            .await
+            .map_err(|e| Error::postgres("step 2: reading the source's database name", e))?
+            .get(0)
+    };
+    let undo = |role: &str| {
+        format!(
+            "ALTER ROLE {} IN DATABASE {} RESET default_transaction_read_only",
+            quote_ident(role),
+            quote_ident(&database)
+        )
+    };
     for role in &settings.freeze_roles {
         source
             .batch_execute(&format!(
-                "ALTER ROLE {} SET default_transaction_read_only = on",
-                quote_ident(role)
+                "ALTER ROLE {} IN DATABASE {} SET default_transaction_read_only = on",
+                quote_ident(role),
+                quote_ident(&database)
             ))
             .await
             .map_err(|e| Error::postgres(format!("step 2: making role {role:?} read-only"), e))?;
@@ -174,7 +192,7 @@ pub async fn cutover(
             |e| Error::postgres(format!("step 2: ending the sessions of role {role:?}"), e);
         let pids: Vec<i32> = source
             .query(
-                "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND pid <> pg_backend_pid()",
+                "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND datname = current_database() AND pid <> pg_backend_pid()",
                 &[role],
             )
             .await
@@ -191,8 +209,8 @@ pub async fn cutover(
             .map_err(context)?;
         ended_pids.extend(pids);
         println!(
-            "step 2: role {role:?} is read-only now and {ended} session(s) ended; undo with: ALTER ROLE {} RESET default_transaction_read_only",
-            quote_ident(role)
+            "step 2: role {role:?} is read-only now in database {database:?} and {ended} session(s) there ended; undo with: {}",
+            undo(role)
         );
     }
 
@@ -203,8 +221,14 @@ pub async fn cutover(
             e
         } else {
             e.context_after(format!(
-                "writes are still frozen for {}: undo with ALTER ROLE ... RESET default_transaction_read_only, or run the cutover again",
-                settings.freeze_roles.join(", ")
+                "writes are still frozen for {}: undo with {}, or run the cutover again",
+                settings.freeze_roles.join(", "),
+                settings
+                    .freeze_roles
+                    .iter()
+                    .map(|r| undo(r))
+                    .collect::<Vec<_>>()
+                    .join("; ")
             ))
         };
         e.context_after(format!(
@@ -316,7 +340,8 @@ async fn drain(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The flushed position, once it covers every commit made so far (commits with
-    // synchronous_commit = off are visible a moment before they are flushed).
+    // synchronous_commit = off are visible a moment before they are written, let alone flushed:
+    // the insert position covers them).
     let lsn = |sql: &'static str| async move {
         source
             .query_one(sql, &[])
@@ -326,7 +351,7 @@ async fn drain(
             .parse::<Lsn>()
             .map_err(|e| Error::definite(e.to_string()))
     };
-    let written = lsn("SELECT pg_current_wal_lsn()::text").await?;
+    let written = lsn("SELECT pg_current_wal_insert_lsn()::text").await?;
     let end = loop {
         let flushed = lsn("SELECT pg_current_wal_flush_lsn()::text").await?;
         if flushed >= written {

@@ -81,26 +81,31 @@ async fn server_version(client: &Client, role: &str) -> Result<i32> {
         .get(0))
 }
 
-/// Primary key columns of a source table (or of its replica identity index), with their types
-/// (with the type modifier: `character(8)`, not `character`, which is `character(1)`).
+/// Primary key columns of a source table (or else of its replica identity index), with their
+/// types (with the type modifier: `character(8)`, not `character`, which is `character(1)`).
+/// Only the key columns proper: an index's INCLUDE columns (11+) may be NULL and need not sort.
 async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(String, String)>> {
+    let key_count = if server_version(source, "source").await? >= 110000 {
+        "i.indnkeyatts"
+    } else {
+        "i.indnatts"
+    };
     let rows = source
         .query(
-            "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod) \
-             FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
-             WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
-             ORDER BY i.indisprimary DESC, array_position(i.indkey::int2[], a.attnum)",
+            &format!(
+                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod) \
+                 FROM (SELECT i.indrelid, i.indkey, {key_count} AS n FROM pg_catalog.pg_index i \
+                       WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
+                       ORDER BY i.indisprimary DESC LIMIT 1) i \
+                 CROSS JOIN generate_series(0, i.n - 1) k \
+                 JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k] \
+                 ORDER BY k"
+            ),
             &[&table.qualified()],
         )
         .await
         .map_err(|e| Error::postgres(format!("reading the key of {}", table.qualified()), e))?;
-    let mut keys: Vec<(String, String)> = Vec::new();
-    for r in rows {
-        let k: (String, String) = (r.get(0), r.get(1));
-        if !keys.contains(&k) {
-            keys.push(k);
-        }
-    }
+    let keys: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
     // Only keys that are published can be compared.
     if keys
         .iter()
@@ -110,6 +115,25 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
     } else {
         Ok(Vec::new())
     }
+}
+
+/// How to name a table to read its own rows: `ONLY t` for a plain table (an inheritance parent's
+/// children are published, or kept, as tables of their own, as the copy reads them), `t` for a
+/// partitioned one (its rows are in its partitions).
+async fn only_this(client: &Client, qualified: &str, role: &str) -> Result<String> {
+    let partitioned: bool = client
+        .query_one(
+            "SELECT relkind = 'p' FROM pg_catalog.pg_class WHERE oid = $1::text::regclass",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| Error::postgres(format!("reading table {qualified} on the {role}"), e))?
+        .get(0);
+    Ok(if partitioned {
+        qualified.to_owned()
+    } else {
+        format!("ONLY {qualified}")
+    })
 }
 
 struct Chunk {
@@ -166,6 +190,7 @@ fn bound_expr(keys: &[(String, String)], first_param: usize) -> String {
 
 async fn chunk_digest(
     client: &Client,
+    side: &str,
     table_sql: &str,
     columns: &str,
     keys: &[(String, String)],
@@ -216,7 +241,7 @@ async fn chunk_digest(
     let row = client
         .query_one(sql.as_str(), &params)
         .await
-        .map_err(|e| Error::postgres(format!("reading {table_sql}"), e))?;
+        .map_err(|e| Error::postgres(format!("reading {table_sql} on the {side}"), e))?;
     Ok((row.get(0), row.get(1)))
 }
 
@@ -230,6 +255,8 @@ async fn verify_table(
     let source = connect(&source_config, "source", float_digits).await?;
     let target = connect(&target_config, "target", float_digits).await?;
     let keys = key_columns(&source, &table).await?;
+    let source_table = only_this(&source, &table.qualified(), "source").await?;
+    let target_table = only_this(&target, &table.target_qualified(), "target").await?;
     let columns = table
         .columns
         .iter()
@@ -257,18 +284,28 @@ async fn verify_table(
             .map(|f| format!(" WHERE ({f})"))
             .unwrap_or_default();
         let sql = format!(
-            "SELECT {key_texts} FROM (SELECT *, row_number() OVER (ORDER BY {order}) AS pgapply_rn FROM {}{filter}) s \
-             WHERE pgapply_rn % $1 = 1 ORDER BY pgapply_rn",
-            table.qualified()
+            "SELECT {key_texts} FROM (SELECT *, row_number() OVER (ORDER BY {order}) AS pgapply_rn FROM {source_table}{filter}) s \
+             WHERE pgapply_rn % $1 = 1 ORDER BY pgapply_rn"
         );
         let rows = source
             .query(sql.as_str(), &[&settings.chunk_rows.max(1)])
             .await
             .map_err(|e| Error::postgres(format!("chunking {}", table.qualified()), e))?;
-        let bounds: Vec<Vec<String>> = rows
+        let bounds = rows
             .iter()
-            .map(|r| (0..keys.len()).map(|i| r.get::<_, String>(i)).collect())
-            .collect();
+            .map(|r| {
+                (0..keys.len())
+                    .map(|i| match r.try_get::<_, Option<String>>(i) {
+                        Ok(Some(v)) => Ok(v),
+                        _ => Err(Error::definite(format!(
+                            "chunking {}: key column {} is NULL in a row (a replica identity index should not allow that)",
+                            table.qualified(),
+                            keys[i].0
+                        ))),
+                    })
+                    .collect::<Result<Vec<String>>>()
+            })
+            .collect::<Result<Vec<Vec<String>>>>()?;
         // Everything below the first bound (rows only the target has) is a chunk too.
         let mut from: Option<Vec<String>> = None;
         for b in bounds.iter().skip(1) {
@@ -289,13 +326,12 @@ async fn verify_table(
         mismatches: Vec::new(),
         note,
     };
-    let source_table = table.qualified();
-    let target_table = table.target_qualified();
     for chunk in &chunks {
         let mut attempt = 0;
         loop {
             let s = chunk_digest(
                 &source,
+                "source",
                 &source_table,
                 &columns,
                 &keys,
@@ -303,7 +339,16 @@ async fn verify_table(
                 chunk,
             )
             .await?;
-            let t = chunk_digest(&target, &target_table, &columns, &keys, None, chunk).await?;
+            let t = chunk_digest(
+                &target,
+                "target",
+                &target_table,
+                &columns,
+                &keys,
+                None,
+                chunk,
+            )
+            .await?;
             attempt += 1;
             if s == t || attempt >= settings.attempts {
                 result.source_rows += s.0;
