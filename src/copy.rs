@@ -223,6 +223,25 @@ pub async fn published_tables(
     Ok(tables)
 }
 
+/// How to name a table in a statement about its own rows: `ONLY t` for a plain table (an inheritance parent's
+/// children are published, or kept, as tables of their own, as the copy reads them), `t` for a
+/// partitioned one (its rows are in its partitions). Errors if the table does not exist.
+pub async fn own_rows(client: &Client, qualified: &str, role: &str) -> Result<String> {
+    let partitioned: bool = client
+        .query_one(
+            "SELECT relkind = 'p' FROM pg_catalog.pg_class WHERE oid = $1::text::regclass",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| Error::postgres(format!("reading table {qualified} on the {role}"), e))?
+        .get(0);
+    Ok(if partitioned {
+        qualified.to_owned()
+    } else {
+        format!("ONLY {qualified}")
+    })
+}
+
 /// Checks the target tables: they exist with the published columns, and are empty (or are emptied
 /// with `truncate`). Returns per table whether binary COPY can be used (same column types).
 async fn prepare_target(
@@ -233,6 +252,7 @@ async fn prepare_target(
 ) -> Result<Vec<bool>> {
     let mut binary = Vec::with_capacity(tables.len());
     let mut not_empty = Vec::new();
+    let mut all = Vec::new();
     for table in tables {
         let qualified = table.target_qualified();
         let rows = target
@@ -270,14 +290,16 @@ async fn prepare_target(
             }
         }
         binary.push(same_types);
+        let own = own_rows(target, &qualified, "target").await?;
         let has_rows = target
-            .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {qualified})"), &[])
+            .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {own})"), &[])
             .await
             .map_err(|e| Error::postgres(format!("reading table {qualified} on the target"), e))?
             .get::<_, bool>(0);
         if has_rows {
             not_empty.push(qualified);
         }
+        all.push(own);
     }
     if !not_empty.is_empty() {
         if !truncate {
@@ -286,12 +308,15 @@ async fn prepare_target(
                 not_empty.join(", ")
             )));
         }
+        // Every published table in one statement, the empty ones too: a table with rows may be
+        // referenced by a foreign key of an empty one, and PostgreSQL truncates such a pair only
+        // together. `ONLY` for plain tables, as everywhere pgapply names them.
         target
-            .batch_execute(&format!("TRUNCATE {}", not_empty.join(", ")))
+            .batch_execute(&format!("TRUNCATE {}", all.join(", ")))
             .await
             .map_err(|e| {
                 Error::postgres(
-                    format!("emptying {} on the target", not_empty.join(", ")),
+                    format!("emptying {} on the target (--truncate-target; a table outside the publication that references one of them by a foreign key must be emptied first, or the key dropped)", not_empty.join(", ")),
                     e,
                 )
             })?;
@@ -384,7 +409,7 @@ pub async fn reset_interrupted(
             .map_err(context)?
             .get(0);
         if exists {
-            tables.push(qualified);
+            tables.push(own_rows(target, &qualified, "target").await?);
         }
     }
     if !tables.is_empty() {

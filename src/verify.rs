@@ -11,7 +11,7 @@ use tokio::sync::Semaphore;
 use tokio_postgres::Client;
 
 use crate::config::TableMap;
-use crate::copy::{published_tables, PublishedTable};
+use crate::copy::{own_rows, published_tables, PublishedTable};
 use crate::error::{Error, Result};
 use crate::sql::quote_ident;
 
@@ -115,25 +115,6 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
     } else {
         Ok(Vec::new())
     }
-}
-
-/// How to name a table to read its own rows: `ONLY t` for a plain table (an inheritance parent's
-/// children are published, or kept, as tables of their own, as the copy reads them), `t` for a
-/// partitioned one (its rows are in its partitions).
-async fn only_this(client: &Client, qualified: &str, role: &str) -> Result<String> {
-    let partitioned: bool = client
-        .query_one(
-            "SELECT relkind = 'p' FROM pg_catalog.pg_class WHERE oid = $1::text::regclass",
-            &[&qualified],
-        )
-        .await
-        .map_err(|e| Error::postgres(format!("reading table {qualified} on the {role}"), e))?
-        .get(0);
-    Ok(if partitioned {
-        qualified.to_owned()
-    } else {
-        format!("ONLY {qualified}")
-    })
 }
 
 struct Chunk {
@@ -255,8 +236,8 @@ async fn verify_table(
     let source = connect(&source_config, "source", float_digits).await?;
     let target = connect(&target_config, "target", float_digits).await?;
     let keys = key_columns(&source, &table).await?;
-    let source_table = only_this(&source, &table.qualified(), "source").await?;
-    let target_table = only_this(&target, &table.target_qualified(), "target").await?;
+    let source_table = own_rows(&source, &table.qualified(), "source").await?;
+    let target_table = own_rows(&target, &table.target_qualified(), "target").await?;
     let columns = table
         .columns
         .iter()

@@ -289,10 +289,20 @@ async fn interrupted_copy_starts_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_empty_target_is_refused_unless_truncate_target() {
     let db = TestDb::new("copyfull").await;
-    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
-    db.source_sql("INSERT INTO t VALUES (1, 'source'); CREATE PUBLICATION p FOR TABLE t;")
+    // ref_parent has rows on the target, ref_child (which references it) has none: PostgreSQL
+    // empties such a pair only in one statement.
+    db.both(
+        "CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE ref_parent (id int PRIMARY KEY); \
+         CREATE TABLE ref_child (id int PRIMARY KEY, parent int REFERENCES ref_parent)",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO t VALUES (1, 'source'); INSERT INTO ref_parent VALUES (1); \
+         INSERT INTO ref_child VALUES (1, 1); CREATE PUBLICATION p FOR TABLE t, ref_parent, ref_child;",
+    )
+    .await;
+    db.target_sql("INSERT INTO t VALUES (2, 'stale'); INSERT INTO ref_parent VALUES (2)")
         .await;
-    db.target_sql("INSERT INTO t VALUES (2, 'stale')").await;
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
     assert_eq!(out.status.code(), Some(1));
@@ -323,7 +333,9 @@ async fn non_empty_target_is_refused_unless_truncate_target() {
     )
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
-    db.assert_same("t").await;
+    for table in ["t", "ref_parent", "ref_child"] {
+        db.assert_same(table).await;
+    }
 }
 
 /// Whether a pg_dump at least as new as the source is installed (`pgapply schema` needs one);
