@@ -339,31 +339,24 @@ async fn drain(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // The flushed position, once it covers every commit made so far (commits with
-    // synchronous_commit = off are visible a moment before they are written, let alone flushed:
-    // the insert position covers them).
-    let lsn = |sql: &'static str| async move {
-        source
-            .query_one(sql, &[])
-            .await
-            .map_err(|e| Error::postgres("step 3: reading the source's WAL position", e))?
-            .get::<_, String>(0)
-            .parse::<Lsn>()
-            .map_err(|e| Error::definite(e.to_string()))
-    };
-    let written = lsn("SELECT pg_current_wal_insert_lsn()::text").await?;
-    let end = loop {
-        let flushed = lsn("SELECT pg_current_wal_flush_lsn()::text").await?;
-        if flushed >= written {
-            break flushed;
-        }
-        if Instant::now() > deadline {
-            return Err(Error::definite(format!(
-                "step 3: the source did not flush its WAL up to {written} in time"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    // The flushed position, once it covers every commit made so far. Commits made with
+    // synchronous_commit = off are visible before their WAL is even written; WAL is flushed in
+    // order, so a synchronous commit of our own (an xid, nothing else) flushes all of them. (The
+    // insert position cannot be waited for: at a page boundary it points past the page header,
+    // where no flush ever reaches until more WAL comes.)
+    source
+        .batch_execute(
+            "SET synchronous_commit = on; BEGIN; SELECT txid_current(); COMMIT; RESET synchronous_commit",
+        )
+        .await
+        .map_err(|e| Error::postgres("step 3: flushing the source's WAL", e))?;
+    let end = source
+        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
+        .await
+        .map_err(|e| Error::postgres("step 3: reading the source's WAL position", e))?
+        .get::<_, String>(0)
+        .parse::<Lsn>()
+        .map_err(|e| Error::definite(e.to_string()))?;
     println!("step 3: draining replication to {end}");
     // The slot's worker stops at the end, as with --endpos, and stays stopped there when started
     // again: it must not apply the source's later writes to what is now the primary. (Written

@@ -212,10 +212,13 @@ impl TestDb {
     /// Waits until a worker streams from this database's slot.
     pub async fn wait_slot_active(&self) {
         let slot = self.slot();
+        // A slot being created is active already, but has no confirmed position until its
+        // snapshot is consistent; a transaction prepared before that would be decoded only at
+        // its COMMIT PREPARED (and one left open would keep the creation waiting).
         wait_for("the worker to stream", 60, || async {
             self.source
                 .query_one(
-                    "SELECT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = $1",
+                    "SELECT coalesce(bool_or(active AND confirmed_flush_lsn IS NOT NULL), false) FROM pg_replication_slots WHERE slot_name = $1",
                     &[&slot],
                 )
                 .await
