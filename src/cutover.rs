@@ -24,7 +24,7 @@ use crate::config::TableMap;
 use crate::copy::published_tables;
 use crate::error::{Error, Result};
 use crate::protocol::Lsn;
-use crate::replicate::{run, RunConfig};
+use crate::replicate::{run, RunConfig, RunOutcome};
 use crate::sql::quote_ident;
 use crate::verify::{self, VerifySettings};
 
@@ -109,7 +109,9 @@ pub async fn cutover(
     verify_settings: VerifySettings,
 ) -> Result<()> {
     let source = crate::tls::connect_to(&run_config.source, "source").await?;
-    let target = crate::tls::connect_to(&run_config.target, "target").await?;
+    let mut target = crate::tls::connect_to(&run_config.target, "target").await?;
+    // pgapply's own tables on the target, for a cutover of a slot no `pgapply run` used yet.
+    crate::migrations::apply(&mut target).await?;
     let slot = run_config.slot.clone();
     let started = Instant::now();
     let deadline = started + settings.timeout;
@@ -156,6 +158,18 @@ pub async fn cutover(
         }
     } else {
         println!("step 1: no worker is streaming slot {slot:?}; this command applies the remaining changes itself");
+        if !settings.freeze_roles.is_empty() {
+            // Catch up while the application still writes: once frozen, it waits only for
+            // what it wrote since.
+            let (_, _, current) = slot_state(&source, &slot).await?;
+            let mut config = run_config.clone();
+            config.endpos = Some(current);
+            let outcome = run_until(config, deadline, "step 1").await?;
+            println!(
+                "step 1: caught up to {} before freezing writes",
+                outcome.flushed
+            );
+        }
     }
 
     // 2. Freeze writes, in the migrated database only: the roles may write to other databases of
@@ -406,10 +420,7 @@ async fn drain(
     }
     let mut config = run_config.clone();
     config.endpos = Some(end);
-    let (_stop, stop_rx) = watch::channel(false);
-    let outcome = run(config, stop_rx, None)
-        .await
-        .map_err(|e| e.context("step 3"))?;
+    let outcome = run_until(config, deadline, "step 3").await?;
     fence().await?;
     // It stops at the first transaction committed at or after the end, or when the source's
     // position passes it: either way everything before the end is applied.
@@ -420,6 +431,27 @@ async fn drain(
         )));
     }
     Ok(end)
+}
+
+/// Applies up to `config.endpos` here, in this process; past `deadline` (`--timeout`) the run is
+/// stopped (what it committed stays, as after any stop) and the step fails.
+async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<RunOutcome> {
+    let endpos = config.endpos;
+    let (stop, stop_rx) = watch::channel(false);
+    let applying = run(config, stop_rx, None);
+    tokio::pin!(applying);
+    tokio::select! {
+        outcome = &mut applying => outcome.map_err(|e| e.context(step)),
+        _ = tokio::time::sleep_until(deadline.into()) => {
+            let _ = stop.send(true);
+            let stopped = applying.await;
+            Err(Error::definite(format!(
+                "{step}: applying up to {} did not finish within --timeout (stopped at {}): run the cutover again, or with a longer --timeout",
+                endpos.unwrap_or(Lsn::INVALID),
+                stopped.map(|o| o.flushed.to_string()).unwrap_or_else(|e| format!("an error: {e}"))
+            )))
+        }
+    }
 }
 
 /// Copies sequence states from source to target. Returns how many.
@@ -442,11 +474,16 @@ pub async fn copy_sequences(
             "WITH RECURSIVE rel (oid) AS ( \
                  SELECT x::regclass::oid FROM unnest($2::text[]) x \
                  UNION SELECT i.inhparent FROM pg_inherits i JOIN rel ON i.inhrelid = rel.oid) \
-             SELECT n.nspname::text, c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             SELECT n.nspname::text, c.relname::text, tn.nspname::text, t.relname::text, a.attname::text \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             LEFT JOIN pg_depend d ON d.classid = 'pg_class'::regclass AND d.objid = c.oid \
+                  AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i') \
+             LEFT JOIN pg_class t ON t.oid = d.refobjid \
+             LEFT JOIN pg_namespace tn ON tn.oid = t.relnamespace \
+             LEFT JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid \
              WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema') \
                AND n.nspname NOT LIKE 'pg_toast%' AND n.nspname NOT LIKE 'pg_temp%' \
-               AND ($1 OR EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid \
-                    AND d.deptype IN ('a', 'i') AND d.refobjid IN (SELECT oid FROM rel))) \
+               AND ($1 OR d.refobjid IN (SELECT oid FROM rel)) \
              ORDER BY 1, 2",
             &[&all, &tables],
         )
@@ -455,6 +492,11 @@ pub async fn copy_sequences(
     let mut count = 0;
     for row in rows {
         let name = crate::sql::qualified_name(&row.get::<_, String>(0), &row.get::<_, String>(1));
+        let owner: Option<(String, String, String)> = match (row.get(2), row.get(3), row.get(4)) {
+            (Some(schema), Some(table), Some(column)) => Some((schema, table, column)),
+            _ => None,
+        };
+        let target_name = target_sequence(target, &name, owner, table_map).await;
         let state = source
             .query_one(&format!("SELECT last_value, is_called FROM {name}"), &[])
             .await
@@ -465,18 +507,43 @@ pub async fn copy_sequences(
         target
             .execute(
                 "SELECT setval($1::text::regclass, $2, $3)",
-                &[&name, &value, &called],
+                &[&target_name, &value, &called],
             )
             .await
             .map_err(|e| {
                 Error::postgres(
-                    format!("step 4: setting sequence {name} on the target (does it exist there?)"),
+                    format!("step 4: setting sequence {target_name} on the target (for {name} of the source; does it exist there?)"),
                     e,
                 )
             })?;
         count += 1;
     }
     Ok(count)
+}
+
+/// The target's sequence for source sequence `name`: a sequence owned by a table column (serial,
+/// identity) is the one of that column on the target, whatever it is called there (the table may
+/// be mapped to another name with `[tables."x".target]`); any other keeps its name.
+async fn target_sequence(
+    target: &Client,
+    name: &str,
+    owner: Option<(String, String, String)>,
+    table_map: &TableMap,
+) -> String {
+    let Some((schema, table, column)) = owner else {
+        return name.to_owned();
+    };
+    let key = (schema, table);
+    let (schema, table) = table_map.get(&key).cloned().unwrap_or(key);
+    let on_target = target
+        .query_one(
+            "SELECT pg_catalog.pg_get_serial_sequence($1, $2)",
+            &[&crate::sql::qualified_name(&schema, &table), &column],
+        )
+        .await
+        .ok()
+        .and_then(|r| r.get::<_, Option<String>>(0));
+    on_target.unwrap_or_else(|| name.to_owned())
 }
 
 /// Publication and slot on the target (the new primary), for replication back to the source.

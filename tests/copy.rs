@@ -518,10 +518,18 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.source_sql("INSERT INTO events (at) VALUES (150)").await;
-    // No worker runs: the cutover applies the rest itself, then copies the sequence that the
-    // partitions' column takes its values from (owned by the partitioned table).
-    let text = db.cutover(&[]).await;
-    assert!(text.contains("step 4: copied 1 sequence(s)"), "{text}");
+    let role = format!("ro_{}", db.name);
+    db.source_sql(&format!("CREATE ROLE {role} LOGIN")).await;
+    // No worker runs: the cutover catches up itself before it freezes writes, applies the rest,
+    // then copies the sequence that the partitions' column takes its values from (owned by the
+    // partitioned table).
+    let text = db.cutover(&["--freeze-writes", &role]).await;
+    assert!(
+        text.contains("before freezing writes")
+            && text.contains(&format!("read-only now in database \"{}\"", db.name))
+            && text.contains("step 4: copied 1 sequence(s)"),
+        "{text}"
+    );
     assert_eq!(
         db.count(&db.target, "SELECT nextval('events_id_seq')")
             .await,

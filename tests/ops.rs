@@ -218,6 +218,33 @@ async fn table_name_mapping() {
     assert_eq!(rows, 2);
 }
 
+/// A table applied into a differently named one keeps its serial column's sequence under the
+/// target's name: the cutover sets that one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_sets_the_sequence_of_a_mapped_table() {
+    let db = TestDb::new("seqmap").await;
+    db.source_sql("CREATE TABLE src_s (id serial PRIMARY KEY, v text)")
+        .await;
+    db.target_sql("CREATE TABLE \"Dst S\" (id serial PRIMARY KEY, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE src_s").await;
+    db.source_sql("INSERT INTO src_s (v) SELECT 'x' FROM generate_series(1, 5)")
+        .await;
+    let config = write_config("[tables.\"public.src_s\"]\ntarget = 'public.\"Dst S\"'\n");
+    let path = config.arg().to_string_lossy().into_owned();
+    let text = db.cutover(&["--config", &path]).await;
+    assert!(text.contains("step 4: copied 1 sequence(s)"), "{text}");
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM \"Dst S\"").await,
+        5
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT nextval('\"Dst S_id_seq\"')")
+            .await,
+        6
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_and_metrics_move_with_the_workload() {
     let db = TestDb::new("obs").await;
