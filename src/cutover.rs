@@ -72,7 +72,7 @@ async fn slot_state(source: &Client, slot: &str) -> Result<(bool, Lsn, Lsn)> {
         )
         .await
         .map_err(|e| Error::postgres("reading the slot on the source", e))?
-        .ok_or_else(|| Error::definite(format!("replication slot {slot:?} does not exist on the source")))?;
+        .ok_or_else(|| Error::definite(format!("replication slot {slot:?} does not exist on the source: check --slot (the slot `pgapply run` streams from) and --source")))?;
     let parse = |t: String| t.parse::<Lsn>().map_err(|e| Error::definite(e.to_string()));
     Ok((row.get(0), parse(row.get(1))?, parse(row.get(2))?))
 }
@@ -318,6 +318,12 @@ pub async fn cutover(
     println!(
         "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target",
         started.elapsed().as_secs_f64()
+    );
+    // The slot stays (a worker started again stops at the end, and it shows where the cutover
+    // ended), but it holds the old primary's WAL from the end on, for as long as it exists.
+    println!(
+        "slot {slot:?} on the source is kept and holds its WAL from {end} on: once the migration is settled, drop it there: SELECT pg_drop_replication_slot('{}')",
+        slot.replace('\'', "''")
     );
     Ok(())
 }
