@@ -82,7 +82,8 @@ async fn server_version(client: &Client, role: &str) -> Result<i32> {
 }
 
 /// Primary key columns of a source table (or else of its replica identity index), with their
-/// types (with the type modifier: `character(8)`, not `character`, which is `character(1)`).
+/// types (with the type modifier: `character(8)`, not `character`, which is `character(1)`; a
+/// domain's base type, so that a domain over text is compared in "C" as text is).
 /// Only the key columns proper: an index's INCLUDE columns (11+) may be NULL and need not sort.
 async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(String, String)>> {
     let key_count = if server_version(source, "source").await? >= 110000 {
@@ -93,12 +94,15 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
     let rows = source
         .query(
             &format!(
-                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod) \
+                "SELECT a.attname::text, \
+                        CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
+                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END \
                  FROM (SELECT i.indrelid, i.indkey, {key_count} AS n FROM pg_catalog.pg_index i \
                        WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
                        ORDER BY i.indisprimary DESC LIMIT 1) i \
                  CROSS JOIN generate_series(0, i.n - 1) k \
                  JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k] \
+                 JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
                  ORDER BY k"
             ),
             &[&table.qualified()],

@@ -806,18 +806,21 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
     // a char(4) key; floats whose text form depends on the server version.
     db.source_sql(
         "CREATE TABLE t (k text COLLATE \"C\" PRIMARY KEY, f float8); \
-         CREATE TABLE c (code char(4) PRIMARY KEY, r real);",
+         CREATE TABLE c (code char(4) PRIMARY KEY, r real); \
+         CREATE DOMAIN dcode AS text COLLATE \"C\"; CREATE TABLE d (k dcode PRIMARY KEY);",
     )
     .await;
     db.target_sql(
         "CREATE TABLE t (k text COLLATE \"und-x-icu\" PRIMARY KEY, f float8); \
-         CREATE TABLE c (code char(4) PRIMARY KEY, r real);",
+         CREATE TABLE c (code char(4) PRIMARY KEY, r real); \
+         CREATE DOMAIN dcode AS text COLLATE \"und-x-icu\"; CREATE TABLE d (k dcode PRIMARY KEY);",
     )
     .await;
     db.source_sql(
         "INSERT INTO t SELECT CASE WHEN g % 2 = 0 THEN upper(md5(g::text)) ELSE md5(g::text) END, g / 10.0 FROM generate_series(1, 3000) g; \
          INSERT INTO c SELECT lpad(g::text, 4, 'x'), g / 3.0 FROM generate_series(1, 900) g; \
-         CREATE PUBLICATION p FOR TABLE t, c;",
+         INSERT INTO d SELECT CASE WHEN g % 2 = 0 THEN upper(md5(g::text)) ELSE md5(g::text) END FROM generate_series(1, 500) g; \
+         CREATE PUBLICATION p FOR TABLE t, c, d;",
     )
     .await;
     let endpos = db.source_wal().await;
@@ -833,7 +836,8 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
     assert!(out.status.success(), "{text}{}", stderr(&out));
     assert!(
         text.contains("OK        \"public\".\"t\" (3000 rows, 30 chunks)")
-            && text.contains("OK        \"public\".\"c\" (900 rows, 9 chunks)"),
+            && text.contains("OK        \"public\".\"c\" (900 rows, 9 chunks)")
+            && text.contains("OK        \"public\".\"d\" (500 rows, 5 chunks)"),
         "{text}"
     );
     // And a changed row is still found, in its chunk.
