@@ -229,6 +229,67 @@ async fn apply_remote_with_a_second_unique_index_is_named() {
     );
 }
 
+/// insert_exists = apply_remote on a REPLICA IDENTITY FULL table (every column is "key" then):
+/// the target's primary key decides which row an insert overwrites, and inserts that meet no row
+/// go in as usual. A FULL table without a unique index on the target is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_remote_on_a_replica_identity_full_table_uses_the_targets_key() {
+    let db = TestDb::new("fullar").await;
+    db.both(
+        "CREATE TABLE f (id int PRIMARY KEY, v text, n int); ALTER TABLE f REPLICA IDENTITY FULL; \
+         CREATE TABLE g (a int, b text); ALTER TABLE g REPLICA IDENTITY FULL;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE f").await;
+    db.target_sql("INSERT INTO f VALUES (1, 'local', NULL)")
+        .await;
+    db.source_sql(
+        "INSERT INTO f VALUES (1, 'remote', 7), (2, 'new', NULL); UPDATE f SET n = 8 WHERE id = 1",
+    )
+    .await;
+    let config = config_file("c", "[conflicts]\ninsert_exists = \"apply_remote\"\n");
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("f").await;
+
+    db.source_sql("ALTER PUBLICATION p ADD TABLE g; INSERT INTO g VALUES (1, 'x')")
+        .await;
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("REPLICA IDENTITY FULL") && err.contains("\"public\".\"g\""),
+        "{err}"
+    );
+}
+
+/// A clashing row with NULL in another unique index's column: the lookup of what clashes reads
+/// that as "not through that index" (it used to fail reading a NULL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clashing_row_with_nulls_in_another_unique_index() {
+    let db = TestDb::new("clashnull").await;
+    db.both("CREATE TABLE w (id int PRIMARY KEY, email text UNIQUE, phone text UNIQUE)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE w").await;
+    db.source_sql("INSERT INTO w VALUES (1, 'a@x', '111')")
+        .await;
+    db.target_sql("INSERT INTO w VALUES (100, 'taken@x', NULL)")
+        .await;
+    db.source_sql(
+        "INSERT INTO w VALUES (2, 'b@x', '222'); UPDATE w SET email = 'taken@x' WHERE id = 1",
+    )
+    .await;
+    let config = config_file("c", "[conflicts]\nupdate_exists = \"skip\"\n");
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Skipped: row 1 keeps its old email, the local row stays, row 2 arrived.
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM w WHERE (id = 1 AND email = 'a@x') OR (id = 100 AND phone IS NULL) OR id = 2")
+            .await,
+        3
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_exists_and_multiple_unique_conflicts_follow_their_policies() {
     let db = TestDb::new("updexists").await;

@@ -17,7 +17,8 @@ use super::statement::{build_sql, ColumnSet, OnConflict, Operation, RowMatch, Sh
 use crate::error::{describe_postgres, Error, Result};
 use crate::metrics::METRICS;
 use crate::protocol::pgoutput::{
-    Begin, Commit, Delete, Insert, LogicalMessage, Oid, OldRow, Truncate, Update, Xid,
+    Begin, Commit, Delete, Insert, LogicalMessage, Oid, OldRow, ReplicaIdentity, Truncate, Update,
+    Xid,
 };
 use crate::protocol::{Lsn, PgTimestamp, Tuple, Value};
 use crate::relation::{RelationCache, RelationEntry};
@@ -1290,6 +1291,7 @@ impl Applier {
             })?);
         }
         let policy = self.policies_for(&entry).insert_exists;
+        let mut arbiter = ColumnSet::default();
         let (on_conflict, signal) = match policy {
             Policy::Error => (OnConflict::Plain, None),
             Policy::Skip | Policy::KeepLocal => (OnConflict::InsertDoNothing, Some(0)),
@@ -1299,6 +1301,21 @@ impl Applier {
                         "conflict policy insert_exists = \"apply_remote\" needs a replica identity key on table {}, which has none",
                         entry.display_name()
                     )));
+                }
+                if entry.source.replica_identity == ReplicaIdentity::Full {
+                    // Every column is "key" under FULL: the row that exists is the one with the
+                    // same values in the target's primary key (or first unique index).
+                    let keys = self.target_unique_keys(&entry).await?;
+                    let Some(key) = keys.first() else {
+                        return Err(Error::definite(format!(
+                            "conflict policy insert_exists = \"apply_remote\" on table {} (REPLICA IDENTITY FULL) needs a primary key or unique index on the target table {} over replicated columns, to tell which row an insert overwrites: add one, or use another policy for this table",
+                            entry.display_name(),
+                            entry.target.qualified
+                        )));
+                    };
+                    for &c in key {
+                        arbiter.insert(c);
+                    }
                 }
                 (OnConflict::InsertOverwrite, Some(1))
             }
@@ -1311,6 +1328,7 @@ impl Applier {
             row_match: RowMatch::Key,
             on_conflict,
             rows: 1,
+            arbiter,
         };
         self.stats.inserts += 1;
         METRICS.inserts.inc();
@@ -1673,6 +1691,7 @@ impl Applier {
             row_match: row_match.clone(),
             on_conflict,
             rows: 1,
+            arbiter: ColumnSet::default(),
         };
         self.stats.updates += 1;
         METRICS.updates.inc();
@@ -1804,6 +1823,7 @@ impl Applier {
             row_match: RowMatch::Key,
             on_conflict: OnConflict::Plain,
             rows,
+            arbiter: ColumnSet::default(),
         };
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
@@ -1943,21 +1963,28 @@ impl Applier {
         self.run_in_group("RELEASE SAVEPOINT pgapply_guard").await
     }
 
+    /// The target table's simple unique indexes (primary key first), as source columns; read
+    /// once per relation generation.
+    async fn target_unique_keys(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+    ) -> Result<Arc<Vec<Vec<usize>>>> {
+        let cache_key = (entry.source.oid, entry.generation);
+        if let Some(k) = self.unique_keys.get(&cache_key) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(super::unique::unique_keys(&self.client, entry).await?);
+        self.unique_keys.insert(cache_key, k.clone());
+        Ok(k)
+    }
+
     /// The target rows a change's unique values clash with.
     async fn find_clashing(
         &mut self,
         entry: &Arc<RelationEntry>,
         about: &ChangeInfo,
     ) -> Result<Vec<super::unique::ClashingRow>> {
-        let cache_key = (entry.source.oid, entry.generation);
-        let keys = match self.unique_keys.get(&cache_key) {
-            Some(k) => k.clone(),
-            None => {
-                let k = Arc::new(super::unique::unique_keys(&self.client, entry).await?);
-                self.unique_keys.insert(cache_key, k.clone());
-                k
-            }
-        };
+        let keys = self.target_unique_keys(entry).await?;
         let Some(new) = &about.remote else {
             return Ok(Vec::new());
         };
@@ -1996,6 +2023,7 @@ impl Applier {
             row_match: row_match.clone(),
             on_conflict: OnConflict::Plain,
             rows: 1,
+            arbiter: ColumnSet::default(),
         };
         self.stats.deletes += 1;
         METRICS.deletes.inc();
@@ -2759,7 +2787,7 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
             }
             Some((
                 format!(
-                    "SELECT to_jsonb(t)::text FROM {}{} t WHERE {}",
+                    "SELECT to_jsonb(t.*)::text FROM {}{} t WHERE {}",
                     super::statement::only(entry),
                     entry.target.qualified,
                     conditions.join(" AND ")

@@ -133,6 +133,10 @@ pub struct Shape {
     pub on_conflict: OnConflict,
     /// INSERT: rows in one statement (runs of inserts into one table are sent together).
     pub rows: usize,
+    /// `InsertOverwrite` under REPLICA IDENTITY FULL: the columns of the target's unique index
+    /// that decides the conflict (every column is "key" then, and no index covers them all).
+    /// Empty: the replica identity key.
+    pub arbiter: ColumnSet,
 }
 
 /// How a statement deals with a conflict itself (see `apply::conflict`). The statement's row
@@ -199,14 +203,18 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
             match shape.on_conflict {
                 OnConflict::InsertDoNothing => format!("{insert} ON CONFLICT DO NOTHING"),
                 OnConflict::InsertOverwrite => {
-                    let keys = entry
-                        .key_columns
+                    let key_columns: Vec<usize> = if shape.arbiter.is_empty() {
+                        entry.key_columns.clone()
+                    } else {
+                        (0..ncols).filter(|&c| shape.arbiter.contains(c)).collect()
+                    };
+                    let keys = key_columns
                         .iter()
                         .map(|&c| entry.quoted_columns[c].clone())
                         .collect::<Vec<_>>()
                         .join(", ");
                     let set: Vec<String> = (0..ncols)
-                        .filter(|c| !entry.key_columns.contains(c))
+                        .filter(|c| !key_columns.contains(c))
                         .map(|c| format!("{0} = EXCLUDED.{0}", entry.quoted_columns[c]))
                         .collect();
                     if set.is_empty() {

@@ -69,7 +69,8 @@ pub async fn unique_indexes(client: &Client, entry: &RelationEntry) -> Result<Ve
                       FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
                       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
                       WHERE k.ord <= {key_count} ORDER BY k.ord) \
-         FROM pg_catalog.pg_index i WHERE i.indrelid = $1 AND i.indisunique ORDER BY i.indexrelid"
+         FROM pg_catalog.pg_index i WHERE i.indrelid = $1 AND i.indisunique \
+         ORDER BY i.indisprimary DESC, i.indexrelid"
     );
     let rows = client
         .query(&sql, &[&entry.target.oid])
@@ -138,9 +139,15 @@ pub async fn clashing_rows(
     if any_of.is_empty() {
         return Ok(Vec::new());
     }
+    // coalesce: a clashing row may have NULL in another index's column (the comparison is NULL
+    // then, not false). `t.*`: `t` alone would be a column of that name, if the table has one.
+    let through = any_of
+        .iter()
+        .map(|c| format!("coalesce({c}, false)"))
+        .collect::<Vec<_>>()
+        .join(", ");
     let mut sql = format!(
-        "SELECT tableoid::oid, ctid::text, to_jsonb(t)::text, ARRAY[{}]::bool[] FROM {}{} t WHERE ({})",
-        any_of.join(", "),
+        "SELECT tableoid::oid, ctid::text, to_jsonb(t.*)::text, ARRAY[{through}]::bool[] FROM {}{} t WHERE ({})",
         super::statement::only(entry),
         entry.target.qualified,
         any_of.join(" OR ")
