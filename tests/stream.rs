@@ -636,6 +636,90 @@ async fn memory_stays_flat_for_a_huge_transaction() {
     assert!(rss_mb < 160, "peak RSS {rss_mb} MB");
 }
 
+/// A transaction prepared while the slot was being made (after its snapshot could see changes,
+/// before it was consistent) is sent only at its COMMIT PREPARED, prepare and all, with its old
+/// prepare position, which lies before the copy's start: it was never applied, and must be now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_prepared_while_the_slot_was_made_is_applied_at_commit_prepared() {
+    if !pgapply_version_or_skip("two-phase", 150000).await {
+        return;
+    }
+    let db = TestDb::new("prepmaking").await;
+    let gid = format!("making_{}", db.name);
+    let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+        prepared_while_making(&db, &gid),
+    ))
+    .await;
+    // Never left prepared on the shared source: it would hold up every later slot creation.
+    let _ = db
+        .source
+        .batch_execute(&format!("ROLLBACK PREPARED '{gid}'"))
+        .await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// The session's transaction id, as pg_locks shows it.
+async fn current_xid(client: &tokio_postgres::Client) -> String {
+    client
+        .query_one("SELECT (txid_current() % 4294967296)::text", &[])
+        .await
+        .unwrap()
+        .get::<_, String>(0)
+}
+
+async fn prepared_while_making(db: &TestDb, gid: &str) {
+    db.both("CREATE TABLE pm (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO pm VALUES (1); CREATE PUBLICATION p FOR TABLE pm")
+        .await;
+    let waits_for = |xid: String| {
+        let source = &db.source;
+        move || {
+            let xid = xid.clone();
+            async move {
+                source
+                    .query_one(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted AND transactionid::text = $1",
+                        &[&xid],
+                    )
+                    .await
+                    .map(|r| r.get::<_, i64>(0) > 0)
+                    .unwrap_or(false)
+            }
+        }
+    };
+    // The slot's creation first waits for the transactions running when it starts (l), then for
+    // those running when its snapshot starts seeing changes (m): the prepared one goes in between.
+    let l = connect(db.source_port, &db.name).await;
+    l.batch_execute("BEGIN").await.unwrap();
+    let l_xid = current_xid(&l).await;
+    let mut worker = spawn(db.pgapply("p", &["--two-phase", "--create-slot", "--copy-data"]));
+    wait_for("slot creation to wait for l", 60, waits_for(l_xid)).await;
+    let m = connect(db.source_port, &db.name).await;
+    m.batch_execute("BEGIN").await.unwrap();
+    let m_xid = current_xid(&m).await;
+    l.batch_execute("COMMIT").await.unwrap();
+    wait_for("slot creation to wait for m", 60, waits_for(m_xid)).await;
+    db.source_sql(&format!(
+        "BEGIN; INSERT INTO pm VALUES (2); PREPARE TRANSACTION '{gid}';"
+    ))
+    .await;
+    m.batch_execute("COMMIT").await.unwrap();
+    db.wait_slot_active().await;
+    db.source_sql(&format!("COMMIT PREPARED '{gid}'")).await;
+    db.source_sql("INSERT INTO pm VALUES (3)").await;
+    wait_for("the rows after the copy", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM pm WHERE id = 3")
+            .await
+            == 1
+    })
+    .await;
+    worker.start_kill().unwrap();
+    let _ = worker.wait().await;
+    db.assert_same("pm").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
     if !pgapply_version_or_skip("two-phase", 150000).await {

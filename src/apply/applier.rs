@@ -850,11 +850,14 @@ impl Applier {
     async fn begin_prepare(&mut self, b: crate::protocol::pgoutput::BeginPrepare) -> Result<()> {
         self.commit_group_and_wait().await?;
         let gid = self.gid(b.xid);
-        self.begin(Begin {
-            final_lsn: b.prepare_lsn,
-            commit_time: b.prepare_time,
-            xid: b.xid,
-        })?;
+        self.begin_at(
+            Begin {
+                final_lsn: b.prepare_lsn,
+                commit_time: b.prepare_time,
+                xid: b.xid,
+            },
+            false,
+        )?;
         // Prepared before a restart: it survives on the target, so it is not applied again.
         if self.prepared_exists(&gid).await? {
             tracing::info!(gid = %gid, source_gid = %b.gid, "transaction already prepared on the target");
@@ -874,6 +877,11 @@ impl Applier {
                 p.gid
             )));
         };
+        if txn.skip_requested {
+            self.skip_lsn = None;
+            self.record_requested_skip(&txn, p.end_lsn, p.prepare_time);
+            return Ok(());
+        }
         if txn.skip {
             return Ok(());
         }
@@ -884,11 +892,20 @@ impl Applier {
         self.commit_group_and_wait().await?;
         let gid = self.gid(p.xid);
         let already = self.prepared_exists(&gid).await?;
-        self.begin(Begin {
-            final_lsn: p.prepare_lsn,
-            commit_time: p.prepare_time,
-            xid: p.xid,
-        })?;
+        self.begin_at(
+            Begin {
+                final_lsn: p.prepare_lsn,
+                commit_time: p.prepare_time,
+                xid: p.xid,
+            },
+            false,
+        )?;
+        if let Some(txn) = self.current.take_if(|t| t.skip_requested && !already) {
+            self.spool.discard(p.xid);
+            self.skip_lsn = None;
+            self.record_requested_skip(&txn, p.end_lsn, p.prepare_time);
+            return Ok(());
+        }
         let skip = already || self.current.as_ref().is_some_and(|t| t.skip);
         if skip {
             self.spool.discard(p.xid);
@@ -1104,6 +1121,16 @@ impl Applier {
     }
 
     fn begin(&mut self, b: Begin) -> Result<()> {
+        self.begin_at(b, true)
+    }
+
+    /// `skip_applied`: skip the transaction when its commit lies before the resume position.
+    /// Not for prepared transactions: the source sends one prepared before its slot could decode
+    /// prepares (before `two_phase_at`, or while the slot was being created) only at COMMIT
+    /// PREPARED, with its old prepare position, which may lie before the resume position although
+    /// it was never applied. One that was applied is not sent again, or found prepared on the
+    /// target (`prepared_exists`).
+    fn begin_at(&mut self, b: Begin, skip_applied: bool) -> Result<()> {
         // Policies reloaded (SIGHUP) apply from the next transaction on.
         if let Some(updates) = &mut self.policy_updates {
             if updates.has_changed().unwrap_or(false) {
@@ -1119,7 +1146,7 @@ impl Applier {
             )));
         }
         // A commit record that starts before the resume position ends at or before it: applied.
-        let skip = self.resume.is_valid() && b.final_lsn < self.resume;
+        let skip = skip_applied && self.resume.is_valid() && b.final_lsn < self.resume;
         if skip {
             tracing::debug!(xid = b.xid, commit_lsn = %b.final_lsn, "skipping transaction applied before");
         } else if self.group.is_none() {
