@@ -673,15 +673,21 @@ async fn prepared_while_making(db: &TestDb, gid: &str) {
     db.both("CREATE TABLE pm (id int PRIMARY KEY)").await;
     db.source_sql("INSERT INTO pm VALUES (1); CREATE PUBLICATION p FOR TABLE pm")
         .await;
+    // Waits of this slot's walsender only: other tests' slot creations wait for every running
+    // transaction too.
+    let slot = db.slot();
     let waits_for = |xid: String| {
         let source = &db.source;
+        let slot = slot.clone();
         move || {
-            let xid = xid.clone();
+            let (xid, slot) = (xid.clone(), slot.clone());
             async move {
                 source
                     .query_one(
-                        "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted AND transactionid::text = $1",
-                        &[&xid],
+                        "SELECT count(*) FROM pg_locks l JOIN pg_replication_slots s ON s.active_pid = l.pid \
+                         WHERE s.slot_name = $2 AND l.locktype = 'transactionid' AND NOT l.granted \
+                         AND l.transactionid::text = $1",
+                        &[&xid, &slot],
                     )
                     .await
                     .map(|r| r.get::<_, i64>(0) > 0)
