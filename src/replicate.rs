@@ -421,10 +421,14 @@ async fn run_in_span(
         slot: config.slot.clone(),
         two_phase: negotiated.two_phase,
         log_messages: negotiated.messages,
-        spool_dir: config
-            .spool_dir
-            .clone()
-            .unwrap_or_else(|| std::env::temp_dir().join(format!("pgapply-spool-{}", config.slot))),
+        spool_dir: match &config.spool_dir {
+            Some(dir) => dir.clone(),
+            None => {
+                let dir = std::env::temp_dir().join(format!("pgapply-spool-{}", config.slot));
+                crate::apply::spool::private_dir(&dir)?;
+                dir
+            }
+        },
         worker: None,
         live_streaming: live_possible,
         copied_tables,

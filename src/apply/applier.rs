@@ -838,7 +838,8 @@ impl Applier {
         let row = self
             .catalog
             .query_one(
-                "SELECT EXISTS (SELECT 1 FROM pg_prepared_xacts WHERE gid = $1)",
+                // The view is the whole cluster's: another database's transaction is not ours.
+                "SELECT EXISTS (SELECT 1 FROM pg_prepared_xacts WHERE gid = $1 AND database = current_database())",
                 &[&gid],
             )
             .await

@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::PathBuf;
 
 use bytes::Bytes;
@@ -34,6 +35,9 @@ struct SpooledTransaction {
     /// Per subtransaction: where its first change is in the whole spooled stream (file, then
     /// memory), as (serialized bytes before it, messages before it).
     subtransactions: Vec<(Xid, u64, usize)>,
+    /// The xids in `subtransactions`: a transaction may have a million of them (a loop with an
+    /// exception block), and each of its messages is checked.
+    known: std::collections::HashSet<Xid>,
 }
 
 impl SpooledTransaction {
@@ -45,6 +49,7 @@ impl SpooledTransaction {
             file_bytes: 0,
             file_messages: 0,
             subtransactions: Vec::new(),
+            known: std::collections::HashSet::new(),
         }
     }
 }
@@ -97,6 +102,46 @@ impl Drop for Replay {
     }
 }
 
+/// The default spool directory, in the shared temp directory: created private to this user
+/// (0700), and refused when it exists otherwise. Another user could read the spooled rows there,
+/// or leave files and links for pgapply to write through or to replay.
+pub fn private_dir(dir: &std::path::Path) -> Result<()> {
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => {
+            return Err(Error::definite(format!(
+                "cannot create spool directory {}: {e} (set --spool-dir)",
+                dir.display()
+            )))
+        }
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| {
+        Error::definite(format!(
+            "spool directory {}: {e} (set --spool-dir)",
+            dir.display()
+        ))
+    })?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me {
+        return Err(Error::definite(format!(
+            "spool directory {} exists but is not this user's (a link, or another owner): remove it, or set --spool-dir to a directory of your own",
+            dir.display()
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        // Made by an earlier version with the default umask.
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
+            Error::definite(format!(
+                "spool directory {}: {e} (set --spool-dir)",
+                dir.display()
+            ))
+        })?;
+    }
+    Ok(())
+}
+
 impl Spool {
     /// A spool in `dir`, emptied of files left by an earlier run.
     pub fn open(dir: PathBuf) -> Result<Spool> {
@@ -110,12 +155,17 @@ impl Spool {
                 }
             }
         }
-        std::fs::create_dir_all(&dir).map_err(|e| {
-            Error::definite(format!(
-                "cannot create spool directory {}: {e} (set --spool-dir)",
-                dir.display()
-            ))
-        })?;
+        // Spooled rows are the source's data: readable by this user only.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| {
+                Error::definite(format!(
+                    "cannot create spool directory {}: {e} (set --spool-dir)",
+                    dir.display()
+                ))
+            })?;
         Ok(Spool {
             dir,
             transactions: HashMap::new(),
@@ -140,14 +190,16 @@ impl Spool {
             .entry(xid)
             .or_insert_with(SpooledTransaction::new);
         if let Some(sub) = subxid.filter(|s| *s != xid) {
-            if !t.subtransactions.iter().any(|(x, ..)| *x == sub) {
+            if t.known.insert(sub) {
                 let bytes = t.file_bytes + (t.memory_bytes + 4 * t.memory.len()) as u64;
                 let messages = t.file_messages + t.memory.len();
                 t.subtransactions.push((sub, bytes, messages));
             }
         }
         t.memory_bytes += raw.len();
-        t.memory.push(raw);
+        // A copy: the message is a slice of a 256 KiB read buffer, which it would keep alive
+        // for as long as the transaction is spooled, uncounted.
+        t.memory.push(Bytes::copy_from_slice(&raw));
         if t.memory_bytes > MEMORY_PER_TRANSACTION {
             flush_to_file(&dir, xid, t)?;
         }
@@ -163,12 +215,15 @@ impl Spool {
         let Some(t) = self.transactions.get_mut(&xid) else {
             return Ok(());
         };
-        let Some(pos) = t.subtransactions.iter().position(|(x, ..)| *x == subxid) else {
+        // From the end: the one aborted is usually the latest.
+        let Some(pos) = t.subtransactions.iter().rposition(|(x, ..)| *x == subxid) else {
             // No change of that subtransaction was streamed: nothing to undo.
             return Ok(());
         };
         let (_, cut_bytes, cut_messages) = t.subtransactions[pos];
-        t.subtransactions.truncate(pos);
+        for (x, ..) in t.subtransactions.drain(pos..) {
+            t.known.remove(&x);
+        }
         if cut_messages < t.file_messages {
             // The cut is inside the file: truncate it and drop everything in memory.
             if let Some((path, writer)) = &mut t.file {
@@ -252,7 +307,14 @@ fn spool_error(path: &std::path::Path, e: std::io::Error) -> Error {
 fn flush_to_file(dir: &std::path::Path, xid: Xid, t: &mut SpooledTransaction) -> Result<()> {
     if t.file.is_none() {
         let path = dir.join(format!("xid-{xid}.spool"));
-        let file = File::create(&path).map_err(|e| spool_error(&path, e))?;
+        // A new file of this user's only, never one found in its place (or a link).
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(|e| spool_error(&path, e))?;
         t.file = Some((path, BufWriter::with_capacity(256 * 1024, file)));
     }
     let Some((path, writer)) = &mut t.file else {
@@ -285,6 +347,33 @@ mod tests {
 
     fn dir(name: &str) -> PathBuf {
         std::env::temp_dir().join(format!("pgapply-spool-test-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn the_default_directory_is_private_and_files_are_the_users_only() {
+        let d = dir("private");
+        let _ = std::fs::remove_dir_all(&d);
+        // Made by an earlier version with the default umask: tightened.
+        std::fs::create_dir(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        private_dir(&d).unwrap();
+        assert_eq!(std::fs::metadata(&d).unwrap().mode() & 0o777, 0o700);
+        // A link in its place is refused.
+        let link = dir("private-link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&d, &link).unwrap();
+        let err = private_dir(&link).unwrap_err().to_string();
+        assert!(err.contains("not this user's"), "{err}");
+        // Spilled files: 0600.
+        let mut s = Spool::open(d.clone()).unwrap();
+        s.start(7, true);
+        s.append(7, None, Bytes::from(vec![1u8; MEMORY_PER_TRANSACTION + 1]))
+            .unwrap();
+        let file = d.join("xid-7.spool");
+        assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o600);
+        drop(s);
+        let _ = std::fs::remove_file(&link);
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
