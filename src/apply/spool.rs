@@ -38,6 +38,10 @@ struct SpooledTransaction {
     /// The xids in `subtransactions`: a transaction may have a million of them (a loop with an
     /// exception block), and each of its messages is checked.
     known: std::collections::HashSet<Xid>,
+    /// Relation and Type messages, by position in the stream: the source sends a relation's
+    /// description once per streamed transaction, in whichever subtransaction first uses it, and
+    /// counts it as sent even when that subtransaction is rolled back. A cut keeps them.
+    schema: Vec<(usize, Bytes)>,
 }
 
 impl SpooledTransaction {
@@ -50,6 +54,7 @@ impl SpooledTransaction {
             file_messages: 0,
             subtransactions: Vec::new(),
             known: std::collections::HashSet::new(),
+            schema: Vec::new(),
         }
     }
 }
@@ -196,14 +201,14 @@ impl Spool {
                 t.subtransactions.push((sub, bytes, messages));
             }
         }
-        t.memory_bytes += raw.len();
         // A copy: the message is a slice of a 256 KiB read buffer, which it would keep alive
         // for as long as the transaction is spooled, uncounted.
-        t.memory.push(Bytes::copy_from_slice(&raw));
-        if t.memory_bytes > MEMORY_PER_TRANSACTION {
-            flush_to_file(&dir, xid, t)?;
+        let raw = Bytes::copy_from_slice(&raw);
+        if matches!(raw.first(), Some(b'R' | b'Y')) {
+            t.schema
+                .push((t.file_messages + t.memory.len(), raw.clone()));
         }
-        Ok(())
+        push_message(&dir, xid, t, raw)
     }
 
     /// Stream Abort: the whole transaction (`subxid == xid`) or one subtransaction.
@@ -246,6 +251,17 @@ impl Spool {
         } else {
             t.memory.truncate(cut_messages - t.file_messages);
             t.memory_bytes = t.memory.iter().map(Bytes::len).sum();
+        }
+        // Descriptions sent in what was cut still describe the tables for what follows.
+        let kept = t.schema.iter().position(|(at, _)| *at >= cut_messages);
+        if let Some(kept) = kept {
+            let cut_schema: Vec<Bytes> = t.schema.drain(kept..).map(|(_, raw)| raw).collect();
+            let dir = self.dir.clone();
+            for raw in cut_schema {
+                t.schema
+                    .push((t.file_messages + t.memory.len(), raw.clone()));
+                push_message(&dir, xid, t, raw)?;
+            }
         }
         Ok(())
     }
@@ -302,6 +318,21 @@ impl Drop for Spool {
 
 fn spool_error(path: &std::path::Path, e: std::io::Error) -> Error {
     Error::definite(format!("spool file {}: {e}", path.display()))
+}
+
+/// Adds a message at the end, spilling to the file beyond the memory allowance.
+fn push_message(
+    dir: &std::path::Path,
+    xid: Xid,
+    t: &mut SpooledTransaction,
+    raw: Bytes,
+) -> Result<()> {
+    t.memory_bytes += raw.len();
+    t.memory.push(raw);
+    if t.memory_bytes > MEMORY_PER_TRANSACTION {
+        flush_to_file(dir, xid, t)?;
+    }
+    Ok(())
 }
 
 fn flush_to_file(dir: &std::path::Path, xid: Xid, t: &mut SpooledTransaction) -> Result<()> {
@@ -374,6 +405,29 @@ mod tests {
         drop(s);
         let _ = std::fs::remove_file(&link);
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_relation_sent_in_a_rolled_back_subtransaction_stays() {
+        for spill in [false, true] {
+            let mut s = Spool::open(dir(if spill { "schema-file" } else { "schema-mem" })).unwrap();
+            s.start(10, true);
+            s.append(10, Some(10), Bytes::from_static(b"Ia")).unwrap();
+            s.append(10, Some(11), Bytes::from_static(b"Rrel")).unwrap();
+            s.append(10, Some(11), Bytes::from_static(b"Ib")).unwrap();
+            if spill {
+                let big = vec![b'I'; MEMORY_PER_TRANSACTION + 1];
+                s.append(10, Some(11), Bytes::from(big)).unwrap();
+            }
+            s.abort(10, 11).unwrap();
+            s.append(10, Some(12), Bytes::from_static(b"Ic")).unwrap();
+            let mut replay = s.take(10).unwrap();
+            assert_eq!(
+                messages(&mut replay),
+                vec![b"Ia".to_vec(), b"Rrel".to_vec(), b"Ic".to_vec()],
+                "spilled: {spill}"
+            );
+        }
     }
 
     #[test]
