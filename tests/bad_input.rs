@@ -93,6 +93,26 @@ async fn column_missing_on_target() {
     .await;
 }
 
+/// A target column narrower than the source's: the error names the table and says to widen the
+/// column, not to skip the transaction (which would lose it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn column_too_narrow_on_target() {
+    let db = TestDb::new("narrow").await;
+    db.source_sql("CREATE TABLE n (id int PRIMARY KEY, big bigint)")
+        .await;
+    db.target_sql("CREATE TABLE n (id int PRIMARY KEY, big int)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE n").await;
+    db.source_sql("INSERT INTO n VALUES (1, 5), (2, 10000000000)")
+        .await;
+    let last = expect_failure(
+        db.pgapply("p", &[]),
+        &["\"public\".\"n\"", "does not take the source's value"],
+    )
+    .await;
+    assert!(!last.contains("pgapply skip"), "{last}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_password() {
     let db = TestDb::new("badpw").await;
