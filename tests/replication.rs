@@ -130,6 +130,42 @@ async fn identity_columns_generated_always_on_the_target() {
     db.assert_same("n").await;
 }
 
+/// REPLICA IDENTITY FULL with a column whose type has no `=` (a domain over json), met deep in
+/// a group, when the group's transaction is already open on the target: the failed statement
+/// aborts it, and the run starts again comparing that table's rows as text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_identity_without_equality_deep_in_a_group() {
+    let db = TestDb::new("fulldeep").await;
+    db.both(
+        "CREATE DOMAIN dj AS json; \
+         CREATE TABLE g (id int, v int); ALTER TABLE g REPLICA IDENTITY FULL; \
+         CREATE TABLE f (id int, doc dj); ALTER TABLE f REPLICA IDENTITY FULL;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE g, f").await;
+    db.source_sql(
+        "INSERT INTO g SELECT x, 0 FROM generate_series(1, 200) x; INSERT INTO f VALUES (1, '{\"a\": 1}');",
+    )
+    .await;
+    for i in 1..=200 {
+        db.source_sql(&format!("UPDATE g SET v = v + 1 WHERE id = {i}"))
+            .await;
+    }
+    db.source_sql("UPDATE f SET doc = '{\"a\": 2}' WHERE id = 1")
+        .await;
+    let out = db.sync("p").await;
+    let _ = out;
+    db.assert_same("g").await;
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM f WHERE doc::text = '{\"a\": 2}'"
+        )
+        .await,
+        1
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_identity_using_index() {
     let db = TestDb::new("ridx").await;

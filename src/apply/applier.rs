@@ -532,7 +532,7 @@ impl Applier {
             settings,
             relations: RelationCache::new(options.table_map.clone()),
             statements: HashMap::new(),
-            full_as_text: HashSet::new(),
+            full_as_text: FULL_AS_TEXT.lock().map(|s| s.clone()).unwrap_or_default(),
             begin,
             commit,
             record,
@@ -2176,19 +2176,33 @@ impl Applier {
             {
                 tracing::info!(table = %entry.target.qualified, "a column type has no equality operator; matching REPLICA IDENTITY FULL rows by their text form");
                 self.full_as_text.insert(entry.source.oid);
+                if let Ok(mut known) = FULL_AS_TEXT.lock() {
+                    known.insert(entry.source.oid);
+                }
                 if let RowMatch::Full { as_text, .. } = &mut shape.row_match {
                     *as_text = true;
                 }
                 let sql = build_sql(entry, &shape);
-                self.client.prepare(&sql).await.map_err(|e| {
-                    Error::postgres(
-                        format!(
-                            "preparing a statement for table {} on the target",
+                match self.client.prepare(&sql).await {
+                    Ok(s) => s,
+                    // The group's transaction was open on the target, and the failed statement
+                    // aborted it: the run starts again (FULL_AS_TEXT keeps what was learnt).
+                    Err(e) if e.code().is_some_and(|c| c.code() == "25P02") => {
+                        return Err(Error::transient(format!(
+                            "table {}: a column type has no equality operator, which aborted the open target transaction; applying again, comparing REPLICA IDENTITY FULL rows by their text form",
                             entry.target.qualified
-                        ),
-                        e,
-                    )
-                })?
+                        )));
+                    }
+                    Err(e) => {
+                        return Err(Error::postgres(
+                            format!(
+                                "preparing a statement for table {} on the target",
+                                entry.target.qualified
+                            ),
+                            e,
+                        ))
+                    }
+                }
             }
             Err(e) => {
                 let what = format!("a statement for table {}", entry.target.qualified);
@@ -2857,6 +2871,12 @@ fn target_table_hint(code: &str, table: &str) -> Option<String> {
         _ => None,
     }
 }
+
+/// Tables (by source OID) whose REPLICA IDENTITY FULL rows are compared by their text form,
+/// learnt when a statement failed: kept for the whole process, so that a run started again after
+/// that failure aborted its transaction compares them so from the start.
+static FULL_AS_TEXT: std::sync::LazyLock<std::sync::Mutex<HashSet<Oid>>> =
+    std::sync::LazyLock::new(Default::default);
 
 /// A target `GENERATED ALWAYS AS IDENTITY` column that is not part of the key: an UPDATE cannot
 /// tell whether it changed, and sets it (the target then refuses, saying what to change).
