@@ -1531,7 +1531,7 @@ impl Applier {
         for (sized, result) in missing.into_iter().zip(prepared) {
             match result {
                 Ok(statement) => {
-                    self.statements.insert(sized, statement);
+                    self.remember_statement(sized, statement);
                 }
                 Err(e) => failed = failed.or(Some(e)),
             }
@@ -1882,7 +1882,7 @@ impl Applier {
                 Ok(statement) => {
                     let mut other = shape.clone();
                     other.rows = n;
-                    self.statements.insert(other, statement);
+                    self.remember_statement(other, statement);
                 }
                 // A failed Parse aborts the open transaction: report it rather than a later
                 // "transaction aborted".
@@ -1911,7 +1911,7 @@ impl Applier {
                 return self.prepare_failed(&what, &entry.target.qualified, e).await;
             }
         };
-        self.statements.insert(shape, statement.clone());
+        self.remember_statement(shape, statement.clone());
         Ok(statement)
     }
 
@@ -2161,6 +2161,22 @@ impl Applier {
         Ok(())
     }
 
+    /// Keeps a prepared statement for its shape. The shapes a process meets are many in some
+    /// workloads (under REPLICA IDENTITY FULL each pattern of NULLs is one, each set of unchanged
+    /// TOAST columns eight batch sizes, each relation change a new generation): past a bound the
+    /// cache starts afresh, and what is still used is prepared again. (A statement still in the
+    /// pipeline keeps its own handle; the server forgets it when the last handle goes.)
+    fn remember_statement(&mut self, shape: Shape, statement: Statement) {
+        if self.statements.len() >= MAX_STATEMENTS {
+            tracing::debug!(
+                statements = self.statements.len(),
+                "prepared statement cache full: starting it afresh"
+            );
+            self.statements.clear();
+        }
+        self.statements.insert(shape, statement);
+    }
+
     /// The prepared statement for a shape, preparing it the first time.
     async fn statement(&mut self, entry: &RelationEntry, mut shape: Shape) -> Result<Statement> {
         if let Some(s) = self.statements.get(&shape) {
@@ -2209,7 +2225,7 @@ impl Applier {
                 return self.prepare_failed(&what, &entry.target.qualified, e).await;
             }
         };
-        self.statements.insert(shape, statement.clone());
+        self.remember_statement(shape, statement.clone());
         Ok(statement)
     }
 
@@ -2871,6 +2887,9 @@ fn target_table_hint(code: &str, table: &str) -> Option<String> {
         _ => None,
     }
 }
+
+/// Prepared statements kept per target session (see `remember_statement`).
+const MAX_STATEMENTS: usize = 4096;
 
 /// Tables (by source OID) whose REPLICA IDENTITY FULL rows are compared by their text form,
 /// learnt when a statement failed: kept for the whole process, so that a run started again after
