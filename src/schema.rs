@@ -31,10 +31,10 @@ fn libpq_value(value: &str) -> String {
 fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
     let mut parts = Vec::new();
     if let Some(tokio_postgres::config::Host::Tcp(h)) = config.get_hosts().first() {
-        parts.push(format!("host='{h}'"));
+        parts.push(format!("host={}", libpq_value(h)));
     }
     if let Some(tokio_postgres::config::Host::Unix(p)) = config.get_hosts().first() {
-        parts.push(format!("host='{}'", p.display()));
+        parts.push(format!("host={}", libpq_value(&p.to_string_lossy())));
     }
     if let Some(port) = config.get_ports().first() {
         parts.push(format!("port={port}"));
