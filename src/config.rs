@@ -19,6 +19,8 @@ use crate::replicate::RunConfig;
 
 /// Smallest `--queue-size`: room for a few messages at least.
 const MIN_QUEUE_BYTES: u64 = 64 * 1024;
+/// Largest `--queue-size`: far beyond any machine's memory, well within the queue's counter.
+const MAX_QUEUE_BYTES: u64 = 1 << 40;
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Duration>, D::Error> {
     let text: Option<String> = Option::deserialize(d)?;
@@ -347,10 +349,10 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     if let Some(size) = args.queue_size.as_ref().or(file.queue_size.as_ref()) {
         let bytes = crate::cutover::parse_size(size)
             .ok()
-            .filter(|b| *b >= MIN_QUEUE_BYTES)
+            .filter(|b| (MIN_QUEUE_BYTES..=MAX_QUEUE_BYTES).contains(b))
             .ok_or_else(|| {
                 Error::usage(format!(
-                    "queue_size {size:?}: give a size of at least 64kB, such as 64MB or 512kB"
+                    "queue_size {size:?}: give a size from 64kB to 1024GB, such as 64MB or 512kB"
                 ))
             })?;
         config.queue_bytes = usize::try_from(bytes).unwrap_or(usize::MAX);

@@ -361,12 +361,13 @@ async fn drain(
     }
     // The flushed position, once it covers every commit made so far. Commits made with
     // synchronous_commit = off are visible before their WAL is even written; WAL is flushed in
-    // order, so a synchronous commit of our own (an xid, nothing else) flushes all of them. (The
+    // order, so a synchronous commit of our own (an xid, nothing else; `local`: not waiting for
+    // synchronous standbys) flushes all of them. (The
     // insert position cannot be waited for: at a page boundary it points past the page header,
     // where no flush ever reaches until more WAL comes.)
     source
         .batch_execute(
-            "SET synchronous_commit = on; BEGIN; SELECT txid_current(); COMMIT; RESET synchronous_commit",
+            "SET synchronous_commit = local; BEGIN; SELECT txid_current(); COMMIT; RESET synchronous_commit",
         )
         .await
         .map_err(|e| Error::postgres("step 3: flushing the source's WAL", e))?;
@@ -440,8 +441,22 @@ async fn drain(
 }
 
 /// Applies up to `config.endpos` here, in this process; past `deadline` (`--timeout`) the run is
-/// stopped (what it committed stays, as after any stop) and the step fails.
+/// stopped (what it committed stays, as after any stop) and the step fails. Transient errors are
+/// retried until then, as `pgapply run` does (a worker that just stopped may still hold the
+/// slot or the origin for a moment).
 async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<RunOutcome> {
+    loop {
+        match run_once_until(config.clone(), deadline, step).await {
+            Err(e) if e.is_transient() && Instant::now() + Duration::from_secs(1) < deadline => {
+                println!("{step}: {e}; trying again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
+async fn run_once_until(config: RunConfig, deadline: Instant, step: &str) -> Result<RunOutcome> {
     let endpos = config.endpos;
     let (stop, stop_rx) = watch::channel(false);
     let applying = run(config, stop_rx, None);

@@ -240,20 +240,24 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
     reload_on_sighup(reload, policy_tx);
     let mut shutdown = shutdown_signal();
     let mut backoff = Backoff::new(service.retry_min, service.retry_max);
-    // The flushed position each run reports: attempts count the failures in a row that did not
-    // move it (a run that applied something and then failed was not a failed attempt).
+    // The flushed position each run reports: attempts count the failures in a row of runs that
+    // neither moved it nor lasted a minute (a run that applied something, or streamed for a
+    // while, and then failed was not a failed attempt).
     let (progress_tx, progress_rx) = watch::channel(pgapply::replicate::RunProgress {
         durable: pgapply::protocol::Lsn::INVALID,
     });
     loop {
         let before = progress_rx.borrow().durable;
+        let started = std::time::Instant::now();
         match run(config.clone(), shutdown.clone(), Some(progress_tx.clone())).await {
             Ok(outcome) => {
                 tracing::info!(reason = ?outcome.reason, flushed_lsn = %outcome.flushed, "done");
                 return Ok(());
             }
             Err(e) if e.is_transient() && !*shutdown.borrow() => {
-                if progress_rx.borrow().durable > before {
+                if progress_rx.borrow().durable > before
+                    || started.elapsed() > Duration::from_secs(60)
+                {
                     backoff.reset();
                 }
                 if service.max_retries > 0 && backoff.attempts >= service.max_retries {

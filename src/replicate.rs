@@ -441,7 +441,14 @@ async fn run_in_span(
     let (durable_tx, durable_rx) = watch::channel(resume);
     let tracker_conn = target_connection(&pool, &config.target).await?;
     let tracker = tokio::spawn(
-        track_durable(store.clone(), tracker_conn, applied_rx, durable_tx).in_current_span(),
+        track_durable(
+            store.clone(),
+            tracker_conn,
+            (pool.clone(), config.target.clone()),
+            applied_rx,
+            durable_tx,
+        )
+        .in_current_span(),
     );
 
     let reported = REPORTED.clone();
@@ -1041,7 +1048,8 @@ async fn write_heartbeat(
 /// Turns the applier's committed position into the target's durable position.
 async fn track_durable(
     store: ProgressStore,
-    client: Object,
+    mut client: Object,
+    (pool, target): (Pool, tokio_postgres::Config),
     mut applied: watch::Receiver<Lsn>,
     durable: watch::Sender<Lsn>,
 ) {
@@ -1082,6 +1090,12 @@ async fn track_durable(
                     tracing::warn!(error = %e, "could not read the durable position on the target; trying again every second");
                 }
                 failed = true;
+                // A session that is gone (ended by the server, say) is replaced.
+                if client.is_closed() {
+                    if let Ok(fresh) = target_connection(&pool, &target).await {
+                        client = fresh;
+                    }
+                }
                 continue;
             }
         }
@@ -1241,7 +1255,6 @@ impl Reader<'_> {
         }
     }
 
-    /// How long the source may stay silent although we ask it to reply at every status update.
     /// Bytes handed to the applier and not applied yet.
     fn queued(&self) -> usize {
         self.queue_bytes - self.budget.available_permits().min(self.queue_bytes)

@@ -864,6 +864,8 @@ impl Applier {
             tracing::info!(gid = %gid, source_gid = %b.gid, "transaction already prepared on the target");
             if let Some(t) = &mut self.current {
                 t.skip = true;
+                // Applied: its COMMIT PREPARED commits it, so it is not recorded as skipped.
+                t.skip_requested = false;
             }
             self.pending.clear();
             self.group = None;
@@ -2878,7 +2880,7 @@ fn target_table_hint(code: &str, table: &str) -> Option<String> {
         )),
         // A value the target's column does not take (out of range, too long): a narrower type
         // than the source's. Skipping would lose the transaction.
-        c if c.starts_with("22") => Some(format!(
+        c if c.starts_with("22") && !matches!(c, "22P05" | "22021") => Some(format!(
             "a column of target table {table} does not take the source's value (a narrower type, or a different one): change the column on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts, so a column changed while it runs counts only from then); `pgapply check` lists what differs"
         )),
         c if c.starts_with("42") => Some(format!(

@@ -243,8 +243,8 @@ impl ProgressStore {
         };
         let row = client
             .query_one(
-                "SELECT coalesce(pg_catalog.pg_replication_origin_session_progress(false), '0/0')::text",
-                &[],
+                "SELECT coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0')::text",
+                &[name],
             )
             .await
             .map_err(|e| Error::postgres(format!("reading replication origin {name:?}"), e))?;

@@ -35,7 +35,8 @@ pub fn indexes_violated(rows: &[ClashingRow]) -> usize {
 
 /// One unique index of a target table.
 pub struct UniqueIndex {
-    /// On plain columns, without a predicate (an expression or partial index is not).
+    /// On plain columns, without a predicate, checked at once and valid (an expression, partial,
+    /// deferrable or invalid index is not: neither ON CONFLICT nor a lookup can rely on it).
     pub simple: bool,
     /// Its key columns (INCLUDE columns left out), in index order.
     pub columns: Vec<String>,
@@ -64,7 +65,7 @@ pub async fn unique_indexes(client: &Client, entry: &RelationEntry) -> Result<Ve
         "i.indnatts"
     };
     let sql = format!(
-        "SELECT i.indexprs IS NULL AND i.indpred IS NULL, \
+        "SELECT i.indexprs IS NULL AND i.indpred IS NULL AND i.indimmediate AND i.indisvalid, \
                 ARRAY(SELECT a.attname::text \
                       FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
                       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
