@@ -488,6 +488,10 @@ async fn run_in_span(
         last_heard: Instant::now(),
         held_begin: None,
         stopping: shutdown.clone(),
+        pace_when_queued: std::env::var("PGAPPLY_PACE_WHEN_QUEUED")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(PACE_WHEN_QUEUED),
     };
     let read_result = reader.run(&mut shutdown).await;
     // Closing the queue lets the applier finish what it has and stop.
@@ -1139,6 +1143,8 @@ struct Reader<'a> {
     held_begin: Option<(LogicalMessage, bytes::Bytes, usize)>,
     /// The shutdown signal, also while waiting for room in the queue.
     stopping: watch::Receiver<bool>,
+    /// `PACE_WHEN_QUEUED`, or `PGAPPLY_PACE_WHEN_QUEUED` (bytes; for bench/pacing.sh).
+    pace_when_queued: usize,
 }
 
 enum Step {
@@ -1190,7 +1196,7 @@ impl Reader<'_> {
             // has enough queued not to starve meanwhile.
             let queued = self.queued();
             METRICS.queue_bytes.set(queued as u64);
-            self.stream.set_pacing(queued >= PACE_WHEN_QUEUED);
+            self.stream.set_pacing(queued >= self.pace_when_queued);
             tokio::select! {
                 _ = shutdown.changed() => return Ok(StopReason::Shutdown),
                 // The applier stopped (or is gone): the caller reports why.
