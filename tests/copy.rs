@@ -170,13 +170,7 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
          CREATE PUBLICATION p FOR TABLE animals;",
     )
     .await;
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    copy_up_to_now(&db).await;
     for (sql, want) in [
         ("SELECT count(*) FROM ONLY animals", 50),
         ("SELECT count(*) FROM dogs", 20),
@@ -336,6 +330,17 @@ async fn non_empty_target_is_refused_unless_truncate_target() {
     for table in ["t", "ref_parent", "ref_child"] {
         db.assert_same(table).await;
     }
+}
+
+/// `pgapply run --copy-data --create-slot` up to the source's current position; expects success.
+async fn copy_up_to_now(db: &TestDb) {
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
 }
 
 /// Whether a pg_dump at least as new as the source is installed (`pgapply schema` needs one);
@@ -510,13 +515,7 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
          CREATE PUBLICATION p FOR TABLE events;",
     )
     .await;
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    copy_up_to_now(&db).await;
     db.source_sql("INSERT INTO events (at) VALUES (150)").await;
     let role = format!("ro_{}", db.name);
     db.source_sql(&format!("CREATE ROLE {role} LOGIN")).await;
@@ -631,13 +630,7 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
          CREATE PUBLICATION p FOR TABLE t;",
     )
     .await;
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    copy_up_to_now(&db).await;
     let text = db.cutover(&["--reverse"]).await;
     // The printed command, with the two servers filled in.
     let printed = text
@@ -823,13 +816,7 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
          CREATE PUBLICATION p FOR TABLE t, c, d;",
     )
     .await;
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    copy_up_to_now(&db).await;
     let verify = || db.on_both("verify", &["--chunk-rows", "100"]);
     let out = run_with_deadline(verify(), 120).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
@@ -878,13 +865,7 @@ async fn verify_uses_key_columns_only_and_reads_a_parent_alone() {
          CREATE PUBLICATION p FOR TABLE inc, ONLY parent;",
     )
     .await;
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    copy_up_to_now(&db).await;
     let out = run_with_deadline(db.on_both("verify", &["--chunk-rows", "10"]), 120).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "{text}{}", stderr(&out));
@@ -912,13 +893,7 @@ async fn schema_brings_the_partitions_of_a_table_published_through_its_root() {
     .await;
     let out = run_with_deadline(db.on_both("schema", &[]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    copy_up_to_now(&db).await;
     db.source_sql("INSERT INTO m VALUES (500, 15)").await;
     db.sync("p").await;
     db.assert_same("m").await;
