@@ -151,7 +151,8 @@ pub struct RunArgs {
     /// Longest wait between reconnect attempts; the wait doubles up to this [default: 60s].
     #[arg(long, env = "PGAPPLY_RETRY_MAX", value_parser = humantime::parse_duration)]
     pub retry_max: Option<Duration>,
-    /// Give up after this many consecutive failed attempts; 0 never gives up [default: 0].
+    /// Retries after transient errors before giving up, counted afresh once a run applies
+    /// something or lasts a minute; 0 retries forever [default: 0].
     #[arg(long, env = "PGAPPLY_MAX_RETRIES")]
     pub max_retries: Option<u32>,
     /// How often to report progress to the source when nothing else prompts it [default: 10s].
@@ -218,7 +219,8 @@ pub struct CutoverArgs {
     /// Lag below which the cutover proceeds: a size (16MB) or a duration (5s).
     #[arg(long, default_value = "1MB")]
     pub max_lag: String,
-    /// Give up if the lag or the drain takes longer than this.
+    /// Give up if the lag or the drain takes longer than this; transient errors are retried
+    /// until then (--retry-min, --retry-max and --max-retries are for `run`).
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
     /// Make these source roles read-only and end their sessions before draining.

@@ -41,6 +41,7 @@ pub struct RetryFile {
     pub min: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
     pub max: Option<Duration>,
+    #[serde(alias = "max_retries")]
     pub max_attempts: Option<u32>,
 }
 
@@ -116,9 +117,8 @@ pub struct FileConfig {
 
 impl FileConfig {
     pub fn load(path: &Path) -> Result<FileConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::definite(format!("--config: cannot read {}: {e}", path.display()))
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::usage(format!("--config: cannot read {}: {e}", path.display())))?;
         Self::parse(&text).map_err(|e| e.context(format!("--config {}", path.display())))
     }
 

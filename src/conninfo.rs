@@ -11,15 +11,20 @@ use crate::error::{Error, Result};
 
 /// Parses `conninfo` for the connection called `role` ("source" or "target").
 pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
-    let (rest, tls) = take_tls_settings(conninfo)
+    let (rest, tls, mode_given) = take_tls_settings(conninfo)
         .map_err(|e| e.context(format!("--{role}: invalid connection string")))?;
     let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
-        // tokio-postgres' message names the bad key or value, never the password.
-        Error::usage(format!("--{role}: invalid connection string: {e}"))
+        // The cause (tokio-postgres' error source) names the bad key, never a value.
+        Error::usage(format!(
+            "--{role}: invalid connection string: {}{}",
+            crate::error::describe_postgres(&e),
+            unsupported_hint(&rest)
+        ))
     })?;
     complete_from_environment(&mut config);
     let mut tls = tls;
-    if tls.mode == crate::tls::SslMode::Prefer {
+    // As in libpq, the connection string's sslmode wins over PGSSLMODE.
+    if !mode_given {
         if let Some(mode) = env("PGSSLMODE") {
             tls.mode = crate::tls::SslMode::parse(&mode)?;
         }
@@ -34,12 +39,15 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
 
 /// Takes `sslmode` and `sslrootcert` out of a connection string (key=value or URL): pgapply
 /// handles them itself (tokio-postgres knows neither verify-ca/verify-full nor sslrootcert).
-fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings)> {
+/// Also says whether sslmode was given.
+fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings, bool)> {
     let mut tls = crate::tls::TlsSettings::default();
+    let mut mode_given = false;
     let mut apply = |key: &str, value: &str| -> Result<bool> {
         match key {
             "sslmode" => {
                 tls.mode = crate::tls::SslMode::parse(value)?;
+                mode_given = true;
                 Ok(true)
             }
             "sslrootcert" => {
@@ -55,7 +63,7 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings)
     let trimmed = conninfo.trim();
     if trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://") {
         let Some((base, query)) = trimmed.split_once('?') else {
-            return Ok((trimmed.to_owned(), tls));
+            return Ok((trimmed.to_owned(), tls, false));
         };
         let mut kept = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -69,7 +77,7 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings)
         } else {
             format!("{base}?{}", kept.join("&"))
         };
-        return Ok((rest, tls));
+        return Ok((rest, tls, mode_given));
     }
     // key = value pairs; values may be single-quoted with \' and \\ escapes.
     let mut kept = String::new();
@@ -126,17 +134,36 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings)
             kept.push(' ');
         }
     }
-    Ok((kept.trim_end().to_owned(), tls))
+    Ok((kept.trim_end().to_owned(), tls, mode_given))
 }
 
+/// libpq keywords tokio-postgres does not know, with what to use instead (its own message says
+/// only "unknown option").
+fn unsupported_hint(conninfo: &str) -> &'static str {
+    let has =
+        |key: &str| conninfo.contains(&format!("{key}=")) || conninfo.contains(&format!("{key} ="));
+    if has("passfile") {
+        "; passfile is not supported: set PGPASSFILE, or give the password with --source-password-file / --target-password-file"
+    } else if has("sslpassword") {
+        "; sslpassword is not supported: client certificates are not supported yet, authenticate with a password"
+    } else {
+        ""
+    }
+}
+
+/// Decodes %XX escapes (in bytes: a `%` before anything but two hex digits stays as it is).
 fn percent_decode(text: &str) -> String {
     let bytes = text.as_bytes();
+    let hex = |b: u8| char::from(b).to_digit(16);
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let Ok(b) = u8::from_str_radix(&text[i + 1..i + 3], 16) {
-                out.push(b);
+        if bytes[i] == b'%' {
+            if let (Some(hi), Some(lo)) = (
+                bytes.get(i + 1).copied().and_then(hex),
+                bytes.get(i + 2).copied().and_then(hex),
+            ) {
+                out.push((hi * 16 + lo) as u8);
                 i += 3;
                 continue;
             }
@@ -152,7 +179,8 @@ fn env(name: &str) -> Option<String> {
 }
 
 fn complete_from_environment(config: &mut tokio_postgres::Config) {
-    if config.get_hosts().is_empty() {
+    // (hostaddr alone names the server: libpq then connects there, not to localhost.)
+    if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
         match env("PGHOST") {
             Some(host) => {
                 for h in host.split(',') {
@@ -198,9 +226,12 @@ fn pgpass_path() -> Option<PathBuf> {
 fn password_from_pgpass(config: &tokio_postgres::Config) -> Option<String> {
     let path = pgpass_path()?;
     let text = std::fs::read_to_string(path).ok()?;
-    let host = match config.get_hosts().first()? {
-        Host::Tcp(h) => h.clone(),
-        Host::Unix(_) => "localhost".to_owned(),
+    // (libpq looks a password up by host, or by hostaddr when no host is given.)
+    let host = match (config.get_hosts().first(), config.get_hostaddrs().first()) {
+        (Some(Host::Tcp(h)), _) => h.clone(),
+        (Some(Host::Unix(_)), _) => "localhost".to_owned(),
+        (None, Some(addr)) => addr.to_string(),
+        (None, None) => return None,
     };
     let port = config
         .get_ports()
@@ -261,10 +292,11 @@ fn split_pgpass_line(line: &str) -> Vec<String> {
 
 /// `user@host:port/dbname`: enough to know which server is meant, never the password.
 pub fn describe(config: &tokio_postgres::Config) -> String {
-    let host = match config.get_hosts().first() {
-        Some(Host::Tcp(h)) => h.clone(),
-        Some(Host::Unix(p)) => p.display().to_string(),
-        None => "localhost".into(),
+    let host = match (config.get_hosts().first(), config.get_hostaddrs().first()) {
+        (Some(Host::Tcp(h)), _) => h.clone(),
+        (Some(Host::Unix(p)), _) => p.display().to_string(),
+        (None, Some(addr)) => addr.to_string(),
+        (None, None) => "localhost".into(),
     };
     let port = config.get_ports().first().copied().unwrap_or(5432);
     format!(
@@ -310,13 +342,14 @@ mod tests {
 
     #[test]
     fn tls_settings_are_taken_out() {
-        let (rest, tls) =
+        let (rest, tls, given) =
             take_tls_settings("host=h sslmode=verify-full sslrootcert='/a b/ca.crt' user=u")
                 .unwrap();
+        assert!(given);
         assert_eq!(rest, "host=h user=u");
         assert_eq!(tls.mode, crate::tls::SslMode::VerifyFull);
         assert_eq!(tls.root_cert, Some(PathBuf::from("/a b/ca.crt")));
-        let (rest, tls) = take_tls_settings(
+        let (rest, tls, _) = take_tls_settings(
             "postgres://u@h/db?sslmode=verify-ca&sslrootcert=%2Ftmp%2Fca.crt&application_name=x",
         )
         .unwrap();
@@ -336,12 +369,39 @@ mod tests {
     }
 
     #[test]
-    fn bad_conninfo_names_the_flag() {
-        let err = parse("target", "host=x bogus=1").unwrap_err();
+    fn bad_conninfo_names_the_flag_and_the_key() {
+        let err = parse("target", "host=x bogus=1").unwrap_err().to_string();
         assert!(
-            err.to_string()
-                .starts_with("--target: invalid connection string"),
+            err.starts_with("--target: invalid connection string"),
             "{err}"
         );
+        assert!(err.contains("bogus"), "{err}");
+        let err = parse("source", "host=x passfile=/p")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("PGPASSFILE"), "{err}");
+        let err = parse("source", "host=x port=abc password=hunter2")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("port") && !err.contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn malformed_percent_escapes_are_kept_not_a_panic() {
+        assert_eq!(percent_decode("se%aécret"), "se%aécret");
+        assert_eq!(percent_decode("%zé%"), "%zé%");
+        assert_eq!(percent_decode("a%2Fb%2f%4"), "a/b/%4");
+        let err = parse("source", "postgres://u@h/db?password=se%aécret&x=%zé")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("cret"), "{err}");
+    }
+
+    #[test]
+    fn hostaddr_alone_is_not_completed_with_localhost() {
+        let c = parse("source", "hostaddr=10.0.0.5 port=6000 user=u dbname=d").unwrap();
+        assert!(c.get_hosts().is_empty());
+        assert_eq!(describe(&c), "u@10.0.0.5:6000/d");
     }
 }

@@ -311,7 +311,15 @@ async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error>
 }
 
 async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Error> {
-    let (config, _) = config::resolve(&args.run, &file)?;
+    if args.run.endpos.is_some() {
+        return Err(Error::usage(
+            "--endpos (or PGAPPLY_ENDPOS) does not apply to cutover: it takes the end position from the source itself once writes have stopped; leave it out",
+        ));
+    }
+    let (config, service) = config::resolve(&args.run, &file)?;
+    if let Some(addr) = &service.metrics_addr {
+        metrics::serve(addr).await?;
+    }
     let settings = cutover::CutoverSettings {
         max_lag: cutover::MaxLag::parse(&args.max_lag)?,
         timeout: args.timeout,

@@ -273,9 +273,17 @@ fn escape_label(value: &str) -> String {
 
 /// Binds `addr` and serves metrics in the background.
 pub async fn serve(addr: &str) -> Result<()> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|e| Error::definite(format!("--metrics-addr {addr}: cannot listen there: {e}")))?;
+    let listener = TcpListener::bind(addr).await.map_err(|e| {
+        let text = format!("--metrics-addr {addr}: cannot listen there: {e}");
+        // Not an address at all (say a bare port): the setting is wrong, nothing was started.
+        if e.kind() == std::io::ErrorKind::InvalidInput {
+            Error::usage(format!(
+                "{text}; give HOST:PORT, for example 127.0.0.1:9187"
+            ))
+        } else {
+            Error::definite(text)
+        }
+    })?;
     tracing::info!(addr = %addr, "serving metrics on /metrics and liveness on /healthz");
     tokio::spawn(async move {
         loop {

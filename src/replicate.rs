@@ -352,6 +352,7 @@ async fn run_in_span(
                 config.create_slot,
                 &identity.database,
                 negotiated.two_phase,
+                config.apply_workers > 1,
             )
             .await?;
     }

@@ -36,6 +36,9 @@ fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
     if let Some(tokio_postgres::config::Host::Unix(p)) = config.get_hosts().first() {
         parts.push(format!("host={}", libpq_value(&p.to_string_lossy())));
     }
+    if let Some(addr) = config.get_hostaddrs().first() {
+        parts.push(format!("hostaddr={}", libpq_value(&addr.to_string())));
+    }
     if let Some(port) = config.get_ports().first() {
         parts.push(format!("port={port}"));
     }
@@ -44,6 +47,9 @@ fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
     }
     if let Some(d) = config.get_dbname() {
         parts.push(format!("dbname={}", libpq_value(d)));
+    }
+    if let Some(o) = config.get_options() {
+        parts.push(format!("options={}", libpq_value(o)));
     }
     let tls = crate::tls::settings_for(config);
     let mode = match tls.mode {
@@ -91,6 +97,12 @@ pub async fn schema(
     publications: &[String],
     section: &str,
 ) -> Result<()> {
+    // Checked before anything is started.
+    if !matches!(section, "all" | "pre-data" | "post-data") {
+        return Err(Error::usage(format!(
+            "--section {section:?}: use pre-data, post-data or all"
+        )));
+    }
     let source = crate::tls::connect(source_config).await.map_err(|e| {
         e.into_error(format!(
             "connecting to source {}",

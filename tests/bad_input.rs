@@ -327,3 +327,89 @@ async fn md5_user_and_target_role_without_origin_rights() {
     )
     .await;
 }
+
+/// Settings that are wrong in themselves: exit 2 ("nothing was started"), one line naming the
+/// setting, before any server is contacted (the servers named here do not exist), and never a
+/// panic or a password echoed back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_settings_exit_2_before_connecting() {
+    let run = |extra: &[&str], source: &str| {
+        let mut args = vec![
+            "run",
+            "--source",
+            source,
+            "--target",
+            "host=no-such-host.invalid",
+            "--publication",
+            "p",
+            "--slot",
+            "s",
+        ];
+        args.extend_from_slice(extra);
+        common::pgapply_command(&args)
+    };
+    let cases: Vec<(Command, &[&str])> = vec![
+        (
+            run(
+                &["--max-retries", "1", "--retry-min", "10ms"],
+                "postgres://u@no-such-host.invalid/db?sslrootcert=%aé%zz&password=hunter2",
+            ),
+            &["exit 2"],
+        ),
+        (
+            run(&[], "host=h port=abc password=hunter2"),
+            &["--source", "port"],
+        ),
+        (run(&[], "host=h passfile=/p"), &["passfile", "PGPASSFILE"]),
+        (
+            run(&["--metrics-addr", "9187"], "host=h"),
+            &["--metrics-addr", "HOST:PORT"],
+        ),
+        (
+            common::pgapply_command(&[
+                "schema",
+                "--source",
+                "host=no-such-host.invalid",
+                "--target",
+                "host=no-such-host.invalid",
+                "--publication",
+                "p",
+                "--section",
+                "typo",
+            ]),
+            &["--section", "pre-data"],
+        ),
+        (
+            common::pgapply_command(&[
+                "cutover",
+                "--source",
+                "host=no-such-host.invalid",
+                "--target",
+                "host=no-such-host.invalid",
+                "--publication",
+                "p",
+                "--slot",
+                "s",
+                "--endpos",
+                "0/1",
+            ]),
+            &["--endpos", "cutover"],
+        ),
+    ];
+    for (cmd, needles) in cases {
+        let out = run_with_deadline(cmd, 30).await;
+        let err = stderr(&out);
+        assert!(!err.contains("hunter2"), "password echoed:\n{err}");
+        assert!(!err.contains("panicked"), "panic:\n{err}");
+        if needles == ["exit 2"] {
+            // (A malformed escape in a URL: refused or taken as written, never a panic.)
+            assert!(out.status.code() != Some(101), "{err}");
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        let last = err.lines().last().unwrap_or_default();
+        for needle in needles {
+            assert!(last.contains(needle), "{needle:?} not in {last:?}");
+        }
+    }
+}

@@ -231,3 +231,124 @@ async fn nothing_commits_after_a_failed_transaction() {
     sync_parallel(&db, "3").await;
     db.assert_same("t").await;
 }
+
+/// A target whose sessions default to repeatable read: a worker that waited for an earlier
+/// transaction's commit on another worker must still see that transaction's rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeatable_read_default_on_the_target_loses_nothing() {
+    let db = setup("parrr").await;
+    db.target_sql(&format!(
+        "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'",
+        db.name
+    ))
+    .await;
+    workload(&db, 300).await;
+    sync_parallel(&db, "4").await;
+    for table in TABLES {
+        db.assert_same(table).await;
+    }
+}
+
+/// A slot left two-phase by an earlier `--two-phase` run sends prepared transactions whatever is
+/// asked; several workers would apply them out of order, so pgapply refuses and says what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_phase_slot_is_refused_with_several_workers() {
+    let db = TestDb::new("par2pc").await;
+    if common::source_version(&db).await < 140000 {
+        common::skip("two-phase slots need a PostgreSQL 14+ source");
+        return;
+    }
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source
+        .execute(
+            "SELECT pg_drop_replication_slot($1), pg_create_logical_replication_slot($1, 'pgoutput', false, true)",
+            &[&db.slot()],
+        )
+        .await
+        .expect("two-phase slot");
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--apply-workers", "2"]),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(!out.status.success(), "pgapply ran:\n{log}");
+    assert!(
+        log.contains("two-phase") && log.contains("--apply-workers 1"),
+        "the error says why and what to do:\n{log}"
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 0);
+    // One worker applies it.
+    db.sync("p").await;
+    db.assert_same("t").await;
+}
+
+/// A unique index added on the target while pgapply runs is unknown to the dispatcher until the
+/// source describes the table again: two transactions it let run side by side then clash. That
+/// is not the second transaction's fault: the transactions in flight are applied again one at a
+/// time, and nothing is lost or refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clash_the_dispatcher_could_not_see_is_retried_one_at_a_time() {
+    let db = TestDb::new("parclash").await;
+    db.both("CREATE TABLE u (id int PRIMARY KEY, email text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE u").await;
+    db.source_sql("INSERT INTO u VALUES (1, 'a')").await;
+    let mut child = spawn(db.pgapply("p", &["--apply-workers", "2", "--retry-min", "100ms"]));
+    wait_for("row 1 on the target", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM u").await == 1
+    })
+    .await;
+    db.target_sql("CREATE UNIQUE INDEX u_email ON u (email)")
+        .await;
+    // Holds row 1 on the target, so the first transaction (on one worker) waits while the
+    // second (on the other) runs into the unique index.
+    let blocker = connect(db.target_port, &db.name).await;
+    blocker
+        .batch_execute("BEGIN; SELECT * FROM u WHERE id = 1 FOR UPDATE")
+        .await
+        .expect("blocker");
+    let walsender = || async {
+        db.count(
+            &db.source,
+            &format!(
+                "SELECT coalesce(max(active_pid), 0)::bigint FROM pg_replication_slots WHERE slot_name = '{}' AND active",
+                db.slot()
+            ),
+        )
+        .await
+    };
+    let first = walsender().await;
+    db.source_sql("UPDATE u SET email = 'b' WHERE id = 1").await;
+    db.source_sql("INSERT INTO u VALUES (2, 'a')").await;
+    // The clash ends the first attempt: a new one (a new walsender) starts, or, before the fix,
+    // pgapply gives up.
+    let mut exited = None;
+    wait_for("the clash to end the first attempt", 60, || {
+        let status = child.try_wait().expect("try_wait");
+        exited = exited.or(status);
+        async move {
+            status.is_some() || {
+                let now = walsender().await;
+                now != 0 && now != first
+            }
+        }
+    })
+    .await;
+    blocker.batch_execute("ROLLBACK").await.expect("rollback");
+    assert!(exited.is_none(), "pgapply gave up on the clash: {exited:?}");
+    wait_for("both transactions on the target", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM u WHERE (id, email) IN ((1, 'b'), (2, 'a'))",
+        )
+        .await
+            == 2
+    })
+    .await;
+    child.start_kill().expect("kill");
+    db.assert_same("u").await;
+}

@@ -786,3 +786,36 @@ async fn changes_of_an_inheritance_parent_leave_its_children_alone() {
         assert_eq!(only("dogs").await.as_deref(), Some("1:rex,2:fido"));
     }
 }
+
+/// `hostaddr` is where every connection goes (the replication one included, which pgapply opens
+/// itself), `host` only the name; the user's `options` reach the source's sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_given_by_hostaddr_with_options() {
+    let db = TestDb::new("hostaddr").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b'); UPDATE t SET v = 'c' WHERE id = 2")
+        .await;
+    let endpos = db.source_wal().await;
+    let source = format!(
+        "host=no-such-host.invalid hostaddr=127.0.0.1 port={} user=postgres dbname={} options='-c application_name=given_by_options'",
+        db.source_port, db.name
+    );
+    let (target, slot) = (db.target_conninfo(), db.slot());
+    let cmd = common::pgapply_command(&[
+        "run",
+        "--source",
+        &source,
+        "--target",
+        &target,
+        "--publication",
+        "p",
+        "--slot",
+        &slot,
+        "--endpos",
+        &endpos,
+    ]);
+    let out = run_with_deadline(cmd, 120).await;
+    assert!(out.status.success(), "pgapply failed:\n{}", stderr(&out));
+    db.assert_same("t").await;
+}

@@ -480,11 +480,23 @@ impl Applier {
                 tracing::debug!(error = %describe_postgres(&e), "client_connection_check_interval not available on the target");
             }
         }
+        // Each statement works on the rows as committed when it runs (by other workers, by the
+        // target's own users), as PostgreSQL's own apply worker does: under a database or role
+        // default of repeatable read or serializable, a group's snapshot would be fixed at its
+        // first statement, and any target write since would fail it with a serialization error.
+        client
+            .batch_execute("SET default_transaction_isolation = 'read committed'")
+            .await
+            .map_err(|e| Error::postgres("configuring the target apply session", e))?;
         if options.worker.is_some() {
-            // Waits for other workers' commits are part of the plan: a role's statement or lock
-            // timeout must not turn them into errors.
+            // Waits for other workers' commits are part of the plan: a role's statement, lock or
+            // transaction timeouts must not turn them into errors.
             client
-                .batch_execute("SET statement_timeout = 0; SET lock_timeout = 0")
+                .batch_execute(
+                    "SET statement_timeout = 0; SET lock_timeout = 0; \
+                     SET idle_in_transaction_session_timeout = 0; \
+                     SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
+                )
                 .await
                 .map_err(|e| Error::postgres("configuring the target apply session", e))?;
         }
@@ -2401,6 +2413,26 @@ impl Applier {
         }
     }
 
+    /// Fails the run for the source transaction committing at `commit_lsn`. A parallel worker's
+    /// transaction ran beside others on what the dispatcher could see of its rows; what it could
+    /// not see (a unique index added on the target, keys equal under the target's collation but
+    /// not in bytes) may have run it before an earlier one it needed: the first time, the
+    /// transactions in flight are applied again one at a time, and only an error then is the
+    /// transaction's own.
+    fn fail(&mut self, err: Error, commit_lsn: Lsn) {
+        let ran_in_parallel = self.worker.is_some()
+            && commit_lsn.0
+                > self
+                    .settings
+                    .unbatched_through
+                    .load(std::sync::atomic::Ordering::Relaxed);
+        if ran_in_parallel && !err.is_transient() {
+            self.retry_unbatched(err, Some(commit_lsn));
+        } else {
+            self.failure = Some(err);
+        }
+    }
+
     /// A statement carrying changes of several source transactions failed: applies them again
     /// one change at a time (after a reconnect), so that the error names the transaction that
     /// causes it.
@@ -2439,12 +2471,13 @@ impl Applier {
                 let kind = signal.conflict.name();
                 if signal.policy == Policy::Error {
                     if self.failure.is_none() {
-                        self.failure = Some(Error::definite(format!(
+                        let err = Error::definite(format!(
                             "{kind}: {} found no row for key {} and the conflict policy for {kind} is error: {}",
                             about.describe(),
                             about.describe_key(),
                             self.skip_hint(about.commit_lsn)
-                        )));
+                        ));
+                        self.fail(err, about.commit_lsn);
                     }
                     return;
                 }
@@ -2487,10 +2520,11 @@ impl Applier {
                     let aborted = e.code().is_some_and(|c| c.code() == "25P02");
                     let through = about.as_ref().and_then(|a| a.through);
                     let err = self.violation_error(kind, about.as_ref(), e);
-                    match through {
-                        Some(lsn) if !err.is_transient() && !aborted => {
+                    match (through, &about) {
+                        (Some(lsn), _) if !err.is_transient() && !aborted => {
                             self.retry_unbatched(err, Some(lsn))
                         }
+                        (None, Some(about)) if !aborted => self.fail(err, about.commit_lsn),
                         _ => self.failure = Some(err),
                     }
                 }

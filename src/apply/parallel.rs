@@ -632,7 +632,14 @@ impl Workers {
             match joined {
                 Ok(s) => stats.add(&s),
                 Err(e) if e.is_cancelled() => {}
-                Err(e) => result = Err(Error::definite(format!("an apply worker failed: {e}"))),
+                // (A panic: its session, back in the pool, may still hold its turn lock; the
+                // others are stopped below rather than left waiting for it.)
+                Err(e) => {
+                    if let Ok(mut first) = first_failure.lock() {
+                        first
+                            .get_or_insert(Error::definite(format!("an apply worker failed: {e}")));
+                    }
+                }
             }
             if first_failure.lock().is_ok_and(|f| f.is_some()) {
                 // The others may be waiting on the server for a transaction that will not

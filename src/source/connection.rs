@@ -227,11 +227,16 @@ impl ReplicationConnection {
             last_read_short: false,
             pacing: true,
         };
+        // The user's own `options` (say `-c search_path=..`) come after pgapply's.
+        let options = match config.get_options() {
+            Some(own) if !own.trim().is_empty() => format!("{STARTUP_OPTIONS} {own}"),
+            _ => STARTUP_OPTIONS.to_owned(),
+        };
         let mut params: Vec<(&str, &str)> = vec![
             ("user", &user),
             ("database", &dbname),
             ("replication", "database"),
-            ("options", STARTUP_OPTIONS),
+            ("options", &options),
             ("client_encoding", "UTF8"),
         ];
         let app = config.get_application_name().unwrap_or("pgapply");
@@ -588,28 +593,42 @@ async fn open_stream(
     timeout: Duration,
 ) -> Result<(Stream, String, String)> {
     let hosts = config.get_hosts();
+    let hostaddrs = config.get_hostaddrs();
     let ports = config.get_ports();
     let mut last_err = None;
     let default_hosts = [Host::Tcp("localhost".into())];
-    let hosts: &[Host] = if hosts.is_empty() {
+    let hosts: &[Host] = if hosts.is_empty() && hostaddrs.is_empty() {
         &default_hosts
     } else {
         hosts
     };
-    for (i, host) in hosts.iter().enumerate() {
+    for i in 0..hosts.len().max(hostaddrs.len()) {
         let port = ports
             .get(i)
             .or_else(|| ports.first())
             .copied()
             .unwrap_or(5432);
-        match host {
+        // As libpq: hostaddr is where to connect, host (if given) the name TLS verifies.
+        let host = match (hosts.get(i), hostaddrs.get(i)) {
+            (Some(Host::Unix(dir)), None) => Host::Unix(dir.clone()),
+            (Some(Host::Tcp(name)), addr) => {
+                Host::Tcp(addr.map(|a| a.to_string()).unwrap_or_else(|| name.clone()))
+            }
+            (_, Some(addr)) => Host::Tcp(addr.to_string()),
+            (None, None) => continue,
+        };
+        let tls_name = match hosts.get(i) {
+            Some(Host::Tcp(name)) => name.clone(),
+            _ => hostaddrs.get(i).map(|a| a.to_string()).unwrap_or_default(),
+        };
+        match &host {
             Host::Tcp(name) => {
                 let endpoint = format!("{name}:{port}");
                 match tokio::time::timeout(timeout, TcpStream::connect((name.as_str(), port))).await
                 {
                     Ok(Ok(s)) => {
                         let _ = s.set_nodelay(true);
-                        return Ok((Stream::Tcp(s), endpoint, name.clone()));
+                        return Ok((Stream::Tcp(s), endpoint, tls_name));
                     }
                     Ok(Err(e)) => {
                         last_err = Some(Error::io(format!("connecting to source {endpoint}"), e))

@@ -85,6 +85,7 @@ impl ReplicationSession {
         create: bool,
         database: &str,
         two_phase: bool,
+        parallel: bool,
     ) -> Result<()> {
         let two_phase_column = if self.conn.server_version >= 140000 {
             "two_phase::text"
@@ -148,6 +149,14 @@ impl ReplicationSession {
                 self.conn.endpoint,
                 if reason == "wal_removed" { ": the source removed WAL the slot needed, see max_slot_wal_keep_size" } else { "" },
                 slot.replace('\'', "''")
+            )));
+        }
+        // A two-phase slot goes on sending prepared transactions whatever is asked at start
+        // (PostgreSQL keeps a slot's two-phase decoding once enabled), and those are applied by
+        // one connection only.
+        if parallel && r.first("two_phase") == Some("true") {
+            return Err(Error::definite(format!(
+                "replication slot {slot:?} was created with two-phase support (by an earlier --two-phase run), so the source sends prepared transactions through it, which --apply-workers above 1 cannot apply in order: use --apply-workers 1, or drop the slot and start over with a new one (--copy-data --truncate-target)"
             )));
         }
         if two_phase && r.first("two_phase") != Some("true") {
