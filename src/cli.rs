@@ -126,6 +126,11 @@ pub struct RunArgs {
     /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).
     #[arg(long, env = "PGAPPLY_TWO_PHASE", value_parser = BoolishValueParser::new())]
     pub two_phase: bool,
+    /// Make the slot a failover slot (PostgreSQL 17+): standbys with `sync_replication_slots`
+    /// keep a copy of it, so replication goes on from the new primary after a failover. Sets it
+    /// on an existing slot too.
+    #[arg(long, env = "PGAPPLY_FAILOVER_SLOT", value_parser = BoolishValueParser::new())]
+    pub failover_slot: bool,
     /// Receive values in binary form when every published column has the same built-in type on
     /// both sides and both run the same major version (PostgreSQL 14+); text otherwise.
     #[arg(long, env = "PGAPPLY_BINARY", value_parser = BoolishValueParser::new())]

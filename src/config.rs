@@ -90,6 +90,7 @@ pub struct FileConfig {
     pub truncate_target: Option<bool>,
     pub streaming: Option<Streaming>,
     pub two_phase: Option<bool>,
+    pub failover_slot: Option<bool>,
     pub binary: Option<bool>,
     pub messages: Option<bool>,
     pub origin: Option<String>,
@@ -305,6 +306,11 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         .ok_or_else(|| missing("slot", "slot"))?;
     let mut config = RunConfig::new(source, target, publications, slot);
     config.create_slot = switch(args.create_slot, "PGAPPLY_CREATE_SLOT", file.create_slot);
+    config.failover_slot = switch(
+        args.failover_slot,
+        "PGAPPLY_FAILOVER_SLOT",
+        file.failover_slot,
+    );
     config.copy_data = switch(args.copy_data, "PGAPPLY_COPY_DATA", file.copy_data);
     config.copy.truncate_target = switch(
         args.truncate_target,

@@ -41,6 +41,8 @@ pub struct RunConfig {
     pub publications: Vec<String>,
     pub slot: String,
     pub create_slot: bool,
+    /// Create (or make) the slot a failover slot (17+).
+    pub failover_slot: bool,
     pub endpos: Option<Lsn>,
     /// How often to send a standby status update when nothing else prompts one.
     pub status_interval: Duration,
@@ -92,6 +94,7 @@ impl RunConfig {
             policies: Default::default(),
             policy_updates: None,
             apply_workers: 1,
+            failover_slot: false,
         }
     }
 }
@@ -300,7 +303,7 @@ async fn run_in_span(
         )
         .await?;
         let snapshot = session
-            .create_slot_with_snapshot(&config.slot, negotiated.two_phase)
+            .create_slot_with_snapshot(&config.slot, negotiated.two_phase, config.failover_slot)
             .await?;
         let client = target_connection(&pool, &config.target).await?;
         let slot = config.slot.clone();
@@ -352,6 +355,7 @@ async fn run_in_span(
                 config.create_slot,
                 &identity.database,
                 negotiated.two_phase,
+                config.failover_slot,
                 config.apply_workers > 1,
             )
             .await?;

@@ -819,3 +819,84 @@ async fn source_given_by_hostaddr_with_options() {
     assert!(out.status.success(), "pgapply failed:\n{}", stderr(&out));
     db.assert_same("t").await;
 }
+
+/// `--failover-slot`: on a 17+ source the slot (an existing one, and one pgapply creates, with or
+/// without the initial copy) becomes a failover slot; an older source is refused with what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_slot() {
+    let db = TestDb::new("failover").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    if common::source_version(&db).await < 170000 {
+        let out = run_with_deadline(
+            db.pgapply("p", &["--endpos", &endpos, "--failover-slot"]),
+            60,
+        )
+        .await;
+        let log = stderr(&out);
+        assert!(!out.status.success(), "{log}");
+        assert!(
+            log.contains("--failover-slot needs a PostgreSQL 17"),
+            "{log}"
+        );
+        return;
+    }
+    let failover = |slot: String| {
+        let source = &db.source;
+        async move {
+            source
+                .query_one(
+                    "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map(|r| r.get::<_, bool>(0))
+                .unwrap_or(false)
+        }
+    };
+    assert!(!failover(db.slot()).await);
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--failover-slot"]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        failover(db.slot()).await,
+        "the existing slot was not changed"
+    );
+    db.assert_same("t").await;
+    for (slot, extra) in [
+        ("failover_new", vec!["--create-slot"]),
+        ("failover_copy", vec!["--copy-data", "--truncate-target"]),
+    ] {
+        let (source, target) = (db.source_conninfo(), db.target_conninfo());
+        let mut args = vec![
+            "run",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            slot,
+            "--failover-slot",
+            "--endpos",
+            &endpos,
+        ];
+        args.extend(extra);
+        let out = run_with_deadline(common::pgapply_command(&args), 60).await;
+        assert!(out.status.success(), "{slot}: {}", stderr(&out));
+        assert!(
+            failover(slot.to_owned()).await,
+            "{slot} is not a failover slot"
+        );
+        db.source
+            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+            .expect("drop slot");
+    }
+}

@@ -85,15 +85,22 @@ impl ReplicationSession {
         create: bool,
         database: &str,
         two_phase: bool,
+        failover: bool,
         parallel: bool,
     ) -> Result<()> {
+        self.check_failover(failover)?;
         let two_phase_column = if self.conn.server_version >= 140000 {
             "two_phase::text"
         } else {
             "'false'"
         };
+        let failover_column = if self.conn.server_version >= 170000 {
+            "failover::text"
+        } else {
+            "'false'"
+        };
         let sql = format!(
-            "SELECT slot_type, plugin, database, {two_phase_column} AS two_phase FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
+            "SELECT slot_type, plugin, database, {two_phase_column} AS two_phase, {failover_column} AS failover FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",
             quote_literal(slot)
         );
         let r = self.conn.simple_query(&sql).await?;
@@ -104,17 +111,7 @@ impl ReplicationSession {
                     self.conn.endpoint
                 )));
             }
-            let sql = if two_phase {
-                format!(
-                    "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (TWO_PHASE, SNAPSHOT 'nothing')",
-                    quote_ident(slot)
-                )
-            } else {
-                format!(
-                    "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput NOEXPORT_SNAPSHOT",
-                    quote_ident(slot)
-                )
-            };
+            let sql = create_slot_sql(slot, "nothing", two_phase, failover);
             self.conn.simple_query(&sql).await.map_err(|e| {
                 e.context(format!("creating replication slot {slot:?} on the source"))
             })?;
@@ -159,9 +156,31 @@ impl ReplicationSession {
                 "replication slot {slot:?} was created with two-phase support (by an earlier --two-phase run), so the source sends prepared transactions through it, which --apply-workers above 1 cannot apply in order: use --apply-workers 1, or drop the slot and start over with a new one (--copy-data --truncate-target)"
             )));
         }
+        if failover && r.first("failover") != Some("true") {
+            let sql = format!(
+                "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
+                quote_ident(slot)
+            );
+            self.conn.simple_query(&sql).await.map_err(|e| {
+                e.context(format!(
+                    "making replication slot {slot:?} a failover slot on the source"
+                ))
+            })?;
+            tracing::info!(slot, "made the replication slot a failover slot");
+        }
         if two_phase && r.first("two_phase") != Some("true") {
             return Err(Error::definite(format!(
                 "replication slot {slot:?} was created without two-phase support, which --two-phase needs: drop it and let pgapply create it (--create-slot), or run without --two-phase"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_failover(&self, failover: bool) -> Result<()> {
+        if failover && self.conn.server_version < 170000 {
+            return Err(Error::definite(format!(
+                "--failover-slot needs a PostgreSQL 17 or later source; this source runs PostgreSQL {}: leave it out",
+                self.conn.server_version / 10000
             )));
         }
         Ok(())
@@ -203,18 +222,10 @@ impl ReplicationSession {
         &mut self,
         slot: &str,
         two_phase: bool,
+        failover: bool,
     ) -> Result<ExportedSnapshot> {
-        let sql = if two_phase {
-            format!(
-                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (TWO_PHASE, SNAPSHOT 'export')",
-                quote_ident(slot)
-            )
-        } else {
-            format!(
-                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput EXPORT_SNAPSHOT",
-                quote_ident(slot)
-            )
-        };
+        self.check_failover(failover)?;
+        let sql = create_slot_sql(slot, "export", two_phase, failover);
         let r =
             self.conn.simple_query(&sql).await.map_err(|e| {
                 e.context(format!("creating replication slot {slot:?} on the source"))
@@ -371,4 +382,33 @@ impl ReplicationStream {
     pub async fn close(self) {
         self.conn.close().await;
     }
+}
+
+/// CREATE_REPLICATION_SLOT for pgoutput with `snapshot` ("export" or "nothing"). The options
+/// list is PostgreSQL 15's syntax; older servers know only the keywords, and need them for
+/// neither option (both are refused before this on them).
+fn create_slot_sql(slot: &str, snapshot: &str, two_phase: bool, failover: bool) -> String {
+    if !two_phase && !failover {
+        let keyword = if snapshot == "export" {
+            "EXPORT_SNAPSHOT"
+        } else {
+            "NOEXPORT_SNAPSHOT"
+        };
+        return format!(
+            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput {keyword}",
+            quote_ident(slot)
+        );
+    }
+    let mut options = vec![format!("SNAPSHOT '{snapshot}'")];
+    if two_phase {
+        options.push("TWO_PHASE".into());
+    }
+    if failover {
+        options.push("FAILOVER".into());
+    }
+    format!(
+        "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput ({})",
+        quote_ident(slot),
+        options.join(", ")
+    )
 }
