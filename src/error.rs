@@ -150,6 +150,9 @@ fn classify_postgres(err: &tokio_postgres::Error) -> ErrorClass {
     match err.as_db_error() {
         Some(db) if is_transient_sqlstate(db.code().code()) => ErrorClass::Transient,
         Some(_) => ErrorClass::Definite,
+        // A setting that cannot work (the server asked for a password and none was given, say):
+        // trying again changes nothing.
+        None if err.to_string().starts_with("invalid configuration") => ErrorClass::Definite,
         // Not a server error: connection closed, I/O, timeout.
         None => ErrorClass::Transient,
     }

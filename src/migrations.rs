@@ -57,8 +57,10 @@ pub async fn apply(client: &mut Client) -> Result<()> {
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await
         .map_err(context)?;
+    // (SET LOCAL: without the "already exists, skipping" notices on every start.)
     tx.batch_execute(
-        "CREATE SCHEMA IF NOT EXISTS pgapply;
+        "SET LOCAL client_min_messages = warning;
+         CREATE SCHEMA IF NOT EXISTS pgapply;
          CREATE TABLE IF NOT EXISTS pgapply.schema_migrations (
              version    integer PRIMARY KEY,
              name       text NOT NULL,

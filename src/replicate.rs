@@ -148,10 +148,19 @@ pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool>
 
 pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> Result<Object> {
     pool.get().await.map_err(|e| match e {
-        deadpool_postgres::PoolError::Backend(e) => Error::postgres(
-            format!("connecting to target {}", conninfo::describe(target)),
-            e,
-        ),
+        deadpool_postgres::PoolError::Backend(e) => {
+            let err = Error::postgres(
+                format!("connecting to target {}", conninfo::describe(target)),
+                e,
+            );
+            if err.message().ends_with("password missing") {
+                err.context_after(
+                    "the target asks for a password: give it in the connection string, PGPASSWORD, ~/.pgpass or --target-password-file",
+                )
+            } else {
+                err
+            }
+        }
         other => Error::transient(format!(
             "connecting to target {}: {other}",
             conninfo::describe(target)

@@ -413,3 +413,111 @@ async fn wrong_settings_exit_2_before_connecting() {
         }
     }
 }
+
+/// Progress in `pgapply.progress` (a target role without origin rights): a previous run's
+/// session still finishing a transaction it was sent (here: one holding the slot's lock, its
+/// transaction applied and its position recorded but not committed yet) must be waited for and
+/// seen, or the new run applies that transaction a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_mode_waits_for_a_previous_session_still_committing() {
+    let db = TestDb::new("tblwait").await;
+    db.both("CREATE TABLE h (v int); ALTER TABLE h REPLICA IDENTITY FULL;")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE h").await;
+    let writer = format!("w_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {writer} LOGIN PASSWORD 'w-secret'; GRANT INSERT, UPDATE, DELETE, SELECT ON h TO {writer}; \
+         GRANT CREATE ON DATABASE {} TO {writer};",
+        db.name
+    ))
+    .await;
+    let run = |endpos: &str| {
+        let source = db.source_conninfo();
+        let target = format!(
+            "host=127.0.0.1 port={} user={writer} password=w-secret dbname={}",
+            db.target_port, db.name
+        );
+        let slot = db.slot();
+        common::pgapply_command(&[
+            "run",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &slot,
+            "--endpos",
+            endpos,
+        ])
+    };
+    db.source_sql("INSERT INTO h VALUES (1)").await;
+    let out = run_with_deadline(run(&db.source_wal().await), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("pgapply.progress"),
+        "{}",
+        stderr(&out)
+    );
+
+    db.source_sql("INSERT INTO h VALUES (2)").await;
+    let endpos = db.source_wal().await;
+    // The "previous session": has applied the transaction, not yet recorded its position.
+    let old = common::connect(db.target_port, &db.name).await;
+    let key = "('x' || left(md5('pgapply progress ' || $1), 16))::bit(64)::bigint";
+    old.batch_execute("BEGIN").await.unwrap();
+    old.execute(&format!("SELECT pg_advisory_lock({key})"), &[&db.slot()])
+        .await
+        .unwrap();
+    old.batch_execute("INSERT INTO h VALUES (2)").await.unwrap();
+    let mut child = run(&endpos);
+    child.stdout(std::process::Stdio::null());
+    child.stderr(std::process::Stdio::piped());
+    let mut child = child.spawn().expect("spawn");
+    // (Before the fix the new run did not wait: it applied the transaction and ended.)
+    let mut exited = false;
+    common::wait_for("the new run to wait for the previous session", 60, || {
+        exited = exited || child.try_wait().ok().flatten().is_some();
+        let exited = exited;
+        let db = &db;
+        let writer = &writer;
+        async move {
+            exited
+                || db
+                    .count(
+                        &db.target,
+                        &format!(
+                            "SELECT count(*) FROM pg_stat_activity WHERE usename = '{writer}' \
+                             AND query LIKE '%pg_try_advisory_lock%'"
+                        ),
+                    )
+                    .await
+                    > 0
+        }
+    })
+    .await;
+    old.execute(
+        "UPDATE pgapply.progress SET lsn = $2::text::pg_lsn WHERE slot_name = $1",
+        &[&db.slot(), &endpos],
+    )
+    .await
+    .unwrap();
+    old.batch_execute("COMMIT").await.unwrap();
+    old.execute(&format!("SELECT pg_advisory_unlock({key})"), &[&db.slot()])
+        .await
+        .unwrap();
+    let out = tokio::time::timeout(std::time::Duration::from_secs(90), child.wait_with_output())
+        .await
+        .expect("pgapply did not finish")
+        .expect("wait");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM h WHERE v = 2")
+            .await,
+        1,
+        "applied twice:\n{}",
+        stderr(&out)
+    );
+    db.assert_same("h").await;
+}

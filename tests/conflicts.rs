@@ -557,3 +557,48 @@ async fn update_missing_inserts_the_row_with_an_identity_key() {
         ("update_missing", "apply_remote")
     );
 }
+
+/// A failure at COMMIT (a deferred constraint trigger that fires on the target) of a group of
+/// several source transactions: they are applied again one at a time, each committing on its
+/// own, so the error names the one transaction that fails, and skipping it gets past it alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_at_commit_names_the_one_transaction() {
+    let db = TestDb::new("commitfail").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v int)").await;
+    db.target_sql(
+        "CREATE FUNCTION no13() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN IF NEW.v = 13 THEN RAISE EXCEPTION 'thirteen is not allowed here'; END IF; RETURN NULL; END$$; \
+         CREATE CONSTRAINT TRIGGER no13 AFTER INSERT ON t DEFERRABLE INITIALLY DEFERRED \
+           FOR EACH ROW EXECUTE FUNCTION no13(); \
+         ALTER TABLE t ENABLE ALWAYS TRIGGER no13;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    for i in 1..=30 {
+        db.source_sql(&format!("INSERT INTO t VALUES ({i}, {i})"))
+            .await;
+    }
+    let out = sync_with(&db, &["--max-retries", "2", "--retry-min", "10ms"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("thirteen is not allowed here") && last.contains("pgapply skip"),
+        "{last}"
+    );
+    // Everything before it is applied, nothing after it.
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM t").await,
+        12,
+        "{err}"
+    );
+    skip_named_transaction(&db, last).await;
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 29);
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM t WHERE id = 13")
+            .await,
+        0
+    );
+}

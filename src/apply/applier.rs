@@ -111,6 +111,8 @@ struct Group {
     statements: usize,
     /// Last included source commit: end LSN and time.
     last_commit: Option<(Lsn, PgTimestamp)>,
+    /// The last included source transaction: xid and commit LSN (what `pgapply skip` takes).
+    last_transaction: Option<(u32, Lsn)>,
     transactions: u64,
     /// Its place in the commit order, on a parallel worker.
     turn: Option<Turn>,
@@ -134,6 +136,8 @@ struct Committing {
     end_lsn: Lsn,
     commit_time: PgTimestamp,
     transactions: u64,
+    /// The last source transaction in it: xid and commit LSN.
+    last_transaction: Option<(u32, Lsn)>,
     started: Instant,
     /// Filled when the COMMIT's answer arrives.
     conflicts: Vec<ConflictRecord>,
@@ -1080,9 +1084,19 @@ impl Applier {
         match &self.group {
             None => false,
             Some(g) => {
+                // While the transactions of a failed group are applied again one at a time, each
+                // commits on its own: a failure at COMMIT (a deferred constraint) then names it.
+                let one_at_a_time = g.last_transaction.is_some_and(|(_, lsn)| {
+                    lsn.0
+                        <= self
+                            .settings
+                            .unbatched_through
+                            .load(std::sync::atomic::Ordering::Relaxed)
+                });
                 // Idle: commit, unless the previous COMMIT is still unanswered (this one would
                 // wait for it anyway; the group grows meanwhile and closes when it is answered).
-                (nothing_waiting && self.committing.is_empty())
+                one_at_a_time
+                    || (nothing_waiting && self.committing.is_empty())
                     || g.statements >= self.settings.group_statements
                     || g.started.elapsed() >= self.settings.group_age
             }
@@ -1171,6 +1185,7 @@ impl Applier {
                 check_before_commit: false,
                 statements: 0,
                 last_commit: None,
+                last_transaction: None,
                 transactions: 0,
                 turn: turn.clone(),
             });
@@ -1240,6 +1255,7 @@ impl Applier {
         }
         if let Some(group) = &mut self.group {
             group.last_commit = Some((c.end_lsn, c.commit_time));
+            group.last_transaction = Some((txn.xid, txn.final_lsn));
             group.transactions += 1;
         }
         Ok(())
@@ -1254,6 +1270,7 @@ impl Applier {
                 check_before_commit: false,
                 statements: 0,
                 last_commit: None,
+                last_transaction: None,
                 transactions: 0,
                 turn: None,
             });
@@ -1679,6 +1696,15 @@ impl Applier {
                     )));
                 }
             }
+            // Only the key and unchanged TOAST values: nothing to write (and `SET key = key`
+            // would fail on a GENERATED ALWAYS identity key), as on the unbatched path.
+            let writes_something = values
+                .iter()
+                .enumerate()
+                .any(|(i, v)| v.is_some() && !entry.key_columns.contains(&i));
+            if !writes_something {
+                return Ok(());
+            }
             self.stats.updates += 1;
             METRICS.updates.inc();
             let about = HeldChange {
@@ -2015,7 +2041,8 @@ impl Applier {
         if let Some(k) = self.unique_keys.get(&cache_key) {
             return Ok(k.clone());
         }
-        let k = Arc::new(super::unique::unique_keys(&self.client, entry).await?);
+        // (On the catalog session: the apply session's transaction may already have failed.)
+        let k = Arc::new(super::unique::unique_keys(&self.catalog, entry).await?);
         self.unique_keys.insert(cache_key, k.clone());
         Ok(k)
     }
@@ -2111,12 +2138,16 @@ impl Applier {
         if truncate.cascade() {
             sql.push_str(" CASCADE");
         }
-        let statement = self.client.prepare(&sql).await.map_err(|e| {
-            Error::postgres(
-                format!("preparing TRUNCATE of {} on the target", tables.join(", ")),
-                e,
-            )
-        })?;
+        // A failed Parse (or one in a transaction an earlier statement failed): the reason
+        // comes from `prepare_failed`, not "transaction aborted".
+        let statement = match self.client.prepare(&sql).await {
+            Ok(s) => s,
+            Err(e) => {
+                let what = format!("TRUNCATE of {}", tables.join(", "));
+                let first = tables.first().cloned().unwrap_or_default();
+                return self.prepare_failed(&what, &first, e).await;
+            }
+        };
         tracing::debug!(xid, commit_lsn = %commit_lsn, commit_time = %commit_time.to_rfc3339(), tables = %tables.join(", "), "truncate");
         self.stats.truncates += 1;
         METRICS.truncates.inc();
@@ -2518,6 +2549,13 @@ impl Applier {
                         _ => "",
                     };
                     let aborted = e.code().is_some_and(|c| c.code() == "25P02");
+                    if about.is_none() && !aborted {
+                        if let Some(c) = self.committing.iter().find(|c| c.seq == self.completed) {
+                            let (transactions, end_lsn, last) =
+                                (c.transactions, c.end_lsn, c.last_transaction);
+                            return self.commit_failed(transactions, end_lsn, last, e);
+                        }
+                    }
                     let through = about.as_ref().and_then(|a| a.through);
                     let err = self.violation_error(kind, about.as_ref(), e);
                     match (through, &about) {
@@ -2529,6 +2567,42 @@ impl Applier {
                     }
                 }
             }
+        }
+    }
+
+    /// A group's COMMIT failed (a deferred constraint checked then, a serialization failure):
+    /// with several source transactions in it, they are applied again one at a time, each
+    /// committing on its own, so that the error names the one that fails.
+    fn commit_failed(
+        &mut self,
+        transactions: u64,
+        end_lsn: Lsn,
+        last: Option<(u32, Lsn)>,
+        e: tokio_postgres::Error,
+    ) {
+        let err = Error::postgres(
+            format!(
+                "committing {transactions} source transaction(s) ending at {end_lsn} on the target"
+            ),
+            e,
+        );
+        if err.is_transient() {
+            self.failure = Some(err);
+            return;
+        }
+        match last {
+            Some((_, commit_lsn)) if transactions > 1 => {
+                self.retry_unbatched(err, Some(commit_lsn));
+            }
+            Some((xid, commit_lsn)) => {
+                let err = Error::definite(format!(
+                    "{} (source transaction xid {xid}, commit LSN {commit_lsn}): {}",
+                    err.message(),
+                    self.skip_hint(commit_lsn)
+                ));
+                self.fail(err, commit_lsn);
+            }
+            None => self.failure = Some(err),
         }
     }
 
@@ -2640,7 +2714,7 @@ impl Applier {
             return self.send_pipeline().await;
         };
         for (xid, lsn, time) in std::mem::take(&mut self.skip_records) {
-            let clear = self
+            let clear = match self
                 .client
                 .prepare(
                     "WITH cleared AS (UPDATE pgapply.progress SET skip_lsn = NULL WHERE slot_name = $1) \
@@ -2648,7 +2722,14 @@ impl Applier {
                      VALUES ($1, 'skipped_transaction', $2, $3::text::pg_lsn, $4::text::timestamptz, 'skip')",
                 )
                 .await
-                .map_err(|e| Error::postgres("recording a skipped transaction", e))?;
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    return self
+                        .prepare_failed("the record of a skipped transaction", "pgapply.conflicts", e)
+                        .await
+                }
+            };
             self.pending.push(Pending {
                 statement: clear,
                 params: vec![
@@ -2687,6 +2768,7 @@ impl Applier {
             end_lsn,
             commit_time,
             transactions: group.transactions,
+            last_transaction: group.last_transaction,
             started: group.started,
             conflicts: Vec::new(),
         });

@@ -245,7 +245,7 @@ impl ProgressStore {
     /// let go of it, so reading it now is final.
     pub async fn check_resume(&self, client: &Client, resume: Lsn) -> Result<()> {
         let ProgressMode::Origin { name } = &self.mode else {
-            return Ok(());
+            return self.check_resume_in_table(client, resume).await;
         };
         let row = client
             .query_one(
@@ -258,6 +258,49 @@ impl ProgressStore {
         if now > resume {
             return Err(Error::transient(format!(
                 "replication origin {name:?} moved from {resume} to {now} while this run started ({RESUME_MOVED}): starting again from there"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `check_resume` for progress kept in `pgapply.progress`. No origin tells whether a previous
+    /// session is still finishing: each apply session holds a session-level advisory lock of the
+    /// slot for its life, so taking it waits for the previous one to end, and the position read
+    /// after that is final.
+    async fn check_resume_in_table(&self, client: &Client, resume: Lsn) -> Result<()> {
+        let context = |e| Error::postgres("taking the apply session's lock on the target", e);
+        let key = "('x' || left(md5('pgapply progress ' || $1), 16))::bit(64)::bigint";
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let row = client
+                .query_one(
+                    &format!("SELECT pg_catalog.pg_try_advisory_lock({key})"),
+                    &[&self.slot],
+                )
+                .await
+                .map_err(context)?;
+            if row.get::<_, bool>(0) {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(Error::transient(format!(
+                    "another session still applies for slot {:?} on the target (a previous run's, finishing what it was sent, or a second pgapply on the same slot): waiting for it to end",
+                    self.slot
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        let row = client
+            .query_one(
+                "SELECT lsn::text FROM pgapply.progress WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
+        let now = parse_lsn(row.get(0))?;
+        if now > resume {
+            return Err(Error::transient(format!(
+                "the position in pgapply.progress moved from {resume} to {now} while this run started ({RESUME_MOVED}): starting again from there"
             )));
         }
         Ok(())
