@@ -252,12 +252,12 @@ pub struct SchemaArgs {
 /// `pgapply skip`.
 #[derive(Debug, Args)]
 pub struct SkipArgs {
-    /// Target connection (where pgapply keeps its state).
-    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
-    pub target: String,
+    /// Target (where pgapply keeps its state), --config and password files as for `run`.
+    #[command(flatten)]
+    pub servers: ServersArgs,
     /// The slot whose worker should skip the transaction.
     #[arg(long, env = "PGAPPLY_SLOT")]
-    pub slot: String,
+    pub slot: Option<String>,
     /// Commit LSN of the source transaction to skip.
     #[arg(long)]
     pub lsn: String,
@@ -266,12 +266,10 @@ pub struct SkipArgs {
 /// `pgapply status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// Target connection (where pgapply keeps its state).
-    #[arg(long, env = "PGAPPLY_TARGET", hide_env_values = true)]
-    pub target: String,
-    /// Source connection: adds lag in bytes.
-    #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
-    pub source: Option<String>,
+    /// Target (where pgapply keeps its state), --config and password files as for `run`; a
+    /// source adds lag in bytes.
+    #[command(flatten)]
+    pub servers: ServersArgs,
     /// Only this slot.
     #[arg(long)]
     pub slot: Option<String>,

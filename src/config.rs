@@ -240,6 +240,43 @@ fn missing(what: &str, key: &str) -> Error {
 }
 
 /// Flags and environment (already merged by clap) over the file.
+/// The target connection alone (`status`, `skip`): from the flags or environment, else the file.
+pub fn resolve_target(args: &ServersArgs, file: &FileConfig) -> Result<tokio_postgres::Config> {
+    let text = args
+        .target
+        .as_ref()
+        .or(file.target.as_ref())
+        .ok_or_else(|| missing("target connection", "target"))?;
+    let mut target = conninfo::parse("target", text)?;
+    if let Some(path) = args
+        .target_password_file
+        .as_ref()
+        .or(file.target_password_file.as_ref())
+    {
+        target.password(read_password_file(path, "target")?);
+    }
+    Ok(target)
+}
+
+/// The source connection if one is given (`status`).
+pub fn resolve_optional_source(
+    args: &ServersArgs,
+    file: &FileConfig,
+) -> Result<Option<tokio_postgres::Config>> {
+    let Some(text) = args.source.as_ref().or(file.source.as_ref()) else {
+        return Ok(None);
+    };
+    let mut source = conninfo::parse("source", text)?;
+    if let Some(path) = args
+        .source_password_file
+        .as_ref()
+        .or(file.source_password_file.as_ref())
+    {
+        source.password(read_password_file(path, "source")?);
+    }
+    Ok(Some(source))
+}
+
 pub fn resolve_servers(args: &ServersArgs, file: &FileConfig) -> Result<Servers> {
     let source_text = args
         .source

@@ -29,6 +29,8 @@ fn main() -> ExitCode {
         Command::Cutover(a) => a.run.servers.config.clone(),
         Command::Verify(a) => a.servers.config.clone(),
         Command::Schema(a) => a.servers.config.clone(),
+        Command::Status(a) => a.servers.config.clone(),
+        Command::Skip(a) => a.servers.config.clone(),
         _ => None,
     };
     let file = match config_path.as_deref().map(FileConfig::load).transpose() {
@@ -120,8 +122,8 @@ fn main() -> ExitCode {
                 run_command(args, file, reload).await
             }
             Command::Check(args) => check::check_command(&args, &file).await,
-            Command::Status(args) => status::status_command(&args).await,
-            Command::Skip(args) => skip::skip_command(&args).await,
+            Command::Status(args) => status::status_command(&args, &file).await,
+            Command::Skip(args) => skip::skip_command(&args, &file).await,
             Command::Verify(args) => verify_command(args, file).await,
             Command::Cutover(args) => cutover_command(args, file).await,
             Command::Schema(args) => match config::resolve_servers(&args.servers, &file) {

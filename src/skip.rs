@@ -5,16 +5,24 @@
 //! records the skip in pgapply.conflicts and clears the request in the same target transaction.
 
 use crate::cli::SkipArgs;
+use crate::config::FileConfig;
 use crate::conninfo;
 use crate::error::{Error, Result};
 use crate::protocol::Lsn;
 
-pub async fn skip_command(args: &SkipArgs) -> Result<()> {
+pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
     let lsn: Lsn = args
         .lsn
         .parse()
         .map_err(|e| Error::usage(format!("--lsn: {e}")))?;
-    let config = conninfo::parse("target", &args.target)?;
+    let slot = args
+        .slot
+        .clone()
+        .or_else(|| file.slot.clone())
+        .ok_or_else(|| {
+            Error::usage("no slot given: use --slot, PGAPPLY_SLOT or slot in the config file")
+        })?;
+    let config = crate::config::resolve_target(&args.servers, file)?;
     let client = crate::tls::connect(&config).await.map_err(|e| {
         e.into_error(format!(
             "connecting to target {}",
@@ -24,19 +32,17 @@ pub async fn skip_command(args: &SkipArgs) -> Result<()> {
     let updated = client
         .execute(
             "UPDATE pgapply.progress SET skip_lsn = $2::text::pg_lsn WHERE slot_name = $1",
-            &[&args.slot, &lsn.to_string()],
+            &[&slot, &lsn.to_string()],
         )
         .await
         .map_err(|e| Error::postgres("recording the skip request on the target", e))?;
     if updated == 0 {
         return Err(Error::definite(format!(
-            "the target has no pgapply progress for slot {:?}: check --slot (see `pgapply status`)",
-            args.slot
+            "the target has no pgapply progress for slot {slot:?}: check --slot (see `pgapply status`)"
         )));
     }
     println!(
-        "the source transaction committed at {lsn} will be skipped when pgapply next starts for slot {}; it is recorded in pgapply.conflicts",
-        args.slot
+        "the source transaction committed at {lsn} will be skipped when pgapply next starts for slot {slot}; it is recorded in pgapply.conflicts"
     );
     Ok(())
 }

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use crate::cli::StatusArgs;
-use crate::conninfo;
+use crate::config::FileConfig;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Serialize)]
@@ -37,13 +37,14 @@ pub struct CopyTableStatus {
     pub bytes: i64,
 }
 
-async fn connect(role: &str, conninfo_text: &str) -> Result<tokio_postgres::Client> {
-    let config = conninfo::parse(role, conninfo_text)?;
-    crate::tls::connect_to(&config, role).await
+async fn connect(role: &str, config: &tokio_postgres::Config) -> Result<tokio_postgres::Client> {
+    crate::tls::connect_to(config, role).await
 }
 
-pub async fn collect(args: &StatusArgs) -> Result<Vec<SlotStatus>> {
-    let target = connect("target", &args.target).await?;
+pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotStatus>> {
+    let target_config = crate::config::resolve_target(&args.servers, file)?;
+    let source_config = crate::config::resolve_optional_source(&args.servers, file)?;
+    let target = connect("target", &target_config).await?;
     let exists: bool = target
         .query_one("SELECT to_regclass('pgapply.progress') IS NOT NULL", &[])
         .await
@@ -67,7 +68,7 @@ pub async fn collect(args: &StatusArgs) -> Result<Vec<SlotStatus>> {
         )
         .await
         .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
-    let source = match &args.source {
+    let source = match &source_config {
         Some(s) => Some(connect("source", s).await?),
         None => None,
     };
@@ -139,8 +140,8 @@ pub async fn collect(args: &StatusArgs) -> Result<Vec<SlotStatus>> {
     Ok(out)
 }
 
-pub async fn status_command(args: &StatusArgs) -> Result<()> {
-    let slots = collect(args).await?;
+pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> {
+    let slots = collect(args, file).await?;
     if args.json {
         let text = serde_json::to_string_pretty(&slots)
             .map_err(|e| Error::definite(format!("encoding status as JSON: {e}")))?;

@@ -589,3 +589,54 @@ async fn the_demo_mirrors_a_live_workload() {
     assert!(out.status.success(), "{text}\n{}", stderr(&out));
     assert!(text.contains("source and target match"), "{text}");
 }
+
+/// `status` and `skip` read the target, its password file and the slot from `--config` too, as
+/// `run` does: one config file serves every command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_skip_take_the_config_file() {
+    let db = TestDb::new("cfgcmds").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.sync("p").await;
+    let dir = std::env::temp_dir();
+    let config = dir.join(format!("pgapply-cfgcmds-{}.toml", std::process::id()));
+    let write = |extra: &str| {
+        let mut f = std::fs::File::create(&config).unwrap();
+        writeln!(
+            f,
+            "target = {:?}\nslot = {:?}\n{extra}",
+            db.target_conninfo(),
+            db.slot()
+        )
+        .unwrap();
+    };
+    let path = config.to_str().unwrap().to_owned();
+    let cmd = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--config", path.as_str()]);
+        common::pgapply_command(&all)
+    };
+    write("");
+    let out = run_with_deadline(cmd(&["status"]), 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains(&db.slot()), "{text}");
+    let out = run_with_deadline(cmd(&["skip", "--lsn", "0/1"]), 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&db.slot()),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // The password file named there is read (here: it is missing, and the error says so).
+    write("target_password_file = \"/nonexistent/pgapply-password\"");
+    let out = run_with_deadline(cmd(&["status"]), 30).await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("/nonexistent/pgapply-password"),
+        "{}",
+        stderr(&out)
+    );
+    let _ = std::fs::remove_file(&config);
+}
