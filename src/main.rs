@@ -320,7 +320,14 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
     }
     let (config, service) = config::resolve(&args.run, &file)?;
     if let Some(addr) = &service.metrics_addr {
-        metrics::serve(addr).await?;
+        // The running worker may serve the same address (a config file both use): its metrics
+        // stay where they are, and the cutover goes on without its own.
+        if let Err(e) = metrics::serve(addr).await {
+            if e.class() == ErrorClass::Usage {
+                return Err(e);
+            }
+            tracing::warn!(error = %e, "cutover: no metrics of its own");
+        }
     }
     let settings = cutover::CutoverSettings {
         max_lag: cutover::MaxLag::parse(&args.max_lag)?,

@@ -578,7 +578,7 @@ async fn a_failure_at_commit_names_the_one_transaction() {
         db.source_sql(&format!("INSERT INTO t VALUES ({i}, {i})"))
             .await;
     }
-    let out = sync_with(&db, &["--max-retries", "2", "--retry-min", "10ms"]).await;
+    let out = sync_with(&db, &["--max-retries", "5", "--retry-min", "10ms"]).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let err = stderr(&out);
     let last = err.lines().last().unwrap_or_default();

@@ -293,6 +293,18 @@ async fn a_two_phase_slot_is_refused_with_several_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clash_the_dispatcher_could_not_see_is_retried_one_at_a_time() {
     let db = TestDb::new("parclash").await;
+    let target_version: i32 = db
+        .target
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap()
+        .get(0);
+    if target_version < 140000 {
+        // (Before 14 a backend waiting on a lock does not notice its client is gone:
+        // client_connection_check_interval; the retry waits for it.)
+        common::skip("needs a PostgreSQL 14+ target");
+        return;
+    }
     db.both("CREATE TABLE u (id int PRIMARY KEY, email text)")
         .await;
     db.publish("CREATE PUBLICATION p FOR TABLE u").await;

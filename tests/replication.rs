@@ -797,25 +797,36 @@ async fn source_given_by_hostaddr_with_options() {
     db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b'); UPDATE t SET v = 'c' WHERE id = 2")
         .await;
     let endpos = db.source_wal().await;
-    let source = format!(
-        "host=no-such-host.invalid hostaddr=127.0.0.1 port={} user=postgres dbname={} options='-c application_name=given_by_options'",
-        db.source_port, db.name
-    );
     let (target, slot) = (db.target_conninfo(), db.slot());
-    let cmd = common::pgapply_command(&[
-        "run",
-        "--source",
-        &source,
-        "--target",
-        &target,
-        "--publication",
-        "p",
-        "--slot",
-        &slot,
-        "--endpos",
-        &endpos,
-    ]);
-    let out = run_with_deadline(cmd, 120).await;
+    let run = |options: &str| {
+        let source = format!(
+            "host=no-such-host.invalid hostaddr=127.0.0.1 port={} user=postgres dbname={} options='{options}'",
+            db.source_port, db.name
+        );
+        common::pgapply_command(&[
+            "run",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &slot,
+            "--endpos",
+            &endpos,
+            "--max-retries",
+            "1",
+        ])
+    };
+    // The options reach the source: one it does not know is refused by it.
+    let out = run_with_deadline(run("-c pgapply_no_such_setting=1"), 60).await;
+    assert!(
+        !out.status.success() && stderr(&out).contains("pgapply_no_such_setting"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run_with_deadline(run("-c wal_sender_timeout=120s"), 120).await;
     assert!(out.status.success(), "pgapply failed:\n{}", stderr(&out));
     db.assert_same("t").await;
 }

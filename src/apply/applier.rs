@@ -1697,7 +1697,8 @@ impl Applier {
                 }
             }
             // Only the key and unchanged TOAST values: nothing to write (and `SET key = key`
-            // would fail on a GENERATED ALWAYS identity key), as on the unbatched path.
+            // would fail on a GENERATED ALWAYS identity key). Unlike the unbatched path, a row
+            // missing on the target goes unnoticed then: the update changed nothing published.
             let writes_something = values
                 .iter()
                 .enumerate()

@@ -165,7 +165,7 @@ impl ProgressStore {
         if unused.is_empty() {
             return Ok(());
         }
-        // The main origin takes the latest position of all, read now rather than taken from
+        // The main origin takes the latest position of all (ORDER BY: max(pg_lsn) is 13+), read now rather than taken from
         // `resume`: a backend of a killed run may have committed on one of these since `resume`
         // was read (the resume check after binding then sees the main origin moved and starts
         // over from there). One still bound to such a backend cannot be dropped: an error, and a
@@ -173,9 +173,10 @@ impl ProgressStore {
         client
             .execute(
                 "SELECT pg_catalog.pg_replication_origin_advance($1, m) FROM ( \
-                   SELECT max(p) AS m FROM ( \
+                   SELECT p AS m FROM ( \
                      SELECT pg_catalog.pg_replication_origin_progress(o, false) AS p FROM unnest($2::text[]) o \
-                     UNION ALL SELECT $3::text::pg_lsn WHERE $4) ps) s \
+                     UNION ALL SELECT $3::text::pg_lsn WHERE $4) ps \
+                   ORDER BY p DESC NULLS LAST LIMIT 1) s \
                  WHERE m IS NOT NULL AND coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0') < m",
                 &[name, &unused, &resume.to_string(), &resume.is_valid()],
             )

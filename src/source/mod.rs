@@ -88,7 +88,7 @@ impl ReplicationSession {
         failover: bool,
         parallel: bool,
     ) -> Result<()> {
-        self.check_failover(failover)?;
+        self.check_failover(failover, two_phase)?;
         let two_phase_column = if self.conn.server_version >= 140000 {
             "two_phase::text"
         } else {
@@ -156,7 +156,13 @@ impl ReplicationSession {
                 "replication slot {slot:?} was created with two-phase support (by an earlier --two-phase run), so the source sends prepared transactions through it, which --apply-workers above 1 cannot apply in order: use --apply-workers 1, or drop the slot and start over with a new one (--copy-data --truncate-target)"
             )));
         }
+        if two_phase && r.first("two_phase") != Some("true") {
+            return Err(Error::definite(format!(
+                "replication slot {slot:?} was created without two-phase support, which --two-phase needs: drop it and let pgapply create it (--create-slot), or run without --two-phase"
+            )));
+        }
         if failover && r.first("failover") != Some("true") {
+            self.check_failover(failover, r.first("two_phase") == Some("true"))?;
             let sql = format!(
                 "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
                 quote_ident(slot)
@@ -168,20 +174,23 @@ impl ReplicationSession {
             })?;
             tracing::info!(slot, "made the replication slot a failover slot");
         }
-        if two_phase && r.first("two_phase") != Some("true") {
-            return Err(Error::definite(format!(
-                "replication slot {slot:?} was created without two-phase support, which --two-phase needs: drop it and let pgapply create it (--create-slot), or run without --two-phase"
-            )));
-        }
         Ok(())
     }
 
-    fn check_failover(&self, failover: bool) -> Result<()> {
-        if failover && self.conn.server_version < 170000 {
+    /// Whether the slot may be a failover slot here (`two_phase`: the slot is, or is to be, a
+    /// two-phase one).
+    fn check_failover(&self, failover: bool, two_phase: bool) -> Result<()> {
+        let version = self.conn.server_version;
+        if failover && version < 170000 {
             return Err(Error::definite(format!(
                 "--failover-slot needs a PostgreSQL 17 or later source; this source runs PostgreSQL {}: leave it out",
-                self.conn.server_version / 10000
+                version / 10000
             )));
+        }
+        if failover && two_phase && version < 180000 {
+            return Err(Error::definite(
+                "PostgreSQL 17 cannot make a two-phase slot a failover slot (18 can): use --failover-slot or --two-phase, not both",
+            ));
         }
         Ok(())
     }
@@ -224,7 +233,7 @@ impl ReplicationSession {
         two_phase: bool,
         failover: bool,
     ) -> Result<ExportedSnapshot> {
-        self.check_failover(failover)?;
+        self.check_failover(failover, two_phase)?;
         let sql = create_slot_sql(slot, "export", two_phase, failover);
         let r =
             self.conn.simple_query(&sql).await.map_err(|e| {
