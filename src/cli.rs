@@ -112,6 +112,11 @@ pub struct RunArgs {
     /// ranges (PostgreSQL 14+ sources) [default: 16384].
     #[arg(long, env = "PGAPPLY_COPY_SPLIT_PAGES")]
     pub copy_split_pages: Option<i64>,
+    /// With --copy-data: exit once the copy is done, before streaming. The slot stays at the
+    /// copy's consistent point, and the next `run` streams from there (build the indexes with
+    /// `pgapply schema --section post-data` in between).
+    #[arg(long, env = "PGAPPLY_COPY_ONLY", value_parser = BoolishValueParser::new())]
+    pub copy_only: bool,
     /// With --copy-data: empty target tables that already hold rows instead of refusing.
     #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET", value_parser = BoolishValueParser::new())]
     pub truncate_target: bool,

@@ -85,6 +85,7 @@ pub struct FileConfig {
     pub slot: Option<String>,
     pub create_slot: Option<bool>,
     pub copy_data: Option<bool>,
+    pub copy_only: Option<bool>,
     pub copy_jobs: Option<usize>,
     pub copy_split_pages: Option<i64>,
     pub truncate_target: Option<bool>,
@@ -349,6 +350,12 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         file.failover_slot,
     );
     config.copy_data = switch(args.copy_data, "PGAPPLY_COPY_DATA", file.copy_data);
+    config.copy_only = switch(args.copy_only, "PGAPPLY_COPY_ONLY", file.copy_only);
+    if config.copy_only && !config.copy_data {
+        return Err(Error::usage(
+            "--copy-only goes with --copy-data: it stops after the initial copy",
+        ));
+    }
     config.copy.truncate_target = switch(
         args.truncate_target,
         "PGAPPLY_TRUNCATE_TARGET",

@@ -318,7 +318,9 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
             "--endpos (or PGAPPLY_ENDPOS) does not apply to cutover: it takes the end position from the source itself once writes have stopped; leave it out",
         ));
     }
-    let (config, service) = config::resolve(&args.run, &file)?;
+    let (mut config, service) = config::resolve(&args.run, &file)?;
+    // (A run's --copy-only, from the environment or the file, is not the cutover's business.)
+    config.copy_only = false;
     if let Some(addr) = &service.metrics_addr {
         // The running worker may serve the same address (a config file both use): its metrics
         // stay where they are, and the cutover goes on without its own.

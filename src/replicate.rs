@@ -53,6 +53,8 @@ pub struct RunConfig {
     pub apply: ApplySettings,
     /// Copy the published tables' existing rows first (`--copy-data`).
     pub copy_data: bool,
+    /// Stop once the copy is done, before streaming (`--copy-only`).
+    pub copy_only: bool,
     pub copy: CopySettings,
     /// Source table -> target table, where they differ.
     pub table_map: crate::config::TableMap,
@@ -87,6 +89,7 @@ impl RunConfig {
             max_message_bytes: 1024 * 1024 * 1024 + 1024,
             apply: ApplySettings::default(),
             copy_data: false,
+            copy_only: false,
             copy: CopySettings::default(),
             table_map: Default::default(),
             requested: Requested::default(),
@@ -103,6 +106,8 @@ impl RunConfig {
 pub enum StopReason {
     Shutdown,
     EndPosition,
+    /// `--copy-only`: the initial copy is done.
+    CopyDone,
 }
 
 #[derive(Debug)]
@@ -368,6 +373,18 @@ async fn run_in_span(
                 config.apply_workers > 1,
             )
             .await?;
+    }
+    if config.copy_only {
+        tracing::info!(
+            slot = %config.slot,
+            consistent_point = %resume,
+            "--copy-only: the initial copy is done; the slot keeps the changes since, and the next run without --copy-only streams them"
+        );
+        return Ok(RunOutcome {
+            reason: StopReason::CopyDone,
+            flushed: resume,
+            stats: ApplyStats::default(),
+        });
     }
     // The --streaming parallel helper keeps its origin from run to run.
     let live_possible = negotiated.streaming == Streaming::Parallel

@@ -1011,3 +1011,47 @@ async fn a_table_published_after_the_copy_is_named_when_its_changes_arrive() {
     assert_eq!(named.len(), 1, "{log}");
     assert!(named[0].contains("\"public\".\"late\""), "{log}");
 }
+
+/// The migration flow with indexes built after the rows and before streaming: definitions
+/// without indexes, `--copy-only`, then the indexes, then `run` streams what changed meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pre_data_copy_only_post_data_then_stream() {
+    if !pg_dump_usable() {
+        return;
+    }
+    let db = TestDb::new("copyonly").await;
+    db.source_sql(
+        "CREATE TABLE acct (id int PRIMARY KEY, owner text, bal int); \
+         CREATE INDEX acct_owner ON acct (owner); \
+         INSERT INTO acct SELECT g, 'o' || g % 10, g FROM generate_series(1, 2000) g; \
+         CREATE PUBLICATION p FOR TABLE acct;",
+    )
+    .await;
+    let out = run_with_deadline(db.on_both("schema", &["--section", "pre-data"]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let indexes = "SELECT count(*) FROM pg_indexes WHERE tablename = 'acct'";
+    assert_eq!(db.count(&db.target, indexes).await, 0);
+    // --copy-only without --copy-data: a usage error.
+    let out = run_with_deadline(db.pgapply("p", &["--copy-only"]), 30).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--copy-only"]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--copy-only"), "{}", stderr(&out));
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM acct").await,
+        2000
+    );
+    // Changes from now on wait in the slot.
+    db.source_sql("UPDATE acct SET bal = bal + 1 WHERE id <= 100; DELETE FROM acct WHERE id > 1900; INSERT INTO acct VALUES (5000, 'late', 0);")
+        .await;
+    let out = run_with_deadline(db.on_both("schema", &["--section", "post-data"]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, indexes).await, 2);
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM acct").await,
+        2000
+    );
+    db.sync("p").await;
+    db.assert_same("acct").await;
+}
