@@ -826,7 +826,7 @@ async fn source_given_by_hostaddr_with_options() {
         "{}",
         stderr(&out)
     );
-    let out = run_with_deadline(run("-c wal_sender_timeout=120s"), 120).await;
+    let out = run_with_deadline(run("-c work_mem=8MB"), 120).await;
     assert!(out.status.success(), "pgapply failed:\n{}", stderr(&out));
     db.assert_same("t").await;
 }

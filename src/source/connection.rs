@@ -227,7 +227,7 @@ impl ReplicationConnection {
             last_read_short: false,
             pacing: true,
         };
-        // The user's own `options` (say `-c wal_sender_timeout=..`) come first: the later of two
+        // The user's own `options` (say `-c work_mem=..`) come first: the later of two
         // settings wins, and the text form of the values pgoutput sends depends on pgapply's.
         let options = match config.get_options() {
             Some(own) if !own.trim().is_empty() => format!("{own} {STARTUP_OPTIONS}"),
