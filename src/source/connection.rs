@@ -352,7 +352,7 @@ impl ReplicationConnection {
     async fn authenticate(&mut self, user: &str, password: Option<&[u8]>) -> Result<()> {
         let need_password = || {
             Error::definite(format!(
-                "source requires a password for user {user:?}: give password= in --source, PGPASSWORD, or ~/.pgpass"
+                "source requires a password for user {user:?}: give password= in --source, --source-password-file, PGPASSWORD, or ~/.pgpass"
             ))
         };
         let mut scram: Option<ScramSha256> = None;
