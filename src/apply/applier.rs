@@ -2120,9 +2120,15 @@ impl Applier {
             return Ok(());
         };
         self.flush_held_updates(None).await?;
-        let mut tables = Vec::with_capacity(truncate.relations.len());
-        let mut names = Vec::with_capacity(truncate.relations.len());
+        let mut tables = Vec::new();
+        let mut names = Vec::new();
+        // (Each table once: the list comes from the network, and a repeated OID would only
+        // make the statement longer.)
+        let mut seen = std::collections::HashSet::new();
         for oid in &truncate.relations {
+            if !seen.insert(*oid) {
+                continue;
+            }
             let entry = self.entry(*oid)?;
             tables.push(entry.target.qualified.clone());
             // Each table the source truncated is listed: an inheritance child too, if it was.

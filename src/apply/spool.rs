@@ -73,27 +73,46 @@ pub struct Replay {
 impl Replay {
     pub fn next_message(&mut self) -> Result<Option<Bytes>> {
         if let Some((path, reader)) = &mut self.file {
+            let broken = |what: String| {
+                Error::definite(format!(
+                    "reading spool file {}: {what}; the streamed transaction is received again after a restart",
+                    path.display()
+                ))
+            };
+            // A length prefix, then that many bytes. No bytes at all is the file's end; part of
+            // a prefix, or fewer bytes than it says, is a damaged file, not an end.
             let mut len = [0u8; 4];
-            match reader.read_exact(&mut len) {
-                Ok(()) => {
-                    let len = u32::from_be_bytes(len) as usize;
-                    let mut buf = vec![0u8; len];
-                    reader.read_exact(&mut buf).map_err(|e| {
-                        Error::definite(format!("reading spool file {}: {e}", path.display()))
-                    })?;
-                    return Ok(Some(Bytes::from(buf)));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    let _ = std::fs::remove_file(&*path);
-                    self.file = None;
-                }
-                Err(e) => {
-                    return Err(Error::definite(format!(
-                        "reading spool file {}: {e}",
-                        path.display()
-                    )))
+            let mut got = 0;
+            while got < 4 {
+                match reader.read(&mut len[got..]) {
+                    Ok(0) => break,
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(broken(e.to_string())),
                 }
             }
+            if got == 0 {
+                let _ = std::fs::remove_file(&*path);
+                self.file = None;
+                return Ok(self.memory.next());
+            }
+            if got < 4 {
+                return Err(broken("it ends inside a length prefix".into()));
+            }
+            let len = u32::from_be_bytes(len) as usize;
+            // Read (and allocated) as far as the file goes, not as far as the prefix claims.
+            let mut buf = Vec::new();
+            std::io::Read::by_ref(reader)
+                .take(len as u64)
+                .read_to_end(&mut buf)
+                .map_err(|e| broken(e.to_string()))?;
+            if buf.len() != len {
+                return Err(broken(format!(
+                    "a {len}-byte message ends after {} bytes",
+                    buf.len()
+                )));
+            }
+            return Ok(Some(Bytes::from(buf)));
         }
         Ok(self.memory.next())
     }
@@ -486,6 +505,27 @@ mod tests {
         }
         s.abort(8, 8).unwrap();
         assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0);
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn a_damaged_spool_file_is_an_error_not_an_end_or_a_huge_allocation() {
+        let d = dir("damaged");
+        std::fs::create_dir_all(&d).unwrap();
+        for (name, bytes) in [
+            ("prefix", vec![0u8, 0]),
+            ("short", vec![0xff, 0xff, 0xff, 0xff, 1, 2, 3]),
+        ] {
+            let path = d.join(name);
+            std::fs::write(&path, &bytes).unwrap();
+            let file = File::open(&path).unwrap();
+            let mut replay = Replay {
+                file: Some((path, BufReader::new(file))),
+                memory: Vec::new().into_iter(),
+            };
+            let err = replay.next_message().unwrap_err().to_string();
+            assert!(err.contains("spool file"), "{name}: {err}");
+        }
         let _ = std::fs::remove_dir_all(d);
     }
 }

@@ -32,11 +32,23 @@ impl PgTimestamp {
         }
     }
 
-    /// As text in ISO 8601 / RFC 3339, UTC, for logs and status output.
+    /// As text in ISO 8601 / RFC 3339, UTC, for logs, status output and timestamptz
+    /// parameters. The formatter covers the years 1970 to 9999 only (it panics outside them), so
+    /// a time before or after those is PostgreSQL's `-infinity` or `infinity`: no server clock
+    /// sends one of those for a real commit, but the bytes come from the network.
     pub fn to_rfc3339(self) -> String {
+        // 1970-01-01 and 9999-12-31 23:59:59.999999, in microseconds since 2000-01-01.
+        const FIRST: i64 = -(POSTGRES_EPOCH_UNIX_SECONDS as i64) * 1_000_000;
+        const LAST: i64 = 252_455_615_999_999_999;
+        if self.0 < FIRST {
+            return "-infinity".into();
+        }
+        if self.0 > LAST {
+            return "infinity".into();
+        }
         match self.to_system_time() {
             Some(t) => humantime::format_rfc3339_micros(t).to_string(),
-            None => format!("{} µs after 2000-01-01", self.0),
+            None => "infinity".into(),
         }
     }
 }
@@ -54,5 +66,24 @@ mod tests {
             t
         );
         assert_eq!(PgTimestamp(-1).to_rfc3339(), "1999-12-31T23:59:59.999999Z");
+    }
+
+    #[test]
+    fn times_the_formatter_cannot_show_are_infinities_not_panics() {
+        assert_eq!(PgTimestamp(i64::MAX).to_rfc3339(), "infinity");
+        assert_eq!(PgTimestamp(i64::MIN).to_rfc3339(), "-infinity");
+        assert_eq!(
+            PgTimestamp(252_455_615_999_999_999).to_rfc3339(),
+            "9999-12-31T23:59:59.999999Z"
+        );
+        assert_eq!(
+            PgTimestamp(252_455_616_000_000_000).to_rfc3339(),
+            "infinity"
+        );
+        assert_eq!(
+            PgTimestamp(-946_684_800_000_000).to_rfc3339(),
+            "1970-01-01T00:00:00.000000Z"
+        );
+        assert_eq!(PgTimestamp(-946_684_800_000_001).to_rfc3339(), "-infinity");
     }
 }

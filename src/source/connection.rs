@@ -303,7 +303,9 @@ impl ReplicationConnection {
                     frame.advance(5);
                     return Ok((tag, frame.freeze()));
                 }
-                self.read.reserve(len + 1 - self.read.len());
+                // Grown as the bytes arrive, not by what the header claims.
+                self.read
+                    .reserve((len + 1 - self.read.len()).min(4 * READ_CHUNK));
             }
             if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
                 self.read.reserve(READ_CHUNK);
@@ -356,9 +358,19 @@ impl ReplicationConnection {
             ))
         };
         let mut scram: Option<ScramSha256> = None;
+        // Whether the server proved it knows the password (SCRAM's final message verified).
+        let mut scram_verified = false;
         loop {
             let (tag, body) = self.read_message().await?;
             match self.parse(tag, &body)? {
+                // As libpq: a server that started SCRAM must finish it before saying "ok", or it
+                // has not shown it knows the password (a man in the middle could do that).
+                backend::Message::AuthenticationOk if scram.is_some() && !scram_verified => {
+                    return Err(Error::definite(format!(
+                        "source {} ended SCRAM authentication without proving it knows the password: refusing the connection",
+                        self.endpoint
+                    )));
+                }
                 backend::Message::AuthenticationOk => {}
                 backend::Message::AuthenticationCleartextPassword => {
                     let pw = password.ok_or_else(need_password)?;
@@ -414,6 +426,7 @@ impl ReplicationConnection {
                             "SCRAM authentication with the source failed (server signature did not verify): {e}"
                         ))
                     })?;
+                    scram_verified = true;
                 }
                 backend::Message::ParameterStatus(p) => {
                     if p.name().ok() == Some("server_version") {
@@ -579,13 +592,16 @@ pub fn parse_server_version(text: &str) -> u32 {
         .chars()
         .take_while(|c| c.is_ascii_digit() || *c == '.')
         .collect();
-    let mut parts = numeric.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    // (Parts kept small: the text comes from the network, and the sums must not overflow.)
+    let mut parts = numeric
+        .split('.')
+        .map(|p| p.parse::<u32>().unwrap_or(0).min(9999));
     let major = parts.next().unwrap_or(0);
     let second = parts.next().unwrap_or(0);
     if major >= 10 {
         major * 10000 + second
     } else {
-        major * 10000 + second * 100 + parts.next().unwrap_or(0)
+        major * 10000 + second.min(99) * 100 + parts.next().unwrap_or(0).min(99)
     }
 }
 
@@ -670,5 +686,7 @@ mod tests {
         assert_eq!(parse_server_version("10.23"), 100023);
         assert_eq!(parse_server_version("18beta1"), 180000);
         assert_eq!(parse_server_version("9.6.24"), 90624);
+        // Nonsense from the network: no overflow.
+        assert_eq!(parse_server_version("429497.99999"), 99_999_999);
     }
 }
