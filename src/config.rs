@@ -146,6 +146,17 @@ pub type TableMap = HashMap<(String, String), (String, String)>;
 
 /// Splits `schema.table`; either part may be double-quoted (`"my.schema"."T"`). Names are taken
 /// exactly as written (no case folding).
+/// The file's `[tables."schema.table"] target = ..` renames.
+pub fn table_map(file: &FileConfig) -> Result<TableMap> {
+    let mut map = TableMap::new();
+    for (name, table) in file.tables.iter().flatten() {
+        if let Some(to) = &table.target {
+            map.insert(parse_table_name(name)?, parse_table_name(to)?);
+        }
+    }
+    Ok(map)
+}
+
 pub fn parse_table_name(text: &str) -> Result<(String, String)> {
     let mut parts = Vec::new();
     let mut current = String::new();

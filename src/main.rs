@@ -126,18 +126,23 @@ fn main() -> ExitCode {
             Command::Skip(args) => skip::skip_command(&args, &file).await,
             Command::Verify(args) => verify_command(args, file).await,
             Command::Cutover(args) => cutover_command(args, file).await,
-            Command::Schema(args) => match config::resolve_servers(&args.servers, &file) {
-                Ok(servers) => {
-                    schema::schema(
-                        &servers.source,
-                        &servers.target,
-                        &servers.publications,
-                        &args.section,
-                    )
-                    .await
+            Command::Schema(args) => {
+                match config::resolve_servers(&args.servers, &file)
+                    .and_then(|s| Ok((s, config::table_map(&file)?)))
+                {
+                    Ok((servers, table_map)) => {
+                        schema::schema(
+                            &servers.source,
+                            &servers.target,
+                            &servers.publications,
+                            &args.section,
+                            &table_map,
+                        )
+                        .await
+                    }
+                    Err(e) => Err(e),
                 }
-                Err(e) => Err(e),
-            },
+            }
             Command::Demo(args) => demo::demo(args.duration, args.pg_bin).await,
             Command::SourceSpeed(args) => source_speed::source_speed_command(&args).await,
         }
@@ -287,15 +292,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
 
 async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error> {
     let servers = config::resolve_servers(&args.servers, &file)?;
-    let mut table_map = config::TableMap::new();
-    for (name, table) in file.tables.iter().flatten() {
-        if let Some(to) = &table.target {
-            table_map.insert(
-                config::parse_table_name(name)?,
-                config::parse_table_name(to)?,
-            );
-        }
-    }
+    let table_map = config::table_map(&file)?;
     let settings = verify::VerifySettings {
         chunk_rows: args.chunk_rows.max(1),
         jobs: args.jobs.max(1),

@@ -10,8 +10,9 @@ use std::path::PathBuf;
 
 use crate::conninfo;
 use crate::copy::published_tables;
+use crate::copy::PublishedTable;
 use crate::error::{Error, Result};
-use crate::sql::qualified_name;
+use crate::sql::{qualified_name, quote_ident, quote_literal};
 
 /// pg_dump to use: PGAPPLY_PG_DUMP, else the newest /usr/lib/postgresql/*/bin/pg_dump, else PATH.
 fn find_pg_dump() -> PathBuf {
@@ -96,6 +97,7 @@ pub async fn schema(
     target_config: &tokio_postgres::Config,
     publications: &[String],
     section: &str,
+    table_map: &crate::config::TableMap,
 ) -> Result<()> {
     // Checked before anything is started.
     if !matches!(section, "all" | "pre-data" | "post-data") {
@@ -117,7 +119,7 @@ pub async fn schema(
         .await
         .map_err(|e| Error::postgres("reading the source version", e))?
         .get(0);
-    let tables = published_tables(&source, publications, &Default::default()).await?;
+    let tables = published_tables(&source, publications, table_map).await?;
     if tables.is_empty() {
         return Err(Error::definite("the publications contain no tables"));
     }
@@ -172,7 +174,11 @@ pub async fn schema(
         )));
     }
     let mut cmd = tokio::process::Command::new(&pg_dump);
+    // UTF8: names are read as UTF-8 whatever the source database's encoding; no tablespaces:
+    // the target's may not be there.
     cmd.arg("--schema-only")
+        .arg("--encoding=UTF8")
+        .arg("--no-tablespaces")
         .arg("--no-owner")
         .arg("--no-privileges")
         .arg("--no-publications")
@@ -190,7 +196,7 @@ pub async fn schema(
         }
     }
     for s in &schemas {
-        cmd.arg(format!("--schema={}", crate::sql::quote_ident(s)));
+        cmd.arg(format!("--schema={}", quote_ident(s)));
     }
     for row in &others {
         let (schema, name): (String, String) = (row.get(0), row.get(1));
@@ -236,6 +242,62 @@ pub async fn schema(
         .map(|r| r.get(0))
         .collect();
     let sql = without_unknown_settings(&sql, &known);
+    // One transaction: the tables renamed by the config file are given their source names
+    // while the dump runs (pg_dump knows only those), and their own names after it.
+    let mut sql_all = String::from("BEGIN;\n");
+    let renamed: Vec<&PublishedTable> = tables
+        .iter()
+        .filter(|t| t.qualified() != t.target_qualified())
+        .collect();
+    for t in &renamed {
+        if relation_exists(&target, &t.target_qualified()).await?
+            && !relation_exists(&target, &t.qualified()).await?
+        {
+            sql_all.push_str(&move_table(
+                &t.target_schema,
+                &t.target_name,
+                &t.schema,
+                &t.name,
+            ));
+        }
+    }
+    sql_all.push_str(&sql);
+    sql_all.push('\n');
+    for t in &renamed {
+        // (Moved back unless the target name is taken, say by a table made before.)
+        sql_all.push_str(&format!(
+            "DO $pgapply$ BEGIN IF to_regclass({src}) IS NOT NULL AND to_regclass({dst}) IS NULL THEN {stmt} END IF; END $pgapply$;\n",
+            src = quote_literal(&t.qualified()),
+            dst = quote_literal(&t.target_qualified()),
+            stmt = move_table(&t.schema, &t.name, &t.target_schema, &t.target_name)
+        ));
+    }
+    // Columns left out of a column list (15+) never get a value: NOT NULL without a default
+    // would refuse every row.
+    if section != "post-data" {
+        for t in &tables {
+            let published = t
+                .columns
+                .iter()
+                .map(|(c, _)| quote_literal(c))
+                .collect::<Vec<_>>()
+                .join(", ");
+            sql_all.push_str(&format!(
+                "DO $pgapply$ DECLARE c text; BEGIN \
+                   FOR c IN SELECT a.attname FROM pg_catalog.pg_attribute a \
+                     WHERE a.attrelid = to_regclass({table}) AND a.attnum > 0 AND NOT a.attisdropped \
+                       AND a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' \
+                       AND a.attname::text <> ALL (ARRAY[{published}]::text[]) \
+                       AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = a.attrelid \
+                                       AND i.indisprimary AND a.attnum = ANY (i.indkey)) \
+                   LOOP EXECUTE format('ALTER TABLE %s ALTER COLUMN %I DROP NOT NULL', {table}, c); END LOOP; \
+                 END $pgapply$;\n",
+                table = quote_literal(&t.target_qualified()),
+            ));
+        }
+    }
+    sql_all.push_str("COMMIT;");
+    let sql = sql_all;
     target
         .batch_execute(&sql)
         .await
@@ -255,6 +317,35 @@ pub async fn schema(
         schemas.join(", ")
     );
     Ok(())
+}
+
+async fn relation_exists(client: &tokio_postgres::Client, qualified: &str) -> Result<bool> {
+    Ok(client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+        .await
+        .map_err(|e| Error::postgres("reading the target's tables", e))?
+        .get(0))
+}
+
+/// Statements that give table `schema.name` the name `to_schema.to_name` (its owned sequences,
+/// indexes and constraints go along).
+fn move_table(schema: &str, name: &str, to_schema: &str, to_name: &str) -> String {
+    let mut sql = String::new();
+    let mut at = qualified_name(schema, name);
+    if name != to_name {
+        sql.push_str(&format!(
+            "ALTER TABLE {at} RENAME TO {}; ",
+            quote_ident(to_name)
+        ));
+        at = qualified_name(schema, to_name);
+    }
+    if schema != to_schema {
+        sql.push_str(&format!(
+            "CREATE SCHEMA IF NOT EXISTS {s}; ALTER TABLE {at} SET SCHEMA {s}; ",
+            s = quote_ident(to_schema)
+        ));
+    }
+    sql
 }
 
 #[cfg(test)]

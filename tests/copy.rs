@@ -1055,3 +1055,94 @@ async fn pre_data_copy_only_post_data_then_stream() {
     db.sync("p").await;
     db.assert_same("acct").await;
 }
+
+/// `schema` follows the config file's table renames (pre-data creates the table under its target
+/// name; post-data finds it there), and a column left out of a column list (15+) is not NOT NULL
+/// on the target, where it never gets a value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_follows_renames_and_column_lists() {
+    if !pg_dump_usable() {
+        return;
+    }
+    let db = TestDb::new("schemamap").await;
+    let column_list = common::source_version(&db).await >= 150000;
+    db.source_sql(&format!(
+        "CREATE TABLE orders (id int PRIMARY KEY, note text, secret text NOT NULL); \
+         CREATE INDEX orders_note ON orders (note); \
+         INSERT INTO orders SELECT g, 'n' || g, 's' FROM generate_series(1, 300) g; \
+         CREATE PUBLICATION p FOR TABLE orders{};",
+        if column_list { " (id, note)" } else { "" }
+    ))
+    .await;
+    let config = std::env::temp_dir().join(format!("pgapply-schemamap-{}.toml", db.name));
+    std::fs::write(
+        &config,
+        "[tables.\"public.orders\"]\ntarget = \"archive.orders_2024\"\n",
+    )
+    .unwrap();
+    let cfg = config.to_str().unwrap();
+    let out = run_with_deadline(
+        db.on_both("schema", &["--section", "pre-data", "--config", cfg]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let exists = |name: &'static str| {
+        let target = &db.target;
+        async move {
+            target
+                .query_one("SELECT to_regclass($1) IS NOT NULL", &[&name])
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        }
+    };
+    assert!(exists("archive.orders_2024").await);
+    assert!(!exists("public.orders").await);
+    if column_list {
+        assert_eq!(
+            db.count(
+                &db.target,
+                "SELECT count(*) FROM pg_attribute WHERE attrelid = 'archive.orders_2024'::regclass AND attname = 'secret' AND attnotnull"
+            )
+            .await,
+            0,
+            "the unpublished column is still NOT NULL"
+        );
+    }
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--copy-only", "--config", cfg]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run_with_deadline(
+        db.on_both("schema", &["--section", "post-data", "--config", cfg]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'archive' AND tablename = 'orders_2024'"
+        )
+        .await,
+        2
+    );
+    assert!(!exists("public.orders").await);
+    db.source_sql(
+        "UPDATE orders SET note = 'changed' WHERE id <= 10; DELETE FROM orders WHERE id > 290;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos, "--config", cfg]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let q = "SELECT count(*) FILTER (WHERE note = 'changed')::bigint * 1000 + count(*) FROM ";
+    assert_eq!(
+        db.count(&db.target, &format!("{q} archive.orders_2024"))
+            .await,
+        db.count(&db.source, &format!("{q} orders")).await
+    );
+    let _ = std::fs::remove_file(&config);
+}
