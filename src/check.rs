@@ -64,11 +64,21 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         }
     };
     let mut tables = Vec::new();
+    let mut truncates = false;
     if let Some(src) = &source {
         check_source(src, &config, &mut report, &mut tables).await;
+        // (pubtruncate is 11+: read through to_jsonb.)
+        truncates = query_bool(
+            src,
+            "SELECT coalesce(bool_or((to_jsonb(p) ->> 'pubtruncate')::bool), false) FROM pg_publication p WHERE pubname = ANY ($1)",
+            &[&config.publications],
+        )
+        .await
+        .unwrap_or(false);
     }
-    if let (Some(dst), false) = (&target, tables.is_empty()) {
-        check_target(dst, &mut report, &tables).await;
+    if let Some(dst) = &target {
+        // Whatever the source said: the role's rights for pgapply's own state.
+        check_target(dst, &mut report, &tables, truncates).await;
     }
     finish(report)
 }
@@ -130,17 +140,16 @@ async fn check_source(
         }
         Err(e) => report.problem(format!("source: cannot read wal_level: {e}")),
     }
-    if query_bool(
+    match query_bool(
         src,
         "SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
         &[],
     )
     .await
-        == Some(true)
     {
-        report.ok("source role may replicate");
-    } else {
-        report.problem("the source role lacks the REPLICATION attribute: ALTER ROLE ... REPLICATION (or use a superuser)");
+        Some(true) => report.ok("source role may replicate"),
+        Some(false) => report.problem("the source role lacks the REPLICATION attribute: ALTER ROLE ... REPLICATION (or use a superuser)"),
+        None => report.problem("source: cannot read the role's attributes (pg_roles)"),
     }
     for publication in &config.publications {
         if query_bool(
@@ -161,7 +170,9 @@ async fn check_source(
     }
     match src
         .query_opt(
-            "SELECT plugin::text, database::text = current_database() FROM pg_replication_slots WHERE slot_name = $1",
+            "SELECT plugin::text, database::text = current_database(), active_pid, \
+                    coalesce(to_jsonb(s) ->> 'wal_status', '') = 'lost' OR coalesce(to_jsonb(s) ->> 'invalidation_reason', '') <> '' \
+             FROM pg_replication_slots s WHERE slot_name = $1",
             &[&config.slot],
         )
         .await
@@ -169,7 +180,19 @@ async fn check_source(
         Ok(Some(row)) => {
             let plugin: Option<String> = row.get(0);
             let same_db: Option<bool> = row.get(1);
-            if plugin.as_deref() != Some("pgoutput") {
+            let active_pid: Option<i32> = row.get(2);
+            let lost: Option<bool> = row.get(3);
+            if lost == Some(true) {
+                report.problem(format!(
+                    "slot {:?} was invalidated (the source removed WAL it needed): drop it and start over with --copy-data --truncate-target",
+                    config.slot
+                ));
+            } else if let Some(pid) = active_pid {
+                report.problem(format!(
+                    "slot {:?} is in use by the source process {pid} (another pgapply, or another client): stop that one first",
+                    config.slot
+                ));
+            } else if plugin.as_deref() != Some("pgoutput") {
                 report.problem(format!("slot {:?} uses plugin {:?}; pgapply needs pgoutput", config.slot, plugin));
             } else if same_db != Some(true) {
                 report.problem(format!("slot {:?} belongs to another database than the source connection", config.slot));
@@ -198,26 +221,48 @@ async fn check_source(
     }
     for table in tables.iter() {
         let qualified = table.qualified();
-        let row = src
-            .query_one(
-                "SELECT c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
-                        has_table_privilege(c.oid, 'SELECT') \
-                 FROM pg_class c WHERE c.oid = $1::text::regclass",
-                &[&qualified],
-            )
-            .await;
-        match row {
-            Ok(row) => {
-                let identity: String = row.get(0);
-                let has_pk: bool = row.get(1);
-                if identity == "n" || (identity == "d" && !has_pk) {
-                    report.problem(format!(
-                        "table {qualified} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source; add a primary key or ALTER TABLE {qualified} REPLICA IDENTITY FULL"
-                    ));
-                } else {
+        // Only a table whose UPDATEs or DELETEs are published needs a replica identity.
+        let updates_published = query_bool(
+            src,
+            "SELECT coalesce(bool_or(p.pubupdate OR p.pubdelete), false) FROM pg_publication p \
+             JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
+             WHERE p.pubname = ANY ($1) AND pt.schemaname = $2 AND pt.tablename = $3",
+            &[&config.publications, &table.schema, &table.name],
+        )
+        .await
+        .unwrap_or(true);
+        // A table published through its partitioned root: the partitions' replica identities
+        // are what UPDATE and DELETE on them need (ALTER TABLE .. REPLICA IDENTITY on the root
+        // does not reach them).
+        let sql = if table.partitioned {
+            "SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+                    has_table_privilege($1::text::regclass, 'SELECT') \
+             FROM pg_partition_tree($1::text::regclass) t JOIN pg_class c ON c.oid = t.relid \
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE t.isleaf"
+        } else {
+            "SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+                    has_table_privilege(c.oid, 'SELECT') \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1::text::regclass"
+        };
+        match src.query(sql, &[&qualified]).await {
+            Ok(rows) => {
+                let mut identified = true;
+                for row in &rows {
+                    let name = crate::sql::qualified_name(row.get(0), row.get(1));
+                    let identity: String = row.get(2);
+                    let has_pk: bool = row.get(3);
+                    if updates_published && (identity == "n" || (identity == "d" && !has_pk)) {
+                        identified = false;
+                        report.problem(format!(
+                            "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source; add a primary key or ALTER TABLE {name} REPLICA IDENTITY FULL"
+                        ));
+                    }
+                }
+                if identified {
                     report.ok(format!("table {qualified} has a replica identity"));
                 }
-                if config.copy_data && !row.get::<_, bool>(2) {
+                let Some(row) = rows.first() else { continue };
+                if config.copy_data && !row.get::<_, bool>(4) {
                     report.problem(format!("the source role may not SELECT from {qualified} (needed by --copy-data): GRANT SELECT ON {qualified} TO ..."));
                 }
             }
@@ -226,7 +271,12 @@ async fn check_source(
     }
 }
 
-async fn check_target(dst: &Client, report: &mut Report, tables: &[crate::copy::PublishedTable]) {
+async fn check_target(
+    dst: &Client,
+    report: &mut Report,
+    tables: &[crate::copy::PublishedTable],
+    truncates: bool,
+) {
     let can_create = query_bool(
         dst,
         "SELECT has_database_privilege(current_database(), 'CREATE') OR EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'pgapply' AND has_schema_privilege(oid, 'CREATE'))",
@@ -244,7 +294,9 @@ async fn check_target(dst: &Client, report: &mut Report, tables: &[crate::copy::
             .query(
                 "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), t.typcategory::text, \
                         coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '', \
-                        has_table_privilege(a.attrelid, 'INSERT') AND has_table_privilege(a.attrelid, 'UPDATE') AND has_table_privilege(a.attrelid, 'DELETE') \
+                        has_table_privilege(a.attrelid, 'INSERT') AND has_table_privilege(a.attrelid, 'UPDATE') AND has_table_privilege(a.attrelid, 'DELETE'), \
+                        a.attnotnull AND NOT a.atthasdef AND coalesce(to_jsonb(a) ->> 'attidentity', '') = '', \
+                        has_table_privilege(a.attrelid, 'TRUNCATE') \
                  FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
                  WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
                 &[&qualified],
@@ -268,7 +320,25 @@ async fn check_target(dst: &Client, report: &mut Report, tables: &[crate::copy::
                 "the target role may not INSERT, UPDATE and DELETE on {qualified}: GRANT INSERT, UPDATE, DELETE ON {qualified} TO ..."
             ));
         }
+        if truncates && !rows[0].get::<_, bool>(6) {
+            report.problem(format!(
+                "the publications replicate TRUNCATE, but the target role may not truncate {qualified}: GRANT TRUNCATE ON {qualified} TO ..."
+            ));
+        }
         let mut fine = true;
+        // A target column the source does not send gets its default: without one, NOT NULL
+        // refuses every new row.
+        for r in &rows {
+            let column: String = r.get(0);
+            if r.get::<_, bool>(5) && !table.columns.iter().any(|(c, _)| *c == column) {
+                fine = false;
+                report.problem(format!(
+                    "column {} of {qualified} is NOT NULL without a default on the target, but the source does not send it: give it a default or drop NOT NULL (ALTER TABLE {qualified} ALTER COLUMN {} DROP NOT NULL)",
+                    quote_ident(&column),
+                    quote_ident(&column)
+                ));
+            }
+        }
         for (column, source_type) in &table.columns {
             match rows.iter().find(|r| r.get::<_, String>(0) == *column) {
                 None => {

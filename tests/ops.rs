@@ -397,16 +397,32 @@ async fn check_lists_every_problem() {
         "CREATE TABLE keyless (a int, b text); \
          CREATE TABLE only_source (id int PRIMARY KEY); \
          CREATE TABLE cols (id int PRIMARY KEY, extra text, n int); \
+         CREATE TABLE strict (id int PRIMARY KEY); \
          CREATE TABLE good (id int PRIMARY KEY, v text);",
     )
     .await;
     db.target_sql(
         "CREATE TABLE keyless (a int, b text); CREATE TABLE cols (id int PRIMARY KEY, n point); \
+         CREATE TABLE strict (id int PRIMARY KEY, must text NOT NULL); \
          CREATE TABLE good (id int PRIMARY KEY, v varchar(20));",
     )
     .await;
-    db.source_sql("CREATE PUBLICATION p FOR TABLE keyless, only_source, cols, good")
+    db.source_sql("CREATE PUBLICATION p FOR TABLE keyless, only_source, cols, strict, good")
         .await;
+    // Published through its root (13+): the partition's replica identity is what counts.
+    let roots = common::source_version(&db).await >= 130000;
+    if roots {
+        db.both(
+            "CREATE TABLE parts (id int, v text) PARTITION BY RANGE (id); \
+             CREATE TABLE parts_1 PARTITION OF parts FOR VALUES FROM (0) TO (100);",
+        )
+        .await;
+        db.source_sql(
+            "ALTER TABLE parts REPLICA IDENTITY FULL; \
+             CREATE PUBLICATION pr FOR TABLE parts WITH (publish_via_partition_root = true);",
+        )
+        .await;
+    }
     let out = run_with_deadline(
         db.pgapply("p,missing_pub", &["--check-only-placeholder"]),
         30,
@@ -423,7 +439,16 @@ async fn check_lists_every_problem() {
         "--target",
         &db.target_conninfo(),
     ])
-    .args(["--publication", "p,missing_pub", "--slot", &db.slot()])
+    .args([
+        "--publication",
+        if roots {
+            "p,missing_pub,pr"
+        } else {
+            "p,missing_pub"
+        },
+        "--slot",
+        &db.slot(),
+    ])
     // The source's wal_sender_timeout is the default 60 s.
     .args(["--status-interval", "40s"]);
     let out = run_with_deadline(cmd, 60).await;
@@ -437,21 +462,30 @@ async fn check_lists_every_problem() {
         "table \"public\".\"only_source\" does not exist on the target",
         "column \"extra\" of \"public\".\"cols\" is published but missing",
         "column \"n\" of \"public\".\"cols\" is integer on the source but point on the target",
+        "column \"must\" of \"public\".\"strict\" is NOT NULL without a default on the target",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+    if roots {
+        assert!(
+            text.contains("table \"public\".\"parts_1\" has no primary key"),
+            "{text}"
+        );
     }
     assert!(
         text.contains("ok       table \"public\".\"good\" matches"),
         "{text}"
     );
 
-    // All fixed: no problems.
-    db.target_sql(
-        "DROP TABLE keyless, cols; CREATE TABLE cols (id int PRIMARY KEY, extra text, n bigint);",
+    // All fixed: no problems. (A table without a key is fine where only its INSERTs are
+    // published.)
+    db.target_sql("DROP TABLE cols; CREATE TABLE cols (id int PRIMARY KEY, extra text, n bigint);")
+        .await;
+    db.source_sql(
+        "DROP PUBLICATION p; CREATE PUBLICATION p FOR TABLE cols, good; \
+         CREATE PUBLICATION ins FOR TABLE keyless WITH (publish = 'insert');",
     )
     .await;
-    db.source_sql("DROP PUBLICATION p; CREATE PUBLICATION p FOR TABLE cols, good")
-        .await;
     let mut cmd = pgapply();
     cmd.args([
         "check",
@@ -460,7 +494,13 @@ async fn check_lists_every_problem() {
         "--target",
         &db.target_conninfo(),
     ])
-    .args(["--publication", "p", "--slot", &db.slot(), "--create-slot"]);
+    .args([
+        "--publication",
+        "p,ins",
+        "--slot",
+        &db.slot(),
+        "--create-slot",
+    ]);
     let out = run_with_deadline(cmd, 60).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "{text}\n{}", stderr(&out));
