@@ -2,7 +2,8 @@
 //! received, until Stream Commit applies them or Stream Abort discards them.
 //!
 //! Each transaction keeps a bounded in-memory buffer; past it, its messages go to a file under the
-//! spool directory, so memory stays flat whatever the transaction's size. Messages are stored as
+//! spool directory, so memory stays flat whatever the transaction's size. All transactions
+//! together have a bound too: past it, the largest one in memory goes to its file. Messages are stored as
 //! the raw pgoutput bytes (length-prefixed on disk) and decoded again when replayed. A
 //! subtransaction's abort cuts the spool back to where that subtransaction's first change was,
 //! as PostgreSQL's own apply worker does: anything after it belongs to the aborted subtransaction
@@ -22,6 +23,10 @@ use crate::protocol::pgoutput::Xid;
 
 /// Bytes of one transaction kept in memory before it goes to disk.
 const MEMORY_PER_TRANSACTION: usize = 4 * 1024 * 1024;
+
+/// Bytes of all spooled transactions kept in memory: past it, the largest goes to disk (many
+/// large transactions streamed at once must not add up).
+const MEMORY_IN_ALL: usize = 64 * 1024 * 1024;
 
 struct SpooledTransaction {
     /// Messages not yet written to the file.
@@ -62,6 +67,8 @@ impl SpooledTransaction {
 pub struct Spool {
     dir: PathBuf,
     transactions: HashMap<Xid, SpooledTransaction>,
+    /// The sum of the transactions' `memory_bytes`.
+    memory_bytes: usize,
 }
 
 /// Messages of one committed streamed transaction, in order: file first, then memory.
@@ -193,6 +200,7 @@ impl Spool {
         Ok(Spool {
             dir,
             transactions: HashMap::new(),
+            memory_bytes: 0,
         })
     }
 
@@ -227,7 +235,33 @@ impl Spool {
             t.schema
                 .push((t.file_messages + t.memory.len(), raw.clone()));
         }
-        push_message(&dir, xid, t, raw)
+        let before = t.memory_bytes;
+        push_message(&dir, xid, t, raw)?;
+        self.memory_bytes = self.memory_bytes - before + t.memory_bytes;
+        while self.memory_bytes > MEMORY_IN_ALL {
+            let largest = self
+                .transactions
+                .iter()
+                .max_by_key(|(_, t)| t.memory_bytes)
+                .map(|(x, _)| *x);
+            let Some((x, t)) = largest.and_then(|x| self.transactions.get_mut(&x).map(|t| (x, t)))
+            else {
+                break;
+            };
+            let before = t.memory_bytes;
+            flush_to_file(&dir, x, t)?;
+            self.memory_bytes -= before;
+        }
+        Ok(())
+    }
+
+    /// Bytes of spooled messages held in memory, all transactions together.
+    pub fn memory_bytes(&self) -> usize {
+        self.memory_bytes
+    }
+
+    fn recount(&mut self) {
+        self.memory_bytes = self.transactions.values().map(|t| t.memory_bytes).sum();
     }
 
     /// Stream Abort: the whole transaction (`subxid == xid`) or one subtransaction.
@@ -282,6 +316,7 @@ impl Spool {
                 push_message(&dir, xid, t, raw)?;
             }
         }
+        self.recount();
         Ok(())
     }
 
@@ -293,6 +328,7 @@ impl Spool {
                 memory: Vec::new().into_iter(),
             });
         };
+        self.recount();
         let file = match t.file.take() {
             Some((path, mut writer)) => {
                 writer.flush().map_err(|e| spool_error(&path, e))?;
@@ -313,6 +349,7 @@ impl Spool {
             if let Some((path, _)) = t.file {
                 let _ = std::fs::remove_file(path);
             }
+            self.recount();
         }
     }
 
@@ -526,6 +563,31 @@ mod tests {
             let err = replay.next_message().unwrap_err().to_string();
             assert!(err.contains("spool file"), "{name}: {err}");
         }
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn many_transactions_at_once_stay_within_the_memory_for_all() {
+        let d = dir("many");
+        let mut s = Spool::open(d.clone()).unwrap();
+        let chunk = Bytes::from(vec![1u8; 1024 * 1024]);
+        for xid in 1..=40u32 {
+            s.start(xid, true);
+            for _ in 0..3 {
+                s.append(xid, Some(xid), chunk.clone()).unwrap();
+            }
+            assert!(s.memory_bytes() <= MEMORY_IN_ALL, "{}", s.memory_bytes());
+        }
+        assert!(
+            std::fs::read_dir(&d).unwrap().count() > 0,
+            "some went to disk"
+        );
+        // Every message comes back, in order, from memory or disk.
+        for xid in 1..=40u32 {
+            let mut r = s.take(xid).unwrap();
+            assert_eq!(messages(&mut r).len(), 3);
+        }
+        assert_eq!(s.memory_bytes(), 0);
         let _ = std::fs::remove_dir_all(d);
     }
 }
