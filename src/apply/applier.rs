@@ -705,6 +705,30 @@ impl Applier {
         if self.live_helper.is_some() {
             return self.live_dispatch(message).await;
         }
+        // Between Stream Start and Stream Stop come only a transaction's changes (and the
+        // descriptions they need): anything that begins, ends or finishes a transaction there
+        // would be spooled under the wrong one, or lost.
+        if let Some(xid) = self.streaming {
+            let out_of_place = matches!(
+                &message,
+                LogicalMessage::Begin(_)
+                    | LogicalMessage::Commit(_)
+                    | LogicalMessage::StreamStart(_)
+                    | LogicalMessage::StreamCommit(_)
+                    | LogicalMessage::StreamAbort(_)
+                    | LogicalMessage::BeginPrepare(_)
+                    | LogicalMessage::Prepare(_)
+                    | LogicalMessage::StreamPrepare(_)
+                    | LogicalMessage::CommitPrepared(_)
+                    | LogicalMessage::RollbackPrepared(_)
+            );
+            if out_of_place {
+                return Err(Error::definite(format!(
+                    "the source sent {} inside the streamed block of transaction {xid} (before Stream Stop); this is a protocol error",
+                    message.name()
+                )));
+            }
+        }
         match message {
             LogicalMessage::StreamStart(s) if self.live_takes(&s) => self.live_start(s, raw).await,
             LogicalMessage::StreamStop if self.live_in_block() => self.live_stop(raw).await,
