@@ -64,21 +64,28 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         }
     };
     let mut tables = Vec::new();
-    let mut truncates = false;
+    let mut truncated = Vec::new();
     if let Some(src) = &source {
         check_source(src, &config, &mut report, &mut tables).await;
-        // (pubtruncate is 11+: read through to_jsonb.)
-        truncates = query_bool(
-            src,
-            "SELECT coalesce(bool_or((to_jsonb(p) ->> 'pubtruncate')::bool), false) FROM pg_publication p WHERE pubname = ANY ($1)",
-            &[&config.publications],
-        )
-        .await
-        .unwrap_or(false);
+        // Per table: whether a publication that has it replicates TRUNCATE (11+: read through
+        // to_jsonb).
+        for t in &tables {
+            truncated.push(
+                query_bool(
+                    src,
+                    "SELECT coalesce(bool_or((to_jsonb(p) ->> 'pubtruncate')::bool), false) FROM pg_publication p \
+                     JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
+                     WHERE p.pubname = ANY ($1) AND pt.schemaname = $2 AND pt.tablename = $3",
+                    &[&config.publications, &t.schema, &t.name],
+                )
+                .await
+                .unwrap_or(false),
+            );
+        }
     }
     if let Some(dst) = &target {
         // Whatever the source said: the role's rights for pgapply's own state.
-        check_target(dst, &mut report, &tables, truncates).await;
+        check_target(dst, &mut report, &tables, &truncated).await;
     }
     finish(report)
 }
@@ -275,7 +282,7 @@ async fn check_target(
     dst: &Client,
     report: &mut Report,
     tables: &[crate::copy::PublishedTable],
-    truncates: bool,
+    truncated: &[bool],
 ) {
     let can_create = query_bool(
         dst,
@@ -288,7 +295,8 @@ async fn check_target(
     } else {
         report.problem("the target role may not create schema pgapply: GRANT CREATE ON DATABASE ... TO ..., or create the schema for it");
     }
-    for table in tables {
+    for (i, table) in tables.iter().enumerate() {
+        let truncates = truncated.get(i).copied().unwrap_or(false);
         let qualified = table.target_qualified();
         let rows = dst
             .query(

@@ -144,8 +144,6 @@ impl FileConfig {
 /// Source table -> target table, both `(schema, table)`.
 pub type TableMap = HashMap<(String, String), (String, String)>;
 
-/// Splits `schema.table`; either part may be double-quoted (`"my.schema"."T"`). Names are taken
-/// exactly as written (no case folding).
 /// The file's `[tables."schema.table"] target = ..` renames.
 pub fn table_map(file: &FileConfig) -> Result<TableMap> {
     let mut map = TableMap::new();
@@ -157,6 +155,8 @@ pub fn table_map(file: &FileConfig) -> Result<TableMap> {
     Ok(map)
 }
 
+/// Splits `schema.table`; either part may be double-quoted (`"my.schema"."T"`). Names are taken
+/// exactly as written (no case folding).
 pub fn parse_table_name(text: &str) -> Result<(String, String)> {
     let mut parts = Vec::new();
     let mut current = String::new();
@@ -362,11 +362,6 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     );
     config.copy_data = switch(args.copy_data, "PGAPPLY_COPY_DATA", file.copy_data);
     config.copy_only = switch(args.copy_only, "PGAPPLY_COPY_ONLY", file.copy_only);
-    if config.copy_only && !config.copy_data {
-        return Err(Error::usage(
-            "--copy-only goes with --copy-data: it stops after the initial copy",
-        ));
-    }
     config.copy.truncate_target = switch(
         args.truncate_target,
         "PGAPPLY_TRUNCATE_TARGET",

@@ -375,6 +375,14 @@ async fn run_in_span(
             .await?;
     }
     if config.copy_only {
+        // `pgapply status` says stopped, not a copy whose process went away.
+        setup
+            .execute(
+                "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() WHERE slot_name = $1",
+                &[&config.slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("recording the state on the target", e))?;
         tracing::info!(
             slot = %config.slot,
             consistent_point = %resume,

@@ -123,6 +123,27 @@ pub async fn schema(
     if tables.is_empty() {
         return Err(Error::definite("the publications contain no tables"));
     }
+    // Renames are done by moving tables around the dump: two tables into one name, or a name
+    // that is one table's source and another's target, cannot be.
+    for t in tables
+        .iter()
+        .filter(|t| t.qualified() != t.target_qualified())
+    {
+        let clash = tables.iter().find(|o| {
+            !std::ptr::eq(*o, t)
+                && (o.target_qualified() == t.target_qualified()
+                    || o.qualified() == t.target_qualified())
+        });
+        if let Some(o) = clash {
+            return Err(Error::usage(format!(
+                "the config file maps {} to {}, which is also {} {}: pgapply schema cannot create that; create these tables on the target yourself",
+                t.qualified(),
+                t.target_qualified(),
+                if o.qualified() == t.target_qualified() { "the source name of published table" } else { "where it maps" },
+                o.qualified()
+            )));
+        }
+    }
     // The published tables with their partitions and parents: a partitioned table published
     // through its root needs its partitions to take rows, a published partition needs its parent
     // to be created.
@@ -242,32 +263,60 @@ pub async fn schema(
         .map(|r| r.get(0))
         .collect();
     let sql = without_unknown_settings(&sql, &known);
-    // One transaction: the tables renamed by the config file are given their source names
-    // while the dump runs (pg_dump knows only those), and their own names after it.
+    // One transaction: for post-data, the tables renamed by the config file take their source
+    // names while the dump runs (pg_dump knows only those); they all end under their own names.
+    let tag = format!(
+        "$pgapply_{:x}$",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    );
     let mut sql_all = String::from("BEGIN;\n");
     let renamed: Vec<&PublishedTable> = tables
         .iter()
         .filter(|t| t.qualified() != t.target_qualified())
         .collect();
     for t in &renamed {
-        if relation_exists(&target, &t.target_qualified()).await?
-            && !relation_exists(&target, &t.qualified()).await?
-        {
-            sql_all.push_str(&move_table(
+        let at_target = relation_exists(&target, &t.target_qualified()).await?;
+        let at_source = relation_exists(&target, &t.qualified()).await?;
+        match (section, at_target, at_source) {
+            ("post-data", true, false) => sql_all.push_str(&move_table(
                 &t.target_schema,
                 &t.target_name,
                 &t.schema,
                 &t.name,
-            ));
+            )),
+            ("post-data", false, _) => {
+                return Err(Error::definite(format!(
+                    "table {} (published as {}) does not exist on the target: run pgapply schema --section pre-data first",
+                    t.target_qualified(),
+                    t.qualified()
+                )))
+            }
+            ("post-data", true, true) => {
+                return Err(Error::definite(format!(
+                    "the target has both {} and {}, and the config file maps the source's {} to the first: drop or rename the second",
+                    t.target_qualified(),
+                    t.qualified(),
+                    t.qualified()
+                )))
+            }
+            (_, true, _) => {
+                return Err(Error::definite(format!(
+                    "table {} (published as {}) already exists on the target: pre-data creates it",
+                    t.target_qualified(),
+                    t.qualified()
+                )))
+            }
+            _ => {}
         }
     }
     sql_all.push_str(&sql);
     sql_all.push('\n');
     for t in &renamed {
-        // (Moved back unless the target name is taken, say by a table made before.)
         sql_all.push_str(&format!(
-            "DO $pgapply$ BEGIN IF to_regclass({src}) IS NOT NULL AND to_regclass({dst}) IS NULL THEN {stmt} END IF; END $pgapply$;\n",
-            src = quote_literal(&t.qualified()),
+            "DO {tag} BEGIN IF to_regclass({dst}) IS NOT NULL THEN RAISE EXCEPTION 'table % already exists on the target', {dst}; END IF; {stmt} END {tag};\n",
             dst = quote_literal(&t.target_qualified()),
             stmt = move_table(&t.schema, &t.name, &t.target_schema, &t.target_name)
         ));
@@ -283,15 +332,17 @@ pub async fn schema(
                 .collect::<Vec<_>>()
                 .join(", ");
             sql_all.push_str(&format!(
-                "DO $pgapply$ DECLARE c text; BEGIN \
+                "DO {tag} DECLARE c text; BEGIN \
                    FOR c IN SELECT a.attname FROM pg_catalog.pg_attribute a \
+                     JOIN pg_catalog.pg_class r ON r.oid = a.attrelid \
                      WHERE a.attrelid = to_regclass({table}) AND a.attnum > 0 AND NOT a.attisdropped \
+                       AND NOT r.relispartition AND a.attinhcount = 0 \
                        AND a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' \
                        AND a.attname::text <> ALL (ARRAY[{published}]::text[]) \
                        AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = a.attrelid \
                                        AND i.indisprimary AND a.attnum = ANY (i.indkey)) \
                    LOOP EXECUTE format('ALTER TABLE %s ALTER COLUMN %I DROP NOT NULL', {table}, c); END LOOP; \
-                 END $pgapply$;\n",
+                 END {tag};\n",
                 table = quote_literal(&t.target_qualified()),
             ));
         }

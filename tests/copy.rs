@@ -1038,6 +1038,18 @@ async fn pre_data_copy_only_post_data_then_stream() {
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--copy-only"]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains("--copy-only"), "{}", stderr(&out));
+    // Stopped, not a copy whose process went away.
+    let target = db.target_conninfo();
+    let out = run_with_deadline(
+        common::pgapply_command(&["status", "--target", &target]),
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains(&format!("slot {}: stopped", db.slot())),
+        "{text}"
+    );
     assert_eq!(
         db.count(&db.target, "SELECT count(*) FROM acct").await,
         2000
@@ -1099,6 +1111,20 @@ async fn schema_follows_renames_and_column_lists() {
     };
     assert!(exists("archive.orders_2024").await);
     assert!(!exists("public.orders").await);
+    // Again: refused, naming the table that is there already.
+    let out = run_with_deadline(
+        db.on_both("schema", &["--section", "pre-data", "--config", cfg]),
+        60,
+    )
+    .await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains(
+            "\"archive\".\"orders_2024\" (published as \"public\".\"orders\") already exists"
+        ),
+        "{}",
+        stderr(&out)
+    );
     if column_list {
         assert_eq!(
             db.count(

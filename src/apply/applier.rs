@@ -138,6 +138,9 @@ struct Committing {
     transactions: u64,
     /// The last source transaction in it: xid and commit LSN.
     last_transaction: Option<(u32, Lsn)>,
+    /// Where `SET CONSTRAINTS ALL IMMEDIATE` is among the statements sent (origin mode): its
+    /// failure is the group's failure to commit.
+    immediate_seq: Option<u64>,
     started: Instant,
     /// Filled when the COMMIT's answer arrives.
     conflicts: Vec<ConflictRecord>,
@@ -308,6 +311,11 @@ pub struct Applier {
     begin: Statement,
     commit: Statement,
     record: Statement,
+    /// `SET CONSTRAINTS ALL IMMEDIATE`, sent before the origin position is set (origin mode).
+    immediate: Statement,
+    /// A transaction that had the origin position set failed to commit: PostgreSQL 16+ moves
+    /// the origin on abort too, so it must be moved back (`rewind_origin`).
+    origin_rewind: bool,
     /// Transactions ending at or before this were applied before: skip them.
     resume: Lsn,
     pending: Vec<Pending>,
@@ -522,6 +530,7 @@ impl Applier {
         let begin = prepare("BEGIN".into()).await?;
         let commit = prepare("COMMIT".into()).await?;
         let record = prepare(progress.record_sql()).await?;
+        let immediate = prepare("SET CONSTRAINTS ALL IMMEDIATE".into()).await?;
         let turn_statements = match &options.worker {
             None => None,
             Some(_) => Some(TurnStatements {
@@ -552,6 +561,8 @@ impl Applier {
             begin,
             commit,
             record,
+            immediate,
+            origin_rewind: false,
             resume,
             pending: Vec::new(),
             group: None,
@@ -708,7 +719,7 @@ impl Applier {
         // Between Stream Start and Stream Stop come only a transaction's changes (and the
         // descriptions they need): anything that begins, ends or finishes a transaction there
         // would be spooled under the wrong one, or lost.
-        if let Some(xid) = self.streaming {
+        if self.streaming.is_some() || self.live_in_block() {
             let out_of_place = matches!(
                 &message,
                 LogicalMessage::Begin(_)
@@ -724,7 +735,7 @@ impl Applier {
             );
             if out_of_place {
                 return Err(Error::definite(format!(
-                    "the source sent {} inside the streamed block of transaction {xid} (before Stream Stop); this is a protocol error",
+                    "the source sent {} inside a streamed transaction's block (before Stream Stop); this is a protocol error",
                     message.name()
                 )));
             }
@@ -973,6 +984,14 @@ impl Applier {
         ];
         let table_mode = self.progress.is_table_mode();
         if !table_mode {
+            // (Deferred checks first: see `commit_group`.)
+            self.pending.push(Pending {
+                statement: self.immediate.clone(),
+                params: Vec::new(),
+                about: None,
+                batch: Vec::new(),
+                orders: false,
+            });
             // The origin position goes into the PREPARE record itself.
             self.pending.push(Pending {
                 statement: self.record.clone(),
@@ -988,15 +1007,22 @@ impl Applier {
         if !conflicts.is_empty() {
             self.prepared_conflicts.insert(xid, conflicts);
         }
-        self.client
+        if let Err(e) = self
+            .client
             .batch_execute(&format!(
                 "PREPARE TRANSACTION {}",
                 crate::sql::quote_literal(&gid)
             ))
             .await
-            .map_err(|e| {
-                Error::postgres(format!("preparing transaction {gid} on the target"), e)
-            })?;
+        {
+            if !table_mode {
+                self.rewind_origin().await;
+            }
+            return Err(Error::postgres(
+                format!("preparing transaction {gid} on the target"),
+                e,
+            ));
+        }
         if table_mode {
             // Not inside the prepared transaction: its row lock would be held until COMMIT
             // PREPARED and block every later transaction.
@@ -2581,9 +2607,17 @@ impl Applier {
                     };
                     let aborted = e.code().is_some_and(|c| c.code() == "25P02");
                     if about.is_none() && !aborted {
-                        if let Some(c) = self.committing.iter().find(|c| c.seq == self.completed) {
+                        let completed = self.completed;
+                        if let Some(c) = self
+                            .committing
+                            .iter()
+                            .find(|c| c.seq == completed || c.immediate_seq == Some(completed))
+                        {
                             let (transactions, end_lsn, last) =
                                 (c.transactions, c.end_lsn, c.last_transaction);
+                            if c.seq == completed {
+                                self.origin_rewind = true;
+                            }
                             return self.commit_failed(transactions, end_lsn, last, e);
                         }
                     }
@@ -2676,11 +2710,43 @@ impl Applier {
         Ok(())
     }
 
+    /// Moves the session's origin back to the last position known committed, after a
+    /// transaction that had its position set failed to commit: PostgreSQL 16+ advances the
+    /// origin on abort too, and the next run would skip that transaction. (Before 16 the origin
+    /// is already there: nothing moves.) The session may be busy with statements sent after
+    /// the failure: a short wait, then a warning.
+    async fn rewind_origin(&mut self) {
+        let Some(name) = self.progress.origin_name().map(str::to_owned) else {
+            return;
+        };
+        let to = self.resume;
+        let text = to.to_string();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&name, &text];
+        let rewind = self.client.execute(
+            "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn)",
+            &params,
+        );
+        match tokio::time::timeout(Duration::from_secs(10), rewind).await {
+            Ok(Ok(_)) => {
+                tracing::debug!(origin = %name, %to, "moved the origin back after a failed commit")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(origin = %name, %to, error = %describe_postgres(&e), "could not move the origin back after a failed commit: check pg_replication_origin_progress before restarting")
+            }
+            Err(_) => {
+                tracing::warn!(origin = %name, %to, "could not move the origin back after a failed commit in time: check pg_replication_origin_progress before restarting")
+            }
+        }
+    }
+
     /// After a failed statement the transaction is aborted on the server: end it, forget the
     /// group, and report the first failure.
     async fn fail_if_failed(&mut self) -> Result<()> {
         if self.failure.is_none() {
             return Ok(());
+        }
+        if std::mem::take(&mut self.origin_rewind) {
+            self.rewind_origin().await;
         }
         // Answers come in order: a COMMIT not yet answered comes after the failed statement, so
         // its group did not commit (PostgreSQL answers it with a rollback). Forget those groups
@@ -2774,6 +2840,19 @@ impl Applier {
                 orders: false,
             });
         }
+        // Deferred constraints and triggers are checked before the origin position is set, not
+        // at COMMIT: PostgreSQL 16+ moves a session's origin on abort as well as on commit, so
+        // a transaction that fails after the position is set would count as applied.
+        let immediate_seq = (!self.progress.is_table_mode()).then(|| {
+            self.pending.push(Pending {
+                statement: self.immediate.clone(),
+                params: Vec::new(),
+                about: None,
+                batch: Vec::new(),
+                orders: false,
+            });
+            self.submitted + self.pending.len() as u64
+        });
         self.pending.push(Pending {
             statement: self.record.clone(),
             params: vec![
@@ -2800,6 +2879,7 @@ impl Applier {
             commit_time,
             transactions: group.transactions,
             last_transaction: group.last_transaction,
+            immediate_seq,
             started: group.started,
             conflicts: Vec::new(),
         });

@@ -28,6 +28,9 @@ const MEMORY_PER_TRANSACTION: usize = 4 * 1024 * 1024;
 /// large transactions streamed at once must not add up).
 const MEMORY_IN_ALL: usize = 64 * 1024 * 1024;
 
+/// The write buffer of a transaction's file.
+const WRITE_BUFFER: usize = 256 * 1024;
+
 struct SpooledTransaction {
     /// Messages not yet written to the file.
     memory: Vec<Bytes>,
@@ -237,11 +240,13 @@ impl Spool {
         }
         let before = t.memory_bytes;
         push_message(&dir, xid, t, raw)?;
-        self.memory_bytes = self.memory_bytes - before + t.memory_bytes;
+        self.memory_bytes = self.memory_bytes.saturating_sub(before) + t.memory_bytes;
         while self.memory_bytes > MEMORY_IN_ALL {
+            // (One smaller than its file's write buffer would cost more memory on disk.)
             let largest = self
                 .transactions
                 .iter()
+                .filter(|(_, t)| t.memory_bytes >= WRITE_BUFFER)
                 .max_by_key(|(_, t)| t.memory_bytes)
                 .map(|(x, _)| *x);
             let Some((x, t)) = largest.and_then(|x| self.transactions.get_mut(&x).map(|t| (x, t)))
@@ -250,7 +255,7 @@ impl Spool {
             };
             let before = t.memory_bytes;
             flush_to_file(&dir, x, t)?;
-            self.memory_bytes -= before;
+            self.memory_bytes = self.memory_bytes.saturating_sub(before);
         }
         Ok(())
     }
@@ -295,7 +300,7 @@ impl Spool {
                     .append(true)
                     .open(&*path)
                     .map_err(|e| spool_error(path, e))?;
-                *writer = BufWriter::with_capacity(256 * 1024, file);
+                *writer = BufWriter::with_capacity(WRITE_BUFFER, file);
             }
             t.file_bytes = cut_bytes;
             t.file_messages = cut_messages;
@@ -402,7 +407,7 @@ fn flush_to_file(dir: &std::path::Path, xid: Xid, t: &mut SpooledTransaction) ->
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| spool_error(&path, e))?;
-        t.file = Some((path, BufWriter::with_capacity(256 * 1024, file)));
+        t.file = Some((path, BufWriter::with_capacity(WRITE_BUFFER, file)));
     }
     let Some((path, writer)) = &mut t.file else {
         return Ok(());
@@ -549,9 +554,15 @@ mod tests {
     fn a_damaged_spool_file_is_an_error_not_an_end_or_a_huge_allocation() {
         let d = dir("damaged");
         std::fs::create_dir_all(&d).unwrap();
-        for (name, bytes) in [
-            ("prefix", vec![0u8, 0]),
-            ("short", vec![0xff, 0xff, 0xff, 0xff, 1, 2, 3]),
+        // A file that ends inside a length prefix was read as a clean end before; one whose
+        // prefix claims more than there is must not be allocated at that size either.
+        for (name, bytes, says) in [
+            ("prefix", vec![0u8, 0], "inside a length prefix"),
+            (
+                "short",
+                vec![0xff, 0xff, 0xff, 0xff, 1, 2, 3],
+                "ends after 3 bytes",
+            ),
         ] {
             let path = d.join(name);
             std::fs::write(&path, &bytes).unwrap();
@@ -561,7 +572,10 @@ mod tests {
                 memory: Vec::new().into_iter(),
             };
             let err = replay.next_message().unwrap_err().to_string();
-            assert!(err.contains("spool file"), "{name}: {err}");
+            assert!(
+                err.contains("spool file") && err.contains(says),
+                "{name}: {err}"
+            );
         }
         let _ = std::fs::remove_dir_all(d);
     }
@@ -570,11 +584,11 @@ mod tests {
     fn many_transactions_at_once_stay_within_the_memory_for_all() {
         let d = dir("many");
         let mut s = Spool::open(d.clone()).unwrap();
-        let chunk = Bytes::from(vec![1u8; 1024 * 1024]);
         for xid in 1..=40u32 {
             s.start(xid, true);
-            for _ in 0..3 {
-                s.append(xid, Some(xid), chunk.clone()).unwrap();
+            for i in 0..3u8 {
+                let chunk = Bytes::from(vec![xid as u8 ^ i; 1024 * 1024]);
+                s.append(xid, Some(xid), chunk).unwrap();
             }
             assert!(s.memory_bytes() <= MEMORY_IN_ALL, "{}", s.memory_bytes());
         }
@@ -585,7 +599,9 @@ mod tests {
         // Every message comes back, in order, from memory or disk.
         for xid in 1..=40u32 {
             let mut r = s.take(xid).unwrap();
-            assert_eq!(messages(&mut r).len(), 3);
+            let got = messages(&mut r);
+            let firsts: Vec<u8> = got.iter().map(|m| m[0]).collect();
+            assert_eq!(firsts, vec![xid as u8, xid as u8 ^ 1, xid as u8 ^ 2]);
         }
         assert_eq!(s.memory_bytes(), 0);
         let _ = std::fs::remove_dir_all(d);
