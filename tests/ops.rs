@@ -505,6 +505,31 @@ async fn check_lists_every_problem() {
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "{text}\n{}", stderr(&out));
     assert!(text.contains("no problems found"), "{text}");
+
+    // A slot another process is using: named, with the process.
+    let mut worker = spawn(db.pgapply("p,ins", &["--create-slot"]));
+    db.wait_slot_active().await;
+    let mut cmd = pgapply();
+    cmd.args([
+        "check",
+        "--source",
+        &db.source_conninfo(),
+        "--target",
+        &db.target_conninfo(),
+    ])
+    .args(["--publication", "p,ins", "--slot", &db.slot()]);
+    let out = run_with_deadline(cmd, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "slot \"{}\" is in use by the source process",
+            db.slot()
+        )),
+        "{text}"
+    );
+    worker.start_kill().expect("kill");
+    let _ = worker.wait().await;
     let _ = std::io::stdout().flush();
 }
 
