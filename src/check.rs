@@ -66,22 +66,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     let mut tables = Vec::new();
     let mut truncated = Vec::new();
     if let Some(src) = &source {
-        check_source(src, &config, &mut report, &mut tables).await;
-        // Per table: whether a publication that has it replicates TRUNCATE (11+: read through
-        // to_jsonb).
-        for t in &tables {
-            truncated.push(
-                query_bool(
-                    src,
-                    "SELECT coalesce(bool_or((to_jsonb(p) ->> 'pubtruncate')::bool), false) FROM pg_publication p \
-                     JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
-                     WHERE p.pubname = ANY ($1) AND pt.schemaname = $2 AND pt.tablename = $3",
-                    &[&config.publications, &t.schema, &t.name],
-                )
-                .await
-                .unwrap_or(false),
-            );
-        }
+        check_source(src, &config, &mut report, &mut tables, &mut truncated).await;
     }
     if let Some(dst) = &target {
         // Whatever the source said: the role's rights for pgapply's own state.
@@ -120,6 +105,7 @@ async fn check_source(
     config: &crate::replicate::RunConfig,
     report: &mut Report,
     tables: &mut Vec<crate::copy::PublishedTable>,
+    truncated: &mut Vec<bool>,
 ) {
     if let Ok(row) = src
         .query_one(
@@ -228,16 +214,20 @@ async fn check_source(
     }
     for table in tables.iter() {
         let qualified = table.qualified();
-        // Only a table whose UPDATEs or DELETEs are published needs a replica identity.
-        let updates_published = query_bool(
-            src,
-            "SELECT coalesce(bool_or(p.pubupdate OR p.pubdelete), false) FROM pg_publication p \
-             JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
-             WHERE p.pubname = ANY ($1) AND pt.schemaname = $2 AND pt.tablename = $3",
-            &[&config.publications, &table.schema, &table.name],
-        )
-        .await
-        .unwrap_or(true);
+        // What the publications that have it replicate: only UPDATEs or DELETEs need a replica
+        // identity; TRUNCATE needs the target's privilege (pubtruncate is 11+: read through
+        // to_jsonb).
+        let (updates_published, truncates) = src
+            .query_one(
+                "SELECT coalesce(bool_or(p.pubupdate OR p.pubdelete), false), \
+                        coalesce(bool_or((to_jsonb(p) ->> 'pubtruncate')::bool), false) \
+                 FROM pg_publication p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
+                 WHERE p.pubname = ANY ($1) AND pt.schemaname = $2 AND pt.tablename = $3",
+                &[&config.publications, &table.schema, &table.name],
+            )
+            .await
+            .map_or((true, false), |r| (r.get(0), r.get(1)));
+        truncated.push(truncates);
         // A table published through its partitioned root: the partitions' replica identities
         // are what UPDATE and DELETE on them need (ALTER TABLE .. REPLICA IDENTITY on the root
         // does not reach them).

@@ -251,23 +251,32 @@ fn missing(what: &str, key: &str) -> Error {
     ))
 }
 
-/// Flags and environment (already merged by clap) over the file.
-/// The target connection alone (`status`, `skip`): from the flags or environment, else the file.
-pub fn resolve_target(args: &ServersArgs, file: &FileConfig) -> Result<tokio_postgres::Config> {
-    let text = args
-        .target
-        .as_ref()
-        .or(file.target.as_ref())
-        .ok_or_else(|| missing("target connection", "target"))?;
-    let mut target = conninfo::parse("target", text)?;
-    if let Some(path) = args
-        .target_password_file
-        .as_ref()
-        .or(file.target_password_file.as_ref())
-    {
-        target.password(read_password_file(path, "target")?);
+/// One side's connection, from the flags or environment, else the file, with its password file.
+fn resolve_side(
+    role: &str,
+    text: Option<&String>,
+    password_file: Option<&PathBuf>,
+) -> Result<Option<tokio_postgres::Config>> {
+    let Some(text) = text else {
+        return Ok(None);
+    };
+    let mut config = conninfo::parse(role, text)?;
+    if let Some(path) = password_file {
+        config.password(read_password_file(path, role)?);
     }
-    Ok(target)
+    Ok(Some(config))
+}
+
+/// The target connection alone (`status`, `skip`).
+pub fn resolve_target(args: &ServersArgs, file: &FileConfig) -> Result<tokio_postgres::Config> {
+    resolve_side(
+        "target",
+        args.target.as_ref().or(file.target.as_ref()),
+        args.target_password_file
+            .as_ref()
+            .or(file.target_password_file.as_ref()),
+    )?
+    .ok_or_else(|| missing("target connection", "target"))
 }
 
 /// The source connection if one is given (`status`).
@@ -275,47 +284,20 @@ pub fn resolve_optional_source(
     args: &ServersArgs,
     file: &FileConfig,
 ) -> Result<Option<tokio_postgres::Config>> {
-    let Some(text) = args.source.as_ref().or(file.source.as_ref()) else {
-        return Ok(None);
-    };
-    let mut source = conninfo::parse("source", text)?;
-    if let Some(path) = args
-        .source_password_file
-        .as_ref()
-        .or(file.source_password_file.as_ref())
-    {
-        source.password(read_password_file(path, "source")?);
-    }
-    Ok(Some(source))
+    resolve_side(
+        "source",
+        args.source.as_ref().or(file.source.as_ref()),
+        args.source_password_file
+            .as_ref()
+            .or(file.source_password_file.as_ref()),
+    )
 }
 
+/// Flags and environment (already merged by clap) over the file.
 pub fn resolve_servers(args: &ServersArgs, file: &FileConfig) -> Result<Servers> {
-    let source_text = args
-        .source
-        .as_ref()
-        .or(file.source.as_ref())
+    let source = resolve_optional_source(args, file)?
         .ok_or_else(|| missing("source connection", "source"))?;
-    let target_text = args
-        .target
-        .as_ref()
-        .or(file.target.as_ref())
-        .ok_or_else(|| missing("target connection", "target"))?;
-    let mut source = conninfo::parse("source", source_text)?;
-    let mut target = conninfo::parse("target", target_text)?;
-    if let Some(path) = args
-        .source_password_file
-        .as_ref()
-        .or(file.source_password_file.as_ref())
-    {
-        source.password(read_password_file(path, "source")?);
-    }
-    if let Some(path) = args
-        .target_password_file
-        .as_ref()
-        .or(file.target_password_file.as_ref())
-    {
-        target.password(read_password_file(path, "target")?);
-    }
+    let target = resolve_target(args, file)?;
     let publications: Vec<String> = if !args.publication.is_empty() {
         args.publication.to_vec()
     } else if let Some(names) = &file.publication {

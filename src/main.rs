@@ -8,7 +8,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 use pgapply::cli::{Cli, Command, LogFormat, RunArgs};
-use pgapply::cli::{CutoverArgs, VerifyArgs};
+use pgapply::cli::{CutoverArgs, SchemaArgs, VerifyArgs};
 use pgapply::config::{self, FileConfig};
 use pgapply::error::{Error, ErrorClass};
 use pgapply::replicate::run;
@@ -126,23 +126,7 @@ fn main() -> ExitCode {
             Command::Skip(args) => skip::skip_command(&args, &file).await,
             Command::Verify(args) => verify_command(args, file).await,
             Command::Cutover(args) => cutover_command(args, file).await,
-            Command::Schema(args) => {
-                match config::resolve_servers(&args.servers, &file)
-                    .and_then(|s| Ok((s, config::table_map(&file)?)))
-                {
-                    Ok((servers, table_map)) => {
-                        schema::schema(
-                            &servers.source,
-                            &servers.target,
-                            &servers.publications,
-                            &args.section,
-                            &table_map,
-                        )
-                        .await
-                    }
-                    Err(e) => Err(e),
-                }
-            }
+            Command::Schema(args) => schema_command(args, file).await,
             Command::Demo(args) => demo::demo(args.duration, args.pg_bin).await,
             Command::SourceSpeed(args) => source_speed::source_speed_command(&args).await,
         }
@@ -299,6 +283,19 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
             Err(e) => return Err(e),
         }
     }
+}
+
+async fn schema_command(args: SchemaArgs, file: FileConfig) -> Result<(), Error> {
+    let servers = config::resolve_servers(&args.servers, &file)?;
+    let table_map = config::table_map(&file)?;
+    schema::schema(
+        &servers.source,
+        &servers.target,
+        &servers.publications,
+        &args.section,
+        &table_map,
+    )
+    .await
 }
 
 async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error> {

@@ -125,10 +125,11 @@ pub async fn schema(
     }
     // Renames are done by moving tables around the dump: two tables into one name, or a name
     // that is one table's source and another's target, cannot be.
-    for t in tables
+    let renamed: Vec<&PublishedTable> = tables
         .iter()
         .filter(|t| t.qualified() != t.target_qualified())
-    {
+        .collect();
+    for &t in &renamed {
         let clash = tables.iter().find(|o| {
             !std::ptr::eq(*o, t)
                 && (o.target_qualified() == t.target_qualified()
@@ -273,10 +274,6 @@ pub async fn schema(
             .unwrap_or(0)
     );
     let mut sql_all = String::from("BEGIN;\n");
-    let renamed: Vec<&PublishedTable> = tables
-        .iter()
-        .filter(|t| t.qualified() != t.target_qualified())
-        .collect();
     for t in &renamed {
         let at_target = relation_exists(&target, &t.target_qualified()).await?;
         let at_source = relation_exists(&target, &t.qualified()).await?;

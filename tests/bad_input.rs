@@ -431,26 +431,18 @@ async fn table_mode_waits_for_a_previous_session_still_committing() {
         db.name
     ))
     .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={writer} password=w-secret dbname={}",
+        db.target_port, db.name
+    );
     let run = |endpos: &str| {
-        let source = db.source_conninfo();
-        let target = format!(
-            "host=127.0.0.1 port={} user={writer} password=w-secret dbname={}",
-            db.target_port, db.name
-        );
-        let slot = db.slot();
-        common::pgapply_command(&[
-            "run",
-            "--source",
-            &source,
-            "--target",
+        db.pgapply_via(
+            &db.source_conninfo(),
             &target,
-            "--publication",
+            &db.slot(),
             "p",
-            "--slot",
-            &slot,
-            "--endpos",
-            endpos,
-        ])
+            &["--endpos", endpos],
+        )
     };
     db.source_sql("INSERT INTO h VALUES (1)").await;
     let out = run_with_deadline(run(&db.source_wal().await), 60).await;

@@ -431,29 +431,38 @@ async fn check_lists_every_problem() {
     // Unknown flag: clap refuses with exit 2 (keeps the command line honest).
     assert_eq!(out.status.code(), Some(2));
 
-    let mut cmd = pgapply();
-    cmd.args([
-        "check",
-        "--source",
-        &db.source_conninfo(),
-        "--target",
-        &db.target_conninfo(),
-    ])
-    .args([
-        "--publication",
+    // `pgapply check` of this database pair and slot: its exit code, its report, its log.
+    let check = |publications: &'static str, extra: &'static [&'static str]| {
+        let mut cmd = pgapply();
+        cmd.args([
+            "check",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &db.target_conninfo(),
+            "--slot",
+            &db.slot(),
+            "--publication",
+            publications,
+        ])
+        .args(extra);
+        async move {
+            let out = run_with_deadline(cmd, 60).await;
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            (out.status.code(), text, stderr(&out))
+        }
+    };
+    // (The source's wal_sender_timeout is the default 60 s.)
+    let (code, text, _) = check(
         if roots {
             "p,missing_pub,pr"
         } else {
             "p,missing_pub"
         },
-        "--slot",
-        &db.slot(),
-    ])
-    // The source's wal_sender_timeout is the default 60 s.
-    .args(["--status-interval", "40s"]);
-    let out = run_with_deadline(cmd, 60).await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert_eq!(out.status.code(), Some(1), "{text}");
+        &["--status-interval", "40s"],
+    )
+    .await;
+    assert_eq!(code, Some(1), "{text}");
     for expected in [
         "--status-interval 40s is more than half the source's wal_sender_timeout (1m)",
         "publication \"missing_pub\" does not exist",
@@ -486,41 +495,15 @@ async fn check_lists_every_problem() {
          CREATE PUBLICATION ins FOR TABLE keyless WITH (publish = 'insert');",
     )
     .await;
-    let mut cmd = pgapply();
-    cmd.args([
-        "check",
-        "--source",
-        &db.source_conninfo(),
-        "--target",
-        &db.target_conninfo(),
-    ])
-    .args([
-        "--publication",
-        "p,ins",
-        "--slot",
-        &db.slot(),
-        "--create-slot",
-    ]);
-    let out = run_with_deadline(cmd, 60).await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let (code, text, log) = check("p,ins", &["--create-slot"]).await;
+    assert_eq!(code, Some(0), "{text}\n{log}");
     assert!(text.contains("no problems found"), "{text}");
 
     // A slot another process is using: named, with the process.
     let mut worker = spawn(db.pgapply("p,ins", &["--create-slot"]));
     db.wait_slot_active().await;
-    let mut cmd = pgapply();
-    cmd.args([
-        "check",
-        "--source",
-        &db.source_conninfo(),
-        "--target",
-        &db.target_conninfo(),
-    ])
-    .args(["--publication", "p,ins", "--slot", &db.slot()]);
-    let out = run_with_deadline(cmd, 60).await;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert_eq!(out.status.code(), Some(1), "{text}");
+    let (code, text, _) = check("p,ins", &[]).await;
+    assert_eq!(code, Some(1), "{text}");
     assert!(
         text.contains(&format!(
             "slot \"{}\" is in use by the source process",

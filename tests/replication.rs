@@ -797,27 +797,18 @@ async fn source_given_by_hostaddr_with_options() {
     db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b'); UPDATE t SET v = 'c' WHERE id = 2")
         .await;
     let endpos = db.source_wal().await;
-    let (target, slot) = (db.target_conninfo(), db.slot());
     let run = |options: &str| {
         let source = format!(
             "host=no-such-host.invalid hostaddr=127.0.0.1 port={} user=postgres dbname={} options='{options}'",
             db.source_port, db.name
         );
-        common::pgapply_command(&[
-            "run",
-            "--source",
+        db.pgapply_via(
             &source,
-            "--target",
-            &target,
-            "--publication",
+            &db.target_conninfo(),
+            &db.slot(),
             "p",
-            "--slot",
-            &slot,
-            "--endpos",
-            &endpos,
-            "--max-retries",
-            "1",
-        ])
+            &["--endpos", &endpos, "--max-retries", "1"],
+        )
     };
     // The options reach the source: one it does not know is refused by it.
     let out = run_with_deadline(run("-c pgapply_no_such_setting=1"), 60).await;
@@ -883,23 +874,16 @@ async fn failover_slot() {
         ("failover_new", vec!["--create-slot"]),
         ("failover_copy", vec!["--copy-data", "--truncate-target"]),
     ] {
-        let (source, target) = (db.source_conninfo(), db.target_conninfo());
-        let mut args = vec![
-            "run",
-            "--source",
-            &source,
-            "--target",
-            &target,
-            "--publication",
-            "p",
-            "--slot",
-            slot,
-            "--failover-slot",
-            "--endpos",
-            &endpos,
-        ];
+        let mut args = vec!["--failover-slot", "--endpos", &endpos];
         args.extend(extra);
-        let out = run_with_deadline(common::pgapply_command(&args), 60).await;
+        let cmd = db.pgapply_via(
+            &db.source_conninfo(),
+            &db.target_conninfo(),
+            slot,
+            "p",
+            &args,
+        );
+        let out = run_with_deadline(cmd, 60).await;
         assert!(out.status.success(), "{slot}: {}", stderr(&out));
         assert!(
             failover(slot.to_owned()).await,

@@ -175,6 +175,23 @@ struct Pending {
     orders: bool,
 }
 
+impl Pending {
+    /// A statement with nothing to check in its result but success (BEGIN, COMMIT, ...).
+    fn plain(statement: Statement) -> Self {
+        Pending::with_params(statement, Vec::new())
+    }
+
+    fn with_params(statement: Statement, params: Vec<WireValue>) -> Self {
+        Pending {
+            statement,
+            params,
+            about: None,
+            batch: Vec::new(),
+            orders: false,
+        }
+    }
+}
+
 /// A held UPDATE's change, in brief (held rows are many; `ChangeInfo` is made only for the
 /// rare one that finds no row).
 struct HeldChange {
@@ -985,21 +1002,10 @@ impl Applier {
         let table_mode = self.progress.is_table_mode();
         if !table_mode {
             // (Deferred checks first: see `commit_group`.)
-            self.pending.push(Pending {
-                statement: self.immediate.clone(),
-                params: Vec::new(),
-                about: None,
-                batch: Vec::new(),
-                orders: false,
-            });
+            self.pending.push(Pending::plain(self.immediate.clone()));
             // The origin position goes into the PREPARE record itself.
-            self.pending.push(Pending {
-                statement: self.record.clone(),
-                params: record.to_vec(),
-                about: None,
-                batch: Vec::new(),
-                orders: false,
-            });
+            self.pending
+                .push(Pending::with_params(self.record.clone(), record.to_vec()));
         }
         self.send_pipeline().await?;
         // Everything before was answered: what is left was met by this transaction.
@@ -1136,13 +1142,9 @@ impl Applier {
             Some(g) => {
                 // While the transactions of a failed group are applied again one at a time, each
                 // commits on its own: a failure at COMMIT (a deferred constraint) then names it.
-                let one_at_a_time = g.last_transaction.is_some_and(|(_, lsn)| {
-                    lsn.0
-                        <= self
-                            .settings
-                            .unbatched_through
-                            .load(std::sync::atomic::Ordering::Relaxed)
-                });
+                let one_at_a_time = g
+                    .last_transaction
+                    .is_some_and(|(_, lsn)| self.one_at_a_time(lsn));
                 // Idle: commit, unless the previous COMMIT is still unanswered (this one would
                 // wait for it anyway; the group grows meanwhile and closes when it is answered).
                 one_at_a_time
@@ -1240,13 +1242,7 @@ impl Applier {
                 turn: turn.clone(),
             });
             let begin = self.begin.clone();
-            self.pending.push(Pending {
-                statement: begin,
-                params: Vec::new(),
-                about: None,
-                batch: Vec::new(),
-                orders: false,
-            });
+            self.pending.push(Pending::plain(begin));
             if let (Some(turn), Some(worker), Some(statements)) =
                 (turn, &self.worker, &self.turn_statements)
             {
@@ -1324,13 +1320,7 @@ impl Applier {
                 transactions: 0,
                 turn: None,
             });
-            self.pending.push(Pending {
-                statement: self.begin.clone(),
-                params: Vec::new(),
-                about: None,
-                batch: Vec::new(),
-                orders: false,
-            });
+            self.pending.push(Pending::plain(self.begin.clone()));
         }
         self.skip_records.push((txn.xid, txn.final_lsn, time));
         if let Some(group) = &mut self.group {
@@ -1853,15 +1843,20 @@ impl Applier {
         Ok(batchable)
     }
 
+    /// Whether the source transaction committing at `commit_lsn` is among those of a failed
+    /// group that are applied again one at a time (`retry_unbatched`).
+    fn one_at_a_time(&self, commit_lsn: Lsn) -> bool {
+        commit_lsn.0
+            <= self
+                .settings
+                .unbatched_through
+                .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether changes of the source transaction committing at `commit_lsn` may share statements
     /// with other transactions' changes.
     fn batching_allowed(&self, commit_lsn: Lsn) -> bool {
-        self.settings.batch_updates
-            && commit_lsn.0
-                > self
-                    .settings
-                    .unbatched_through
-                    .load(std::sync::atomic::Ordering::Relaxed)
+        self.settings.batch_updates && !self.one_at_a_time(commit_lsn)
     }
 
     /// Holds an UPDATE until another change to its table, or the end of the group, sends it.
@@ -2508,12 +2503,7 @@ impl Applier {
     /// transactions in flight are applied again one at a time, and only an error then is the
     /// transaction's own.
     fn fail(&mut self, err: Error, commit_lsn: Lsn) {
-        let ran_in_parallel = self.worker.is_some()
-            && commit_lsn.0
-                > self
-                    .settings
-                    .unbatched_through
-                    .load(std::sync::atomic::Ordering::Relaxed);
+        let ran_in_parallel = self.worker.is_some() && !self.one_at_a_time(commit_lsn);
         if ran_in_parallel && !err.is_transient() {
             self.retry_unbatched(err, Some(commit_lsn));
         } else {
@@ -2801,13 +2791,7 @@ impl Applier {
         }
         let Some((end_lsn, commit_time)) = group.last_commit else {
             // Only skipped transactions: nothing to commit but the empty BEGIN.
-            self.pending.push(Pending {
-                statement: self.commit.clone(),
-                params: Vec::new(),
-                about: None,
-                batch: Vec::new(),
-                orders: false,
-            });
+            self.pending.push(Pending::plain(self.commit.clone()));
             return self.send_pipeline().await;
         };
         for (xid, lsn, time) in std::mem::take(&mut self.skip_records) {
@@ -2827,49 +2811,31 @@ impl Applier {
                         .await
                 }
             };
-            self.pending.push(Pending {
-                statement: clear,
-                params: vec![
+            self.pending.push(Pending::with_params(
+                clear,
+                vec![
                     WireValue::Text(self.slot.clone().into()),
                     WireValue::Text(format!("xid {xid}").into()),
                     WireValue::Text(lsn.to_string().into()),
                     WireValue::Text(time.to_rfc3339().into()),
                 ],
-                about: None,
-                batch: Vec::new(),
-                orders: false,
-            });
+            ));
         }
         // Deferred constraints and triggers are checked before the origin position is set, not
         // at COMMIT: PostgreSQL 16+ moves a session's origin on abort as well as on commit, so
         // a transaction that fails after the position is set would count as applied.
         let immediate_seq = (!self.progress.is_table_mode()).then(|| {
-            self.pending.push(Pending {
-                statement: self.immediate.clone(),
-                params: Vec::new(),
-                about: None,
-                batch: Vec::new(),
-                orders: false,
-            });
+            self.pending.push(Pending::plain(self.immediate.clone()));
             self.submitted + self.pending.len() as u64
         });
-        self.pending.push(Pending {
-            statement: self.record.clone(),
-            params: vec![
+        self.pending.push(Pending::with_params(
+            self.record.clone(),
+            vec![
                 WireValue::Text(end_lsn.to_string().into()),
                 WireValue::Text(commit_time.to_rfc3339().into()),
             ],
-            about: None,
-            batch: Vec::new(),
-            orders: false,
-        });
-        self.pending.push(Pending {
-            statement: self.commit.clone(),
-            params: Vec::new(),
-            about: None,
-            batch: Vec::new(),
-            orders: false,
-        });
+        ));
+        self.pending.push(Pending::plain(self.commit.clone()));
         // The COMMIT goes out without waiting for its answer: the next group is built (and
         // sent) meanwhile. The group counts as applied once the answer is in. (Noted before
         // sending: the answer may be taken while sending.)

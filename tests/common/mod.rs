@@ -230,16 +230,34 @@ impl TestDb {
 
     /// `pgapply run` against this database pair with the given publication and extra arguments.
     pub fn pgapply(&self, publication: &str, extra: &[&str]) -> Command {
+        self.pgapply_via(
+            &self.source_conninfo(),
+            &self.target_conninfo(),
+            &self.slot(),
+            publication,
+            extra,
+        )
+    }
+
+    /// `pgapply run` with other connection strings or another slot than this pair's own.
+    pub fn pgapply_via(
+        &self,
+        source: &str,
+        target: &str,
+        slot: &str,
+        publication: &str,
+        extra: &[&str],
+    ) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
         cmd.arg("run")
             .arg("--source")
-            .arg(self.source_conninfo())
+            .arg(source)
             .arg("--target")
-            .arg(self.target_conninfo())
+            .arg(target)
             .arg("--publication")
             .arg(publication)
             .arg("--slot")
-            .arg(self.slot())
+            .arg(slot)
             .args(["--status-interval", "1s"])
             .args(extra)
             .env(
