@@ -15,6 +15,7 @@ pub mod copy;
 pub mod cutover;
 pub mod demo;
 pub mod error;
+pub mod failpoint;
 pub mod metrics;
 pub mod migrations;
 pub mod protocol;

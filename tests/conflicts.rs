@@ -602,3 +602,67 @@ async fn a_failure_at_commit_names_the_one_transaction() {
         0
     );
 }
+
+/// A PREPARE TRANSACTION the target refuses (here: a target trigger wrote to a temporary table)
+/// ends a transaction whose origin position was set. PostgreSQL 16+ moves the origin then, and
+/// pgapply moves it back: once the cause is gone, the next run prepares the transaction and the
+/// COMMIT PREPARED applies it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_the_target_refuses_is_applied_once_the_cause_is_gone() {
+    let db = TestDb::new("prepfail").await;
+    if common::source_version(&db).await < 150000 {
+        common::skip("--two-phase needs a PostgreSQL 15 source");
+        return;
+    }
+    let gid = format!("refused_{}", db.name);
+    common::cleaning_prepared(&db, &gid, refused_prepare(&db, &gid)).await;
+}
+
+async fn refused_prepare(db: &TestDb, gid: &str) {
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.target_sql(
+        "CREATE FUNCTION scratch() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN CREATE TEMP TABLE IF NOT EXISTS scratch (x int); INSERT INTO scratch VALUES (1); RETURN NEW; END$$; \
+         CREATE TRIGGER scratch BEFORE INSERT ON t FOR EACH ROW EXECUTE FUNCTION scratch(); \
+         ALTER TABLE t ENABLE ALWAYS TRIGGER scratch;",
+    )
+    .await;
+    // The slot is pgapply's own (with two-phase support).
+    db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
+    let two_phase_run = |extra: &'static [&'static str]| async move {
+        let endpos = db.source_wal().await;
+        let mut args = vec!["--two-phase", "--endpos", endpos.as_str()];
+        args.extend_from_slice(extra);
+        run_with_deadline(db.pgapply("p", &args), 120).await
+    };
+    let out = two_phase_run(&["--create-slot"]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql(&format!(
+        "BEGIN; INSERT INTO t VALUES (1, 'prepared'); PREPARE TRANSACTION '{gid}';"
+    ))
+    .await;
+    let out = two_phase_run(&[]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("temporary objects"),
+        "{}",
+        stderr(&out)
+    );
+    db.target_sql("DROP TRIGGER scratch ON t").await;
+    let out = two_phase_run(&[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()"
+        )
+        .await,
+        1,
+        "the transaction is prepared on the target"
+    );
+    db.source_sql(&format!("COMMIT PREPARED '{gid}'")).await;
+    let out = two_phase_run(&[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("t").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 1);
+}

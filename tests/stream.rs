@@ -646,18 +646,7 @@ async fn a_transaction_prepared_while_the_slot_was_made_is_applied_at_commit_pre
     }
     let db = TestDb::new("prepmaking").await;
     let gid = format!("making_{}", db.name);
-    let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
-        prepared_while_making(&db, &gid),
-    ))
-    .await;
-    // Never left prepared on the shared source: it would hold up every later slot creation.
-    let _ = db
-        .source
-        .batch_execute(&format!("ROLLBACK PREPARED '{gid}'"))
-        .await;
-    if let Err(panic) = outcome {
-        std::panic::resume_unwind(panic);
-    }
+    common::cleaning_prepared(&db, &gid, prepared_while_making(&db, &gid)).await;
 }
 
 /// The session's transaction id, as pg_locks shows it.

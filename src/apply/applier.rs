@@ -15,6 +15,7 @@ use super::progress::ProgressStore;
 use super::spool::Spool;
 use super::statement::{build_sql, ColumnSet, OnConflict, Operation, RowMatch, Shape, WireValue};
 use crate::error::{describe_postgres, Error, Result};
+use crate::failpoint;
 use crate::metrics::METRICS;
 use crate::protocol::pgoutput::{
     Begin, Commit, Delete, Insert, LogicalMessage, Oid, OldRow, ReplicaIdentity, Truncate, Update,
@@ -164,9 +165,17 @@ enum Outcome {
     Order(std::result::Result<u64, tokio_postgres::Error>),
 }
 
+/// What a queued request runs.
+enum Request {
+    Prepared(Statement),
+    /// A fixed simple query: its statements reach the server in one message (the end of a
+    /// group in origin mode, `ProgressStore::origin_commit_sql`).
+    Simple(Arc<str>),
+}
+
 /// One queued statement and what to say about it if it fails or finds no row.
 struct Pending {
-    statement: Statement,
+    request: Request,
     params: Vec<WireValue>,
     about: Option<ChangeInfo>,
     /// A batched UPDATE: its rows' changes, by row number.
@@ -181,9 +190,19 @@ impl Pending {
         Pending::with_params(statement, Vec::new())
     }
 
+    fn simple(sql: Arc<str>) -> Self {
+        Pending {
+            request: Request::Simple(sql),
+            params: Vec::new(),
+            about: None,
+            batch: Vec::new(),
+            orders: false,
+        }
+    }
+
     fn with_params(statement: Statement, params: Vec<WireValue>) -> Self {
         Pending {
-            statement,
+            request: Request::Prepared(statement),
             params,
             about: None,
             batch: Vec::new(),
@@ -330,6 +349,8 @@ pub struct Applier {
     record: Statement,
     /// `SET CONSTRAINTS ALL IMMEDIATE`, sent before the origin position is set (origin mode).
     immediate: Statement,
+    /// Origin mode: what sets the origin position and commits, in one message.
+    origin_commit: Option<Arc<str>>,
     /// A transaction that had the origin position set failed to commit: PostgreSQL 16+ moves
     /// the origin on abort too, so it must be moved back (`rewind_origin`).
     origin_rewind: bool,
@@ -548,6 +569,8 @@ impl Applier {
         let commit = prepare("COMMIT".into()).await?;
         let record = prepare(progress.record_sql()).await?;
         let immediate = prepare("SET CONSTRAINTS ALL IMMEDIATE".into()).await?;
+        let origin_commit = (!progress.is_table_mode())
+            .then(|| Arc::from(ProgressStore::origin_commit_sql("COMMIT")));
         let turn_statements = match &options.worker {
             None => None,
             Some(_) => Some(TurnStatements {
@@ -579,6 +602,7 @@ impl Applier {
             commit,
             record,
             immediate,
+            origin_commit,
             origin_rewind: false,
             resume,
             pending: Vec::new(),
@@ -1003,7 +1027,8 @@ impl Applier {
         if !table_mode {
             // (Deferred checks first: see `commit_group`.)
             self.pending.push(Pending::plain(self.immediate.clone()));
-            // The origin position goes into the PREPARE record itself.
+            // The origin position goes into the PREPARE record itself (noted here, set with
+            // the PREPARE).
             self.pending
                 .push(Pending::with_params(self.record.clone(), record.to_vec()));
         }
@@ -1013,14 +1038,17 @@ impl Applier {
         if !conflicts.is_empty() {
             self.prepared_conflicts.insert(xid, conflicts);
         }
-        if let Err(e) = self
-            .client
-            .batch_execute(&format!(
-                "PREPARE TRANSACTION {}",
-                crate::sql::quote_literal(&gid)
-            ))
-            .await
-        {
+        if failpoint::armed(failpoint::EXIT_BEFORE_COMMIT) {
+            failpoint::exit(failpoint::EXIT_BEFORE_COMMIT);
+        }
+        let prepare = format!("PREPARE TRANSACTION {}", crate::sql::quote_literal(&gid));
+        let prepare = if table_mode {
+            prepare
+        } else {
+            // The origin position is set in the same message (see `origin_commit_sql`).
+            ProgressStore::origin_commit_sql(&prepare)
+        };
+        if let Err(e) = self.client.batch_execute(&prepare).await {
             if !table_mode {
                 self.rewind_origin().await;
             }
@@ -1247,7 +1275,7 @@ impl Applier {
                 (turn, &self.worker, &self.turn_statements)
             {
                 self.pending.push(Pending {
-                    statement: statements.lock.clone(),
+                    request: Request::Prepared(statements.lock.clone()),
                     params: turn_lock_params(worker.lock_key, turn.seq),
                     about: None,
                     batch: Vec::new(),
@@ -1257,7 +1285,7 @@ impl Applier {
                 // commits come before any change of this one.
                 for dep in &turn.deps {
                     self.pending.push(Pending {
-                        statement: statements.wait.clone(),
+                        request: Request::Prepared(statements.wait.clone()),
                         params: wait_params(worker, dep, WAIT_FOR_COMMIT_MS),
                         about: None,
                         batch: Vec::new(),
@@ -1560,7 +1588,7 @@ impl Applier {
             shape.rows = rows;
             let statement = self.statement(&run.entry, shape).await?;
             self.push_pending(Pending {
-                statement,
+                request: Request::Prepared(statement),
                 params: params.by_ref().take(rows * columns).collect(),
                 about: Some(about.clone()),
                 batch: Vec::new(),
@@ -1910,7 +1938,7 @@ impl Applier {
                     .batch_statement(&entry, chunk.unchanged, chunk.about.len())
                     .await?;
                 self.push_pending(Pending {
-                    statement,
+                    request: Request::Prepared(statement),
                     params: chunk.params,
                     about: None,
                     batch: chunk.about,
@@ -2204,7 +2232,7 @@ impl Applier {
         self.stats.truncates += 1;
         METRICS.truncates.inc();
         self.push(Pending {
-            statement,
+            request: Request::Prepared(statement),
             params: Vec::new(),
             about: None,
             batch: Vec::new(),
@@ -2227,7 +2255,7 @@ impl Applier {
             }
         }
         self.push(Pending {
-            statement,
+            request: Request::Prepared(statement),
             params,
             about: Some(about),
             batch: Vec::new(),
@@ -2351,7 +2379,7 @@ impl Applier {
         for pending in pending {
             let client = self.client.clone();
             let Pending {
-                statement,
+                request,
                 params,
                 about,
                 batch,
@@ -2360,6 +2388,16 @@ impl Applier {
             self.in_flight_sizes.push_back(params.len());
             self.in_flight_values += params.len();
             self.submitted += 1;
+            let statement = match request {
+                Request::Prepared(statement) => statement,
+                Request::Simple(sql) => {
+                    self.in_flight_mut().push_back(Box::pin(async move {
+                        let result = client.batch_execute(&sql).await.map(|()| 0);
+                        Outcome::One(about, result)
+                    }));
+                    continue;
+                }
+            };
             if orders {
                 self.in_flight_mut().push_back(Box::pin(async move {
                     let result = client.execute_raw(&statement, params.iter()).await;
@@ -2709,22 +2747,53 @@ impl Applier {
         let Some(name) = self.progress.origin_name().map(str::to_owned) else {
             return;
         };
-        let to = self.resume;
+        // Groups answered as committed but not settled yet count too: moved back past them,
+        // the origin would have the next run apply them twice.
+        let to = self
+            .committed
+            .iter()
+            .map(|c| c.end_lsn)
+            .fold(self.resume, Lsn::max);
         let text = to.to_string();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&name, &text];
-        let rewind = self.client.execute(
-            "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn)",
-            &params,
-        );
+        // PostgreSQL moves an origin only while no session has it bound, this one included;
+        // unbinding also clears the failed group's position, which stays set in the session
+        // after its transaction ended, so that no later abort moves the origin to it again.
+        let client = &self.client;
+        let rewind = async {
+            client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_session_reset()",
+                    &[],
+                )
+                .await?;
+            client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn)",
+                    &[&name, &text],
+                )
+                .await?;
+            client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
+                    &[&name],
+                )
+                .await
+        };
+        let what_to_do = || {
+            format!(
+                "before restarting, run SELECT pg_replication_origin_advance({}, '{to}') on the target (while no pgapply runs for this slot), or the next run skips the transactions that failed",
+                crate::sql::quote_literal(&name)
+            )
+        };
         match tokio::time::timeout(Duration::from_secs(10), rewind).await {
             Ok(Ok(_)) => {
                 tracing::debug!(origin = %name, %to, "moved the origin back after a failed commit")
             }
             Ok(Err(e)) => {
-                tracing::warn!(origin = %name, %to, error = %describe_postgres(&e), "could not move the origin back after a failed commit: check pg_replication_origin_progress before restarting")
+                tracing::error!(origin = %name, %to, error = %describe_postgres(&e), "could not move the origin back after a failed commit: {}", what_to_do())
             }
             Err(_) => {
-                tracing::warn!(origin = %name, %to, "could not move the origin back after a failed commit in time: check pg_replication_origin_progress before restarting")
+                tracing::error!(origin = %name, %to, "could not move the origin back after a failed commit in time: {}", what_to_do())
             }
         }
     }
@@ -2735,9 +2804,7 @@ impl Applier {
         if self.failure.is_none() {
             return Ok(());
         }
-        if std::mem::take(&mut self.origin_rewind) {
-            self.rewind_origin().await;
-        }
+        let rewind = std::mem::take(&mut self.origin_rewind);
         // Answers come in order: a COMMIT not yet answered comes after the failed statement, so
         // its group did not commit (PostgreSQL answers it with a rollback). Forget those groups
         // before draining, so that their answers cannot count them as committed.
@@ -2746,6 +2813,9 @@ impl Applier {
             // A parallel worker stops at once: statements after the failure may be waiting on
             // the server for transactions that will not commit now, and dropping the connection
             // ends them. Positions are in the origins; nothing after the failure committed.
+            if rewind {
+                self.rewind_origin().await;
+            }
             if let Some(e) = self.failure.take() {
                 return Err(e);
             }
@@ -2764,6 +2834,11 @@ impl Applier {
                 self.held_rows = 0;
                 // COMMITs answered before the failure stand (settled below).
                 let _ = self.client.batch_execute("ROLLBACK").await;
+                // Last, outside any transaction: the ROLLBACK of a later group moves the origin
+                // too (PostgreSQL 16+).
+                if rewind {
+                    self.rewind_origin().await;
+                }
                 self.settle_committed().await;
                 Err(e)
             }
@@ -2835,7 +2910,16 @@ impl Applier {
                 WireValue::Text(commit_time.to_rfc3339().into()),
             ],
         ));
-        self.pending.push(Pending::plain(self.commit.clone()));
+        if failpoint::armed(failpoint::EXIT_BEFORE_COMMIT) {
+            self.submit_pending();
+            self.drain_to(0).await;
+            failpoint::exit(failpoint::EXIT_BEFORE_COMMIT);
+        }
+        let commit = match &self.origin_commit {
+            Some(sql) => Pending::simple(sql.clone()),
+            None => Pending::plain(self.commit.clone()),
+        };
+        self.pending.push(commit);
         // The COMMIT goes out without waiting for its answer: the next group is built (and
         // sent) meanwhile. The group counts as applied once the answer is in. (Noted before
         // sending: the answer may be taken while sending.)
@@ -2876,7 +2960,7 @@ impl Applier {
             WAIT_FOR_COMMIT_MS
         };
         let pending = Pending {
-            statement: statements.wait.clone(),
+            request: Request::Prepared(statements.wait.clone()),
             params: wait_params(worker, &after, timeout_ms),
             about: None,
             batch: Vec::new(),

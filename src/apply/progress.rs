@@ -30,6 +30,11 @@ pub struct ProgressStore {
 
 const INSUFFICIENT_PRIVILEGE: &str = "42501";
 
+/// Transaction-local settings that carry a group's end position and commit time from the
+/// statement that binds them to the one that sets the origin (`ProgressStore::origin_commit_sql`).
+const END_LSN_SETTING: &str = "pgapply.end_lsn";
+const COMMIT_TIME_SETTING: &str = "pgapply.commit_time";
+
 /// Between the slot's origin name and a parallel worker's number (slot names can not hold '-').
 const WORKER_SUFFIX: &str = "-w";
 
@@ -350,18 +355,33 @@ impl ProgressStore {
     }
 
     /// The statement that records `($1 lsn, $2 commit time)` inside the current transaction.
+    /// In origin mode it only notes them in the transaction (`origin_commit_sql` sets the
+    /// origin position from them in the same message as the COMMIT).
     pub fn record_sql(&self) -> String {
         match &self.mode {
-            // txid_current() makes sure the transaction has an id, so COMMIT writes a commit
-            // record carrying the position even when every change of the group found no row.
-            ProgressMode::Origin { .. } => {
-                "SELECT pg_catalog.pg_replication_origin_xact_setup($1::pg_lsn, $2::timestamptz), pg_catalog.txid_current()".into()
-            }
+            ProgressMode::Origin { .. } => format!(
+                "SELECT pg_catalog.set_config('{END_LSN_SETTING}', $1, true), pg_catalog.set_config('{COMMIT_TIME_SETTING}', $2, true)"
+            ),
             ProgressMode::Table => format!(
                 "UPDATE pgapply.progress SET lsn = $1::pg_lsn, commit_time = $2::timestamptz, updated_at = now() WHERE slot_name = {}",
                 crate::sql::quote_literal(&self.slot)
             ),
         }
+    }
+
+    /// Origin mode: the simple query that sets the origin position noted by `record_sql` and
+    /// then ends the transaction with `finish` (COMMIT, PREPARE TRANSACTION ..). PostgreSQL 16+
+    /// moves a session's origin to the position set when its transaction aborts, as when it
+    /// commits: set in a statement of its own, a connection lost before the COMMIT arrived would
+    /// leave the origin past a transaction that never committed, and the next run would skip
+    /// it. The server reads a whole message before running any of it, so the two arrive together
+    /// or not at all. (No values in the text: they were bound in `record_sql`.)
+    pub fn origin_commit_sql(finish: &str) -> String {
+        // txid_current() makes sure the transaction has an id, so COMMIT writes a commit record
+        // carrying the position even when every change of the group found no row.
+        format!(
+            "SELECT pg_catalog.pg_replication_origin_xact_setup(pg_catalog.current_setting('{END_LSN_SETTING}')::pg_lsn, pg_catalog.current_setting('{COMMIT_TIME_SETTING}')::timestamptz), pg_catalog.txid_current(); {finish}"
+        )
     }
 
     /// The source position whose changes are durable on the target. In origin mode this flushes

@@ -382,6 +382,39 @@ pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Runs `test`, then rolls back what it may have left prepared: the source transaction `gid` and
+/// any of pgapply's on the target in this pair's database. Left on the shared clusters, a prepared
+/// transaction would hold up other tests' slot creation. A panic of `test` is raised again after.
+pub async fn cleaning_prepared(
+    db: &TestDb,
+    gid: &str,
+    test: impl std::future::Future<Output = ()>,
+) {
+    let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(test)).await;
+    let _ = db
+        .source
+        .batch_execute(&format!("ROLLBACK PREPARED '{gid}'"))
+        .await;
+    let left = db
+        .target
+        .query(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()",
+            &[],
+        )
+        .await
+        .unwrap_or_default();
+    for row in left {
+        let gid: String = row.get(0);
+        let _ = db
+            .target
+            .batch_execute(&format!("ROLLBACK PREPARED '{gid}'"))
+            .await;
+    }
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
 /// Says that the running test skips itself, and why, in a form scripts/test-matrix.sh reads.
 pub fn skip(reason: &str) {
     let name = std::thread::current()

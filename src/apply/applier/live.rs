@@ -647,13 +647,7 @@ impl Applier {
 
     /// Queues a statement without parameters.
     fn push_plain(&mut self, statement: Statement) {
-        self.pending.push(Pending {
-            statement,
-            params: Vec::new(),
-            about: None,
-            batch: Vec::new(),
-            orders: false,
-        });
+        self.pending.push(Pending::plain(statement));
     }
 }
 
