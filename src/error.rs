@@ -103,6 +103,12 @@ impl Error {
         }
     }
 
+    /// The same error, but one that a retry must not paper over: a person has to act first.
+    pub fn needing_a_person(mut self) -> Self {
+        self.class = ErrorClass::Definite;
+        self
+    }
+
     /// Adds advice after the message.
     pub fn context_after(mut self, advice: impl fmt::Display) -> Self {
         self.message = format!("{}; {advice}", self.message);

@@ -1034,6 +1034,14 @@ async fn pre_data_copy_only_post_data_then_stream() {
     // --copy-only without --copy-data: a usage error.
     let out = run_with_deadline(db.pgapply("p", &["--copy-only"]), 30).await;
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    // ...and so is an end position (it stops before any change).
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--copy-only", "--endpos", "0/1"]),
+        30,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--endpos"), "{}", stderr(&out));
 
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--copy-only"]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));

@@ -162,16 +162,18 @@ async fn lost_prepare(db: &TestDb, gid: &str) {
     ))
     .await;
     run_into_lost_commit(db, "t", &["--two-phase"]).await;
+    let prepared = "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()";
+    assert_eq!(
+        db.count(&db.target, prepared).await,
+        0,
+        "prepared before the failpoint"
+    );
     // The next run prepares it on the target...
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--two-phase", "--endpos", &endpos]), 120).await;
     assert!(out.status.success(), "second run: {}", stderr(&out));
     assert_eq!(
-        db.count(
-            &db.target,
-            "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()"
-        )
-        .await,
+        db.count(&db.target, prepared).await,
         1,
         "the transaction is prepared on the target"
     );

@@ -321,7 +321,10 @@ impl ChangeInfo {
 }
 
 pub struct Applier {
-    client: Arc<deadpool_postgres::Object>,
+    /// The apply session, taken out of the pool for good: it is bound to the replication
+    /// origin, and the position set in it outlives each transaction; no other work may inherit
+    /// either (a commit of anything in it would carry that position).
+    client: Arc<deadpool_postgres::ClientWrapper>,
     catalog: deadpool_postgres::Object,
     progress: ProgressStore,
     /// Statements sent to the target whose results have not been checked yet, in order.
@@ -474,6 +477,7 @@ impl Applier {
         applied: impl Into<Arc<watch::Sender<Lsn>>>,
         options: ApplierOptions,
     ) -> Result<Self> {
+        let client = deadpool_postgres::Object::take(client);
         progress.setup_session(&client).await?;
         progress.check_resume(&client, resume).await?;
         if options.two_phase {
@@ -740,7 +744,7 @@ impl Applier {
         // rows.
         self.live_abandon();
         if self.current.is_some() {
-            self.rollback().await;
+            self.rollback().await?;
         } else if self.group.is_some() {
             self.commit_group().await?;
         }
@@ -1049,13 +1053,8 @@ impl Applier {
             ProgressStore::origin_commit_sql(&prepare)
         };
         if let Err(e) = self.client.batch_execute(&prepare).await {
-            if !table_mode {
-                self.rewind_origin().await;
-            }
-            return Err(Error::postgres(
-                format!("preparing transaction {gid} on the target"),
-                e,
-            ));
+            let err = Error::postgres(format!("preparing transaction {gid} on the target"), e);
+            return Err(self.with_origin_rewound(err).await);
         }
         if table_mode {
             // Not inside the prepared transaction: its row lock would be held until COMMIT
@@ -1117,10 +1116,15 @@ impl Applier {
                     )
                     .await
                     .map_err(|e| Error::postgres("recording the position on the target", e))?;
-                self.client
-                    .batch_execute(&finish)
-                    .await
-                    .map_err(|e| Error::postgres(format!("{verb} {gid} on the target"), e))?;
+                if let Err(e) = self.client.batch_execute(&finish).await {
+                    // The position stays set in the session: cleared, or the session's next
+                    // commit would carry it and count this transaction as finished.
+                    let _ = self
+                        .client
+                        .batch_execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
+                        .await;
+                    return Err(Error::postgres(format!("{verb} {gid} on the target"), e));
+                }
             }
             super::progress::ProgressMode::Table => {
                 self.client
@@ -2643,7 +2647,9 @@ impl Applier {
                         {
                             let (transactions, end_lsn, last) =
                                 (c.transactions, c.end_lsn, c.last_transaction);
-                            if c.seq == completed {
+                            // Only an error the server sent says the COMMIT did not happen; a
+                            // connection lost on the way leaves that open (the origin tells).
+                            if c.seq == completed && e.as_db_error().is_some() {
                                 self.origin_rewind = true;
                             }
                             return self.commit_failed(transactions, end_lsn, last, e);
@@ -2743,10 +2749,11 @@ impl Applier {
     /// origin on abort too, and the next run would skip that transaction. (Before 16 the origin
     /// is already there: nothing moves.) The session may be busy with statements sent after
     /// the failure: a short wait, then a warning.
-    async fn rewind_origin(&mut self) {
-        let Some(name) = self.progress.origin_name().map(str::to_owned) else {
-            return;
-        };
+    ///
+    /// Returns what the user must do when it could not: the next run, retried or not, would
+    /// skip the transactions that failed.
+    async fn rewind_origin(&mut self) -> Option<String> {
+        let name = self.progress.origin_name().map(str::to_owned)?;
         // Groups answered as committed but not settled yet count too: moved back past them,
         // the origin would have the next run apply them twice.
         let to = self
@@ -2779,22 +2786,27 @@ impl Applier {
                 )
                 .await
         };
-        let what_to_do = || {
-            format!(
-                "before restarting, run SELECT pg_replication_origin_advance({}, '{to}') on the target (while no pgapply runs for this slot), or the next run skips the transactions that failed",
-                crate::sql::quote_literal(&name)
-            )
-        };
-        match tokio::time::timeout(Duration::from_secs(10), rewind).await {
+        let why = match tokio::time::timeout(Duration::from_secs(10), rewind).await {
             Ok(Ok(_)) => {
-                tracing::debug!(origin = %name, %to, "moved the origin back after a failed commit")
+                tracing::debug!(origin = %name, %to, "moved the origin back after a failed commit");
+                return None;
             }
-            Ok(Err(e)) => {
-                tracing::error!(origin = %name, %to, error = %describe_postgres(&e), "could not move the origin back after a failed commit: {}", what_to_do())
-            }
-            Err(_) => {
-                tracing::error!(origin = %name, %to, "could not move the origin back after a failed commit in time: {}", what_to_do())
-            }
+            Ok(Err(e)) => describe_postgres(&e),
+            Err(_) => "no answer in 10 s".to_owned(),
+        };
+        Some(format!(
+            "the target's replication origin {} could not be moved back to {to} after the failed commit ({why}): before starting pgapply again, run SELECT pg_replication_origin_advance({}, '{to}') on the target, or the next run skips the transactions that failed",
+            crate::sql::quote_literal(&name),
+            crate::sql::quote_literal(&name),
+        ))
+    }
+
+    /// A failure that moved the origin: moved back, or, if that failed, the error says what to
+    /// do and is not retried by itself.
+    async fn with_origin_rewound(&mut self, e: Error) -> Error {
+        match self.rewind_origin().await {
+            None => e,
+            Some(advice) => e.context_after(advice).needing_a_person(),
         }
     }
 
@@ -2813,11 +2825,12 @@ impl Applier {
             // A parallel worker stops at once: statements after the failure may be waiting on
             // the server for transactions that will not commit now, and dropping the connection
             // ends them. Positions are in the origins; nothing after the failure committed.
-            if rewind {
-                self.rewind_origin().await;
-            }
             if let Some(e) = self.failure.take() {
-                return Err(e);
+                return Err(if rewind {
+                    self.with_origin_rewound(e).await
+                } else {
+                    e
+                });
             }
         }
         match self.failure.take() {
@@ -2836,9 +2849,11 @@ impl Applier {
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 // Last, outside any transaction: the ROLLBACK of a later group moves the origin
                 // too (PostgreSQL 16+).
-                if rewind {
-                    self.rewind_origin().await;
-                }
+                let e = if rewind {
+                    self.with_origin_rewound(e).await
+                } else {
+                    e
+                };
                 self.settle_committed().await;
                 Err(e)
             }
@@ -3020,12 +3035,19 @@ impl Applier {
         self.resume = self.resume.max(lsn);
     }
 
-    async fn rollback(&mut self) {
+    async fn rollback(&mut self) -> Result<()> {
         // Earlier groups' answers first: their conflicts are theirs to record.
         self.drain_to(0).await;
+        let mut earlier_failed = None;
         if let Some(e) = self.failure.take() {
-            // Whatever failed is rolled back with the rest and applied again after a restart.
-            tracing::debug!(error = %e, "a statement of the abandoned target transaction failed");
+            if self.committing.is_empty() {
+                // Whatever failed is rolled back with the rest and applied again after a restart.
+                tracing::debug!(error = %e, "a statement of the abandoned target transaction failed");
+            } else {
+                // An earlier group's COMMIT failed: it was not applied, and this run must not end
+                // as if it had been.
+                earlier_failed = Some(e);
+            }
             self.committing.clear();
         }
         self.pending.clear();
@@ -3040,6 +3062,12 @@ impl Applier {
             }
         }
         self.current = None;
+        let rewind = std::mem::take(&mut self.origin_rewind);
+        match earlier_failed {
+            Some(e) if rewind => Err(self.with_origin_rewound(e).await),
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 

@@ -561,10 +561,7 @@ impl Applier {
                 self.submit_pending();
                 Ok(())
             }
-            LogicalMessage::StreamAbort(a) if a.subxid == a.xid => {
-                self.rollback().await;
-                Ok(())
-            }
+            LogicalMessage::StreamAbort(a) if a.subxid == a.xid => self.rollback().await,
             LogicalMessage::StreamAbort(a) => self.rollback_subxact(a.subxid).await,
             LogicalMessage::StreamCommit(c) => {
                 // Conflicts met on the way name the transaction by its commit, known only now:
