@@ -496,6 +496,17 @@ pub async fn plan_copy(
             });
         }
     }
+    // The plan replaces whatever an earlier copy for this slot recorded: a table recorded there
+    // but no longer published would be emptied if this copy were interrupted and started over.
+    let record = |e| Error::postgres("recording the initial copy on the target", e);
+    target.batch_execute("BEGIN").await.map_err(record)?;
+    target
+        .execute(
+            "DELETE FROM pgapply.copy_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(record)?;
     for (i, table) in tables.iter().enumerate() {
         let jobs_total = jobs.iter().filter(|j| j.table == i).count() as i32;
         target
@@ -506,8 +517,9 @@ pub async fn plan_copy(
                 &[&slot, &table.schema, &table.name, &jobs_total],
             )
             .await
-            .map_err(|e| Error::postgres("recording the initial copy on the target", e))?;
+            .map_err(record)?;
     }
+    target.batch_execute("COMMIT").await.map_err(record)?;
     Ok(CopyPlan {
         tables,
         jobs,

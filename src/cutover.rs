@@ -285,7 +285,7 @@ pub async fn cutover(
     }
 
     // 4. Sequences.
-    let copied = copy_sequences(
+    let (copied, left_out) = copy_sequences(
         &source,
         &target,
         &run_config.publications,
@@ -295,6 +295,12 @@ pub async fn cutover(
     .await
     .map_err(frozen)?;
     println!("step 4: copied {copied} sequence(s)");
+    if !left_out.is_empty() {
+        println!(
+            "step 4: not copied, as no published table uses them: {} (--all-sequences copies every sequence)",
+            left_out.join(", ")
+        );
+    }
 
     // 5. Verify.
     let results = verify::verify(
@@ -475,14 +481,16 @@ async fn run_once_until(config: RunConfig, deadline: Instant, step: &str) -> Res
     }
 }
 
-/// Copies sequence states from source to target. Returns how many.
+/// Copies sequence states from source to target: those published tables use (owned by one of
+/// their columns, or named in a column default), or all with `all`. Returns how many were copied,
+/// and the names of those left out.
 pub async fn copy_sequences(
     source: &Client,
     target: &Client,
     publications: &[String],
     table_map: &TableMap,
     all: bool,
-) -> Result<usize> {
+) -> Result<(usize, Vec<String>)> {
     let tables: Vec<String> = published_tables(source, publications, table_map)
         .await?
         .iter()
@@ -490,12 +498,18 @@ pub async fn copy_sequences(
         .collect();
     let rows = source
         .query(
-            // Owned by a published table or by one of its ancestors: a partition's serial
-            // column takes its values from the partitioned table's sequence.
+            // Used: owned by a published table or by one of its ancestors (a partition's serial
+            // column takes its values from the partitioned table's sequence), or named in a
+            // column default of one (`DEFAULT nextval('invoice_no')`).
             "WITH RECURSIVE rel (oid) AS ( \
-                 SELECT x::regclass::oid FROM unnest($2::text[]) x \
-                 UNION SELECT i.inhparent FROM pg_inherits i JOIN rel ON i.inhrelid = rel.oid) \
-             SELECT n.nspname::text, c.relname::text, tn.nspname::text, t.relname::text, a.attname::text \
+                 SELECT x::regclass::oid FROM unnest($1::text[]) x \
+                 UNION SELECT i.inhparent FROM pg_inherits i JOIN rel ON i.inhrelid = rel.oid), \
+             in_default AS ( \
+                 SELECT dd.refobjid AS oid FROM pg_depend dd \
+                 JOIN pg_attrdef ad ON dd.classid = 'pg_attrdef'::regclass AND dd.objid = ad.oid \
+                 WHERE dd.refclassid = 'pg_class'::regclass AND ad.adrelid IN (SELECT oid FROM rel)) \
+             SELECT n.nspname::text, c.relname::text, tn.nspname::text, t.relname::text, a.attname::text, \
+                    coalesce(d.refobjid IN (SELECT oid FROM rel), false) OR c.oid IN (SELECT oid FROM in_default) \
              FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
              LEFT JOIN pg_depend d ON d.classid = 'pg_class'::regclass AND d.objid = c.oid \
                   AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i') \
@@ -504,15 +518,19 @@ pub async fn copy_sequences(
              LEFT JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid \
              WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema') \
                AND n.nspname NOT LIKE 'pg_toast%' AND n.nspname NOT LIKE 'pg_temp%' \
-               AND ($1 OR d.refobjid IN (SELECT oid FROM rel)) \
              ORDER BY 1, 2",
-            &[&all, &tables],
+            &[&tables],
         )
         .await
         .map_err(|e| Error::postgres("step 4: listing sequences on the source", e))?;
     let mut count = 0;
+    let mut left_out = Vec::new();
     for row in rows {
         let name = crate::sql::qualified_name(&row.get::<_, String>(0), &row.get::<_, String>(1));
+        if !all && !row.get::<_, bool>(5) {
+            left_out.push(name);
+            continue;
+        }
         let owner: Option<(String, String, String)> = match (row.get(2), row.get(3), row.get(4)) {
             (Some(schema), Some(table), Some(column)) => Some((schema, table, column)),
             _ => None,
@@ -539,7 +557,7 @@ pub async fn copy_sequences(
             })?;
         count += 1;
     }
-    Ok(count)
+    Ok((count, left_out))
 }
 
 /// The target's sequence for source sequence `name`: a sequence owned by a table column (serial,
