@@ -45,6 +45,9 @@ pub struct TableResult {
     /// Key ranges whose rows differ: `[from, to)` as text, `None` for an open end.
     pub mismatches: Vec<(Option<String>, Option<String>)>,
     pub note: Option<String>,
+    /// Why the table could not be compared (then `ok` is false and nothing else is known).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// How both sides print floating-point numbers. PostgreSQL 12 changed the output: from 12 on,
@@ -66,7 +69,8 @@ async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32)
     client
         .batch_execute(&format!(
             "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = {float_digits}; \
-             SET timezone = 'UTC'; SET bytea_output = hex; SET lc_monetary = 'C'; SET statement_timeout = 0"
+             SET timezone = 'UTC'; SET bytea_output = hex; SET lc_monetary = 'C'; SET statement_timeout = 0; \
+             SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'"
         ))
         .await
         .map_err(|e| Error::postgres(format!("configuring the {role} session"), e))?;
@@ -160,10 +164,11 @@ async fn all_chunk_digests(
         .join(", ");
     let order = key_list("", keys);
     let filter = filter.map(|f| format!(" WHERE ({f})")).unwrap_or_default();
+    let row_hash = ROW_HASH;
     let sql = format!(
         "SELECT pgapply_chunk, count(*), md5(string_agg(pgapply_h, '' ORDER BY {order})) FROM ( \
            SELECT *, sum(pgapply_start::int) OVER (ORDER BY {order}, pgapply_start DESC ROWS UNBOUNDED PRECEDING) AS pgapply_chunk \
-           FROM (SELECT {key_columns}, md5(r::text) AS pgapply_h, false AS pgapply_start \
+           FROM (SELECT {key_columns}, {row_hash} AS pgapply_h, false AS pgapply_start \
                  FROM (SELECT {columns} FROM {table_sql}{filter}) r \
                  UNION ALL SELECT {start_columns}, NULL, true FROM unnest({arrays}) AS b({names})) x \
          ) y WHERE NOT pgapply_start GROUP BY pgapply_chunk"
@@ -190,6 +195,10 @@ async fn all_chunk_digests(
         .collect())
 }
 
+/// A row's digest: of its text form in UTF-8, so that databases of different encodings (a
+/// LATIN1 source migrated to a UTF8 target, say) give the same digest for the same row.
+const ROW_HASH: &str = "md5(convert_to(r::text, 'UTF8'))";
+
 struct Chunk {
     from: Option<Vec<String>>,
     to: Option<Vec<String>>,
@@ -210,7 +219,12 @@ fn key_expr(prefix: &str, column: &str, ty: &str) -> String {
 /// in "C" on every version (and takes no COLLATE before 12).
 fn collatable(ty: &str) -> bool {
     let base = ty.split(['(', '[']).next().unwrap_or(ty).trim();
-    matches!(base, "text" | "character varying" | "character" | "citext")
+    // citext may live in another schema than the search path's (printed `ext.citext`).
+    let base = base.rsplit('.').next().unwrap_or(base).trim_matches('"');
+    matches!(
+        base,
+        "text" | "character varying" | "character" | "bpchar" | "citext"
+    )
 }
 
 fn key_list(prefix: &str, keys: &[(String, String)]) -> String {
@@ -277,17 +291,24 @@ async fn chunk_digest(
     } else {
         format!(" WHERE {}", conditions.join(" AND "))
     };
-    let order = if keys.is_empty() {
-        "r::text COLLATE \"C\"".to_owned()
+    let sql = if keys.is_empty() {
+        // No key to order the rows by: a digest that needs no order, the sums of the rows'
+        // digests (two 64-bit halves each), so no sort and no value that grows with the table
+        // (a string of 32 bytes a row passes PostgreSQL's 1 GB limit at about 33 million rows).
+        format!(
+            "SELECT count(*), coalesce(sum(('x' || left(h, 16))::bit(64)::bigint::numeric)::text \
+                 || '/' || sum(('x' || right(h, 16))::bit(64)::bigint::numeric)::text, '') \
+             FROM (SELECT {ROW_HASH} AS h FROM (SELECT {columns} FROM {table_sql}{filter}) r) d"
+        )
     } else {
-        key_list("r.", keys)
+        // A digest of the rows' digests in key order: 32 bytes a row to aggregate, however wide
+        // the rows (a chunk holds --chunk-rows rows).
+        let order = key_list("r.", keys);
+        format!(
+            "SELECT count(*), coalesce(md5(string_agg({ROW_HASH}, '' ORDER BY {order})), '') \
+             FROM (SELECT {columns} FROM {table_sql}{filter}) r"
+        )
     };
-    // A digest of the rows' digests: 32 bytes a row to aggregate, however wide the rows (one
-    // string of whole rows could pass PostgreSQL's 1 GB limit for a value).
-    let sql = format!(
-        "SELECT count(*), coalesce(md5(string_agg(md5(r::text), '' ORDER BY {order})), '') \
-         FROM (SELECT {columns} FROM {table_sql}{filter}) r"
-    );
     let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
         .iter()
         .map(|p| p as &(dyn tokio_postgres::types::ToSql + Sync))
@@ -322,7 +343,9 @@ async fn verify_table(
     // Every chunk's digest on both sides, taken in one pass per side.
     let mut first_pass: Option<(ChunkDigests, ChunkDigests)> = None;
     if keys.is_empty() {
-        note = Some("no primary key: compared as one chunk".to_owned());
+        note = Some(
+            "no primary key or replica identity index whose columns are all published: compared as one chunk, without key ranges".to_owned(),
+        );
         chunks.push(Chunk {
             from: None,
             to: None,
@@ -341,7 +364,7 @@ async fn verify_table(
             .unwrap_or_default();
         let sql = format!(
             "SELECT {key_texts} FROM (SELECT *, row_number() OVER (ORDER BY {order}) AS pgapply_rn FROM {source_table}{filter}) s \
-             WHERE pgapply_rn % $1 = 1 ORDER BY pgapply_rn"
+             WHERE (pgapply_rn - 1) % $1 = 0 ORDER BY pgapply_rn"
         );
         let rows = source
             .query(sql.as_str(), &[&settings.chunk_rows.max(1)])
@@ -403,6 +426,7 @@ async fn verify_table(
         chunks: chunks.len(),
         mismatches: Vec::new(),
         note,
+        error: None,
     };
     for (index, chunk) in chunks.iter().enumerate() {
         let mut attempt = 0;
@@ -488,17 +512,37 @@ pub async fn verify(
             settings.clone(),
             limit.clone(),
         );
-        tasks.push(tokio::spawn(async move {
-            let _permit = limit.acquire_owned().await;
-            verify_table(s, t, table, settings, float_digits).await
-        }));
+        let name = table.qualified();
+        tasks.push((
+            name,
+            tokio::spawn(async move {
+                let _permit = limit.acquire_owned().await;
+                verify_table(s, t, table, settings, float_digits).await
+            }),
+        ));
     }
+    // A table that cannot be compared (missing on the target, say) is reported as such; the
+    // others are still compared.
     let mut results = Vec::new();
-    for task in tasks {
-        results.push(
-            task.await
-                .map_err(|e| Error::definite(format!("a verify task failed: {e}")))??,
-        );
+    for (table, task) in tasks {
+        let error = match task.await {
+            Ok(Ok(result)) => {
+                results.push(result);
+                continue;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => format!("the verify task failed: {e}"),
+        };
+        results.push(TableResult {
+            table,
+            ok: false,
+            source_rows: 0,
+            target_rows: 0,
+            chunks: 0,
+            mismatches: Vec::new(),
+            note: None,
+            error: Some(error),
+        });
     }
     results.sort_by(|a, b| a.table.cmp(&b.table));
     Ok(results)
@@ -512,7 +556,9 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
         println!("{text}");
     } else {
         for r in results {
-            if r.ok {
+            if let Some(error) = &r.error {
+                println!("FAILED    {}: not compared: {error}", r.table);
+            } else if r.ok {
                 println!(
                     "OK        {} ({} rows, {} chunks)",
                     r.table, r.source_rows, r.chunks
@@ -540,7 +586,22 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
         .filter(|r| !r.ok)
         .map(|r| r.table.as_str())
         .collect();
-    if bad.is_empty() {
+    let failed: Vec<&str> = results
+        .iter()
+        .filter(|r| r.error.is_some())
+        .map(|r| r.table.as_str())
+        .collect();
+    if !failed.is_empty() {
+        Err(Error::definite(format!(
+            "{} could not be compared (see above){}",
+            failed.join(", "),
+            if bad.len() > failed.len() {
+                "; other tables differ"
+            } else {
+                ""
+            }
+        )))
+    } else if bad.is_empty() {
         Ok(())
     } else {
         Err(Error::definite(format!(

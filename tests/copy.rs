@@ -448,7 +448,8 @@ async fn schema_then_copy_then_cutover_with_sequences() {
     // The serial and identity sequences, and the one a column default names; not the unused.
     assert!(
         text.contains("step 4: copied 3 sequence(s)")
-            && text.contains("not copied, as no published table uses them: \"public\".\"unused_seq\"")
+            && text
+                .contains("not copied, as no published table uses them: \"public\".\"unused_seq\"")
             && text.contains("cutover done"),
         "{text}"
     );
@@ -821,6 +822,98 @@ async fn verify_names_a_corrupted_row() {
         .collect();
     assert_eq!(bad.len(), 1);
     assert_eq!(bad[0]["table"], "\"public\".\"v\"");
+
+    // A table without a key is compared without a sort: a changed row still shows.
+    db.target_sql(
+        "UPDATE v SET x = 'x2500' WHERE id = 2500; UPDATE w SET b = 'changed' WHERE a = 3",
+    )
+    .await;
+    let out = run_with_deadline(base(false), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("OK        \"public\".\"v\"") && text.contains("MISMATCH  \"public\".\"w\""),
+        "{text}"
+    );
+    // A table that cannot be compared is named, and the others are still compared.
+    db.target_sql("DROP TABLE w").await;
+    let out = run_with_deadline(base(false), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("OK        \"public\".\"v\"")
+            && text.contains("FAILED    \"public\".\"w\": not compared"),
+        "{text}\n{}",
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains("could not be compared"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A UTF8 source copied into a LATIN1 target: the same rows, so verify says OK (it compares
+/// the rows' text in UTF-8, not in each server's encoding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_agrees_across_encodings() {
+    let db = TestDb::new("verifyenc").await;
+    let latin1 = format!("{}_latin1", db.name);
+    db.target_sql(&format!(
+        "CREATE DATABASE {latin1} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user=postgres dbname={latin1}",
+        db.target_port
+    );
+    common::connect(db.target_port, &latin1)
+        .await
+        .batch_execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        .await
+        .unwrap();
+    db.source_sql(
+        "CREATE TABLE t (id int PRIMARY KEY, v text); \
+         INSERT INTO t SELECT g, 'café crème à ' || g FROM generate_series(1, 300) g; \
+         CREATE PUBLICATION p FOR TABLE t;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &target,
+            &db.slot(),
+            "p",
+            &["--copy-data", "--create-slot", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let verify = |extra: &[&str]| {
+        let mut args = vec![
+            "verify",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &target,
+            "--publication",
+            "p",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        common::pgapply_command(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    // Both ways of comparing: chunks from one pass, and a chunk at a time.
+    for extra in [&[][..], &["--chunk-rows", "100"][..]] {
+        let out = run_with_deadline(verify(extra), 60).await;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{text}{}", stderr(&out));
+        assert!(text.contains("OK        \"public\".\"t\""), "{text}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
