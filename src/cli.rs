@@ -236,7 +236,7 @@ pub struct CutoverArgs {
     /// Make these source roles read-only and end their sessions before draining.
     #[arg(long, value_delimiter = ',', value_name = "ROLE,...")]
     pub freeze_writes: Vec<String>,
-    /// Copy every sequence of the source database, not just those owned by published tables.
+    /// Copy every sequence of the source database, not just those published tables use.
     #[arg(long)]
     pub all_sequences: bool,
     /// Prepare replication from the target back to the source (publication and slot on the target).

@@ -244,6 +244,57 @@ pub async fn own_rows(client: &Client, qualified: &str, role: &str) -> Result<St
 
 /// Checks the target tables: they exist with the published columns, and are empty (or are emptied
 /// with `truncate`). Returns per table whether binary COPY can be used (same column types).
+/// Whether the target role may set `session_replication_role` (which keeps triggers and
+/// foreign-key checks quiet during the copy).
+fn may_quiet_triggers_sql(version: i32) -> &'static str {
+    if version >= 150000 {
+        "SELECT rolsuper OR has_parameter_privilege('session_replication_role', 'SET') FROM pg_roles WHERE rolname = current_user"
+    } else {
+        "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+    }
+}
+
+/// When the target role may not quiet them, names the target tables whose triggers or foreign
+/// keys will act on the copied rows: tables are copied side by side in any order, so a
+/// foreign key fails when a child's rows come before its parent's, and triggers change rows.
+async fn warn_of_loud_triggers(target: &Client, tables: &[PublishedTable]) -> Result<()> {
+    let context = |e| Error::postgres("reading the target's triggers and foreign keys", e);
+    let version: i32 = target
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(context)?
+        .get(0);
+    let may: bool = target
+        .query_one(may_quiet_triggers_sql(version), &[])
+        .await
+        .map_err(context)?
+        .get(0);
+    if may {
+        return Ok(());
+    }
+    let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    let loud: Vec<String> = target
+        .query(
+            "SELECT c.oid::regclass::text FROM unnest($1::text[]) n JOIN pg_catalog.pg_class c ON c.oid = to_regclass(n) \
+             WHERE EXISTS (SELECT FROM pg_catalog.pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal AND t.tgenabled IN ('O', 'A')) \
+                OR EXISTS (SELECT FROM pg_catalog.pg_constraint k WHERE k.conrelid = c.oid AND k.contype = 'f') \
+             ORDER BY 1",
+            &[&names],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if !loud.is_empty() {
+        tracing::warn!(
+            tables = %loud.join(", "),
+            "the target role may not set session_replication_role, so these tables' triggers and foreign keys act on the copied rows (a foreign key fails when a child table's rows arrive before its parent's): copy as a superuser (or, on PostgreSQL 15+, GRANT SET ON PARAMETER session_replication_role TO the role), or create the triggers and foreign keys after the copy (`pgapply schema --section post-data`)"
+        );
+    }
+    Ok(())
+}
+
 async fn prepare_target(
     target: &Client,
     tables: &[PublishedTable],
@@ -463,6 +514,7 @@ pub async fn plan_copy(
         .map_err(|e| Error::postgres("reading the target's version", e))?
         .get::<_, i32>(0) as u32;
     let tables = published_tables(&source, publications, table_map).await?;
+    warn_of_loud_triggers(&target, &tables).await?;
     let binary = prepare_target(
         &target,
         &tables,
@@ -920,13 +972,8 @@ async fn copy_one(
         .await
         .map_err(dst_err)?
         .get(0);
-    let privilege_sql = if version >= 150000 {
-        "SELECT rolsuper OR has_parameter_privilege('session_replication_role', 'SET') FROM pg_roles WHERE rolname = current_user"
-    } else {
-        "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
-    };
     let may_set_role: bool = target_tx
-        .query_one(privilege_sql, &[])
+        .query_one(may_quiet_triggers_sql(version), &[])
         .await
         .map_err(dst_err)?
         .get(0);

@@ -191,19 +191,64 @@ pub async fn cutover(
             quote_ident(&database)
         )
     };
+    // Every role named must exist before any is frozen: a typo would otherwise stop the
+    // cutover with some roles read-only already.
+    if !settings.freeze_roles.is_empty() {
+        let missing: Vec<String> = source
+            .query(
+                "SELECT r FROM unnest($1::text[]) r WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r)",
+                &[&settings.freeze_roles],
+            )
+            .await
+            .map_err(|e| Error::postgres("step 2: looking up the roles to freeze", e))?
+            .iter()
+            .map(|r| format!("{:?}", r.get::<_, String>(0)))
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::usage(format!(
+                "step 2: --freeze-writes names role(s) the source does not have: {} (nothing was frozen)",
+                missing.join(", ")
+            )));
+        }
+    }
+    let mut altered: Vec<&str> = Vec::new();
+    // A failure half-way leaves the roles before it read-only: say so, with the way back.
+    let half_way = |e: Error, altered: &[&str]| {
+        if altered.is_empty() {
+            e
+        } else {
+            e.context_after(format!(
+                "role(s) {} are read-only already: undo with {}",
+                altered.join(", "),
+                altered
+                    .iter()
+                    .map(|r| undo(r))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ))
+        }
+    };
     for role in &settings.freeze_roles {
-        source
+        if let Err(e) = source
             .batch_execute(&format!(
                 "ALTER ROLE {} IN DATABASE {} SET default_transaction_read_only = on",
                 quote_ident(role),
                 quote_ident(&database)
             ))
             .await
-            .map_err(|e| Error::postgres(format!("step 2: making role {role:?} read-only"), e))?;
+        {
+            let e = Error::postgres(format!("step 2: making role {role:?} read-only"), e);
+            return Err(half_way(e, &altered));
+        }
+        altered.push(role);
         // The sessions first, then the signal: in one WHERE clause the planner may call
         // pg_terminate_backend before the role filter.
-        let context =
-            |e| Error::postgres(format!("step 2: ending the sessions of role {role:?}"), e);
+        let context = |e| {
+            half_way(
+                Error::postgres(format!("step 2: ending the sessions of role {role:?}"), e),
+                &altered,
+            )
+        };
         let pids: Vec<i32> = source
             .query(
                 "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND datname = current_database() AND pid <> pg_backend_pid()",

@@ -341,7 +341,8 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
         timeout: args.timeout,
         freeze_roles: args
             .freeze_writes
-            .into_iter()
+            .iter()
+            .map(|r| r.trim().to_owned())
             .filter(|r| !r.is_empty())
             .collect(),
         all_sequences: args.all_sequences,

@@ -551,6 +551,35 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.source_sql("INSERT INTO events (at) VALUES (150)").await;
     let role = format!("ro_{}", db.name);
     db.source_sql(&format!("CREATE ROLE {role} LOGIN")).await;
+    // A role that does not exist (a typo): refused before any role is frozen.
+    let slot = db.slot();
+    let roles = format!("{role}, nosuch_{}", db.name);
+    let out = run_with_deadline(
+        db.on_both(
+            "cutover",
+            &[
+                "--slot",
+                &slot,
+                "--timeout",
+                "60s",
+                "--freeze-writes",
+                &roles,
+            ],
+        ),
+        120,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("\"nosuch_{}\"", db.name))
+            && stderr(&out).contains("nothing was frozen"),
+        "{}",
+        stderr(&out)
+    );
+    let frozen = format!(
+        "SELECT count(*) FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole WHERE r.rolname = '{role}'"
+    );
+    assert_eq!(db.count(&db.source, &frozen).await, 0);
     // No worker runs: the cutover catches up itself before it freezes writes, applies the rest,
     // then copies the sequence that the partitions' column takes its values from (owned by the
     // partitioned table).
@@ -1303,4 +1332,61 @@ async fn schema_follows_renames_and_column_lists() {
         db.count(&db.source, &format!("{q} orders")).await
     );
     let _ = std::fs::remove_file(&config);
+}
+
+/// A target role that may not set session_replication_role: the tables whose foreign keys or
+/// triggers will act on the copied rows are named before the copy, with what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_whose_foreign_keys_will_fire_names_the_tables() {
+    let db = TestDb::new("copyfk").await;
+    db.both(
+        "CREATE TABLE parent (id int PRIMARY KEY); \
+         CREATE TABLE child (id int PRIMARY KEY, pid int REFERENCES parent); \
+         CREATE TABLE plain (id int PRIMARY KEY);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO parent VALUES (1); INSERT INTO child VALUES (1, 1); INSERT INTO plain VALUES (1); \
+         CREATE PUBLICATION p FOR TABLE parent, child, plain;",
+    )
+    .await;
+    let writer = format!("w_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {writer} LOGIN PASSWORD 'w-secret'; \
+         GRANT ALL ON parent, child, plain TO {writer}; GRANT CREATE ON DATABASE {} TO {writer};",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={writer} password=w-secret dbname={}",
+        db.target_port, db.name
+    );
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &target,
+            &db.slot(),
+            "p",
+            &[
+                "--copy-data",
+                "--create-slot",
+                "--copy-jobs",
+                "1",
+                "--endpos",
+                &endpos,
+            ],
+        ),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    let warning = log
+        .lines()
+        .find(|l| l.contains("may not set session_replication_role"))
+        .unwrap_or_else(|| panic!("no warning: {log}"));
+    assert!(
+        warning.contains("child") && !warning.contains("plain") && warning.contains("post-data"),
+        "{warning}"
+    );
 }
