@@ -116,6 +116,24 @@ pub async fn cutover(
     let started = Instant::now();
     let deadline = started + settings.timeout;
 
+    // Before anything: what would stop a later step half-way, with writes frozen.
+    let sequences = plan_sequences(
+        &source,
+        &target,
+        &run_config.publications,
+        &run_config.table_map,
+        settings.all_sequences,
+    )
+    .await?;
+    let mut problems = sequence_problems(&source, &target, &sequences).await?;
+    problems.extend(freeze_problems(&source, &settings.freeze_roles).await?);
+    if !problems.is_empty() {
+        return Err(Error::definite(format!(
+            "the cutover would stop half-way (nothing was done): {}",
+            problems.join("; ")
+        )));
+    }
+
     // 1. Lag. A worker that is just (re)connecting shows the slot inactive for a moment: look a
     // few times before concluding that none runs.
     let mut active = false;
@@ -191,26 +209,6 @@ pub async fn cutover(
             quote_ident(&database)
         )
     };
-    // Every role named must exist before any is frozen: a typo would otherwise stop the
-    // cutover with some roles read-only already.
-    if !settings.freeze_roles.is_empty() {
-        let missing: Vec<String> = source
-            .query(
-                "SELECT r FROM unnest($1::text[]) r WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r)",
-                &[&settings.freeze_roles],
-            )
-            .await
-            .map_err(|e| Error::postgres("step 2: looking up the roles to freeze", e))?
-            .iter()
-            .map(|r| format!("{:?}", r.get::<_, String>(0)))
-            .collect();
-        if !missing.is_empty() {
-            return Err(Error::usage(format!(
-                "step 2: --freeze-writes names role(s) the source does not have: {} (nothing was frozen)",
-                missing.join(", ")
-            )));
-        }
-    }
     let mut altered: Vec<&str> = Vec::new();
     // A failure half-way leaves the roles before it read-only: say so, with the way back.
     let half_way = |e: Error, altered: &[&str]| {
@@ -330,20 +328,14 @@ pub async fn cutover(
     }
 
     // 4. Sequences.
-    let (copied, left_out) = copy_sequences(
-        &source,
-        &target,
-        &run_config.publications,
-        &run_config.table_map,
-        settings.all_sequences,
-    )
-    .await
-    .map_err(frozen)?;
+    let copied = copy_sequences(&source, &target, &sequences)
+        .await
+        .map_err(frozen)?;
     println!("step 4: copied {copied} sequence(s)");
-    if !left_out.is_empty() {
+    if !sequences.left_out.is_empty() {
         println!(
             "step 4: not copied, as no published table uses them: {} (--all-sequences copies every sequence)",
-            left_out.join(", ")
+            sequences.left_out.join(", ")
         );
     }
 
@@ -526,16 +518,62 @@ async fn run_once_until(config: RunConfig, deadline: Instant, step: &str) -> Res
     }
 }
 
-/// Copies sequence states from source to target: those published tables use (owned by one of
-/// their columns, or named in a column default), or all with `all`. Returns how many were copied,
-/// and the names of those left out.
-pub async fn copy_sequences(
+/// The sequences a cutover copies: those published tables use (owned by one of their columns,
+/// or named in a column default), or all with `--all-sequences`.
+pub struct SequencePlan {
+    /// (source sequence, its target sequence), both qualified and quoted.
+    pub copy: Vec<(String, String)>,
+    /// Source sequences left out.
+    pub left_out: Vec<String>,
+}
+
+/// What would stop step 2 half-way: a role that does not exist (a typo), or a source role that
+/// may not alter roles or end their sessions.
+async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String>> {
+    if roles.is_empty() {
+        return Ok(Vec::new());
+    }
+    let context = |e| Error::postgres("looking up the roles to freeze on the source", e);
+    let mut problems: Vec<String> = source
+        .query(
+            "SELECT r FROM unnest($1::text[]) r WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r)",
+            &[&roles],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| {
+            format!(
+                "--freeze-writes names role {:?}, which the source does not have",
+                r.get::<_, String>(0)
+            )
+        })
+        .collect();
+    let row = source
+        .query_one(
+            "SELECT rolsuper OR rolcreaterole, rolsuper OR pg_catalog.pg_has_role(current_user, 'pg_signal_backend', 'MEMBER') \
+             FROM pg_catalog.pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await
+        .map_err(context)?;
+    if !row.get::<_, bool>(0) {
+        problems.push("--freeze-writes needs a source role with CREATEROLE (or a superuser) to make roles read-only".to_owned());
+    }
+    if !row.get::<_, bool>(1) {
+        problems.push("--freeze-writes needs a source role that is a member of pg_signal_backend (or a superuser) to end the frozen roles' sessions".to_owned());
+    }
+    Ok(problems)
+}
+
+/// Lists the sequences to copy and the target sequence of each.
+pub async fn plan_sequences(
     source: &Client,
     target: &Client,
     publications: &[String],
     table_map: &TableMap,
     all: bool,
-) -> Result<(usize, Vec<String>)> {
+) -> Result<SequencePlan> {
     let tables: Vec<String> = published_tables(source, publications, table_map)
         .await?
         .iter()
@@ -567,13 +605,15 @@ pub async fn copy_sequences(
             &[&tables],
         )
         .await
-        .map_err(|e| Error::postgres("step 4: listing sequences on the source", e))?;
-    let mut count = 0;
-    let mut left_out = Vec::new();
+        .map_err(|e| Error::postgres("listing sequences on the source", e))?;
+    let mut plan = SequencePlan {
+        copy: Vec::new(),
+        left_out: Vec::new(),
+    };
     for row in rows {
         let name = crate::sql::qualified_name(&row.get::<_, String>(0), &row.get::<_, String>(1));
         if !all && !row.get::<_, bool>(5) {
-            left_out.push(name);
+            plan.left_out.push(name);
             continue;
         }
         let owner: Option<(String, String, String)> = match (row.get(2), row.get(3), row.get(4)) {
@@ -581,6 +621,57 @@ pub async fn copy_sequences(
             _ => None,
         };
         let target_name = target_sequence(target, &name, owner, table_map).await;
+        plan.copy.push((name, target_name));
+    }
+    Ok(plan)
+}
+
+/// What would stop step 4 half-way, found before anything is frozen: a sequence missing on the
+/// target, or one the roles may not read or set.
+async fn sequence_problems(
+    source: &Client,
+    target: &Client,
+    plan: &SequencePlan,
+) -> Result<Vec<String>> {
+    let (names, target_names): (Vec<String>, Vec<String>) = plan.copy.iter().cloned().unzip();
+    let mut problems = Vec::new();
+    for row in source
+        .query(
+            "SELECT n FROM unnest($1::text[]) n WHERE NOT pg_catalog.has_sequence_privilege(n, 'SELECT')",
+            &[&names],
+        )
+        .await
+        .map_err(|e| Error::postgres("checking the source's sequences", e))?
+    {
+        problems.push(format!(
+            "the source role may not read sequence {} (GRANT SELECT ON SEQUENCE {} TO it)",
+            row.get::<_, String>(0),
+            row.get::<_, String>(0)
+        ));
+    }
+    for row in target
+        .query(
+            "SELECT n, to_regclass(n) IS NOT NULL FROM unnest($1::text[]) n \
+             WHERE to_regclass(n) IS NULL OR NOT pg_catalog.has_sequence_privilege(n, 'UPDATE')",
+            &[&target_names],
+        )
+        .await
+        .map_err(|e| Error::postgres("checking the target's sequences", e))?
+    {
+        let name: String = row.get(0);
+        problems.push(if row.get::<_, bool>(1) {
+            format!("the target role may not set sequence {name} (GRANT UPDATE ON SEQUENCE {name} TO it)")
+        } else {
+            format!("sequence {name} does not exist on the target: create it (pgapply schema creates the published tables' sequences), or leave --all-sequences out")
+        });
+    }
+    Ok(problems)
+}
+
+/// Copies each planned sequence's state (`last_value`, `is_called`). Returns how many.
+async fn copy_sequences(source: &Client, target: &Client, plan: &SequencePlan) -> Result<usize> {
+    let mut count = 0;
+    for (name, target_name) in &plan.copy {
         let state = source
             .query_one(&format!("SELECT last_value, is_called FROM {name}"), &[])
             .await
@@ -602,7 +693,7 @@ pub async fn copy_sequences(
             })?;
         count += 1;
     }
-    Ok((count, left_out))
+    Ok(count)
 }
 
 /// The target's sequence for source sequence `name`: a sequence owned by a table column (serial,

@@ -551,7 +551,9 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.source_sql("INSERT INTO events (at) VALUES (150)").await;
     let role = format!("ro_{}", db.name);
     db.source_sql(&format!("CREATE ROLE {role} LOGIN")).await;
-    // A role that does not exist (a typo): refused before any role is frozen.
+    // A role that does not exist (a typo), a sequence the target lacks: both named before
+    // anything is done, so no role is frozen.
+    db.source_sql("CREATE SEQUENCE only_here").await;
     let slot = db.slot();
     let roles = format!("{role}, nosuch_{}", db.name);
     let out = run_with_deadline(
@@ -564,17 +566,19 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
                 "60s",
                 "--freeze-writes",
                 &roles,
+                "--all-sequences",
             ],
         ),
         120,
     )
     .await;
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
     assert!(
-        stderr(&out).contains(&format!("\"nosuch_{}\"", db.name))
-            && stderr(&out).contains("nothing was frozen"),
-        "{}",
-        stderr(&out)
+        err.contains("nothing was done")
+            && err.contains(&format!("role \"nosuch_{}\"", db.name))
+            && err.contains("sequence \"public\".\"only_here\" does not exist on the target"),
+        "{err}"
     );
     let frozen = format!(
         "SELECT count(*) FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole WHERE r.rolname = '{role}'"
