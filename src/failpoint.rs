@@ -1,12 +1,21 @@
-//! Test hooks: with `PGAPPLY_TEST_FAILPOINT=<name>` the process exits at that point, as a crash
-//! or a cut connection would, so that a test can check what the next run does with what the
-//! servers were left with. Unset in normal use; the environment is read once per process.
+//! Test hooks: with `PGAPPLY_TEST_FAILPOINT=<name>` the process exits, or a statement fails, at
+//! that point, as a crash, a cut connection or a failing server would make it, so that a test can
+//! check what pgapply and the next run do with what the servers were left with. Unset in normal
+//! use; the environment is read once per process.
 
 use std::sync::OnceLock;
 
 /// In the apply loop: a group's changes and its position have been answered by the target, and
 /// the message that commits (or prepares) it has not been sent.
 pub const EXIT_BEFORE_COMMIT: &str = "exit-before-commit";
+
+/// In a parallel worker (the second): the first group it commits fails once its origin position
+/// is set, as a COMMIT failing at its very end would (PostgreSQL 16+ moves the origin then).
+pub const FAIL_WORKER_COMMIT: &str = "fail-worker-commit";
+
+/// What that group runs instead of COMMIT: a serialization failure, retried like one.
+pub const FAILING_COMMIT: &str =
+    "DO $$BEGIN RAISE EXCEPTION 'PGAPPLY_TEST_FAILPOINT fail-worker-commit' USING ERRCODE = '40001'; END$$; COMMIT";
 
 /// The exit status at a failpoint (none of the statuses `main` uses).
 pub const EXIT_STATUS: i32 = 86;
@@ -17,6 +26,12 @@ pub fn armed(name: &str) -> bool {
         .get_or_init(|| std::env::var("PGAPPLY_TEST_FAILPOINT").ok())
         .as_deref()
         == Some(name)
+}
+
+/// Whether the failpoint is armed and has not fired yet in this process (then it has now).
+pub fn fire_once(name: &str) -> bool {
+    static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    armed(name) && !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst)
 }
 
 pub fn exit(name: &str) -> ! {

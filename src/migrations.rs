@@ -46,6 +46,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "stop_request",
         include_str!("../migrations/0008_stop_request.sql"),
     ),
+    (
+        9,
+        "worker_commit",
+        include_str!("../migrations/0009_worker_commit.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

@@ -472,6 +472,7 @@ async fn run_in_span(
         live_streaming: live_possible,
         copied_tables,
     };
+    let applied_at_end = applied_tx.subscribe();
     let apply = ApplyStart::prepare(&config, &pool, &store, resume, applied_tx, options).await?;
     let mut stream = session
         .start(&config.slot, resume, &negotiated, &config.publications)
@@ -545,7 +546,8 @@ async fn run_in_span(
     // Last word to the source: what is durable now.
     let durable = match target_connection(&pool, &config.target).await {
         Ok(client) => match store.durable_position(&client).await {
-            Ok(lsn) => lsn.max(*durable_rx.borrow()),
+            // (Never past what was answered as committed: see `track_durable`.)
+            Ok(lsn) => lsn.min(*applied_at_end.borrow()).max(*durable_rx.borrow()),
             Err(_) => *durable_rx.borrow(),
         },
         Err(_) => *durable_rx.borrow(),
@@ -1112,9 +1114,15 @@ async fn track_durable(
         let position = match store.mode {
             // Synchronous commit: committed is durable.
             ProgressMode::Table => Ok(committed),
+            // Never past what was answered as committed: PostgreSQL 16+ also moves an origin
+            // when a transaction that had its position set aborts, and a source slot moved past
+            // that transaction would never send it again.
             ProgressMode::Origin { .. } => {
                 pace.tick().await;
-                store.durable_position(&client).await
+                store
+                    .durable_position(&client)
+                    .await
+                    .map(|lsn| lsn.min(committed))
             }
         };
         match position {

@@ -232,6 +232,49 @@ async fn nothing_commits_after_a_failed_transaction() {
     db.assert_same("t").await;
 }
 
+/// A worker's transaction fails once its origin position is set (a test hook: as a COMMIT that
+/// fails at its very end). PostgreSQL 16+ moves the origin then, as if it had committed: the
+/// transactions after it must still wait (for its row in pgapply.worker_commit, which the abort
+/// leaves as it was), the origin is moved back, and the retry applies everything. Can only fail
+/// with a 16+ target (CI runs this suite with an 18 one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_transaction_failing_after_its_position_was_set_is_applied_again() {
+    let db = TestDb::new("parlate").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v int)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    for id in 1..=80 {
+        db.source_sql(&format!("INSERT INTO t VALUES ({id}, {id})"))
+            .await;
+    }
+    let endpos = db.source_wal().await;
+    let mut cmd = db.pgapply(
+        "p",
+        &[
+            "--endpos",
+            &endpos,
+            "--apply-workers",
+            "3",
+            "--retry-min",
+            "10ms",
+        ],
+    );
+    cmd.env("PGAPPLY_TEST_FAILPOINT", "fail-worker-commit");
+    let out = run_with_deadline(cmd, 120).await;
+    let log = stderr(&out);
+    assert!(
+        out.status.success(),
+        "pgapply failed: {}\n{log}",
+        out.status
+    );
+    // The first error reported is the hook's, or that of a transaction that waited for the
+    // failed one and found it not committed.
+    assert!(
+        log.contains("PGAPPLY_TEST_FAILPOINT fail-worker-commit") || log.contains("did not commit"),
+        "the hook did not fire:\n{log}"
+    );
+    db.assert_same("t").await;
+}
+
 /// A target whose sessions default to repeatable read: a worker that waited for an earlier
 /// transaction's commit on another worker must still see that transaction's rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -571,7 +571,20 @@ impl Applier {
         };
         let begin = prepare("BEGIN".into()).await?;
         let commit = prepare("COMMIT".into()).await?;
-        let record = prepare(progress.record_sql()).await?;
+        let record = prepare(progress.record_sql(options.worker.is_some())).await?;
+        // A parallel worker's row in pgapply.worker_commit, from where its origin is (the rows
+        // of an earlier run were checked and removed by `ProgressStore::open`).
+        if let (Some(_), Some(origin)) = (&options.worker, progress.origin_name()) {
+            client
+                .execute(
+                    "INSERT INTO pgapply.worker_commit (origin_name, end_lsn) \
+                     VALUES ($1, coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0')) \
+                     ON CONFLICT (origin_name) DO UPDATE SET end_lsn = EXCLUDED.end_lsn",
+                    &[&origin],
+                )
+                .await
+                .map_err(|e| Error::postgres("setting up a parallel apply worker's session", e))?;
+        }
         let immediate = prepare("SET CONSTRAINTS ALL IMMEDIATE".into()).await?;
         let origin_commit = (!progress.is_table_mode())
             .then(|| Arc::from(ProgressStore::origin_commit_sql("COMMIT")));
@@ -930,6 +943,18 @@ impl Applier {
         format!("pgapply_{}_{}", self.slot, xid)
     }
 
+    /// The parameters of the `record` statement (`ProgressStore::record_sql`).
+    fn record_params(&self, end_lsn: Lsn, time: PgTimestamp) -> Vec<WireValue> {
+        let mut params = vec![
+            WireValue::Text(end_lsn.to_string().into()),
+            WireValue::Text(time.to_rfc3339().into()),
+        ];
+        if let (Some(_), Some(origin)) = (&self.worker, self.progress.origin_name()) {
+            params.push(WireValue::Text(origin.to_owned().into()));
+        }
+        params
+    }
+
     async fn prepared_exists(&self, gid: &str) -> Result<bool> {
         let row = self
             .catalog
@@ -1023,10 +1048,7 @@ impl Applier {
         self.flush_held_updates(None).await?;
         self.flush_insert_run().await?;
         let gid = self.gid(xid);
-        let record = [
-            WireValue::Text(end_lsn.to_string().into()),
-            WireValue::Text(time.to_rfc3339().into()),
-        ];
+        let record = self.record_params(end_lsn, time);
         let table_mode = self.progress.is_table_mode();
         if !table_mode {
             // (Deferred checks first: see `commit_group`.)
@@ -2794,11 +2816,7 @@ impl Applier {
             Ok(Err(e)) => describe_postgres(&e),
             Err(_) => "no answer in 10 s".to_owned(),
         };
-        Some(format!(
-            "the target's replication origin {} could not be moved back to {to} after the failed commit ({why}): before starting pgapply again, run SELECT pg_replication_origin_advance({}, '{to}') on the target, or the next run skips the transactions that failed",
-            crate::sql::quote_literal(&name),
-            crate::sql::quote_literal(&name),
-        ))
+        Some(rewind_advice(&name, to, &why))
     }
 
     /// A failure that moved the origin: moved back, or, if that failed, the error says what to
@@ -2816,7 +2834,7 @@ impl Applier {
         if self.failure.is_none() {
             return Ok(());
         }
-        let rewind = std::mem::take(&mut self.origin_rewind);
+        let rewind = std::mem::take(&mut self.origin_rewind) && self.worker.is_none();
         // Answers come in order: a COMMIT not yet answered comes after the failed statement, so
         // its group did not commit (PostgreSQL answers it with a rollback). Forget those groups
         // before draining, so that their answers cannot count them as committed.
@@ -2825,12 +2843,10 @@ impl Applier {
             // A parallel worker stops at once: statements after the failure may be waiting on
             // the server for transactions that will not commit now, and dropping the connection
             // ends them. Positions are in the origins; nothing after the failure committed.
+            // (An origin that an abort moved is moved back when the run starts again, against
+            // the worker's row in pgapply.worker_commit: `ProgressStore::open`.)
             if let Some(e) = self.failure.take() {
-                return Err(if rewind {
-                    self.with_origin_rewound(e).await
-                } else {
-                    e
-                });
+                return Err(e);
             }
         }
         match self.failure.take() {
@@ -2918,19 +2934,20 @@ impl Applier {
             self.pending.push(Pending::plain(self.immediate.clone()));
             self.submitted + self.pending.len() as u64
         });
-        self.pending.push(Pending::with_params(
-            self.record.clone(),
-            vec![
-                WireValue::Text(end_lsn.to_string().into()),
-                WireValue::Text(commit_time.to_rfc3339().into()),
-            ],
-        ));
+        let record = self.record_params(end_lsn, commit_time);
+        self.pending
+            .push(Pending::with_params(self.record.clone(), record));
         if failpoint::armed(failpoint::EXIT_BEFORE_COMMIT) {
             self.submit_pending();
             self.drain_to(0).await;
             failpoint::exit(failpoint::EXIT_BEFORE_COMMIT);
         }
         let commit = match &self.origin_commit {
+            _ if self.worker.as_ref().is_some_and(|w| w.index == 1)
+                && failpoint::fire_once(failpoint::FAIL_WORKER_COMMIT) =>
+            {
+                Pending::simple(ProgressStore::origin_commit_sql(failpoint::FAILING_COMMIT).into())
+            }
             Some(sql) => Pending::simple(sql.clone()),
             None => Pending::plain(self.commit.clone()),
         };
@@ -3069,6 +3086,14 @@ impl Applier {
             None => Ok(()),
         }
     }
+}
+
+/// What to do when an origin could not be moved back after a failed commit.
+fn rewind_advice(origin: &str, to: Lsn, why: &str) -> String {
+    let origin = crate::sql::quote_literal(origin);
+    format!(
+        "the target's replication origin {origin} could not be moved back to {to} after the failed commit ({why}): before starting pgapply again, run SELECT pg_replication_origin_advance({origin}, '{to}') on the target, or the next run skips the transactions that failed"
+    )
 }
 
 /// Parameters of `pgapply.wait_for_commit` for an earlier transaction.

@@ -99,8 +99,11 @@ impl ProgressStore {
         // Take the later of both stores: a run in the other mode may have moved one of them.
         // In origin mode the origin is the authority: not being able to read it is an error, not
         // a reason to start from the (older) table position and apply things twice.
-        let origin_lsn = match store.mode {
-            ProgressMode::Origin { .. } => store.durable_position(client).await?,
+        let origin_lsn = match &store.mode {
+            ProgressMode::Origin { name } => {
+                reconcile_worker_origins(client, name).await?;
+                store.durable_position(client).await?
+            }
             ProgressMode::Table => Lsn::INVALID,
         };
         Ok((store, table_lsn.max(origin_lsn)))
@@ -357,8 +360,16 @@ impl ProgressStore {
     /// The statement that records `($1 lsn, $2 commit time)` inside the current transaction.
     /// In origin mode it only notes them in the transaction (`origin_commit_sql` sets the
     /// origin position from them in the same message as the COMMIT).
-    pub fn record_sql(&self) -> String {
+    ///
+    /// A parallel worker (`worker`) also writes the position to its row of
+    /// `pgapply.worker_commit` (`$3` is its origin's name): other workers wait for that row, which
+    /// an aborted transaction leaves as it was (an origin moves on abort too, from PostgreSQL 16).
+    pub fn record_sql(&self, worker: bool) -> String {
         match &self.mode {
+            ProgressMode::Origin { .. } if worker => format!(
+                "WITH w AS (UPDATE pgapply.worker_commit SET end_lsn = $1::text::pg_lsn WHERE origin_name = $3) \
+                 SELECT pg_catalog.set_config('{END_LSN_SETTING}', $1, true), pg_catalog.set_config('{COMMIT_TIME_SETTING}', $2, true)"
+            ),
             ProgressMode::Origin { .. } => format!(
                 "SELECT pg_catalog.set_config('{END_LSN_SETTING}', $1, true), pg_catalog.set_config('{COMMIT_TIME_SETTING}', $2, true)"
             ),
@@ -415,6 +426,55 @@ impl ProgressStore {
         .map_err(|e| Error::postgres("reading the applied position on the target", e))?;
         parse_lsn(row.get(0))
     }
+}
+
+/// Parallel workers write their position to `pgapply.worker_commit` in the transaction whose
+/// commit also moves their origin. An origin ahead of its row was moved by a transaction that
+/// aborted (PostgreSQL 16+ moves an origin on abort too; a worker whose COMMIT failed may have
+/// been stopped before it could move it back): it goes back to the row's position, or the run
+/// would skip that transaction. The rows are removed then: each worker of this run writes its own
+/// again, from where its origin is (a run with one applier keeps none).
+async fn reconcile_worker_origins(client: &Client, name: &str) -> Result<()> {
+    let context = |e| {
+        Error::postgres(
+            "checking the parallel workers' replication origins on the target",
+            e,
+        )
+    };
+    let ahead = client
+        .query(
+            "SELECT w.origin_name, w.end_lsn::text, pg_catalog.pg_replication_origin_progress(w.origin_name, false)::text \
+             FROM pgapply.worker_commit w JOIN pg_catalog.pg_replication_origin o ON o.roname = w.origin_name \
+             WHERE (w.origin_name = $1 OR left(w.origin_name, length($1) + 2) = $1 || '-w') \
+               AND pg_catalog.pg_replication_origin_progress(w.origin_name, false) > w.end_lsn",
+            &[&name],
+        )
+        .await
+        .map_err(context)?;
+    for row in ahead {
+        let (origin, to, from): (String, String, String) = (row.get(0), row.get(1), row.get(2));
+        client
+            .execute(
+                "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn)",
+                &[&origin, &to],
+            )
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    format!("moving replication origin {origin:?} back to {to}, where its worker last committed (is a session of the previous run still there?)"),
+                    e,
+                )
+            })?;
+        tracing::warn!(origin = %origin, from = %from, to = %to, "moved a parallel worker's origin back to its last commit: a transaction that failed to commit had moved it");
+    }
+    client
+        .execute(
+            "DELETE FROM pgapply.worker_commit WHERE origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w'",
+            &[&name],
+        )
+        .await
+        .map_err(context)?;
+    Ok(())
 }
 
 async fn ensure_origin(client: &Client, name: &str) -> Result<(), tokio_postgres::Error> {
