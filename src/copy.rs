@@ -242,8 +242,6 @@ pub async fn own_rows(client: &Client, qualified: &str, role: &str) -> Result<St
     })
 }
 
-/// Checks the target tables: they exist with the published columns, and are empty (or are emptied
-/// with `truncate`). Returns per table whether binary COPY can be used (same column types).
 /// Whether the target role may set `session_replication_role` (which keeps triggers and
 /// foreign-key checks quiet during the copy).
 fn may_quiet_triggers_sql(version: i32) -> &'static str {
@@ -260,7 +258,10 @@ fn may_quiet_triggers_sql(version: i32) -> &'static str {
 async fn warn_of_loud_triggers(target: &Client, tables: &[PublishedTable]) -> Result<()> {
     let context = |e| Error::postgres("reading the target's triggers and foreign keys", e);
     let version: i32 = target
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .query_one(
+            "SELECT pg_catalog.current_setting('server_version_num')::int",
+            &[],
+        )
         .await
         .map_err(context)?
         .get(0);
@@ -275,7 +276,7 @@ async fn warn_of_loud_triggers(target: &Client, tables: &[PublishedTable]) -> Re
     let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
     let loud: Vec<String> = target
         .query(
-            "SELECT c.oid::regclass::text FROM unnest($1::text[]) n JOIN pg_catalog.pg_class c ON c.oid = to_regclass(n) \
+            "SELECT c.oid::regclass::text FROM unnest($1::text[]) n JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n) \
              WHERE EXISTS (SELECT FROM pg_catalog.pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal AND t.tgenabled IN ('O', 'A')) \
                 OR EXISTS (SELECT FROM pg_catalog.pg_constraint k WHERE k.conrelid = c.oid AND k.contype = 'f') \
              ORDER BY 1",
@@ -295,6 +296,8 @@ async fn warn_of_loud_triggers(target: &Client, tables: &[PublishedTable]) -> Re
     Ok(())
 }
 
+/// Checks the target tables: they exist with the published columns, and are empty (or are emptied
+/// with `truncate`). Returns per table whether binary COPY can be used (same column types).
 async fn prepare_target(
     target: &Client,
     tables: &[PublishedTable],

@@ -333,9 +333,14 @@ pub async fn cutover(
         .map_err(frozen)?;
     println!("step 4: copied {copied} sequence(s)");
     if !sequences.left_out.is_empty() {
+        let shown = sequences.left_out.len().min(20);
+        let more = match sequences.left_out.len() - shown {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
         println!(
-            "step 4: not copied, as no published table uses them: {} (--all-sequences copies every sequence)",
-            sequences.left_out.join(", ")
+            "step 4: not copied, as no published table uses them: {}{more} (--all-sequences copies every sequence)",
+            sequences.left_out[..shown].join(", ")
         );
     }
 
@@ -549,19 +554,49 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
             )
         })
         .collect();
-    let row = source
+    let me = source
         .query_one(
-            "SELECT rolsuper OR rolcreaterole, rolsuper OR pg_catalog.pg_has_role(current_user, 'pg_signal_backend', 'MEMBER') \
+            "SELECT rolsuper, rolcreaterole, pg_catalog.pg_has_role(current_user, 'pg_signal_backend', 'USAGE'), \
+                    pg_catalog.current_setting('server_version_num')::int \
              FROM pg_catalog.pg_roles WHERE rolname = current_user",
             &[],
         )
         .await
         .map_err(context)?;
-    if !row.get::<_, bool>(0) {
+    let (superuser, createrole, signal, version): (bool, bool, bool, i32) =
+        (me.get(0), me.get(1), me.get(2), me.get(3));
+    if superuser {
+        return Ok(problems);
+    }
+    if !createrole {
         problems.push("--freeze-writes needs a source role with CREATEROLE (or a superuser) to make roles read-only".to_owned());
     }
-    if !row.get::<_, bool>(1) {
+    if !signal {
         problems.push("--freeze-writes needs a source role that is a member of pg_signal_backend (or a superuser) to end the frozen roles' sessions".to_owned());
+    }
+    // Superusers are altered and signalled by superusers only; from 16, CREATEROLE acts only on
+    // roles it has ADMIN OPTION on.
+    for row in source
+        .query(
+            "SELECT r.rolname::text, r.rolsuper, \
+                    $2 < 160000 OR pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER WITH ADMIN OPTION') \
+             FROM pg_catalog.pg_roles r WHERE r.rolname::text = ANY($1::text[])",
+            &[&roles, &version],
+        )
+        .await
+        .map_err(context)?
+    {
+        let (role, is_superuser, admin): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
+        if is_superuser {
+            problems.push(format!(
+                "--freeze-writes names superuser {role:?}: only a superuser may make it read-only and end its sessions"
+            ));
+        } else if !admin {
+            problems.push(format!(
+                "--freeze-writes names role {role:?}, which the source role may not alter (PostgreSQL 16+ asks for ADMIN OPTION on it: GRANT {} TO <the cutover's role> WITH ADMIN OPTION)",
+                crate::sql::quote_ident(&role)
+            ));
+        }
     }
     Ok(problems)
 }
@@ -651,19 +686,28 @@ async fn sequence_problems(
     }
     for row in target
         .query(
-            "SELECT n, to_regclass(n) IS NOT NULL FROM unnest($1::text[]) n \
-             WHERE to_regclass(n) IS NULL OR NOT pg_catalog.has_sequence_privilege(n, 'UPDATE')",
+            "SELECT n, c.relkind::text, \
+                    CASE WHEN c.relkind = 'S' THEN pg_catalog.has_sequence_privilege(c.oid, 'UPDATE') END \
+             FROM unnest($1::text[]) n LEFT JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n)",
             &[&target_names],
         )
         .await
         .map_err(|e| Error::postgres("checking the target's sequences", e))?
     {
-        let name: String = row.get(0);
-        problems.push(if row.get::<_, bool>(1) {
-            format!("the target role may not set sequence {name} (GRANT UPDATE ON SEQUENCE {name} TO it)")
-        } else {
-            format!("sequence {name} does not exist on the target: create it (pgapply schema creates the published tables' sequences), or leave --all-sequences out")
-        });
+        let (name, kind, may): (String, Option<String>, Option<bool>) =
+            (row.get(0), row.get(1), row.get(2));
+        match (kind.as_deref(), may) {
+            (Some("S"), Some(true)) => {}
+            (Some("S"), _) => problems.push(format!(
+                "the target role may not set sequence {name} (GRANT UPDATE ON SEQUENCE {name} TO it)"
+            )),
+            (Some(_), _) => problems.push(format!(
+                "{name} is not a sequence on the target: the source's sequence of that name has nowhere to go"
+            )),
+            (None, _) => problems.push(format!(
+                "sequence {name} does not exist on the target: create it (pgapply schema creates the published tables' sequences), or leave --all-sequences out"
+            )),
+        }
     }
     Ok(problems)
 }

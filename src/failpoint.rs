@@ -9,13 +9,17 @@ use std::sync::OnceLock;
 /// the message that commits (or prepares) it has not been sent.
 pub const EXIT_BEFORE_COMMIT: &str = "exit-before-commit";
 
-/// In a parallel worker (the second): the first group it commits fails once its origin position
-/// is set, as a COMMIT failing at its very end would (PostgreSQL 16+ moves the origin then).
-pub const FAIL_WORKER_COMMIT: &str = "fail-worker-commit";
+/// The first group committed in the process (with parallel workers: by the second worker) fails
+/// once its origin position is set, as a COMMIT failing at its very end would (PostgreSQL 16+
+/// moves the origin then).
+pub const FAIL_COMMIT: &str = "fail-commit";
+
+/// The same, and the process exits once the failure is seen, before it moves the origin back.
+pub const FAIL_COMMIT_THEN_EXIT: &str = "fail-commit-then-exit";
 
 /// What that group runs instead of COMMIT: a serialization failure, retried like one.
 pub const FAILING_COMMIT: &str =
-    "DO $$BEGIN RAISE EXCEPTION 'PGAPPLY_TEST_FAILPOINT fail-worker-commit' USING ERRCODE = '40001'; END$$; COMMIT";
+    "DO $$BEGIN RAISE EXCEPTION 'PGAPPLY_TEST_FAILPOINT fail-commit' USING ERRCODE = '40001'; END$$; COMMIT";
 
 /// The exit status at a failpoint (none of the statuses `main` uses).
 pub const EXIT_STATUS: i32 = 86;
@@ -28,10 +32,11 @@ pub fn armed(name: &str) -> bool {
         == Some(name)
 }
 
-/// Whether the failpoint is armed and has not fired yet in this process (then it has now).
-pub fn fire_once(name: &str) -> bool {
+/// Whether a failing commit is armed and has not fired yet in this process (then it has now).
+pub fn fail_commit_once() -> bool {
     static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    armed(name) && !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst)
+    (armed(FAIL_COMMIT) || armed(FAIL_COMMIT_THEN_EXIT))
+        && !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst)
 }
 
 pub fn exit(name: &str) -> ! {

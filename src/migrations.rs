@@ -48,8 +48,8 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
     (
         9,
-        "worker_commit",
-        include_str!("../migrations/0009_worker_commit.sql"),
+        "origin_commit",
+        include_str!("../migrations/0009_origin_commit.sql"),
     ),
 ];
 

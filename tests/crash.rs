@@ -185,3 +185,38 @@ async fn lost_prepare(db: &TestDb, gid: &str) {
     db.assert_same("t").await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 1);
 }
+
+/// A COMMIT that fails once the group's origin position is set (a test hook: as one failing at
+/// its very end), and the process gone before it could move the origin back: PostgreSQL 16+
+/// moved the origin with the abort. The next run finds the origin ahead of its row in
+/// pgapply.origin_commit, which the abort left as it was, moves it back and applies the group.
+/// Can only fail with a 16+ target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_moved_by_a_failed_commit_is_moved_back_by_the_next_run() {
+    let db = TestDb::new("abortmoved").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.sync("p").await;
+    db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
+        .await;
+    let endpos = db.source_wal().await;
+    let mut cmd = db.pgapply("p", &["--endpos", &endpos]);
+    cmd.env("PGAPPLY_TEST_FAILPOINT", "fail-commit-then-exit");
+    let out = run_with_deadline(cmd, 120).await;
+    assert_eq!(
+        out.status.code(),
+        Some(FAILPOINT_EXIT),
+        "pgapply did not stop at the failpoint: {}",
+        stderr(&out)
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 0);
+    let out = db.sync("p").await;
+    db.assert_same("t").await;
+    if common::clusters().target_major >= 16 {
+        assert!(
+            stderr(&out).contains("moved a replication origin back"),
+            "{}",
+            stderr(&out)
+        );
+    }
+}

@@ -502,8 +502,8 @@ async fn check_lists_every_problem() {
     // A slot another process is using: named, with the process.
     let mut worker = spawn(db.pgapply("p,ins", &["--create-slot"]));
     db.wait_slot_active().await;
-    let (code, text, _) = check("p,ins", &[]).await;
-    assert_eq!(code, Some(1), "{text}");
+    let (code, text, log) = check("p,ins", &[]).await;
+    assert_eq!(code, Some(1), "{text}\n{log}");
     assert!(
         text.contains(&format!(
             "slot \"{}\" is in use by the source process",

@@ -354,6 +354,8 @@ pub struct Applier {
     immediate: Statement,
     /// Origin mode: what sets the origin position and commits, in one message.
     origin_commit: Option<Arc<str>>,
+    /// Each commit also writes the position to the origin's row in `pgapply.origin_commit`.
+    commit_row: bool,
     /// A transaction that had the origin position set failed to commit: PostgreSQL 16+ moves
     /// the origin on abort too, so it must be moved back (`rewind_origin`).
     origin_rewind: bool,
@@ -571,20 +573,10 @@ impl Applier {
         };
         let begin = prepare("BEGIN".into()).await?;
         let commit = prepare("COMMIT".into()).await?;
-        let record = prepare(progress.record_sql(options.worker.is_some())).await?;
-        // A parallel worker's row in pgapply.worker_commit, from where its origin is (the rows
-        // of an earlier run were checked and removed by `ProgressStore::open`).
-        if let (Some(_), Some(origin)) = (&options.worker, progress.origin_name()) {
-            client
-                .execute(
-                    "INSERT INTO pgapply.worker_commit (origin_name, end_lsn) \
-                     VALUES ($1, coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0')) \
-                     ON CONFLICT (origin_name) DO UPDATE SET end_lsn = EXCLUDED.end_lsn",
-                    &[&origin],
-                )
-                .await
-                .map_err(|e| Error::postgres("setting up a parallel apply worker's session", e))?;
-        }
+        let commit_row = !progress.is_table_mode() && !options.two_phase;
+        let record = prepare(progress.record_sql(commit_row)).await?;
+        // Bound to the origin now: no other session moves it while its row starts where it is.
+        progress.start_commit_row(&client, commit_row).await?;
         let immediate = prepare("SET CONSTRAINTS ALL IMMEDIATE".into()).await?;
         let origin_commit = (!progress.is_table_mode())
             .then(|| Arc::from(ProgressStore::origin_commit_sql("COMMIT")));
@@ -620,6 +612,7 @@ impl Applier {
             record,
             immediate,
             origin_commit,
+            commit_row,
             origin_rewind: false,
             resume,
             pending: Vec::new(),
@@ -949,7 +942,7 @@ impl Applier {
             WireValue::Text(end_lsn.to_string().into()),
             WireValue::Text(time.to_rfc3339().into()),
         ];
-        if let (Some(_), Some(origin)) = (&self.worker, self.progress.origin_name()) {
+        if let Some(origin) = self.progress.origin_name().filter(|_| self.commit_row) {
             params.push(WireValue::Text(origin.to_owned().into()));
         }
         params
@@ -1075,8 +1068,14 @@ impl Applier {
             ProgressStore::origin_commit_sql(&prepare)
         };
         if let Err(e) = self.client.batch_execute(&prepare).await {
+            // Only an error the server sent says the PREPARE did not happen (as for a COMMIT).
+            let refused = e.as_db_error().is_some();
             let err = Error::postgres(format!("preparing transaction {gid} on the target"), e);
-            return Err(self.with_origin_rewound(err).await);
+            return Err(if refused {
+                self.with_origin_rewound(err).await
+            } else {
+                err
+            });
         }
         if table_mode {
             // Not inside the prepared transaction: its row lock would be held until COMMIT
@@ -2835,6 +2834,9 @@ impl Applier {
             return Ok(());
         }
         let rewind = std::mem::take(&mut self.origin_rewind) && self.worker.is_none();
+        if rewind && failpoint::armed(failpoint::FAIL_COMMIT_THEN_EXIT) {
+            failpoint::exit(failpoint::FAIL_COMMIT_THEN_EXIT);
+        }
         // Answers come in order: a COMMIT not yet answered comes after the failed statement, so
         // its group did not commit (PostgreSQL answers it with a rollback). Forget those groups
         // before draining, so that their answers cannot count them as committed.
@@ -2843,8 +2845,8 @@ impl Applier {
             // A parallel worker stops at once: statements after the failure may be waiting on
             // the server for transactions that will not commit now, and dropping the connection
             // ends them. Positions are in the origins; nothing after the failure committed.
-            // (An origin that an abort moved is moved back when the run starts again, against
-            // the worker's row in pgapply.worker_commit: `ProgressStore::open`.)
+            // (An origin that an abort moved is moved back when the run starts again, to the
+            // worker's row in pgapply.origin_commit: `ProgressStore::open`.)
             if let Some(e) = self.failure.take() {
                 return Err(e);
             }
@@ -2943,8 +2945,8 @@ impl Applier {
             failpoint::exit(failpoint::EXIT_BEFORE_COMMIT);
         }
         let commit = match &self.origin_commit {
-            _ if self.worker.as_ref().is_some_and(|w| w.index == 1)
-                && failpoint::fire_once(failpoint::FAIL_WORKER_COMMIT) =>
+            _ if self.worker.as_ref().is_none_or(|w| w.index == 1)
+                && failpoint::fail_commit_once() =>
             {
                 Pending::simple(ProgressStore::origin_commit_sql(failpoint::FAILING_COMMIT).into())
             }

@@ -101,7 +101,7 @@ impl ProgressStore {
         // a reason to start from the (older) table position and apply things twice.
         let origin_lsn = match &store.mode {
             ProgressMode::Origin { name } => {
-                reconcile_worker_origins(client, name).await?;
+                reconcile_origins(client, name).await?;
                 store.durable_position(client).await?
             }
             ProgressMode::Table => Lsn::INVALID,
@@ -187,6 +187,15 @@ impl ProgressStore {
                    ORDER BY p DESC NULLS LAST LIMIT 1) s \
                  WHERE m IS NOT NULL AND coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0') < m",
                 &[name, &unused, &resume.to_string(), &resume.is_valid()],
+            )
+            .await
+            .map_err(context)?;
+        // The main origin's row follows (the next start compares them: `reconcile_origins`).
+        client
+            .execute(
+                "UPDATE pgapply.origin_commit SET end_lsn = p FROM (SELECT pg_catalog.pg_replication_origin_progress($1, false) AS p) s \
+                 WHERE origin_name = $1 AND p IS NOT NULL",
+                &[name],
             )
             .await
             .map_err(context)?;
@@ -342,6 +351,15 @@ impl ProgressStore {
                 )
                 .await
                 .map_err(|e| Error::postgres("recording the copy's position on the target", e))?;
+            // Their rows too, or the next start would take the move for an abort's.
+            client
+                .execute(
+                    "UPDATE pgapply.origin_commit SET end_lsn = $2::text::pg_lsn \
+                     WHERE origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w'",
+                    &[name, &text],
+                )
+                .await
+                .map_err(|e| Error::postgres("recording the copy's position on the target", e))?;
         }
         client
             .execute(
@@ -353,21 +371,41 @@ impl ProgressStore {
         Ok(())
     }
 
+    /// For an apply session bound to its origin: the origin's row in `pgapply.origin_commit`
+    /// starts where the origin is, written by each commit from now on (`keep`), or is removed
+    /// where this session will not keep it (prepared transactions: a PREPARE moves the origin,
+    /// the row moves only at COMMIT PREPARED).
+    pub async fn start_commit_row(&self, client: &Client, keep: bool) -> Result<()> {
+        let ProgressMode::Origin { name } = &self.mode else {
+            return Ok(());
+        };
+        let sql = if keep {
+            "INSERT INTO pgapply.origin_commit (origin_name, end_lsn) \
+             VALUES ($1, coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0')) \
+             ON CONFLICT (origin_name) DO UPDATE SET end_lsn = EXCLUDED.end_lsn"
+        } else {
+            "DELETE FROM pgapply.origin_commit WHERE origin_name = $1"
+        };
+        client.execute(sql, &[name]).await.map_err(|e| {
+            Error::postgres("setting up the apply session's position on the target", e)
+        })?;
+        Ok(())
+    }
+
     pub fn is_table_mode(&self) -> bool {
         self.mode == ProgressMode::Table
     }
 
     /// The statement that records `($1 lsn, $2 commit time)` inside the current transaction.
     /// In origin mode it only notes them in the transaction (`origin_commit_sql` sets the
-    /// origin position from them in the same message as the COMMIT).
-    ///
-    /// A parallel worker (`worker`) also writes the position to its row of
-    /// `pgapply.worker_commit` (`$3` is its origin's name): other workers wait for that row, which
-    /// an aborted transaction leaves as it was (an origin moves on abort too, from PostgreSQL 16).
-    pub fn record_sql(&self, worker: bool) -> String {
+    /// origin position from them in the same message as the COMMIT), and with `commit_row` it
+    /// also writes the position to the origin's row of `pgapply.origin_commit` (`$3` is the
+    /// origin's name): an aborted transaction leaves that row as it was, where PostgreSQL 16+
+    /// moves the origin (see `reconcile_origins`).
+    pub fn record_sql(&self, commit_row: bool) -> String {
         match &self.mode {
-            ProgressMode::Origin { .. } if worker => format!(
-                "WITH w AS (UPDATE pgapply.worker_commit SET end_lsn = $1::text::pg_lsn WHERE origin_name = $3) \
+            ProgressMode::Origin { .. } if commit_row => format!(
+                "WITH w AS (UPDATE pgapply.origin_commit SET end_lsn = $1::text::pg_lsn WHERE origin_name = $3) \
                  SELECT pg_catalog.set_config('{END_LSN_SETTING}', $1, true), pg_catalog.set_config('{COMMIT_TIME_SETTING}', $2, true)"
             ),
             ProgressMode::Origin { .. } => format!(
@@ -428,31 +466,49 @@ impl ProgressStore {
     }
 }
 
-/// Parallel workers write their position to `pgapply.worker_commit` in the transaction whose
-/// commit also moves their origin. An origin ahead of its row was moved by a transaction that
-/// aborted (PostgreSQL 16+ moves an origin on abort too; a worker whose COMMIT failed may have
-/// been stopped before it could move it back): it goes back to the row's position, or the run
-/// would skip that transaction. The rows are removed then: each worker of this run writes its own
-/// again, from where its origin is (a run with one applier keeps none).
-async fn reconcile_worker_origins(client: &Client, name: &str) -> Result<()> {
-    let context = |e| {
-        Error::postgres(
-            "checking the parallel workers' replication origins on the target",
-            e,
-        )
-    };
-    let ahead = client
-        .query(
-            "SELECT w.origin_name, w.end_lsn::text, pg_catalog.pg_replication_origin_progress(w.origin_name, false)::text \
-             FROM pgapply.worker_commit w JOIN pg_catalog.pg_replication_origin o ON o.roname = w.origin_name \
-             WHERE (w.origin_name = $1 OR left(w.origin_name, length($1) + 2) = $1 || '-w') \
-               AND pg_catalog.pg_replication_origin_progress(w.origin_name, false) > w.end_lsn",
+/// Apply sessions write their position to `pgapply.origin_commit` in the transaction whose commit
+/// also moves their origin (`ProgressStore::record_sql`). An origin ahead of its row was moved by
+/// a transaction that aborted (PostgreSQL 16+ moves an origin on abort too, and the session that
+/// failed may have been stopped before it could move it back): it goes back to the row's
+/// position, or the run would skip that transaction. Origins bound to a running session can not
+/// be moved (an error, retried): those are another process's, not left behind.
+async fn reconcile_origins(client: &Client, name: &str) -> Result<()> {
+    let context = |e| Error::postgres("checking the replication origins on the target", e);
+    let mine = "origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w'";
+    // Rows of origins that are gone (dropped by hand, say) mean nothing.
+    client
+        .execute(
+            &format!(
+                "DELETE FROM pgapply.origin_commit WHERE ({mine}) AND pg_catalog.pg_replication_origin_oid(origin_name) IS NULL"
+            ),
             &[&name],
         )
         .await
         .map_err(context)?;
-    for row in ahead {
-        let (origin, to, from): (String, String, String) = (row.get(0), row.get(1), row.get(2));
+    // The origins first, the rows after (a later snapshot): a commit in between shows in the
+    // row, so it is not taken for an abort.
+    let origins = client
+        .query(
+            "SELECT roname::text, pg_catalog.pg_replication_origin_progress(roname, false)::text \
+             FROM pg_catalog.pg_replication_origin \
+             WHERE roname = $1 OR left(roname, length($1) + 2) = $1 || '-w'",
+            &[&name],
+        )
+        .await
+        .map_err(context)?;
+    for origin in origins {
+        let (origin, progress): (String, Option<String>) = (origin.get(0), origin.get(1));
+        let Some(progress) = progress else { continue };
+        let row = client
+            .query_opt(
+                "SELECT end_lsn::text FROM pgapply.origin_commit \
+                 WHERE origin_name = $1 AND end_lsn < $2::text::pg_lsn",
+                &[&origin, &progress],
+            )
+            .await
+            .map_err(context)?;
+        let Some(row) = row else { continue };
+        let to: String = row.get(0);
         client
             .execute(
                 "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn)",
@@ -461,19 +517,12 @@ async fn reconcile_worker_origins(client: &Client, name: &str) -> Result<()> {
             .await
             .map_err(|e| {
                 Error::postgres(
-                    format!("moving replication origin {origin:?} back to {to}, where its worker last committed (is a session of the previous run still there?)"),
+                    format!("moving replication origin {origin:?} back to {to}, where it last committed (is a session of the previous run still there?)"),
                     e,
                 )
             })?;
-        tracing::warn!(origin = %origin, from = %from, to = %to, "moved a parallel worker's origin back to its last commit: a transaction that failed to commit had moved it");
+        tracing::warn!(origin = %origin, from = %progress, to = %to, "moved a replication origin back to its last commit: a transaction that failed to commit had moved it");
     }
-    client
-        .execute(
-            "DELETE FROM pgapply.worker_commit WHERE origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w'",
-            &[&name],
-        )
-        .await
-        .map_err(context)?;
     Ok(())
 }
 

@@ -1,9 +1,10 @@
--- Parallel apply: whether an earlier worker's transaction committed was read from that worker's
--- replication origin. PostgreSQL 16 and later also move an origin when a transaction that had its
--- position set aborts, so a transaction whose COMMIT failed looked committed, and the ones after
--- it could commit without it. Each worker now also writes its position here, inside the
--- transaction it applies: an aborted one leaves no trace. The wait reads this instead.
-CREATE TABLE IF NOT EXISTS pgapply.worker_commit (
+-- Whether a transaction committed was read from replication origins: by parallel workers waiting
+-- for an earlier worker's transaction, and by a new run for where to resume. PostgreSQL 16 and
+-- later also move an origin when a transaction that had its position set aborts, so a
+-- transaction whose COMMIT failed looked committed. Each apply session now also writes its
+-- position here, inside the transaction it applies (an aborted one leaves no trace): parallel
+-- workers wait for this row, and a new run moves an origin that is ahead of its row back to it.
+CREATE TABLE IF NOT EXISTS pgapply.origin_commit (
     origin_name text PRIMARY KEY,
     end_lsn pg_lsn NOT NULL
 );
@@ -18,7 +19,7 @@ DECLARE
     last_progress pg_lsn;
 BEGIN
     LOOP
-        SELECT w.end_lsn INTO progress FROM pgapply.worker_commit w WHERE w.origin_name = origin;
+        SELECT w.end_lsn INTO progress FROM pgapply.origin_commit w WHERE w.origin_name = origin;
         IF progress >= end_lsn THEN
             -- Committed; once its lock is free, the commit is visible too.
             PERFORM pg_catalog.pg_advisory_lock_shared(key, seq);
@@ -33,7 +34,7 @@ BEGIN
         IF pg_catalog.pg_try_advisory_lock_shared(key, seq) THEN
             -- Not held: not begun yet, or ended (and then visible: the lock outlives neither).
             PERFORM pg_catalog.pg_advisory_unlock_shared(key, seq);
-            SELECT w.end_lsn INTO progress FROM pgapply.worker_commit w WHERE w.origin_name = origin;
+            SELECT w.end_lsn INTO progress FROM pgapply.origin_commit w WHERE w.origin_name = origin;
             IF progress >= end_lsn THEN
                 RETURN;
             END IF;
