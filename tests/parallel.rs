@@ -234,7 +234,7 @@ async fn nothing_commits_after_a_failed_transaction() {
 
 /// A worker's transaction fails once its origin position is set (a test hook: as a COMMIT that
 /// fails at its very end). PostgreSQL 16+ moves the origin then, as if it had committed: the
-/// transactions after it must still wait (for its row in pgapply.worker_commit, which the abort
+/// transactions after it must still wait (for its row in pgapply.origin_commit, which the abort
 /// leaves as it was), the origin is moved back, and the retry applies everything. Can only fail
 /// with a 16+ target (CI runs this suite with an 18 one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

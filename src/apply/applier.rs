@@ -2823,6 +2823,12 @@ impl Applier {
     async fn with_origin_rewound(&mut self, e: Error) -> Error {
         match self.rewind_origin().await {
             None => e,
+            // The origin's row in pgapply.origin_commit holds the last commit: the next start
+            // moves the origin back to it (`ProgressStore::open`), retried or not.
+            Some(_) if self.commit_row => {
+                tracing::warn!("the origin could not be moved back after the failed commit; the next start moves it back to its last commit");
+                e
+            }
             Some(advice) => e.context_after(advice).needing_a_person(),
         }
     }

@@ -3,7 +3,9 @@
 //! Preferred: a replication origin (`pgapply_<slot>`), as PostgreSQL's own subscriber uses. The
 //! apply session binds to it once; each target transaction calls
 //! `pg_replication_origin_xact_setup(lsn, time)` and the commit record itself then carries the
-//! source position, so recording progress costs no row write. It also lets the target run with
+//! source position. (Each group also writes the position to the origin's row in
+//! `pgapply.origin_commit`, so that an origin an aborted transaction moved can be told apart:
+//! `reconcile_origins`.) It also lets the target run with
 //! `synchronous_commit = off`: `pg_replication_origin_progress(name, true)` flushes the target's
 //! WAL up to the last recorded commit and returns the source position that is now durable, which
 //! is exactly what may be reported to the source as flushed.
@@ -177,28 +179,39 @@ impl ProgressStore {
         // `resume`: a backend of a killed run may have committed on one of these since `resume`
         // was read (the resume check after binding then sees the main origin moved and starts
         // over from there). One still bound to such a backend cannot be dropped: an error, and a
-        // retry.
-        client
-            .execute(
-                "SELECT pg_catalog.pg_replication_origin_advance($1, m) FROM ( \
-                   SELECT p AS m FROM ( \
-                     SELECT pg_catalog.pg_replication_origin_progress(o, false) AS p FROM unnest($2::text[]) o \
-                     UNION ALL SELECT $3::text::pg_lsn WHERE $4) ps \
-                   ORDER BY p DESC NULLS LAST LIMIT 1) s \
-                 WHERE m IS NOT NULL AND coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0') < m",
-                &[name, &unused, &resume.to_string(), &resume.is_valid()],
+        // retry. An origin ahead of its row counts only up to the row: the rest is an abort's
+        // (one that landed after the start's `reconcile_origins`).
+        let latest: Option<String> = client
+            .query_one(
+                "SELECT f::text FROM ( \
+                   SELECT CASE WHEN w.end_lsn < x.p THEN w.end_lsn ELSE x.p END AS f \
+                   FROM (SELECT o, pg_catalog.pg_replication_origin_progress(o, false) AS p FROM unnest($1::text[]) o) x \
+                   LEFT JOIN pgapply.origin_commit w ON w.origin_name = x.o \
+                   UNION ALL SELECT $2::text::pg_lsn WHERE $3) fs \
+                 ORDER BY f DESC NULLS LAST LIMIT 1",
+                &[&unused, &resume.to_string(), &resume.is_valid()],
             )
             .await
-            .map_err(context)?;
-        // The main origin's row follows (the next start compares them: `reconcile_origins`).
-        client
-            .execute(
-                "UPDATE pgapply.origin_commit SET end_lsn = p FROM (SELECT pg_catalog.pg_replication_origin_progress($1, false) AS p) s \
-                 WHERE origin_name = $1 AND p IS NOT NULL",
-                &[name],
-            )
-            .await
-            .map_err(context)?;
+            .map_err(context)?
+            .get(0);
+        if let Some(latest) = latest {
+            // The main origin's row first, then the origin (see `set_position`).
+            client
+                .execute(
+                    "UPDATE pgapply.origin_commit SET end_lsn = greatest(end_lsn, $2::text::pg_lsn) WHERE origin_name = $1",
+                    &[name, &latest],
+                )
+                .await
+                .map_err(context)?;
+            client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_advance($1, $2::text::pg_lsn) \
+                     WHERE coalesce(pg_catalog.pg_replication_origin_progress($1, false), '0/0') < $2::text::pg_lsn",
+                    &[name, &latest],
+                )
+                .await
+                .map_err(context)?;
+        }
         for origin in unused {
             client
                 .execute(
@@ -341,21 +354,22 @@ impl ProgressStore {
     pub async fn set_position(&self, client: &Client, lsn: Lsn) -> Result<()> {
         let text = lsn.to_string();
         if let ProgressMode::Origin { name } = &self.mode {
+            // Their rows first, or the next start would take the origins' move for an abort's
+            // (stopped in between, the origins stay behind their rows: nothing is moved back).
+            client
+                .execute(
+                    "UPDATE pgapply.origin_commit SET end_lsn = $2::text::pg_lsn \
+                     WHERE origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w'",
+                    &[name, &text],
+                )
+                .await
+                .map_err(|e| Error::postgres("recording the copy's position on the target", e))?;
             // Parallel workers' origins too: the position is the latest of them.
             client
                 .execute(
                     "SELECT pg_catalog.pg_replication_origin_advance(roname, $2::text::pg_lsn) \
                      FROM pg_catalog.pg_replication_origin \
                      WHERE roname = $1 OR left(roname, length($1) + 2) = $1 || '-w'",
-                    &[name, &text],
-                )
-                .await
-                .map_err(|e| Error::postgres("recording the copy's position on the target", e))?;
-            // Their rows too, or the next start would take the move for an abort's.
-            client
-                .execute(
-                    "UPDATE pgapply.origin_commit SET end_lsn = $2::text::pg_lsn \
-                     WHERE origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w'",
                     &[name, &text],
                 )
                 .await
@@ -474,6 +488,19 @@ impl ProgressStore {
 /// be moved (an error, retried): those are another process's, not left behind.
 async fn reconcile_origins(client: &Client, name: &str) -> Result<()> {
     let context = |e| Error::postgres("checking the replication origins on the target", e);
+    // Before 16 an abort moves no origin: one ahead of its row has some other cause (a pgapply
+    // older than the rows, a move by hand), and moving it back would apply things twice.
+    let version: i32 = client
+        .query_one(
+            "SELECT pg_catalog.current_setting('server_version_num')::int",
+            &[],
+        )
+        .await
+        .map_err(context)?
+        .get(0);
+    if version < 160000 {
+        return Ok(());
+    }
     let mine = "origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w'";
     // Rows of origins that are gone (dropped by hand, say) mean nothing.
     client
@@ -501,8 +528,10 @@ async fn reconcile_origins(client: &Client, name: &str) -> Result<()> {
         let Some(progress) = progress else { continue };
         let row = client
             .query_opt(
+                // FOR SHARE waits for a commit that has moved the origin and is not visible
+                // yet (a previous run's session ending), then reads its row.
                 "SELECT end_lsn::text FROM pgapply.origin_commit \
-                 WHERE origin_name = $1 AND end_lsn < $2::text::pg_lsn",
+                 WHERE origin_name = $1 AND end_lsn < $2::text::pg_lsn FOR SHARE",
                 &[&origin, &progress],
             )
             .await
