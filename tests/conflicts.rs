@@ -5,10 +5,13 @@ mod common;
 use common::{run_with_deadline, spawn, stderr, wait_for, TestDb};
 use tokio::process::Command;
 
+/// A config file of its own: tests run side by side, and one must not read another's.
 fn config_file(name: &str, text: &str) -> std::path::PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let p = std::env::temp_dir().join(format!(
-        "pgapply-conflicts-{}-{name}.toml",
-        std::process::id()
+        "pgapply-conflicts-{}-{name}-{}.toml",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
     ));
     std::fs::write(&p, text).unwrap();
     p
