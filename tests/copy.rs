@@ -214,16 +214,19 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
         stderr(&out)
     );
     // Taking it: the tables are copied again into a new slot.
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply(
-            "p",
-            &["--copy-data", "--truncate-target", "--endpos", &endpos],
-        ),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    let copy_again = || async {
+        let endpos = db.source_wal().await;
+        let out = run_with_deadline(
+            db.pgapply(
+                "p",
+                &["--copy-data", "--truncate-target", "--endpos", &endpos],
+            ),
+            60,
+        )
+        .await;
+        assert!(out.status.success(), "{}", stderr(&out));
+    };
+    copy_again().await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM dogs").await, 21);
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM later").await, 1);
 
@@ -235,16 +238,7 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
         .await
         .unwrap();
     db.source_sql("ALTER PUBLICATION p DROP TABLE later").await;
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply(
-            "p",
-            &["--copy-data", "--truncate-target", "--endpos", &endpos],
-        ),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    copy_again().await;
     let recorded = format!(
         "SELECT count(*) FROM pgapply.copy_state WHERE slot_name = '{}' AND table_name = 'later'",
         db.slot()

@@ -92,11 +92,17 @@ const FAILPOINT_EXIT: i32 = 86;
 /// message that commits (or prepares) a group, as if the connection to the target were lost
 /// there; the target must still hold none of the group's rows.
 async fn run_into_lost_commit(db: &TestDb, table: &str, extra: &[&str]) {
+    run_to_failpoint(db, "exit-before-commit", table, extra).await;
+}
+
+/// Runs pgapply up to the source's current position with `failpoint` armed, expects it to exit
+/// there, and the target to hold none of `table`'s rows from that run.
+async fn run_to_failpoint(db: &TestDb, failpoint: &str, table: &str, extra: &[&str]) {
     let endpos = db.source_wal().await;
     let mut args = vec!["--endpos", endpos.as_str()];
     args.extend_from_slice(extra);
     let mut cmd = db.pgapply("p", &args);
-    cmd.env("PGAPPLY_TEST_FAILPOINT", "exit-before-commit");
+    cmd.env("PGAPPLY_TEST_FAILPOINT", failpoint);
     let out = run_with_deadline(cmd, 120).await;
     assert_eq!(
         out.status.code(),
@@ -199,17 +205,7 @@ async fn an_origin_moved_by_a_failed_commit_is_moved_back_by_the_next_run() {
     db.sync("p").await;
     db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
         .await;
-    let endpos = db.source_wal().await;
-    let mut cmd = db.pgapply("p", &["--endpos", &endpos]);
-    cmd.env("PGAPPLY_TEST_FAILPOINT", "fail-commit-then-exit");
-    let out = run_with_deadline(cmd, 120).await;
-    assert_eq!(
-        out.status.code(),
-        Some(FAILPOINT_EXIT),
-        "pgapply did not stop at the failpoint: {}",
-        stderr(&out)
-    );
-    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 0);
+    run_to_failpoint(&db, "fail-commit-then-exit", "t", &[]).await;
     let out = db.sync("p").await;
     db.assert_same("t").await;
     if common::clusters().target_major >= 16 {
