@@ -113,6 +113,41 @@ async fn column_too_narrow_on_target() {
     assert!(!last.contains("pgapply skip"), "{last}");
 }
 
+/// TRUNCATE .. CASCADE on the source: the message lists every published table the cascade
+/// reached, and a target-only table that references one of them is not emptied behind the
+/// user's back; the apply stops and says what to do instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_does_not_cascade_to_target_only_tables() {
+    if common::clusters().source_major < 11 {
+        common::skip("TRUNCATE is replicated from PostgreSQL 11");
+        return;
+    }
+    let db = TestDb::new("trunc_fk").await;
+    db.both("CREATE TABLE parent (id int PRIMARY KEY)").await;
+    db.target_sql(
+        "CREATE TABLE notes (id int PRIMARY KEY, parent_id int REFERENCES parent); \
+         INSERT INTO parent VALUES (1); INSERT INTO notes VALUES (1, 1);",
+    )
+    .await;
+    db.source_sql("INSERT INTO parent VALUES (1)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE parent").await;
+    db.source_sql("TRUNCATE parent CASCADE").await;
+    let last = expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "TRUNCATE on table \"public\".\"parent\"",
+            "does not cascade",
+        ],
+    )
+    .await;
+    assert!(!last.contains("pgapply skip"), "{last}");
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM notes").await,
+        1,
+        "the target-only table was emptied"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_password() {
     let db = TestDb::new("badpw").await;

@@ -2220,6 +2220,7 @@ impl Applier {
         self.flush_held_updates(None).await?;
         let mut tables = Vec::new();
         let mut names = Vec::new();
+        let mut first_entry = None;
         // (Each table once: the list comes from the network, and a repeated OID would only
         // make the statement longer.)
         let mut seen = std::collections::HashSet::new();
@@ -2229,6 +2230,7 @@ impl Applier {
             }
             let entry = self.entry(*oid)?;
             tables.push(entry.target.qualified.clone());
+            first_entry.get_or_insert_with(|| entry.clone());
             // Each table the source truncated is listed: an inheritance child too, if it was.
             names.push(format!(
                 "{}{}",
@@ -2240,9 +2242,11 @@ impl Applier {
         if truncate.restart_identity() {
             sql.push_str(" RESTART IDENTITY");
         }
-        if truncate.cascade() {
-            sql.push_str(" CASCADE");
-        }
+        // CASCADE is not passed on: the message already lists every published table the
+        // source's cascade reached, so on the target it could only reach tables the source never
+        // truncated (target-only tables, or ones filled from elsewhere). PostgreSQL's own
+        // subscriber does the same. A target foreign key from a table not listed then stops the
+        // apply with what to do (`violation_error`).
         // A failed Parse (or one in a transaction an earlier statement failed): the reason
         // comes from `prepare_failed`, not "transaction aborted".
         let statement = match self.client.prepare(&sql).await {
@@ -2256,10 +2260,21 @@ impl Applier {
         tracing::debug!(xid, commit_lsn = %commit_lsn, commit_time = %commit_time.to_rfc3339(), tables = %tables.join(", "), "truncate");
         self.stats.truncates += 1;
         METRICS.truncates.inc();
+        let about = first_entry.map(|relation| ChangeInfo {
+            relation,
+            operation: "TRUNCATE",
+            xid,
+            commit_lsn,
+            commit_time,
+            key: None,
+            remote: None,
+            signal: None,
+            through: None,
+        });
         self.push(Pending {
             request: Request::Prepared(statement),
             params: Vec::new(),
-            about: None,
+            about,
             batch: Vec::new(),
             orders: false,
         })
@@ -2745,10 +2760,16 @@ impl Applier {
         // hint comes with that retry's error.
         if let Some(about) = about.filter(|a| a.through.is_none()) {
             // Skipping would lose the transaction for what a change on the target fixes.
-            let hint = code
-                .as_deref()
-                .and_then(|c| target_table_hint(c, &about.relation.target.qualified))
-                .unwrap_or_else(|| self.skip_hint(about.commit_lsn));
+            let hint = match code.as_deref() {
+                // A target foreign key from a table the source did not truncate.
+                Some("0A000") if about.operation == "TRUNCATE" => format!(
+                    "the source truncated {}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber). Empty or drop the referencing table on the target (or drop its foreign key), or publish it, then start pgapply again",
+                    about.relation.target.qualified
+                ),
+                c => c
+                    .and_then(|c| target_table_hint(c, &about.relation.target.qualified))
+                    .unwrap_or_else(|| self.skip_hint(about.commit_lsn)),
+            };
             err = err.context_after(hint);
         }
         err
