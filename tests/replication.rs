@@ -445,6 +445,35 @@ async fn missing_row_warns_and_continues() {
     );
 }
 
+/// Under REPLICA IDENTITY FULL the row that was not found is the whole old row: its values stay
+/// out of the log at the default level and go to pgapply.conflicts instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_full_identity_row_keeps_its_values_out_of_the_log() {
+    let db = TestDb::new("missing_full").await;
+    db.both("CREATE TABLE f (id int, secret text); ALTER TABLE f REPLICA IDENTITY FULL")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE f").await;
+    db.source_sql("INSERT INTO f VALUES (1, 'hunter2-in-a-row')")
+        .await;
+    db.sync("p").await;
+    db.target_sql("DELETE FROM f").await;
+    db.source_sql("DELETE FROM f WHERE id = 1").await;
+    let log = stderr(&db.sync("p").await);
+    assert!(
+        log.contains("DELETE found no row") && log.contains("(\"id\", \"secret\")"),
+        "{log}"
+    );
+    assert!(!log.contains("hunter2"), "a row value in the log: {log}");
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.conflicts WHERE conflict_type = 'delete_missing' AND key LIKE '%hunter2-in-a-row%'"
+        )
+        .await,
+        1
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unique_violation_stops_and_is_retried_after_fix() {
     let db = TestDb::new("conflict").await;

@@ -278,6 +278,26 @@ impl ChangeInfo {
         )
     }
 
+    /// The row's identity for a log line: under REPLICA IDENTITY FULL the "key" is the whole
+    /// row, whose values stay out of logs at the default level (they are in pgapply.conflicts,
+    /// and at debug level); a key's values are shown, as PostgreSQL's own messages show them.
+    fn describe_key_for_log(&self) -> String {
+        let full = matches!(&self.key, Some((RowMatch::Full { .. }, _)));
+        if !full {
+            return self.describe_key();
+        }
+        tracing::debug!(table = %self.relation.target.qualified, row = %self.describe_key(), "the old row");
+        let names = self
+            .relation
+            .source
+            .columns
+            .iter()
+            .map(|c| quote_ident(&c.name))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("({names}) (REPLICA IDENTITY FULL: values in pgapply.conflicts)")
+    }
+
     fn describe_key(&self) -> String {
         let from_remote;
         let (row_match, old) = match (&self.key, &self.remote) {
@@ -2109,7 +2129,7 @@ impl Applier {
         METRICS.conflict(conflict.name());
         tracing::warn!(
             table = %entry.target.qualified,
-            key = %about.describe_key(),
+            key = %about.describe_key_for_log(),
             xid = about.xid,
             commit_lsn = %about.commit_lsn,
             conflict = conflict.name(),
@@ -2646,7 +2666,7 @@ impl Applier {
                 METRICS.conflict(kind);
                 tracing::warn!(
                     table = %about.relation.target.qualified,
-                    key = %about.describe_key(),
+                    key = %about.describe_key_for_log(),
                     xid = about.xid,
                     commit_lsn = %about.commit_lsn,
                     conflict = kind,
