@@ -381,6 +381,58 @@ async fn load_target_table(
     Ok(Some(table))
 }
 
+/// What changed in the target table since `entry` read it, if anything that a statement's
+/// parameter types depend on: the table itself (dropped, or another one under its name) or the
+/// type of a column the source fills.
+pub async fn target_changed(catalog: &Client, entry: &RelationEntry) -> Result<Option<String>> {
+    let rows = catalog
+        .query(
+            "SELECT pg_catalog.to_regclass($1)::oid = $2::oid, a.attname::text, a.atttypid \
+             FROM pg_catalog.pg_attribute a \
+             WHERE a.attrelid = $2::oid AND a.attnum > 0 AND NOT a.attisdropped",
+            &[&entry.target.qualified, &entry.target.oid],
+        )
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                format!(
+                    "reading the columns of table {} on the target",
+                    entry.target.qualified
+                ),
+                e,
+            )
+        })?;
+    if !rows
+        .first()
+        .is_some_and(|r| r.get::<_, Option<bool>>(0) == Some(true))
+    {
+        return Ok(Some("the table was dropped or replaced".into()));
+    }
+    let now: HashMap<String, Oid> = rows.iter().map(|r| (r.get(1), r.get(2))).collect();
+    for c in 0..entry.source.columns.len() {
+        let Some(column) = entry.target_column(c) else {
+            continue;
+        };
+        match now.get(&column.name) {
+            Some(&oid) if oid == column.type_oid => {}
+            Some(_) => {
+                return Ok(Some(format!(
+                    "column {} no longer has type {}",
+                    quote_ident(&column.name),
+                    column.type_name
+                )))
+            }
+            None => {
+                return Ok(Some(format!(
+                    "column {} is gone",
+                    quote_ident(&column.name)
+                )))
+            }
+        }
+    }
+    Ok(None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::binary_forms_differ;

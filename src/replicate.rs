@@ -471,6 +471,7 @@ async fn run_in_span(
         worker: None,
         live_streaming: live_possible,
         copied_tables,
+        binary_values: negotiated.binary,
     };
     let applied_at_end = applied_tx.subscribe();
     let apply = ApplyStart::prepare(&config, &pool, &store, resume, applied_tx, options).await?;

@@ -396,6 +396,8 @@ pub struct Applier {
     slot: String,
     /// Log logical decoding messages at info level (`--messages`).
     log_messages: bool,
+    /// `ApplierOptions::binary_values`.
+    binary_values: bool,
     policies: Arc<PolicyMap>,
     policy_updates: Option<watch::Receiver<Arc<PolicyMap>>>,
     /// The commit LSN of a transaction to skip on purpose (`pgapply skip`).
@@ -481,6 +483,10 @@ pub struct ApplierOptions {
     pub live_streaming: bool,
     /// After a finished initial copy: the source tables (schema, name) it copied.
     pub copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
+    /// Values arrive in binary form (`--binary`, negotiated): the server reads a parameter by
+    /// the type the statement was prepared with, so a target column whose type changed while
+    /// pgapply runs must be noticed before a statement prepared against it is used.
+    pub binary_values: bool,
 }
 
 /// Tables (slot, relation) already named by `Applier::entry` in this process: parallel workers
@@ -644,6 +650,7 @@ impl Applier {
             streaming: None,
             slot: options.slot,
             log_messages: options.log_messages,
+            binary_values: options.binary_values,
             policies: options.policies,
             policy_updates: options.policy_updates,
             skip_lsn: options.skip_lsn,
@@ -1681,7 +1688,7 @@ impl Applier {
             }
         }
         match failed {
-            None => Ok(()),
+            None => self.check_prepared_types(entry).await,
             // A failed Parse aborts the open transaction: say why, not "transaction aborted".
             Some(e) => {
                 let what = format!("a multi-row INSERT into table {}", entry.target.qualified);
@@ -2410,8 +2417,27 @@ impl Applier {
                 return self.prepare_failed(&what, &entry.target.qualified, e).await;
             }
         };
+        self.check_prepared_types(entry).await?;
         self.remember_statement(shape, statement.clone());
         Ok(statement)
+    }
+
+    /// After preparing statements for `entry`: their parameters took the target's column types as
+    /// they are now, while binary values (`--binary`) come in the types the run started with.
+    /// A column whose type changed since would have the source's bytes read as the new type, so
+    /// the run starts again and reads the table anew (and receives text where types differ). (A
+    /// column changed after the prepare is fine: the server then casts from the prepared type.)
+    async fn check_prepared_types(&self, entry: &RelationEntry) -> Result<()> {
+        if !self.binary_values {
+            return Ok(());
+        }
+        match crate::relation::target_changed(&self.catalog, entry).await? {
+            None => Ok(()),
+            Some(change) => Err(Error::transient(format!(
+                "target table {} changed while pgapply ran ({change}), and values arrive in binary form (--binary): applying again from the last committed position, with the table read anew",
+                entry.target.qualified
+            ))),
+        }
     }
 
     /// A statement could not be prepared. An earlier statement of the group may have failed (this
