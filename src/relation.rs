@@ -402,9 +402,9 @@ pub async fn target_changed(catalog: &Client, entry: &RelationEntry) -> Result<O
                 e,
             )
         })?;
-    if !rows
+    if rows
         .first()
-        .is_some_and(|r| r.get::<_, Option<bool>>(0) == Some(true))
+        .is_none_or(|r| r.get::<_, Option<bool>>(0) != Some(true))
     {
         return Ok(Some("the table was dropped or replaced".into()));
     }
