@@ -74,6 +74,11 @@ impl PublishedTable {
         qualified_name(&self.schema, &self.name)
     }
 
+    /// `schema.table`, unquoted: the metrics' `table` label (what a query filters on).
+    pub fn label(&self) -> String {
+        format!("{}.{}", self.schema, self.name)
+    }
+
     pub fn target_qualified(&self) -> String {
         qualified_name(&self.target_schema, &self.target_name)
     }
@@ -741,7 +746,7 @@ async fn record_bytes(
         let now = p.bytes.load(Ordering::Relaxed);
         let delta = now.saturating_sub(p.bytes_in_metrics.swap(now, Ordering::Relaxed));
         if delta > 0 {
-            crate::metrics::METRICS.copied(&table.qualified(), 0, delta);
+            crate::metrics::METRICS.copied(&table.label(), 0, delta);
         }
         if now == p.bytes_in_state.load(Ordering::Relaxed) {
             continue;
@@ -1016,7 +1021,7 @@ async fn copy_one(
     let rows = sink.finish().await.map_err(dst_err)?;
     progress.rows.fetch_add(rows, Ordering::Relaxed);
     // (Its bytes: `record_bytes`.)
-    crate::metrics::METRICS.copied(&qualified, rows, 0);
+    crate::metrics::METRICS.copied(&table.label(), rows, 0);
     // The table is done when its last range commits, counted here under the row's lock.
     target_tx
         .execute(

@@ -126,13 +126,16 @@ impl Metrics {
         }
     }
 
-    /// Recomputes the lag gauges from the positions and the last commit time.
-    pub fn update_lag(&self, source_wal_end: u64) {
+    /// Recomputes the lag gauges from the positions and the last commit time. pgapply is behind
+    /// while a transaction is being received (`in_transaction`) or one received has not been
+    /// applied yet (`forwarded_end`, the end of the last one handed to the applier). WAL the
+    /// source writes without a published change (an idle source, unpublished tables) is no lag:
+    /// the seconds since the last applied commit would otherwise grow without end.
+    pub fn update_lag(&self, source_wal_end: u64, forwarded_end: u64, in_transaction: bool) {
         let applied = self.applied_lsn.get();
-        let received = self.received_lsn.get().max(source_wal_end);
         self.lag_bytes
             .set(source_wal_end.saturating_sub(self.flushed_lsn.get()));
-        let behind = received > applied;
+        let behind = in_transaction || forwarded_end > applied;
         let last = self.last_commit_time.get();
         let lag = if behind && last > 0 {
             let now = crate::protocol::PgTimestamp::now().0.max(0) as u64;

@@ -569,7 +569,13 @@ async fn run_in_span(
     stream.close().await;
     if let Ok(client) = target_connection(&pool, &config.target).await {
         let mut last = reported.lock().await;
-        let _ = write_heartbeat(&client, &config.slot, "stopped", &mut last).await;
+        // `failed` until a retry (if any) records `streaming` again: the log says why.
+        let state = if apply_result.is_err() || read_result.is_err() {
+            "failed"
+        } else {
+            "stopped"
+        };
+        let _ = write_heartbeat(&client, &config.slot, state, &mut last).await;
     }
     if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
         // The request stays: a run started again stops there too (see `stop_position`).
@@ -1214,7 +1220,11 @@ impl Reader<'_> {
         let flushed = self.flush_position(durable);
         METRICS.received_lsn.set_max(self.received.0);
         METRICS.flushed_lsn.set_max(flushed.0);
-        METRICS.update_lag(self.keepalive_end.0.max(self.received.0));
+        METRICS.update_lag(
+            self.keepalive_end.0.max(self.received.0),
+            self.forwarded_end.0,
+            self.in_transaction,
+        );
         if let Some(p) = &self.progress {
             p.send_replace(RunProgress { durable: flushed });
         }

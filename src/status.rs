@@ -31,7 +31,10 @@ pub struct SlotStatus {
 
 #[derive(Debug, Serialize)]
 pub struct CopyTableStatus {
+    /// `schema.name`, unquoted (as the metrics' `table` label).
     pub table: String,
+    pub schema: String,
+    pub name: String,
     pub state: String,
     pub rows: i64,
     pub bytes: i64,
@@ -78,9 +81,12 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
         let applied: Option<String> = row.get(3);
         let lag_bytes = match (&source, &applied) {
             (Some(src), Some(lsn)) => Some(
+                // From what the slot has confirmed too: pgapply confirms WAL without published
+                // changes (an idle source) without applying anything.
                 src.query_one(
-                    "SELECT (pg_current_wal_lsn() - $1::text::pg_lsn)::int8",
-                    &[lsn],
+                    "SELECT (pg_current_wal_lsn() - greatest($1::text::pg_lsn, \
+                       (SELECT confirmed_flush_lsn FROM pg_catalog.pg_replication_slots WHERE slot_name = $2)))::int8",
+                    &[lsn, &slot],
                 )
                 .await
                 .map_err(|e| Error::postgres("reading the source WAL position", e))?
@@ -125,10 +131,9 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             copy: copy_rows
                 .iter()
                 .map(|r| CopyTableStatus {
-                    table: crate::sql::qualified_name(
-                        &r.get::<_, String>(0),
-                        &r.get::<_, String>(1),
-                    ),
+                    table: format!("{}.{}", r.get::<_, String>(0), r.get::<_, String>(1)),
+                    schema: r.get(0),
+                    name: r.get(1),
                     state: r.get(2),
                     rows: r.get(3),
                     bytes: r.get(4),

@@ -1213,6 +1213,17 @@ async fn pre_data_copy_only_post_data_then_stream() {
         db.count(&db.target, "SELECT count(*) FROM acct").await,
         2000
     );
+    // The copy's progress per table, named as a user writes it (as in the metrics' label).
+    let out = run_with_deadline(
+        common::pgapply_command(&["status", "--json", "--target", &target]),
+        30,
+    )
+    .await;
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let copy = &status[0]["copy"][0];
+    assert_eq!(copy["table"], "public.acct", "{status}");
+    assert_eq!(copy["rows"], 2000, "{status}");
+    assert_eq!(copy["state"], "done", "{status}");
     // Changes from now on wait in the slot.
     db.source_sql("UPDATE acct SET bal = bal + 1 WHERE id <= 100; DELETE FROM acct WHERE id > 1900; INSERT INTO acct VALUES (5000, 'late', 0);")
         .await;

@@ -287,7 +287,7 @@ async fn target_errors_definite_and_transient() {
         .unwrap();
     assert_eq!(
         state.get::<_, String>(0),
-        "stopped",
+        "failed",
         "state after a definite error"
     );
     db.target_sql("UPDATE g SET v = v WHERE false; CREATE OR REPLACE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \

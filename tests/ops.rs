@@ -288,6 +288,24 @@ async fn status_and_metrics_move_with_the_workload() {
         m.contains("# TYPE pgapply_apply_latency_seconds histogram"),
         "{m}"
     );
+    // WAL without a published change (an unpublished table; an idle source writes some too)
+    // moves the received position past the applied one: that is no lag, however long ago the
+    // last commit was.
+    let idle_from = std::time::Instant::now();
+    db.source_sql("CREATE TABLE unpublished (x int); INSERT INTO unpublished VALUES (1);")
+        .await;
+    wait_for(
+        "the received position to pass the applied one, 3 s on",
+        60,
+        || async {
+            let m = http_get(port, "/metrics").await;
+            metric(&m, "pgapply_received_lsn") > metric(&m, "pgapply_applied_lsn")
+                && idle_from.elapsed() > std::time::Duration::from_secs(3)
+        },
+    )
+    .await;
+    let m = http_get(port, "/metrics").await;
+    assert!(metric(&m, "pgapply_lag_seconds") < 1.0, "{m}");
     // status reads the heartbeat the worker writes every status interval.
     wait_for("status to show the transactions", 30, || async {
         let out = run_with_deadline(
