@@ -20,6 +20,8 @@ use pgapply::{check, cutover, demo, metrics, schema, skip, source_speed, status,
 const EXIT_DEFINITE: u8 = 1;
 const EXIT_USAGE: u8 = 2;
 const EXIT_TRANSIENT: u8 = 3;
+/// Stopped at once by a second signal or after the shutdown grace period (`shutdown_signal`).
+const EXIT_FORCED_STOP: u8 = 4;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -159,11 +161,25 @@ fn shutdown_signal() -> watch::Receiver<bool> {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-        tracing::info!("shutting down: finishing the current transaction");
+        tracing::info!("shutting down: finishing the current transaction (a second SIGTERM or SIGINT stops at once)");
         let _ = tx.send(true);
+        // A graceful stop waits for the target to answer; a lock held there, or a target that
+        // went silent, would keep it waiting. A second signal, or the grace period running out,
+        // ends the process at once: the target rolls back the open transaction with the
+        // session, and the next start resumes after the last committed one (as after kill -9).
+        let forced = tokio::select! {
+            _ = term.recv() => "a second signal",
+            _ = int.recv() => "a second signal",
+            _ = tokio::time::sleep(SHUTDOWN_GRACE) => "the shutdown taking longer than 30 s",
+        };
+        tracing::warn!("stopping at once after {forced}: the open target transaction is rolled back; the next start resumes after the last committed one");
+        std::process::exit(EXIT_FORCED_STOP.into());
     });
     rx
 }
+
+/// How long a graceful stop may take before the process ends at once (`shutdown_signal`).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 /// What SIGHUP reloads: the log level and the conflict policies, from the config file.
 struct Reload {

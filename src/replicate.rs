@@ -196,6 +196,26 @@ pub async fn run(
 /// A run that ended with an error says so in `pgapply status` (`failed`; the log says what, and
 /// whether it is retried), instead of leaving `streaming` or `copying` behind. Only the row this
 /// process wrote (its pid): the error may be that another worker holds the slot. Best effort.
+/// The run's outcome when a stop was asked for during the initial copy.
+async fn copy_interrupted(setup: &tokio_postgres::Client, slot: &str, resume: Lsn) -> RunOutcome {
+    tracing::warn!("initial copy interrupted by the stop request: run again with --copy-data to start it over (the tables it copied are emptied first)");
+    // `pgapply status` says stopped, not a copy whose process went away.
+    if let Err(e) = setup
+        .execute(
+            "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+    {
+        tracing::debug!(error = %e, "could not record the stop on the target");
+    }
+    RunOutcome {
+        reason: StopReason::Shutdown,
+        flushed: resume,
+        stats: ApplyStats::default(),
+    }
+}
+
 async fn record_failure(target: &tokio_postgres::Config, slot: &str) {
     let attempt = async {
         let client = crate::tls::connect(target).await.ok()?;
@@ -316,23 +336,37 @@ async fn run_in_span(
             session.server_version() / 10000,
         )
         .await?;
-        let snapshot = session
-            .create_slot_with_snapshot(&config.slot, negotiated.two_phase, config.failover_slot)
-            .await?;
+        // A stop asked for during the copy (or while the slot waits for running transactions)
+        // ends it: tables not finished are copied again by the next run with --copy-data, as
+        // after an interrupted one.
+        let mut stop = shutdown.clone();
+        let stopped = async move {
+            let _ = stop.wait_for(|stopping| *stopping).await;
+        };
+        tokio::pin!(stopped);
+        let snapshot = tokio::select! {
+            s = session.create_slot_with_snapshot(&config.slot, negotiated.two_phase, config.failover_slot) => s?,
+            () = &mut stopped => return Ok(copy_interrupted(&setup, &config.slot, resume).await),
+        };
         let client = target_connection(&pool, &config.target).await?;
         let slot = config.slot.clone();
         let beat = Background::spawn(|quit| copy_heartbeat(client, slot, quit));
-        let copied = copy::copy_tables(
-            plan,
-            &config.source,
-            &pool,
-            &config.target,
-            &config.slot,
-            &snapshot.snapshot_name,
-            &config.copy,
-        )
-        .await;
+        let copied = tokio::select! {
+            c = copy::copy_tables(
+                plan,
+                &config.source,
+                &pool,
+                &config.target,
+                &config.slot,
+                &snapshot.snapshot_name,
+                &config.copy,
+            ) => Some(c),
+            () = &mut stopped => None,
+        };
         beat.stop().await;
+        let Some(copied) = copied else {
+            return Ok(copy_interrupted(&setup, &config.slot, resume).await);
+        };
         copied?;
         store
             .set_position(&setup, snapshot.consistent_point)

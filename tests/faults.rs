@@ -531,3 +531,110 @@ async fn retries_used_up_exit_3() {
         "{log}"
     );
 }
+
+fn signal(child: &tokio::process::Child, sig: i32) {
+    let pid = child.id().expect("pid") as i32;
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// Sessions of this test's target database waiting for a lock.
+async fn waiting_for_a_lock(db: &TestDb) -> i64 {
+    db.count(
+        &db.target,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .await
+}
+
+/// SIGTERM while the initial copy waits (here for a lock a target session holds): the process
+/// stops within seconds instead of when the copy is done, and the next run copies it all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_the_initial_copy_ends_it_and_the_next_run_copies_again() {
+    let db = TestDb::new("stopcopy").await;
+    db.both("CREATE TABLE c (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO c SELECT generate_series(1, 1000)")
+        .await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE c").await;
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE c IN SHARE MODE")
+        .await
+        .unwrap();
+    let mut child = spawn(db.pgapply("p", &["--copy-data"]));
+    wait_for("the copy to wait for the lock", 30, || async {
+        waiting_for_a_lock(&db).await == 1
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    signal(&child, libc::SIGTERM);
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("pgapply stops during the copy")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        asked.elapsed()
+    );
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    db.source_sql("INSERT INTO c VALUES (1001)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("c").await;
+}
+
+/// A graceful stop waits for the open target transaction; a target session holding a row it
+/// needs keeps it waiting. A second SIGTERM stops the process at once (exit status 4), and
+/// nothing is lost: the next run applies that transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_stops_at_once_when_the_target_holds_a_lock() {
+    let db = TestDb::new("stoplock").await;
+    db.both("CREATE TABLE l (id int PRIMARY KEY, v int)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE l").await;
+    db.source_sql("INSERT INTO l VALUES (1, 0)").await;
+    db.sync("p").await;
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute("BEGIN; SELECT * FROM l WHERE id = 1 FOR UPDATE")
+        .await
+        .unwrap();
+    db.source_sql("UPDATE l SET v = 1 WHERE id = 1").await;
+    let log_path =
+        std::env::temp_dir().join(format!("pgapply-test-stoplock-{}.log", std::process::id()));
+    let mut cmd = db.pgapply("p", &[]);
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    wait_for("the apply to wait for the row lock", 30, || async {
+        waiting_for_a_lock(&db).await == 1
+    })
+    .await;
+    signal(&child, libc::SIGTERM);
+    wait_for("the first signal to be taken", 30, || async {
+        std::fs::read_to_string(&log_path).is_ok_and(|l| l.contains("shutting down"))
+    })
+    .await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "stopped without the lock"
+    );
+    signal(&child, libc::SIGTERM);
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("a second signal stops pgapply at once")
+        .unwrap();
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    let _ = std::fs::remove_file(&log_path);
+    assert_eq!(status.code(), Some(4), "{log}");
+    assert!(
+        log.contains("stopping at once after a second signal"),
+        "{log}"
+    );
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    db.sync("p").await;
+    db.assert_same("l").await;
+    assert_eq!(db.count(&db.target, "SELECT v::int8 FROM l").await, 1);
+}
