@@ -275,8 +275,8 @@ pub struct StatusArgs {
     /// source adds lag in bytes.
     #[command(flatten)]
     pub servers: ServersArgs,
-    /// Only this slot.
-    #[arg(long)]
+    /// Only this slot (also PGAPPLY_SLOT or `slot` in the config file; without any, every slot).
+    #[arg(long, env = "PGAPPLY_SLOT")]
     pub slot: Option<String>,
     /// Print JSON instead of text.
     #[arg(long)]

@@ -67,7 +67,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                     transactions, inserts, updates, deletes, truncates, conflicts::text, \
                     to_jsonb(p) ->> 'stop_lsn' \
              FROM pgapply.progress p WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
-            &[&args.slot],
+            &[&args.slot.clone().or_else(|| file.slot.clone())],
         )
         .await
         .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;

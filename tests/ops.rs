@@ -688,6 +688,21 @@ async fn status_and_skip_take_the_config_file() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(text.contains(&db.slot()), "{text}");
+    // The slot there narrows status to it, as --slot does.
+    {
+        let mut other = std::fs::File::create(&config).unwrap();
+        writeln!(
+            other,
+            "target = {:?}\nslot = \"some_other_slot\"",
+            db.target_conninfo()
+        )
+        .unwrap();
+    }
+    let out = run_with_deadline(cmd(&["status", "--json"]), 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!text.contains(&db.slot()), "{text}");
+    write("");
     let out = run_with_deadline(cmd(&["skip", "--lsn", "0/1"]), 30).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
