@@ -137,7 +137,11 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "stopped");
-            eprintln!("pgapply: error: {e}");
+            // In JSON every line is an object (the one above); as text, the error ends the log
+            // on a line of its own.
+            if format == LogFormat::Text {
+                eprintln!("pgapply: error: {e}");
+            }
             ExitCode::from(match e.class() {
                 ErrorClass::Definite => EXIT_DEFINITE,
                 ErrorClass::Transient => EXIT_TRANSIENT,

@@ -406,6 +406,26 @@ async fn json_log_lines_parse() {
         lines += 1;
     }
     assert!(lines >= 2);
+    // A failing run too: the error is a JSON line like the others, with the error in a field.
+    let out = run_with_deadline(
+        db.pgapply("no_such_publication", &["--log-format", "json"]),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    let last = err.lines().last().unwrap_or_default();
+    for line in err.lines() {
+        serde_json::from_str::<serde_json::Value>(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    }
+    let v: serde_json::Value = serde_json::from_str(last).unwrap_or_default();
+    assert_eq!(v["level"], "ERROR", "{last}");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no_such_publication")),
+        "{last}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
