@@ -124,8 +124,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "LSN", env = "PGAPPLY_ENDPOS")]
     pub endpos: Option<String>,
     /// Receive large transactions while they run (PostgreSQL 14+): `on` spools them until they
-    /// commit; `parallel` (16+) applies one at a time as it arrives, on a second target
-    /// connection [default: on for a 14+ source, else off].
+    /// commit; `parallel` (16+; `on` with a 14 or 15 source) applies one at a time as it
+    /// arrives, on a second target connection [default: on for a 14+ source, else off].
     #[arg(long, value_enum, env = "PGAPPLY_STREAMING")]
     pub streaming: Option<Streaming>,
     /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).

@@ -119,8 +119,15 @@ pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiate
             Streaming::On
         }
         Some(Streaming::Parallel) => {
-            needs("--streaming parallel", 16)?;
-            Streaming::Parallel
+            needs("--streaming parallel", 14)?;
+            if major < 16 {
+                // As PostgreSQL's own subscriber does with an older publisher: large
+                // transactions still stream, spooled until they commit.
+                tracing::warn!(source_major = major, "--streaming parallel needs a PostgreSQL 16 or later source: streaming large transactions with --streaming on instead");
+                Streaming::On
+            } else {
+                Streaming::Parallel
+            }
         }
     };
     if requested.two_phase {
@@ -172,17 +179,17 @@ mod tests {
 
     #[test]
     fn unsupported_features_are_named() {
-        let err = negotiate(
-            150000,
-            &Requested {
-                streaming: Some(Streaming::Parallel),
-                ..Default::default()
-            },
-        )
-        .unwrap_err();
+        let parallel = Requested {
+            streaming: Some(Streaming::Parallel),
+            ..Default::default()
+        };
+        // 14 and 15 stream without applying as they arrive; before 14 nothing streams.
+        let n = negotiate(150000, &parallel).unwrap();
+        assert_eq!(n.streaming, Streaming::On);
+        let err = negotiate(130000, &parallel).unwrap_err();
         assert!(
             err.to_string()
-                .contains("--streaming parallel needs a PostgreSQL 16"),
+                .contains("--streaming parallel needs a PostgreSQL 14"),
             "{err}"
         );
         let err = negotiate(
