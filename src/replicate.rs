@@ -268,6 +268,8 @@ async fn run_in_span(
         }
     }
 
+    target_tables_exist(&config, &setup).await?;
+
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
     // A slot that `pgapply cutover` stopped at a position stays stopped there: after a cutover
@@ -836,6 +838,38 @@ impl ApplyStart {
         };
         let _ = done.send(true);
         outcome
+    }
+}
+
+/// Every published table must exist on the target. Checked at the start, a missing one is named
+/// at once, not at its first change (which may come hours later).
+async fn target_tables_exist(config: &RunConfig, target: &tokio_postgres::Client) -> Result<()> {
+    let source = crate::tls::connect(&config.source)
+        .await
+        .map_err(|e| e.into_error("connecting to the source"))?;
+    let tables = copy::published_tables(&source, &config.publications, &config.table_map).await?;
+    let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    let missing: Vec<String> = target
+        .query(
+            "SELECT n FROM unnest($1::text[]) WITH ORDINALITY AS x (n, i) \
+             WHERE pg_catalog.to_regclass(n) IS NULL ORDER BY i",
+            &[&names],
+        )
+        .await
+        .map_err(|e| Error::postgres("looking up the published tables on the target", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    match missing.as_slice() {
+        [] => Ok(()),
+        [one] => Err(Error::definite(format!(
+            "table {one} is published by the source but does not exist on the target: create it on the target (`pgapply schema` copies the published tables' definitions), or take it out of the publication, then start pgapply again"
+        ))),
+        many => Err(Error::definite(format!(
+            "{} published tables do not exist on the target: {}: create them on the target (`pgapply schema` copies the published tables' definitions), or take them out of the publication, then start pgapply again",
+            many.len(),
+            many.join(", ")
+        ))),
     }
 }
 
