@@ -23,6 +23,8 @@ pub struct TargetColumn {
     /// `format_type(atttypid, atttypmod)`: for messages and casts (`character(8)`: without the
     /// modifier, `character` is `character(1)`).
     pub type_name: String,
+    /// `atttypmod` (-1: none): with the type, what the source's column is compared with.
+    pub type_modifier: i32,
     pub generated: bool,
     /// `GENERATED ALWAYS AS IDENTITY`: an INSERT needs OVERRIDING SYSTEM VALUE to write the
     /// source's value, and an UPDATE may not set it at all.
@@ -70,6 +72,19 @@ impl RelationEntry {
     /// `"schema"."table"` as the source names it, for messages.
     pub fn display_name(&self) -> String {
         qualified_name(source_schema(&self.source), &self.source.name)
+    }
+
+    /// The target columns whose type (or its modifier: length, precision) is not the source
+    /// column's, as `"name" (type on the target)`: where a value the target refuses comes from.
+    pub fn narrower_candidates(&self) -> Vec<String> {
+        (0..self.source.columns.len())
+            .filter_map(|c| {
+                let source = &self.source.columns[c];
+                let target = self.target_column(c)?;
+                (source.type_oid != target.type_oid || source.type_modifier != target.type_modifier)
+                    .then(|| format!("{} ({})", quote_ident(&target.name), target.type_name))
+            })
+            .collect()
     }
 
     pub fn target_column(&self, source_column: usize) -> Option<&TargetColumn> {
@@ -336,7 +351,7 @@ async fn load_target_table(
     };
     let sql = format!(
         "SELECT c.oid, c.relkind::text, a.attname::text, a.atttypid, \
-                pg_catalog.format_type(a.atttypid, a.atttypmod), {generated}, a.attidentity::text \
+                pg_catalog.format_type(a.atttypid, a.atttypmod), {generated}, a.attidentity::text, a.atttypmod \
          FROM pg_catalog.pg_class c \
          JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
          LEFT JOIN pg_catalog.pg_attribute a \
@@ -374,6 +389,7 @@ async fn load_target_table(
             name: column,
             type_oid: row.get(3),
             type_name: row.get(4),
+            type_modifier: row.get::<_, Option<i32>>(7).unwrap_or(-1),
             generated: generated.is_some_and(|g| !g.is_empty()),
             identity_always: identity.as_deref() == Some("a"),
         });

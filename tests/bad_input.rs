@@ -107,10 +107,84 @@ async fn column_too_narrow_on_target() {
         .await;
     let last = expect_failure(
         db.pgapply("p", &[]),
-        &["\"public\".\"n\"", "does not take the source's value"],
+        &[
+            "column \"big\" (integer) of target table \"public\".\"n\"",
+            "does not take the source's value",
+        ],
     )
     .await;
     assert!(!last.contains("pgapply skip"), "{last}");
+}
+
+/// A column dropped on the source that is NOT NULL without a default on the target: the error
+/// names it and says what to change there, not to skip the transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_null_column_the_source_no_longer_sends() {
+    let db = TestDb::new("dropnn").await;
+    db.both("CREATE TABLE d (id int PRIMARY KEY, a text, b int NOT NULL)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE d").await;
+    db.source_sql("ALTER TABLE d DROP COLUMN b").await;
+    db.source_sql("INSERT INTO d VALUES (1, 'x')").await;
+    let last = expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "column \"b\" of target table \"public\".\"d\" is NOT NULL without a default",
+            "SET DEFAULT",
+        ],
+    )
+    .await;
+    assert!(!last.contains("pgapply skip"), "{last}");
+}
+
+/// A row for a partition only the source has (published through the root into a partitioned
+/// target): the error says to create the partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_missing_on_the_target() {
+    if common::clusters().source_major < 13 {
+        common::skip("publish_via_partition_root needs PostgreSQL 13");
+        return;
+    }
+    let db = TestDb::new("nopart").await;
+    db.both(
+        "CREATE TABLE m (id int, at int, PRIMARY KEY (id, at)) PARTITION BY RANGE (at); \
+         CREATE TABLE m_1 PARTITION OF m FOR VALUES FROM (0) TO (100);",
+    )
+    .await;
+    db.source_sql("CREATE TABLE m_2 PARTITION OF m FOR VALUES FROM (100) TO (200)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = true)")
+        .await;
+    db.source_sql("INSERT INTO m VALUES (1, 150)").await;
+    let last = expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "no partition of target table \"public\".\"m\"",
+            "create the partition",
+        ],
+    )
+    .await;
+    assert!(!last.contains("pgapply skip"), "{last}");
+}
+
+/// The same for a length: a value longer than the target's varchar(n) names that column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_too_long_for_target_column() {
+    let db = TestDb::new("toolong").await;
+    db.source_sql("CREATE TABLE w (id int PRIMARY KEY, code varchar(5), name varchar(20))")
+        .await;
+    db.target_sql("CREATE TABLE w (id int PRIMARY KEY, code varchar(5), name varchar(8))")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE w").await;
+    db.source_sql("INSERT INTO w VALUES (1, 'ab', 'a name far too long')")
+        .await;
+    let last = expect_failure(
+        db.pgapply("p", &[]),
+        &["column \"name\" (character varying(8))", "\"public\".\"w\""],
+    )
+    .await;
+    assert!(!last.contains("pgapply skip"), "{last}");
+    assert!(!last.contains("\"code\""), "{last}");
 }
 
 /// TRUNCATE .. CASCADE on the source: the message lists every published table the cascade

@@ -2796,6 +2796,11 @@ impl Applier {
     ) -> Error {
         let what = about.map_or_else(|| "a statement".to_owned(), ChangeInfo::describe);
         let code = e.code().map(|c| c.code().to_owned());
+        let db_column = e.as_db_error().and_then(|d| d.column()).map(str::to_owned);
+        let db_constraint = e
+            .as_db_error()
+            .and_then(|d| d.constraint())
+            .map(str::to_owned);
         let kind = if kind.is_empty() {
             String::new()
         } else {
@@ -2807,6 +2812,37 @@ impl Applier {
         if let Some(about) = about.filter(|a| a.through.is_none()) {
             // Skipping would lose the transaction for what a change on the target fixes.
             let hint = match code.as_deref() {
+                // A value the target refuses: name the columns it can come from.
+                Some(c) if value_refused(c) => {
+                    let table = &about.relation.target.qualified;
+                    match about.relation.narrower_candidates().as_slice() {
+                        [] => target_table_hint(c, table).unwrap_or_default(),
+                        [one] => format!("column {one} of target table {table} does not take the source's value: its type differs from the source column's; change it on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)"),
+                        many => format!("a column of target table {table} does not take the source's value; these columns' types differ from the source's: {}: change the one the error is about on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)", many.join(", ")),
+                    }
+                }
+                // NOT NULL on the target: a column the source does not send (dropped there, or
+                // target-only) without a default, or one the source sends NULL in.
+                Some("23502") => {
+                    let table = &about.relation.target.qualified;
+                    let column = db_column.as_deref().unwrap_or("?");
+                    let sent = (0..about.relation.source.columns.len())
+                        .any(|c| about.relation.target_column(c).is_some_and(|t| t.name == column));
+                    if sent {
+                        format!("the source's row has NULL in column {} of target table {table}, which is NOT NULL there (not on the source): ALTER TABLE {table} ALTER COLUMN {} DROP NOT NULL on the target, then start pgapply again", quote_ident(column), quote_ident(column))
+                    } else {
+                        format!("column {} of target table {table} is NOT NULL without a default, and the source does not send it (dropped on the source, or a target-only column): give it a default (ALTER TABLE {table} ALTER COLUMN {} SET DEFAULT ...), drop NOT NULL, or drop the column on the target, then start pgapply again", quote_ident(column), quote_ident(column))
+                    }
+                }
+                // No partition takes the row (a partition only the source has), or a CHECK
+                // constraint only the target has.
+                Some("23514") => {
+                    let table = &about.relation.target.qualified;
+                    match db_constraint.as_deref() {
+                        None | Some("") => format!("no partition of target table {table} takes the source's row: create the partition on the target (as on the source), then start pgapply again"),
+                        Some(name) => format!("the CHECK constraint {} of target table {table} refuses the source's row: drop or change it on the target, then start pgapply again; or {}", quote_ident(name), self.skip_hint(about.commit_lsn)),
+                    }
+                }
                 // A target foreign key from a table the source did not truncate.
                 Some("0A000") if about.operation == "TRUNCATE" => format!(
                     "the source truncated {}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber). Empty or drop the referencing table on the target (or drop its foreign key), or publish it, then start pgapply again",
@@ -3278,6 +3314,12 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
 /// A conflict in words, for the log.
 /// What to do when the target refuses a statement because of how its table is defined (SQLSTATE
 /// `code`): a change on the target fixes it, not skipping the transaction.
+/// A data exception (class 22) that a target column's type explains: not an encoding problem
+/// (22P05 untranslatable character, 22021 invalid byte sequence), which no column change fixes.
+fn value_refused(code: &str) -> bool {
+    code.starts_with("22") && !matches!(code, "22P05" | "22021")
+}
+
 fn target_table_hint(code: &str, table: &str) -> Option<String> {
     match code {
         "428C9" => Some(format!(
@@ -3285,7 +3327,7 @@ fn target_table_hint(code: &str, table: &str) -> Option<String> {
         )),
         // A value the target's column does not take (out of range, too long): a narrower type
         // than the source's. Skipping would lose the transaction.
-        c if c.starts_with("22") && !matches!(c, "22P05" | "22021") => Some(format!(
+        c if value_refused(c) => Some(format!(
             "a column of target table {table} does not take the source's value (a narrower type, or a different one): change the column on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts, so a column changed while it runs counts only from then); `pgapply check` lists what differs"
         )),
         c if c.starts_with("42") => Some(format!(

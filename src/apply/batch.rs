@@ -308,6 +308,7 @@ mod tests {
             name: name.into(),
             type_oid: 23,
             type_name: "integer".into(),
+            type_modifier: -1,
             generated: false,
             identity_always: false,
         };
