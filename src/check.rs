@@ -71,6 +71,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     if let Some(dst) = &target {
         // Whatever the source said: the role's rights for pgapply's own state.
         check_target(dst, &mut report, &tables, &truncated).await;
+        check_apply_session(dst, &config, &mut report, &tables).await;
     }
     finish(report)
 }
@@ -264,6 +265,37 @@ async fn check_source(
                 }
             }
             Err(e) => report.problem(format!("source table {qualified}: {e}")),
+        }
+    }
+}
+
+/// What the apply session needs beyond the tables: quiet triggers (as under PostgreSQL's own
+/// subscriber) and, with --two-phase, prepared transactions.
+async fn check_apply_session(
+    dst: &Client,
+    config: &crate::replicate::RunConfig,
+    report: &mut Report,
+    tables: &[crate::copy::PublishedTable],
+) {
+    match crate::copy::loud_trigger_tables(dst, tables).await {
+        Ok(loud) if loud.is_empty() => {}
+        Ok(loud) => report.problem(format!(
+            "the target role may not set session_replication_role, so the triggers and foreign keys of {} act on replicated changes (PostgreSQL's own subscriber keeps them quiet): use a superuser, or on PostgreSQL 15+ GRANT SET ON PARAMETER session_replication_role TO the role",
+            loud.join(", ")
+        )),
+        Err(e) => report.problem(e.to_string()),
+    }
+    if config.requested.two_phase {
+        let prepared = dst
+            .query_one(
+                "SELECT current_setting('max_prepared_transactions')::int",
+                &[],
+            )
+            .await;
+        match prepared {
+            Ok(r) if r.get::<_, i32>(0) > 0 => report.ok("the target takes prepared transactions (--two-phase)"),
+            Ok(_) => report.problem("--two-phase needs prepared transactions on the target, but its max_prepared_transactions is 0: set it above 0 in postgresql.conf and restart the target"),
+            Err(e) => report.problem(format!("target: reading max_prepared_transactions: {e}")),
         }
     }
 }

@@ -261,6 +261,22 @@ fn may_quiet_triggers_sql(version: i32) -> &'static str {
 /// keys will act on the copied rows: tables are copied side by side in any order, so a
 /// foreign key fails when a child's rows come before its parent's, and triggers change rows.
 async fn warn_of_loud_triggers(target: &Client, tables: &[PublishedTable]) -> Result<()> {
+    let loud = loud_trigger_tables(target, tables).await?;
+    if !loud.is_empty() {
+        tracing::warn!(
+            tables = %loud.join(", "),
+            "the target role may not set session_replication_role, so these tables' triggers and foreign keys act on the copied rows (a foreign key fails when a child table's rows arrive before its parent's): copy as a superuser (or, on PostgreSQL 15+, GRANT SET ON PARAMETER session_replication_role TO the role), or create the triggers and foreign keys after the copy (`pgapply schema --section post-data`)"
+        );
+    }
+    Ok(())
+}
+
+/// The target tables whose triggers or foreign keys act on replicated rows: none when the
+/// target role may set `session_replication_role` (as PostgreSQL's own subscriber does).
+pub async fn loud_trigger_tables(
+    target: &Client,
+    tables: &[PublishedTable],
+) -> Result<Vec<String>> {
     let context = |e| Error::postgres("reading the target's triggers and foreign keys", e);
     let version: i32 = target
         .query_one(
@@ -276,12 +292,12 @@ async fn warn_of_loud_triggers(target: &Client, tables: &[PublishedTable]) -> Re
         .map_err(context)?
         .get(0);
     if may {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
     let loud: Vec<String> = target
         .query(
-            "SELECT c.oid::regclass::text FROM unnest($1::text[]) n JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n) \
+            "SELECT n FROM unnest($1::text[]) n JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n) \
              WHERE EXISTS (SELECT FROM pg_catalog.pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal AND t.tgenabled IN ('O', 'A')) \
                 OR EXISTS (SELECT FROM pg_catalog.pg_constraint k WHERE k.conrelid = c.oid AND k.contype = 'f') \
              ORDER BY 1",
@@ -292,13 +308,7 @@ async fn warn_of_loud_triggers(target: &Client, tables: &[PublishedTable]) -> Re
         .iter()
         .map(|r| r.get(0))
         .collect();
-    if !loud.is_empty() {
-        tracing::warn!(
-            tables = %loud.join(", "),
-            "the target role may not set session_replication_role, so these tables' triggers and foreign keys act on the copied rows (a foreign key fails when a child table's rows arrive before its parent's): copy as a superuser (or, on PostgreSQL 15+, GRANT SET ON PARAMETER session_replication_role TO the role), or create the triggers and foreign keys after the copy (`pgapply schema --section post-data`)"
-        );
-    }
-    Ok(())
+    Ok(loud)
 }
 
 /// Checks the target tables: they exist with the published columns, and are empty (or are emptied

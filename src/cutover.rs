@@ -827,6 +827,11 @@ async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
     println!(
         "step 6: reverse replication prepared: publication {publication:?} and slot {slot:?} on the target. To replicate back, run:\n  pgapply run --source <new primary> --target <old primary> --publication {publication} --slot {slot}{origin}"
     );
+    // Unread, the slot keeps the new primary's WAL for good.
+    println!(
+        "slot {slot:?} on the target (the new primary) holds its WAL from now on until that runs: if you will not replicate back, drop it there: SELECT pg_drop_replication_slot('{}')",
+        slot.replace('\'', "''")
+    );
     Ok(())
 }
 

@@ -269,6 +269,22 @@ async fn run_in_span(
     }
 
     target_tables_exist(&config, &setup).await?;
+    if negotiated.two_phase {
+        // Before the slot is made two-phase (which cannot be undone on it).
+        let prepared: i32 = setup
+            .query_one(
+                "SELECT current_setting('max_prepared_transactions')::int",
+                &[],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading max_prepared_transactions on the target", e))?
+            .get(0);
+        if prepared == 0 {
+            return Err(Error::definite(
+                "--two-phase needs prepared transactions on the target, but its max_prepared_transactions is 0: set it above 0 in postgresql.conf and restart the target",
+            ));
+        }
+    }
 
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;

@@ -691,6 +691,12 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
     .await;
     copy_up_to_now(&db).await;
     let text = db.cutover(&["--reverse"]).await;
+    // The reverse slot holds the new primary's WAL until used: how to drop it is printed.
+    assert!(
+        text.contains("on the target (the new primary) holds its WAL")
+            && text.contains("pg_drop_replication_slot("),
+        "{text}"
+    );
     // The printed command, with the two servers filled in.
     let printed = text
         .lines()

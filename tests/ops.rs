@@ -554,6 +554,54 @@ async fn check_lists_every_problem() {
     let _ = std::io::stdout().flush();
 }
 
+/// A target role that may not set session_replication_role: `check` names the tables whose
+/// triggers would fire for replicated changes (PostgreSQL's own subscriber keeps them quiet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_target_triggers_that_would_fire() {
+    let db = TestDb::new("checktrig").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.target_sql(
+        "CREATE FUNCTION stamp() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN NEW.v := ''stamped''; RETURN NEW; END'; \
+         CREATE TRIGGER stamp BEFORE INSERT ON t FOR EACH ROW EXECUTE PROCEDURE stamp();",
+    )
+    .await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
+    let writer = format!("plain_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {writer} LOGIN PASSWORD 'w-secret'; \
+         GRANT INSERT, UPDATE, DELETE, SELECT, TRUNCATE ON t TO {writer}; GRANT CREATE ON DATABASE {} TO {writer};",
+        db.name
+    ))
+    .await;
+    let mut cmd = pgapply();
+    cmd.args([
+        "check",
+        "--source",
+        &db.source_conninfo(),
+        "--target",
+        &format!(
+            "postgres://{writer}:w-secret@127.0.0.1:{}/{}",
+            db.target_port, db.name
+        ),
+        "--slot",
+        &db.slot(),
+        "--publication",
+        "p",
+        "--create-slot",
+    ]);
+    let out = run_with_deadline(cmd, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("may not set session_replication_role"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains("foreign keys of \"public\".\"t\" act"),
+        "{text}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_conflict_policies_and_log_level() {
     let db = TestDb::new("sighup").await;
