@@ -22,6 +22,7 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
         ))
     })?;
     complete_from_environment(&mut config);
+    detect_dead_peers(&mut config);
     let mut tls = tls;
     // As in libpq, the connection string's sslmode wins over PGSSLMODE.
     if !mode_given {
@@ -35,6 +36,22 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     config.ssl_mode(tls.mode.for_tokio_postgres());
     crate::tls::register(&config, tls);
     Ok(config)
+}
+
+/// TCP keepalives of about a minute unless the connection string sets its own: a server that
+/// went away without a word (host down, network cut) is noticed while pgapply waits for an
+/// answer, and the retry takes over, instead of waiting for the system default of two hours.
+/// Keepalives are answered by the peer's kernel, so a slow statement is never cut short.
+fn detect_dead_peers(config: &mut tokio_postgres::Config) {
+    if config.get_keepalives_idle() == std::time::Duration::from_secs(2 * 60 * 60) {
+        config.keepalives_idle(std::time::Duration::from_secs(30));
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(std::time::Duration::from_secs(10));
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(3);
+    }
 }
 
 /// Takes `sslmode` and `sslrootcert` out of a connection string (key=value or URL): pgapply
@@ -324,6 +341,19 @@ mod tests {
             Some("fallback")
         );
         assert_eq!(lookup_pgpass("a:b:c:d:e", "x", "b", "c", "d"), None);
+    }
+
+    #[test]
+    fn keepalives_notice_a_dead_server_within_a_minute_unless_set() {
+        let c = parse("target", "host=h user=u").unwrap();
+        assert_eq!(c.get_keepalives_idle(), std::time::Duration::from_secs(30));
+        assert_eq!(
+            c.get_keepalives_interval(),
+            Some(std::time::Duration::from_secs(10))
+        );
+        assert_eq!(c.get_keepalives_retries(), Some(3));
+        let c = parse("target", "host=h user=u keepalives_idle=600").unwrap();
+        assert_eq!(c.get_keepalives_idle(), std::time::Duration::from_secs(600));
     }
 
     #[test]
