@@ -17,9 +17,11 @@ pub const FAIL_COMMIT: &str = "fail-commit";
 /// The same, and the process exits once the failure is seen, before it moves the origin back.
 pub const FAIL_COMMIT_THEN_EXIT: &str = "fail-commit-then-exit";
 
-/// What that group runs instead of COMMIT: a serialization failure, retried like one.
+/// What that group runs instead of COMMIT: the transaction ends without committing and the
+/// COMMIT's answer is an error (a serialization failure, retried like one), as when a COMMIT
+/// itself fails. The session is then outside any transaction, so what was sent after it runs.
 pub const FAILING_COMMIT: &str =
-    "DO $$BEGIN RAISE EXCEPTION 'PGAPPLY_TEST_FAILPOINT fail-commit' USING ERRCODE = '40001'; END$$; COMMIT";
+    "ROLLBACK; DO $$BEGIN RAISE EXCEPTION 'PGAPPLY_TEST_FAILPOINT fail-commit' USING ERRCODE = '40001'; END$$";
 
 /// The exit status at a failpoint (none of the statuses `main` uses).
 pub const EXIT_STATUS: i32 = 86;

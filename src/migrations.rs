@@ -51,6 +51,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "origin_commit",
         include_str!("../migrations/0009_origin_commit.sql"),
     ),
+    (
+        10,
+        "check_committed",
+        include_str!("../migrations/0010_check_committed.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

@@ -216,3 +216,81 @@ async fn an_origin_moved_by_a_failed_commit_is_moved_back_by_the_next_run() {
         );
     }
 }
+
+/// A group goes out before the previous group's COMMIT is answered, and commits only if the
+/// server finds that one committed (`pgapply.check_committed`). Here the previous COMMIT fails:
+/// the later group must not commit without it (its position would make the next run skip the
+/// failed one). A target session holds a row the first group updates, so the second group is
+/// sent while the first still waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
+    let db = TestDb::new("chained").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1, 'first')").await;
+    db.sync("p").await;
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute("BEGIN; SELECT * FROM t WHERE id = 1 FOR UPDATE")
+        .await
+        .unwrap();
+    let log_path =
+        std::env::temp_dir().join(format!("pgapply-test-chained-{}.log", std::process::id()));
+    let mut cmd = db.pgapply("p", &["--retry-min", "10ms", "--log-level", "debug"]);
+    cmd.env("PGAPPLY_TEST_FAILPOINT", "fail-commit")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    // The first group: its UPDATE waits for the row; its COMMIT is sent behind it. (Its INSERT
+    // has the INSERT statements prepared before: a prepare would wait behind the UPDATE.)
+    db.source_sql("INSERT INTO t VALUES (0, 'second'); UPDATE t SET v = 'updated' WHERE id = 1")
+        .await;
+    common::wait_for("the first group to wait for the row", 30, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    // Later transactions form the second group; it closes when it is old enough (at a
+    // transaction's end), while the first COMMIT is unanswered.
+    let next = std::sync::atomic::AtomicI32::new(2);
+    common::wait_for("the second group sent behind the first", 30, || async {
+        let id = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        db.source_sql(&format!("INSERT INTO t VALUES ({id}, 'second')"))
+            .await;
+        std::fs::read_to_string(&log_path)
+            .is_ok_and(|l| l.contains("group sent before the previous COMMIT is answered"))
+    })
+    .await;
+    let second = i64::from(next.load(std::sync::atomic::Ordering::SeqCst)) - 2;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    common::wait_for("both changes applied", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM t WHERE (id = 1 AND v = 'updated') OR v = 'second'",
+        )
+        .await
+            == 2 + second
+    })
+    .await;
+    let pid = child.id().expect("pid") as i32;
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("pgapply stops")
+        .unwrap();
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    let _ = std::fs::remove_file(&log_path);
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("PGAPPLY_TEST_FAILPOINT fail-commit"),
+        "the first COMMIT did not fail:\n{log}"
+    );
+    // Had the second group committed, the retry would have resumed after it, without the
+    // first group's UPDATE.
+    db.assert_same("t").await;
+}
