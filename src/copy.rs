@@ -597,6 +597,17 @@ pub async fn plan_copy(
     })
 }
 
+/// Tasks of the copy, aborted when it ends or is dropped.
+struct AbortOnDrop(Vec<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
 /// Copies the planned tables as of `snapshot`. The caller keeps the exporting replication session
 /// idle until this returns.
 pub async fn copy_tables(
@@ -663,6 +674,8 @@ pub async fn copy_tables(
         }))
     };
 
+    // Dropped with this future (a stop asked for during the copy), the tasks end too.
+    let mut tasks = AbortOnDrop(vec![reporter.abort_handle(), recorder.abort_handle()]);
     // Once a job failed the copy starts over anyway: the others stop taking jobs.
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut workers = Vec::new();
@@ -706,6 +719,7 @@ pub async fn copy_tables(
             },
         )));
     }
+    tasks.0.extend(workers.iter().map(|w| w.abort_handle()));
     let mut failure = None;
     for w in workers {
         match w.await {
@@ -718,8 +732,7 @@ pub async fn copy_tables(
             }
         }
     }
-    reporter.abort();
-    recorder.abort();
+    drop(tasks);
     if let Some(e) = failure {
         return Err(e);
     }

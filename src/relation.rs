@@ -50,6 +50,9 @@ impl TargetTable {
     }
 }
 
+/// OIDs below this are built in, the same in every cluster (PostgreSQL's FirstNormalObjectId).
+const FIRST_NORMAL_OID: u32 = 16384;
+
 /// One published relation, resolved against the target.
 #[derive(Debug)]
 pub struct RelationEntry {
@@ -81,6 +84,10 @@ impl RelationEntry {
             .filter_map(|c| {
                 let source = &self.source.columns[c];
                 let target = self.target_column(c)?;
+                // A user-defined type's OID is the cluster's own: no telling from it.
+                if source.type_oid >= FIRST_NORMAL_OID {
+                    return None;
+                }
                 (source.type_oid != target.type_oid || source.type_modifier != target.type_modifier)
                     .then(|| format!("{} ({})", quote_ident(&target.name), target.type_name))
             })

@@ -193,11 +193,13 @@ pub async fn run(
     result
 }
 
-/// A run that ended with an error says so in `pgapply status` (`failed`; the log says what, and
-/// whether it is retried), instead of leaving `streaming` or `copying` behind. Only the row this
-/// process wrote (its pid): the error may be that another worker holds the slot. Best effort.
 /// The run's outcome when a stop was asked for during the initial copy.
-async fn copy_interrupted(setup: &tokio_postgres::Client, slot: &str, resume: Lsn) -> RunOutcome {
+async fn copy_interrupted(
+    setup: &tokio_postgres::Client,
+    config: &RunConfig,
+    resume: Lsn,
+) -> Result<RunOutcome> {
+    let slot = &config.slot;
     tracing::warn!("initial copy interrupted by the stop request: run again with --copy-data to start it over (the tables it copied are emptied first)");
     // `pgapply status` says stopped, not a copy whose process went away.
     if let Err(e) = setup
@@ -209,13 +211,22 @@ async fn copy_interrupted(setup: &tokio_postgres::Client, slot: &str, resume: Ls
     {
         tracing::debug!(error = %e, "could not record the stop on the target");
     }
-    RunOutcome {
+    if config.copy_only {
+        // What `--copy-only` was asked for is not done: a script must not go on to the next step.
+        return Err(Error::definite(
+            "the initial copy was stopped before it finished (--copy-only): run the same command again to start it over",
+        ));
+    }
+    Ok(RunOutcome {
         reason: StopReason::Shutdown,
         flushed: resume,
         stats: ApplyStats::default(),
-    }
+    })
 }
 
+/// A run that ended with an error says so in `pgapply status` (`failed`; the log says what, and
+/// whether it is retried), instead of leaving `streaming` or `copying` behind. Only the row this
+/// process wrote (its pid): the error may be that another worker holds the slot. Best effort.
 async fn record_failure(target: &tokio_postgres::Config, slot: &str) {
     let attempt = async {
         let client = crate::tls::connect(target).await.ok()?;
@@ -268,7 +279,6 @@ async fn run_in_span(
         }
     }
 
-    target_tables_exist(&config, &setup).await?;
     if negotiated.two_phase {
         // Before the slot is made two-phase (which cannot be undone on it).
         let prepared: i32 = setup
@@ -309,6 +319,7 @@ async fn run_in_span(
         }
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
+    target_tables_exist(&config, &setup).await?;
     // The fence decides where this run stops unless --endpos comes first (the cutover's own run
     // stops at the same position: no warning then).
     let fence_decides = fence.filter(|f| config.endpos.is_none_or(|e| e > *f));
@@ -363,13 +374,16 @@ async fn run_in_span(
         };
         tokio::pin!(stopped);
         let snapshot = tokio::select! {
+            biased;
             s = session.create_slot_with_snapshot(&config.slot, negotiated.two_phase, config.failover_slot) => s?,
-            () = &mut stopped => return Ok(copy_interrupted(&setup, &config.slot, resume).await),
+            () = &mut stopped => return copy_interrupted(&setup, &config, resume).await,
         };
         let client = target_connection(&pool, &config.target).await?;
         let slot = config.slot.clone();
         let beat = Background::spawn(|quit| copy_heartbeat(client, slot, quit));
         let copied = tokio::select! {
+            // (A copy that ends as the stop comes counts as done.)
+            biased;
             c = copy::copy_tables(
                 plan,
                 &config.source,
@@ -383,7 +397,7 @@ async fn run_in_span(
         };
         beat.stop().await;
         let Some(copied) = copied else {
-            return Ok(copy_interrupted(&setup, &config.slot, resume).await);
+            return copy_interrupted(&setup, &config, resume).await;
         };
         copied?;
         store
@@ -864,7 +878,24 @@ async fn target_tables_exist(config: &RunConfig, target: &tokio_postgres::Client
         .await
         .map_err(|e| e.into_error("connecting to the source"))?;
     let tables = copy::published_tables(&source, &config.publications, &config.table_map).await?;
-    let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    // Partitions are left to their first change: with `publish_via_partition_root` in one of
+    // several publications they are listed too, and their changes still come as the root's.
+    let partitions: Vec<String> = source
+        .query(
+            "SELECT n FROM unnest($1::text[]) n \
+             JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n) WHERE c.relispartition",
+            &[&tables.iter().map(|t| t.qualified()).collect::<Vec<_>>()],
+        )
+        .await
+        .map_err(|e| Error::postgres("looking up the published partitions on the source", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let names: Vec<String> = tables
+        .iter()
+        .filter(|t| !partitions.contains(&t.qualified()))
+        .map(|t| t.target_qualified())
+        .collect();
     let missing: Vec<String> = target
         .query(
             "SELECT n FROM unnest($1::text[]) WITH ORDINALITY AS x (n, i) \

@@ -278,9 +278,10 @@ impl ChangeInfo {
         )
     }
 
-    /// The row's identity for a log line: under REPLICA IDENTITY FULL the "key" is the whole
-    /// row, whose values stay out of logs at the default level (they are in pgapply.conflicts,
-    /// and at debug level); a key's values are shown, as PostgreSQL's own messages show them.
+    /// The row's identity for a log line or an error: under REPLICA IDENTITY FULL the "key" is
+    /// the whole row, whose values stay out of logs at the default level (they are logged at
+    /// debug level, and a conflict record keeps them); a key's values are shown, as PostgreSQL's
+    /// own messages show them.
     fn describe_key_for_log(&self) -> String {
         let full = matches!(&self.key, Some((RowMatch::Full { .. }, _)));
         if !full {
@@ -295,7 +296,7 @@ impl ChangeInfo {
             .map(|c| quote_ident(&c.name))
             .collect::<Vec<_>>()
             .join(", ");
-        format!("({names}) (REPLICA IDENTITY FULL: values in pgapply.conflicts)")
+        format!("({names}) (REPLICA IDENTITY FULL: the old row's values are logged at debug level, and recorded with a conflict in pgapply.conflicts)")
     }
 
     fn describe_key(&self) -> String {
@@ -1236,8 +1237,8 @@ impl Applier {
                 let one_at_a_time = g
                     .last_transaction
                     .is_some_and(|(_, lsn)| self.one_at_a_time(lsn));
-                // Idle: commit, unless the previous COMMIT is still unanswered (this one would
-                // wait for it anyway; the group grows meanwhile and closes when it is answered).
+                // Idle: commit, unless the previous COMMIT is still unanswered (the group grows
+                // meanwhile and closes when it is answered, or when it is big or old enough).
                 one_at_a_time
                     || (nothing_waiting && self.committing.is_empty())
                     || g.statements >= self.settings.group_statements
@@ -2687,7 +2688,7 @@ impl Applier {
                         let err = Error::definite(format!(
                             "{kind}: {} found no row for key {} and the conflict policy for {kind} is error: {}",
                             about.describe(),
-                            about.describe_key(),
+                            about.describe_key_for_log(),
                             self.skip_hint(about.commit_lsn)
                         ));
                         self.fail(err, about.commit_lsn);
@@ -2812,6 +2813,9 @@ impl Applier {
             .as_db_error()
             .and_then(|d| d.constraint())
             .map(str::to_owned);
+        let no_partition = e
+            .as_db_error()
+            .is_some_and(|d| d.message().starts_with("no partition"));
         let kind = if kind.is_empty() {
             String::new()
         } else {
@@ -2834,9 +2838,9 @@ impl Applier {
                 }
                 // NOT NULL on the target: a column the source does not send (dropped there, or
                 // target-only) without a default, or one the source sends NULL in.
-                Some("23502") => {
+                Some("23502") if db_column.is_some() => {
                     let table = &about.relation.target.qualified;
-                    let column = db_column.as_deref().unwrap_or("?");
+                    let column = db_column.as_deref().unwrap_or_default();
                     let sent = (0..about.relation.source.columns.len())
                         .any(|c| about.relation.target_column(c).is_some_and(|t| t.name == column));
                     if sent {
@@ -2850,7 +2854,8 @@ impl Applier {
                 Some("23514") => {
                     let table = &about.relation.target.qualified;
                     match db_constraint.as_deref() {
-                        None | Some("") => format!("no partition of target table {table} takes the source's row: create the partition on the target (as on the source), then start pgapply again"),
+                        None | Some("") if no_partition => format!("no partition of target table {table} takes the source's row: create the partition on the target (as on the source), then start pgapply again"),
+                        None | Some("") => format!("target table {table} is a partition whose bounds do not take the source's row (the target's partitions differ from the source's): make its bounds match the source's, or apply into the partitioned table (`[tables]` in the config file), then start pgapply again"),
                         Some(name) => format!("the CHECK constraint {} of target table {table} refuses the source's row: drop or change it on the target, then start pgapply again; or {}", quote_ident(name), self.skip_hint(about.commit_lsn)),
                     }
                 }
@@ -3348,15 +3353,14 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
     }
 }
 
-/// A conflict in words, for the log.
-/// What to do when the target refuses a statement because of how its table is defined (SQLSTATE
-/// `code`): a change on the target fixes it, not skipping the transaction.
 /// A data exception (class 22) that a target column's type explains: not an encoding problem
 /// (22P05 untranslatable character, 22021 invalid byte sequence), which no column change fixes.
 fn value_refused(code: &str) -> bool {
     code.starts_with("22") && !matches!(code, "22P05" | "22021")
 }
 
+/// What to do when the target refuses a statement because of how its table is defined (SQLSTATE
+/// `code`): a change on the target fixes it, not skipping the transaction.
 fn target_table_hint(code: &str, table: &str) -> Option<String> {
     match code {
         "428C9" => Some(format!(
@@ -3425,6 +3429,7 @@ fn identity_kept(entry: &RelationEntry, update: &Update) -> ColumnSet {
     kept
 }
 
+/// A conflict in words, for the log.
 fn conflict_sentence(operation: &str, signal: Signal) -> String {
     let kind = signal.conflict.name();
     match (signal.conflict, signal.policy) {
