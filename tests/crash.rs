@@ -236,7 +236,19 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
         .unwrap();
     let log_path =
         std::env::temp_dir().join(format!("pgapply-test-chained-{}.log", std::process::id()));
-    let mut cmd = db.pgapply("p", &["--retry-min", "10ms", "--log-level", "debug"]);
+    let port = common::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut cmd = db.pgapply(
+        "p",
+        &[
+            "--retry-min",
+            "10ms",
+            "--log-level",
+            "debug",
+            "--metrics-addr",
+            &addr,
+        ],
+    );
     cmd.env("PGAPPLY_TEST_FAILPOINT", "fail-commit")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log_path).unwrap());
@@ -276,6 +288,20 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
             == 2 + second
     })
     .await;
+    // The changes of the two groups rolled back count once, when applied again.
+    let inserts = 1 + second;
+    common::wait_for("the counters to settle", 30, || async {
+        let m = common::http_get(port, "/metrics").await;
+        common::metric(&m, "pgapply_transactions_total") >= (1 + second) as f64
+    })
+    .await;
+    let m = common::http_get(port, "/metrics").await;
+    assert!(
+        m.contains(&format!(
+            "pgapply_rows_total{{operation=\"insert\"}} {inserts}\n"
+        )) && m.contains("pgapply_rows_total{operation=\"update\"} 1\n"),
+        "{m}"
+    );
     let pid = child.id().expect("pid") as i32;
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(pid, libc::SIGTERM) };

@@ -82,6 +82,31 @@ pub struct ApplyStats {
     pub missing_rows: u64,
 }
 
+/// Changes sent since the last COMMIT (or PREPARE) was queued: they count once it is answered,
+/// so a group rolled back and applied again counts once.
+#[derive(Debug, Clone, Copy, Default)]
+struct RowCounts {
+    inserts: u64,
+    updates: u64,
+    deletes: u64,
+    truncates: u64,
+}
+
+impl RowCounts {
+    /// Adds them to the run's counts and the metrics.
+    fn settle(self, stats: &mut ApplyStats) {
+        stats.inserts += self.inserts;
+        stats.updates += self.updates;
+        stats.deletes += self.deletes;
+        stats.truncates += self.truncates;
+        let m = &*METRICS;
+        m.inserts.add(self.inserts);
+        m.updates.add(self.updates);
+        m.deletes.add(self.deletes);
+        m.truncates.add(self.truncates);
+    }
+}
+
 impl ApplyStats {
     pub fn add(&mut self, other: &ApplyStats) {
         self.transactions += other.transactions;
@@ -145,6 +170,8 @@ struct Committing {
     started: Instant,
     /// Filled when the COMMIT's answer arrives.
     conflicts: Vec<ConflictRecord>,
+    /// The group's changes, counted once it committed.
+    rows: RowCounts,
 }
 
 /// A statement's result, with what to say about it. (Lives inside an already boxed future: boxing
@@ -392,6 +419,8 @@ pub struct Applier {
     /// Shared by parallel workers: they commit in source order, so the latest is the position.
     applied: Arc<watch::Sender<Lsn>>,
     pub stats: ApplyStats,
+    /// Changes sent since the last COMMIT or PREPARE was queued (`RowCounts`).
+    unsettled_rows: RowCounts,
     /// Streamed transactions waiting for their Stream Commit.
     spool: Spool,
     /// The streamed transaction whose block is being received (Stream Start .. Stop).
@@ -658,6 +687,7 @@ impl Applier {
             current: None,
             applied: applied.into(),
             stats: ApplyStats::default(),
+            unsettled_rows: RowCounts::default(),
             spool,
             streaming: None,
             slot: options.slot,
@@ -1022,6 +1052,7 @@ impl Applier {
             }
             self.pending.clear();
             self.group = None;
+            self.unsettled_rows = RowCounts::default();
         }
         Ok(())
     }
@@ -1129,6 +1160,7 @@ impl Applier {
             self.client.batch_execute("COMMIT").await.map_err(failed)?;
         }
         self.group = None;
+        std::mem::take(&mut self.unsettled_rows).settle(&mut self.stats);
         tracing::debug!(gid = %gid, %end_lsn, "prepared");
         self.advance_applied(end_lsn);
         Ok(())
@@ -1521,8 +1553,7 @@ impl Applier {
             rows: 1,
             arbiter,
         };
-        self.stats.inserts += 1;
-        METRICS.inserts.inc();
+        self.unsettled_rows.inserts += 1;
         let guarded = self.policies_for(&entry).multiple_unique_conflicts != Policy::Error
             && on_conflict != OnConflict::InsertDoNothing;
         if on_conflict == OnConflict::Plain && !guarded {
@@ -1838,8 +1869,7 @@ impl Applier {
             if !writes_something {
                 return Ok(());
             }
-            self.stats.updates += 1;
-            METRICS.updates.inc();
+            self.unsettled_rows.updates += 1;
             let about = HeldChange {
                 relation: entry.clone(),
                 xid,
@@ -1894,8 +1924,7 @@ impl Applier {
             rows: 1,
             arbiter: ColumnSet::default(),
         };
-        self.stats.updates += 1;
-        METRICS.updates.inc();
+        self.unsettled_rows.updates += 1;
         let about = ChangeInfo {
             relation: entry.clone(),
             operation: "UPDATE",
@@ -2232,8 +2261,7 @@ impl Applier {
             rows: 1,
             arbiter: ColumnSet::default(),
         };
-        self.stats.deletes += 1;
-        METRICS.deletes.inc();
+        self.unsettled_rows.deletes += 1;
         let about = ChangeInfo {
             relation: entry.clone(),
             operation: "DELETE",
@@ -2297,8 +2325,7 @@ impl Applier {
             }
         };
         tracing::debug!(xid, commit_lsn = %commit_lsn, commit_time = %commit_time.to_rfc3339(), tables = %tables.join(", "), "truncate");
-        self.stats.truncates += 1;
-        METRICS.truncates.inc();
+        self.unsettled_rows.truncates += 1;
         let about = first_entry.map(|relation| ChangeInfo {
             relation,
             operation: "TRUNCATE",
@@ -2988,6 +3015,7 @@ impl Applier {
                 self.insert_run = None;
                 self.held_updates.clear();
                 self.held_rows = 0;
+                self.unsettled_rows = RowCounts::default();
                 // COMMITs answered before the failure stand (settled below).
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 // Last, outside any transaction: the ROLLBACK of a later group moves the origin
@@ -3091,6 +3119,7 @@ impl Applier {
             immediate_seq,
             started: group.started,
             conflicts: Vec::new(),
+            rows: std::mem::take(&mut self.unsettled_rows),
         });
         self.submit_pending();
         // Answers taken while sending may have settled it already (or found a failure).
@@ -3185,6 +3214,7 @@ impl Applier {
                 self.record_conflicts(c.conflicts).await;
             }
             self.stats.transactions += c.transactions;
+            c.rows.settle(&mut self.stats);
             let m = &*METRICS;
             m.transactions.add(c.transactions);
             // Parallel workers settle in any order; the position only moves forward.
@@ -3224,6 +3254,7 @@ impl Applier {
         self.insert_run = None;
         self.held_updates.clear();
         self.held_rows = 0;
+        self.unsettled_rows = RowCounts::default();
         self.conflicts.clear();
         self.skip_records.clear();
         if self.group.take().is_some() {
