@@ -268,9 +268,22 @@ async fn run_in_span(
     let identity = session.identify_system().await?;
     session.check_publications(&config.publications).await?;
     let wal_sender_timeout_ms = session.wal_sender_timeout_ms().await?;
-    if let Some(problem) = status_interval_problem(config.status_interval, wal_sender_timeout_ms) {
-        tracing::warn!("{problem}");
-    }
+    let config = match status_interval_problem(config.status_interval, wal_sender_timeout_ms) {
+        Some(problem) => {
+            // Stopped reading (a full queue behind a slow target), pgapply answers no keepalive
+            // request: only its own status updates keep the source from ending the connection.
+            let lowered = safe_status_interval(wal_sender_timeout_ms);
+            tracing::warn!(
+                "{problem}; this run sends them every {}",
+                humantime::format_duration(lowered)
+            );
+            RunConfig {
+                status_interval: lowered,
+                ..config
+            }
+        }
+        None => config,
+    };
     let mut negotiated = negotiate(session.server_version(), &config.requested)?;
     if negotiated.binary {
         if let Some(reason) = binary_unsafe(&config, session.server_version()).await? {
@@ -1043,6 +1056,12 @@ pub fn status_interval_problem(interval: Duration, wal_sender_timeout_ms: u64) -
     })
 }
 
+/// A status interval that the source's `wal_sender_timeout` allows with room to spare: a third
+/// of it (never under 100 ms).
+pub fn safe_status_interval(wal_sender_timeout_ms: u64) -> Duration {
+    (Duration::from_millis(wal_sender_timeout_ms) / 3).max(Duration::from_millis(100))
+}
+
 /// During the initial copy: `pgapply status` shows the state `copying` (its per-table progress
 /// is in `pgapply.copy_state`), with a heartbeat as fresh as while streaming.
 async fn copy_heartbeat(client: Object, slot: String, mut quit: watch::Receiver<bool>) {
@@ -1627,6 +1646,20 @@ impl Reader<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_interval_too_long_for_the_source_is_lowered() {
+        let ten = Duration::from_secs(10);
+        assert!(status_interval_problem(ten, 60_000).is_none());
+        assert!(status_interval_problem(ten, 0).is_none(), "no timeout");
+        assert!(status_interval_problem(ten, 8_000).is_some());
+        assert_eq!(
+            safe_status_interval(8_000),
+            Duration::from_millis(8_000) / 3
+        );
+        assert!(status_interval_problem(safe_status_interval(8_000), 8_000).is_none());
+        assert_eq!(safe_status_interval(30), Duration::from_millis(100));
+    }
 
     #[test]
     fn silence_limit_waits_for_the_sources_keepalives() {

@@ -638,3 +638,39 @@ async fn a_second_signal_stops_at_once_when_the_target_holds_a_lock() {
     db.assert_same("l").await;
     assert_eq!(db.count(&db.target, "SELECT v::int8 FROM l").await, 1);
 }
+
+/// A source whose `wal_sender_timeout` is shorter than twice the status interval: the run sends
+/// its status updates at a third of that timeout instead, says so, and replicates. (A full queue
+/// behind a slow target stops reading, and then only these updates keep the connection.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_wal_sender_timeout_lowers_the_status_interval() {
+    if common::clusters().source_major < 12 {
+        common::skip("wal_sender_timeout is set per connection from PostgreSQL 12");
+        return;
+    }
+    let db = TestDb::new("shortwst").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t SELECT generate_series(1, 100)")
+        .await;
+    let endpos = db.source_wal().await;
+    let source = format!(
+        "{} options=-cwal_sender_timeout=1500ms",
+        db.source_conninfo()
+    );
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &source,
+            &db.target_conninfo(),
+            &db.slot(),
+            "p",
+            &["--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("this run sends them every 500ms"), "{log}");
+    db.assert_same("t").await;
+}
