@@ -185,8 +185,9 @@ pub fn parse_table_name(text: &str) -> Result<(String, String)> {
 }
 
 fn read_password_file(path: &Path, which: &str) -> Result<String> {
+    // A configuration value that does not work: exit 2, as for other settings.
     let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::definite(format!(
+        Error::usage(format!(
             "{which} password file {}: cannot read it: {e}",
             path.display()
         ))

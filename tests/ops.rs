@@ -781,7 +781,11 @@ async fn status_and_skip_take_the_config_file() {
     // The password file named there is read (here: it is missing, and the error says so).
     write("target_password_file = \"/nonexistent/pgapply-password\"");
     let out = run_with_deadline(cmd(&["status"]), 30).await;
-    assert!(!out.status.success());
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a setting that does not work: exit 2"
+    );
     assert!(
         stderr(&out).contains("/nonexistent/pgapply-password"),
         "{}",
