@@ -125,11 +125,7 @@ pub async fn published_tables(
     table_map: &crate::config::TableMap,
 ) -> Result<Vec<PublishedTable>> {
     let context = |e| Error::postgres("listing the published tables on the source", e);
-    let version: i32 = source
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
-        .await
-        .map_err(context)?
-        .get(0);
+    let version = crate::sql::server_version(source).await.map_err(context)?;
     let sql = if version >= 150000 {
         "SELECT schemaname::text, tablename::text, attnames::text[], rowfilter FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1)"
     } else {
@@ -278,14 +274,7 @@ pub async fn loud_trigger_tables(
     tables: &[PublishedTable],
 ) -> Result<Vec<String>> {
     let context = |e| Error::postgres("reading the target's triggers and foreign keys", e);
-    let version: i32 = target
-        .query_one(
-            "SELECT pg_catalog.current_setting('server_version_num')::int",
-            &[],
-        )
-        .await
-        .map_err(context)?
-        .get(0);
+    let version = crate::sql::server_version(target).await.map_err(context)?;
     let may: bool = target
         .query_one(may_quiet_triggers_sql(version), &[])
         .await

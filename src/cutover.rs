@@ -814,11 +814,9 @@ async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
     // Loop prevention: the reverse slot starts after everything pgapply applied, and the forward
     // worker is fenced, so nothing comes back; `--origin none` (a 16+ source, here the new
     // primary) also filters out anything a forward run might still apply.
-    let version: i32 = target
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
+    let version = crate::sql::server_version(target)
         .await
-        .map_err(|e| Error::postgres("step 6: reading the target's version", e))?
-        .get(0);
+        .map_err(|e| Error::postgres("step 6: reading the target's version", e))?;
     let origin = if version >= 160000 {
         " --origin none"
     } else {

@@ -345,11 +345,9 @@ async fn load_target_table(
     schema: &str,
     name: &str,
 ) -> Result<Option<TargetTable>> {
-    let version_row = catalog
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
+    let version = crate::sql::server_version(catalog)
         .await
         .map_err(|e| Error::postgres("reading the target's version", e))?;
-    let version: i32 = version_row.get(0);
     // attgenerated exists from PostgreSQL 12.
     let generated = if version >= 120000 {
         "a.attgenerated::text"

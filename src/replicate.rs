@@ -943,11 +943,9 @@ async fn binary_unsafe(config: &RunConfig, source_version: u32) -> Result<Option
     let target = crate::tls::connect(&config.target)
         .await
         .map_err(|e| e.into_error("connecting to the target"))?;
-    let target_version: i32 = target
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
+    let target_version = crate::sql::server_version(&target)
         .await
-        .map_err(|e| Error::postgres("reading the target's version", e))?
-        .get(0);
+        .map_err(|e| Error::postgres("reading the target's version", e))?;
     if target_version as u32 / 10000 != source_version / 10000 {
         return Ok(Some(format!(
             "source and target run different major versions ({} and {})",

@@ -43,6 +43,17 @@ pub fn quote_replication_literal(value: &str) -> String {
     format!("'{}'", value.replace('\'', "''"))
 }
 
+/// The server's `server_version_num` (150004 for 15.4): what a statement may use.
+pub async fn server_version(client: &tokio_postgres::Client) -> Result<i32, tokio_postgres::Error> {
+    Ok(client
+        .query_one(
+            "SELECT pg_catalog.current_setting('server_version_num')::int",
+            &[],
+        )
+        .await?
+        .get(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

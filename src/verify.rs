@@ -78,11 +78,9 @@ async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32)
 }
 
 async fn server_version(client: &Client, role: &str) -> Result<i32> {
-    Ok(client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
+    crate::sql::server_version(client)
         .await
-        .map_err(|e| Error::postgres(format!("reading the {role}'s version"), e))?
-        .get(0))
+        .map_err(|e| Error::postgres(format!("reading the {role}'s version"), e))
 }
 
 /// Primary key columns of a source table (or else of its replica identity index), with their

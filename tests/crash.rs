@@ -234,8 +234,6 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
         .batch_execute("BEGIN; SELECT * FROM t WHERE id = 1 FOR UPDATE")
         .await
         .unwrap();
-    let log_path =
-        std::env::temp_dir().join(format!("pgapply-test-chained-{}.log", std::process::id()));
     let port = common::free_port();
     let addr = format!("127.0.0.1:{port}");
     let mut cmd = db.pgapply(
@@ -249,21 +247,14 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
             &addr,
         ],
     );
-    cmd.env("PGAPPLY_TEST_FAILPOINT", "fail-commit")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log_path).unwrap());
-    let mut child = cmd.spawn().unwrap();
+    cmd.env("PGAPPLY_TEST_FAILPOINT", "fail-commit");
+    let (mut child, log_path) = common::spawn_logged(cmd);
     // The first group: its UPDATE waits for the row; its COMMIT is sent behind it. (Its INSERT
     // has the INSERT statements prepared before: a prepare would wait behind the UPDATE.)
     db.source_sql("INSERT INTO t VALUES (0, 'second'); UPDATE t SET v = 'updated' WHERE id = 1")
         .await;
     common::wait_for("the first group to wait for the row", 30, || async {
-        db.count(
-            &db.target,
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .await
-            == 1
+        common::waiting_for_a_lock(&db).await == 1
     })
     .await;
     // Later transactions form the second group; it closes when it is old enough (at a
@@ -302,9 +293,7 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
         )) && m.contains("pgapply_rows_total{operation=\"update\"} 1\n"),
         "{m}"
     );
-    let pid = child.id().expect("pid") as i32;
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
+    common::signal(&child, libc::SIGTERM);
     let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
         .await
         .expect("pgapply stops")

@@ -532,21 +532,6 @@ async fn retries_used_up_exit_3() {
     );
 }
 
-fn signal(child: &tokio::process::Child, sig: i32) {
-    let pid = child.id().expect("pid") as i32;
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(pid, sig) };
-}
-
-/// Sessions of this test's target database waiting for a lock.
-async fn waiting_for_a_lock(db: &TestDb) -> i64 {
-    db.count(
-        &db.target,
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-    )
-    .await
-}
-
 /// SIGTERM while the initial copy waits (here for a lock a target session holds): the process
 /// stops within seconds instead of when the copy is done, and the next run copies it all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -563,11 +548,11 @@ async fn a_stop_during_the_initial_copy_ends_it_and_the_next_run_copies_again() 
         .unwrap();
     let mut child = spawn(db.pgapply("p", &["--copy-data"]));
     wait_for("the copy to wait for the lock", 30, || async {
-        waiting_for_a_lock(&db).await == 1
+        common::waiting_for_a_lock(&db).await == 1
     })
     .await;
     let asked = std::time::Instant::now();
-    signal(&child, libc::SIGTERM);
+    common::signal(&child, libc::SIGTERM);
     let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
         .await
         .expect("pgapply stops during the copy")
@@ -602,17 +587,12 @@ async fn a_second_signal_stops_at_once_when_the_target_holds_a_lock() {
         .await
         .unwrap();
     db.source_sql("UPDATE l SET v = 1 WHERE id = 1").await;
-    let log_path =
-        std::env::temp_dir().join(format!("pgapply-test-stoplock-{}.log", std::process::id()));
-    let mut cmd = db.pgapply("p", &[]);
-    cmd.stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log_path).unwrap());
-    let mut child = cmd.spawn().unwrap();
+    let (mut child, log_path) = common::spawn_logged(db.pgapply("p", &[]));
     wait_for("the apply to wait for the row lock", 30, || async {
-        waiting_for_a_lock(&db).await == 1
+        common::waiting_for_a_lock(&db).await == 1
     })
     .await;
-    signal(&child, libc::SIGTERM);
+    common::signal(&child, libc::SIGTERM);
     wait_for("the first signal to be taken", 30, || async {
         std::fs::read_to_string(&log_path).is_ok_and(|l| l.contains("shutting down"))
     })
@@ -621,7 +601,7 @@ async fn a_second_signal_stops_at_once_when_the_target_holds_a_lock() {
         child.try_wait().unwrap().is_none(),
         "stopped without the lock"
     );
-    signal(&child, libc::SIGTERM);
+    common::signal(&child, libc::SIGTERM);
     let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
         .await
         .expect("a second signal stops pgapply at once")

@@ -579,11 +579,9 @@ impl Applier {
         }
         // Every statement is prepared once and run many times with simple key lookups: skip the
         // custom plans PostgreSQL would otherwise make for the first executions (12+).
-        let version: i32 = client
-            .query_one("SELECT current_setting('server_version_num')::int", &[])
+        let version = crate::sql::server_version(&client)
             .await
-            .map_err(|e| Error::postgres("reading the target's version", e))?
-            .get(0);
+            .map_err(|e| Error::postgres("reading the target's version", e))?;
         if version >= 140000 && options.worker.is_some() {
             // A parallel worker's transaction may wait on the server for another's
             // (`pgapply.wait_for_commit`): if pgapply goes away meanwhile, end it soon rather than
@@ -2834,70 +2832,63 @@ impl Applier {
         e: tokio_postgres::Error,
     ) -> Error {
         let what = about.map_or_else(|| "a statement".to_owned(), ChangeInfo::describe);
-        let code = e.code().map(|c| c.code().to_owned());
-        let db_column = e.as_db_error().and_then(|d| d.column()).map(str::to_owned);
-        let db_constraint = e
-            .as_db_error()
-            .and_then(|d| d.constraint())
-            .map(str::to_owned);
-        let no_partition = e
-            .as_db_error()
-            .is_some_and(|d| d.message().starts_with("no partition"));
         let kind = if kind.is_empty() {
             String::new()
         } else {
             format!("{kind}: ")
         };
-        let mut err = Error::postgres(format!("{kind}applying {what}"), e);
         // A statement with several transactions' changes is retried one change at a time; the
         // hint comes with that retry's error.
-        if let Some(about) = about.filter(|a| a.through.is_none()) {
-            // Skipping would lose the transaction for what a change on the target fixes.
-            let hint = match code.as_deref() {
-                // A value the target refuses: name the columns it can come from.
-                Some(c) if value_refused(c) => {
-                    let table = &about.relation.target.qualified;
-                    match about.relation.narrower_candidates().as_slice() {
-                        [] => target_table_hint(c, table).unwrap_or_default(),
-                        [one] => format!("column {one} of target table {table} does not take the source's value: its type differs from the source column's; change it on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)"),
-                        many => format!("a column of target table {table} does not take the source's value; these columns' types differ from the source's: {}: change the one the error is about on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)", many.join(", ")),
-                    }
-                }
-                // NOT NULL on the target: a column the source does not send (dropped there, or
-                // target-only) without a default, or one the source sends NULL in.
-                Some("23502") if db_column.is_some() => {
-                    let table = &about.relation.target.qualified;
-                    let column = db_column.as_deref().unwrap_or_default();
-                    let sent = (0..about.relation.source.columns.len())
-                        .any(|c| about.relation.target_column(c).is_some_and(|t| t.name == column));
-                    if sent {
-                        format!("the source's row has NULL in column {} of target table {table}, which is NOT NULL there (not on the source): ALTER TABLE {table} ALTER COLUMN {} DROP NOT NULL on the target, then start pgapply again", quote_ident(column), quote_ident(column))
-                    } else {
-                        format!("column {} of target table {table} is NOT NULL without a default, and the source does not send it (dropped on the source, or a target-only column): give it a default (ALTER TABLE {table} ALTER COLUMN {} SET DEFAULT ...), drop NOT NULL, or drop the column on the target, then start pgapply again", quote_ident(column), quote_ident(column))
-                    }
-                }
-                // No partition takes the row (a partition only the source has), or a CHECK
-                // constraint only the target has.
-                Some("23514") => {
-                    let table = &about.relation.target.qualified;
-                    match db_constraint.as_deref() {
-                        None | Some("") if no_partition => format!("no partition of target table {table} takes the source's row: create the partition on the target (as on the source), then start pgapply again"),
-                        None | Some("") => format!("target table {table} is a partition whose bounds do not take the source's row (the target's partitions differ from the source's): make its bounds match the source's, or apply into the partitioned table (`[tables]` in the config file), then start pgapply again"),
-                        Some(name) => format!("the CHECK constraint {} of target table {table} refuses the source's row: drop or change it on the target, then start pgapply again; or {}", quote_ident(name), self.skip_hint(about.commit_lsn)),
-                    }
-                }
-                // A target foreign key from a table the source did not truncate.
-                Some("0A000") if about.operation == "TRUNCATE" => format!(
-                    "the source truncated {}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber). Empty or drop the referencing table on the target (or drop its foreign key), or publish it, then start pgapply again",
-                    about.relation.target.qualified
-                ),
-                c => c
-                    .and_then(|c| target_table_hint(c, &about.relation.target.qualified))
-                    .unwrap_or_else(|| self.skip_hint(about.commit_lsn)),
-            };
-            err = err.context_after(hint);
+        let hint = about
+            .filter(|a| a.through.is_none())
+            .map(|about| self.change_hint(about, &e));
+        let err = Error::postgres(format!("{kind}applying {what}"), e);
+        match hint {
+            Some(hint) => err.context_after(hint),
+            None => err,
         }
-        err
+    }
+
+    /// What to do about a change the target refused: what to change on the target where that
+    /// fixes it (skipping would lose the transaction), else how to skip it on purpose.
+    fn change_hint(&self, about: &ChangeInfo, e: &tokio_postgres::Error) -> String {
+        let table = &about.relation.target.qualified;
+        let db = e.as_db_error();
+        match e.code().map(|c| c.code()) {
+            // A value the target refuses: name the columns it can come from.
+            Some(c) if value_refused(c) => match about.relation.narrower_candidates().as_slice() {
+                [] => target_table_hint(c, table).unwrap_or_default(),
+                [one] => format!("column {one} of target table {table} does not take the source's value: its type differs from the source column's; change it on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)"),
+                many => format!("a column of target table {table} does not take the source's value; these columns' types differ from the source's: {}: change the one the error is about on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)", many.join(", ")),
+            },
+            // NOT NULL on the target: a column the source does not send (dropped there, or
+            // target-only) without a default, or one the source sends NULL in.
+            Some("23502") if db.and_then(|d| d.column()).is_some() => {
+                let column = db.and_then(|d| d.column()).unwrap_or_default();
+                let quoted = quote_ident(column);
+                let sent = (0..about.relation.source.columns.len())
+                    .any(|c| about.relation.target_column(c).is_some_and(|t| t.name == column));
+                if sent {
+                    format!("the source's row has NULL in column {quoted} of target table {table}, which is NOT NULL there (not on the source): ALTER TABLE {table} ALTER COLUMN {quoted} DROP NOT NULL on the target, then start pgapply again")
+                } else {
+                    format!("column {quoted} of target table {table} is NOT NULL without a default, and the source does not send it (dropped on the source, or a target-only column): give it a default (ALTER TABLE {table} ALTER COLUMN {quoted} SET DEFAULT ...), drop NOT NULL, or drop the column on the target, then start pgapply again")
+                }
+            }
+            // No partition takes the row (a partition only the source has), a leaf partition's
+            // bounds, or a CHECK constraint only the target has.
+            Some("23514") => match db.and_then(|d| d.constraint()).filter(|n| !n.is_empty()) {
+                None if db.is_some_and(|d| d.message().starts_with("no partition")) => format!("no partition of target table {table} takes the source's row: create the partition on the target (as on the source), then start pgapply again"),
+                None => format!("target table {table} is a partition whose bounds do not take the source's row (the target's partitions differ from the source's): make its bounds match the source's, or apply into the partitioned table (`[tables]` in the config file), then start pgapply again"),
+                Some(name) => format!("the CHECK constraint {} of target table {table} refuses the source's row: drop or change it on the target, then start pgapply again; or {}", quote_ident(name), self.skip_hint(about.commit_lsn)),
+            },
+            // A target foreign key from a table the source did not truncate.
+            Some("0A000") if about.operation == "TRUNCATE" => format!(
+                "the source truncated {table}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber). Empty or drop the referencing table on the target (or drop its foreign key), or publish it, then start pgapply again"
+            ),
+            c => c
+                .and_then(|c| target_table_hint(c, table))
+                .unwrap_or_else(|| self.skip_hint(about.commit_lsn)),
+        }
     }
 
     /// Sends every queued statement, waits for every result and checks them.

@@ -490,14 +490,7 @@ async fn reconcile_origins(client: &Client, name: &str) -> Result<()> {
     let context = |e| Error::postgres("checking the replication origins on the target", e);
     // Before 16 an abort moves no origin: one ahead of its row has some other cause (a pgapply
     // older than the rows, a move by hand), and moving it back would apply things twice.
-    let version: i32 = client
-        .query_one(
-            "SELECT pg_catalog.current_setting('server_version_num')::int",
-            &[],
-        )
-        .await
-        .map_err(context)?
-        .get(0);
+    let version = crate::sql::server_version(client).await.map_err(context)?;
     if version < 160000 {
         return Ok(());
     }

@@ -53,11 +53,7 @@ pub async fn unique_indexes(client: &Client, entry: &RelationEntry) -> Result<Ve
             e,
         )
     };
-    let version: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
-        .await
-        .map_err(failed)?
-        .get(0);
+    let version = crate::sql::server_version(client).await.map_err(failed)?;
     // From 11, indkey also lists INCLUDE columns after the indnkeyatts key columns.
     let key_count = if version >= 110000 {
         "i.indnkeyatts"

@@ -350,7 +350,12 @@ pub fn pgapply_command(args: &[&str]) -> Command {
 
 /// Starts pgapply in the background; its log goes to a file in the temp directory (named in the
 /// test output) so a failing test can be diagnosed.
-pub fn spawn(mut cmd: Command) -> Child {
+pub fn spawn(cmd: Command) -> Child {
+    spawn_logged(cmd).0
+}
+
+/// `spawn`, and the path of the log, for a test that reads it while pgapply runs.
+pub fn spawn_logged(mut cmd: Command) -> (Child, std::path::PathBuf) {
     static N: AtomicUsize = AtomicUsize::new(0);
     let path = std::env::temp_dir().join(format!(
         "pgapply-test-{}-{}.log",
@@ -359,10 +364,28 @@ pub fn spawn(mut cmd: Command) -> Child {
     ));
     let log = std::fs::File::create(&path).expect("log file");
     eprintln!("pgapply log: {}", path.display());
-    cmd.stdout(std::process::Stdio::null())
+    let child = cmd
+        .stdout(std::process::Stdio::null())
         .stderr(log)
         .spawn()
-        .expect("spawn pgapply")
+        .expect("spawn pgapply");
+    (child, path)
+}
+
+/// Sends `sig` (`libc::SIGTERM`, ...) to a pgapply started by the test.
+pub fn signal(child: &Child, sig: i32) {
+    let pid = child.id().expect("pid") as i32;
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// Sessions of the test's target database waiting for a lock.
+pub async fn waiting_for_a_lock(db: &TestDb) -> i64 {
+    db.count(
+        &db.target,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .await
 }
 
 /// Polls `check` until it returns true or the deadline passes.
