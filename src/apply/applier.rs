@@ -557,7 +557,7 @@ impl Applier {
                 ));
             }
         }
-        let spool = Spool::open(options.spool_dir.clone())?;
+        let spool = Spool::open(options.spool_dir.clone(), &options.slot)?;
         client
             .batch_execute(
                 "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3",

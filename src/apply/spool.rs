@@ -67,8 +67,29 @@ impl SpooledTransaction {
     }
 }
 
-pub struct Spool {
+/// Where a spool's files go: `<dir>/<slot>.xid-<xid>.spool`. The slot in the name keeps two
+/// pgapply processes given the same `--spool-dir` out of each other's files (a start empties
+/// the directory of its own slot's files only, and two sources may both have an xid 1234).
+#[derive(Clone)]
+struct SpoolFiles {
     dir: PathBuf,
+    slot: String,
+}
+
+impl SpoolFiles {
+    fn path(&self, xid: Xid) -> PathBuf {
+        self.dir.join(format!("{}.xid-{xid}.spool", self.slot))
+    }
+
+    fn is_ours(&self, name: &str) -> bool {
+        name.strip_prefix(self.slot.as_str())
+            .and_then(|rest| rest.strip_prefix(".xid-"))
+            .is_some_and(|rest| rest.ends_with(".spool"))
+    }
+}
+
+pub struct Spool {
+    files: SpoolFiles,
     transactions: HashMap<Xid, SpooledTransaction>,
     /// The sum of the transactions' `memory_bytes`.
     memory_bytes: usize,
@@ -177,14 +198,17 @@ pub fn private_dir(dir: &std::path::Path) -> Result<()> {
 }
 
 impl Spool {
-    /// A spool in `dir`, emptied of files left by an earlier run.
-    pub fn open(dir: PathBuf) -> Result<Spool> {
-        // Only pgapply's own files go: the directory may be shared with other things.
+    /// A spool in `dir` for `slot`, emptied of files left by an earlier run on that slot.
+    pub fn open(dir: PathBuf, slot: &str) -> Result<Spool> {
+        let files = SpoolFiles {
+            dir: dir.clone(),
+            slot: slot.to_owned(),
+        };
+        // Only this slot's own files go: the directory may be shared with other things.
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 let name = entry.file_name();
-                let name = name.to_string_lossy();
-                if name.starts_with("xid-") && name.ends_with(".spool") {
+                if files.is_ours(&name.to_string_lossy()) {
                     let _ = std::fs::remove_file(entry.path());
                 }
             }
@@ -201,7 +225,7 @@ impl Spool {
                 ))
             })?;
         Ok(Spool {
-            dir,
+            files,
             transactions: HashMap::new(),
             memory_bytes: 0,
         })
@@ -219,7 +243,7 @@ impl Spool {
 
     /// Appends a message of transaction `xid`; `subxid` is the xid the message carries.
     pub fn append(&mut self, xid: Xid, subxid: Option<Xid>, raw: Bytes) -> Result<()> {
-        let dir = self.dir.clone();
+        let files = self.files.clone();
         let t = self
             .transactions
             .entry(xid)
@@ -239,7 +263,7 @@ impl Spool {
                 .push((t.file_messages + t.memory.len(), raw.clone()));
         }
         let before = t.memory_bytes;
-        push_message(&dir, xid, t, raw)?;
+        push_message(&files, xid, t, raw)?;
         self.memory_bytes = self.memory_bytes.saturating_sub(before) + t.memory_bytes;
         while self.memory_bytes > MEMORY_IN_ALL {
             // (One smaller than its file's write buffer would cost more memory on disk.)
@@ -254,7 +278,7 @@ impl Spool {
                 break;
             };
             let before = t.memory_bytes;
-            flush_to_file(&dir, x, t)?;
+            flush_to_file(&files, x, t)?;
             self.memory_bytes = self.memory_bytes.saturating_sub(before);
         }
         Ok(())
@@ -314,11 +338,11 @@ impl Spool {
         let kept = t.schema.iter().position(|(at, _)| *at >= cut_messages);
         if let Some(kept) = kept {
             let cut_schema: Vec<Bytes> = t.schema.drain(kept..).map(|(_, raw)| raw).collect();
-            let dir = self.dir.clone();
+            let files = self.files.clone();
             for raw in cut_schema {
                 t.schema
                     .push((t.file_messages + t.memory.len(), raw.clone()));
-                push_message(&dir, xid, t, raw)?;
+                push_message(&files, xid, t, raw)?;
             }
         }
         self.recount();
@@ -383,7 +407,7 @@ fn spool_error(path: &std::path::Path, e: std::io::Error) -> Error {
 
 /// Adds a message at the end, spilling to the file beyond the memory allowance.
 fn push_message(
-    dir: &std::path::Path,
+    files: &SpoolFiles,
     xid: Xid,
     t: &mut SpooledTransaction,
     raw: Bytes,
@@ -391,14 +415,14 @@ fn push_message(
     t.memory_bytes += raw.len();
     t.memory.push(raw);
     if t.memory_bytes > MEMORY_PER_TRANSACTION {
-        flush_to_file(dir, xid, t)?;
+        flush_to_file(files, xid, t)?;
     }
     Ok(())
 }
 
-fn flush_to_file(dir: &std::path::Path, xid: Xid, t: &mut SpooledTransaction) -> Result<()> {
+fn flush_to_file(files: &SpoolFiles, xid: Xid, t: &mut SpooledTransaction) -> Result<()> {
     if t.file.is_none() {
-        let path = dir.join(format!("xid-{xid}.spool"));
+        let path = files.path(xid);
         // A new file of this user's only, never one found in its place (or a link).
         let file = OpenOptions::new()
             .write(true)
@@ -457,11 +481,11 @@ mod tests {
         let err = private_dir(&link).unwrap_err().to_string();
         assert!(err.contains("not this user's"), "{err}");
         // Spilled files: 0600.
-        let mut s = Spool::open(d.clone()).unwrap();
+        let mut s = Spool::open(d.clone(), "s").unwrap();
         s.start(7, true);
         s.append(7, None, Bytes::from(vec![1u8; MEMORY_PER_TRANSACTION + 1]))
             .unwrap();
-        let file = d.join("xid-7.spool");
+        let file = d.join("s.xid-7.spool");
         assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o600);
         drop(s);
         let _ = std::fs::remove_file(&link);
@@ -471,7 +495,8 @@ mod tests {
     #[test]
     fn a_relation_sent_in_a_rolled_back_subtransaction_stays() {
         for spill in [false, true] {
-            let mut s = Spool::open(dir(if spill { "schema-file" } else { "schema-mem" })).unwrap();
+            let mut s =
+                Spool::open(dir(if spill { "schema-file" } else { "schema-mem" }), "s").unwrap();
             s.start(10, true);
             s.append(10, Some(10), Bytes::from_static(b"Ia")).unwrap();
             s.append(10, Some(11), Bytes::from_static(b"Rrel")).unwrap();
@@ -493,7 +518,7 @@ mod tests {
 
     #[test]
     fn memory_only_subtransaction_abort() {
-        let mut s = Spool::open(dir("mem")).unwrap();
+        let mut s = Spool::open(dir("mem"), "s").unwrap();
         s.start(10, true);
         s.append(10, Some(10), Bytes::from_static(b"a")).unwrap();
         s.append(10, Some(11), Bytes::from_static(b"b")).unwrap();
@@ -512,7 +537,7 @@ mod tests {
     #[test]
     fn large_transaction_goes_to_disk_and_aborts_cut_the_file() {
         let d = dir("disk");
-        let mut s = Spool::open(d.clone()).unwrap();
+        let mut s = Spool::open(d.clone(), "s").unwrap();
         s.start(5, true);
         let big = Bytes::from(vec![7u8; 1024 * 1024]);
         for _ in 0..6 {
@@ -583,7 +608,7 @@ mod tests {
     #[test]
     fn many_transactions_at_once_stay_within_the_memory_for_all() {
         let d = dir("many");
-        let mut s = Spool::open(d.clone()).unwrap();
+        let mut s = Spool::open(d.clone(), "s").unwrap();
         for xid in 1..=40u32 {
             s.start(xid, true);
             for i in 0..3u8 {
@@ -604,6 +629,29 @@ mod tests {
             assert_eq!(firsts, vec![xid as u8, xid as u8 ^ 1, xid as u8 ^ 2]);
         }
         assert_eq!(s.memory_bytes(), 0);
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn two_slots_sharing_a_spool_dir_keep_their_own_files() {
+        let d = dir("shared");
+        let big = || Bytes::from(vec![1u8; MEMORY_PER_TRANSACTION + 1]);
+        let mut a = Spool::open(d.clone(), "a").unwrap();
+        a.start(7, true);
+        a.append(7, None, big()).unwrap();
+        // Another process, another source, the same xid.
+        let mut b = Spool::open(d.clone(), "b").unwrap();
+        b.start(7, true);
+        b.append(7, None, Bytes::from(vec![2u8; MEMORY_PER_TRANSACTION + 1]))
+            .unwrap();
+        assert!(d.join("a.xid-7.spool").exists() && d.join("b.xid-7.spool").exists());
+        // A restart of "b" empties only its own files.
+        let b2 = Spool::open(d.clone(), "b").unwrap();
+        assert!(d.join("a.xid-7.spool").exists());
+        assert!(!d.join("b.xid-7.spool").exists());
+        drop(b2);
+        let mut r = a.take(7).unwrap();
+        assert!(messages(&mut r).iter().all(|m| m.iter().all(|&x| x == 1)));
         let _ = std::fs::remove_dir_all(d);
     }
 }
