@@ -137,6 +137,38 @@ async fn not_null_column_the_source_no_longer_sends() {
     assert!(!last.contains("pgapply skip"), "{last}");
 }
 
+/// PostgreSQL 15+: an UPDATE that moves a row into a publication's row filter is sent as an
+/// INSERT, and a TOASTed column outside the replica identity comes without its value. Applied
+/// as NULL (as PostgreSQL's own subscriber does) the target would silently differ: the error
+/// names the table, the column and the way out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_moved_into_a_row_filter_without_its_toasted_value() {
+    let db = TestDb::new("rftoast").await;
+    if common::source_version(&db).await < 150000 {
+        return common::skip("row filters need a PostgreSQL 15+ source");
+    }
+    db.both("CREATE TABLE rf (id int PRIMARY KEY, b text)").await;
+    db.source_sql("ALTER TABLE rf ALTER b SET STORAGE EXTERNAL").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE rf WHERE (id > 100)")
+        .await;
+    db.source_sql("INSERT INTO rf VALUES (1, repeat('x', 100000))")
+        .await;
+    db.source_sql("UPDATE rf SET id = 200 WHERE id = 1").await;
+    let last = expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "\"public\".\"rf\"",
+            "column \"b\"",
+            "row filter",
+            "REPLICA IDENTITY FULL",
+            "pgapply skip",
+        ],
+    )
+    .await;
+    assert!(!last.contains("protocol error"), "{last}");
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM rf").await, 0);
+}
+
 /// A row for a partition only the source has (published through the root into a partitioned
 /// target): the error says to create the partition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1504,10 +1504,16 @@ impl Applier {
         let mut params = Vec::with_capacity(insert.new.len());
         for (i, value) in insert.new.values().enumerate() {
             params.push(WireValue::from_value(value).ok_or_else(|| {
+                // PostgreSQL 15+ sends an UPDATE that moves a row into a row filter as an
+                // INSERT, and a TOASTed value outside the replica identity is then "unchanged"
+                // with nothing to take it from. Its own subscriber stores NULL; that would make
+                // the target differ without a word.
                 Error::definite(format!(
-                    "the source sent an unchanged-TOAST marker in an INSERT into {} (column {}); this is a protocol error",
+                    "the source sent an INSERT into {} without the value of column {} (an unchanged TOASTed value): an UPDATE moved the row into a publication's row filter, and the column is not part of the table's replica identity. On the source, run ALTER TABLE {} REPLICA IDENTITY FULL so that such rows come whole; for this row, copy it from the source to the target by hand; {}",
                     entry.display_name(),
-                    quote_ident(&entry.source.columns[i].name)
+                    quote_ident(&entry.source.columns[i].name),
+                    entry.display_name(),
+                    self.skip_hint(commit_lsn)
                 ))
             })?);
         }
