@@ -867,7 +867,9 @@ async fn connect_source(config: &tokio_postgres::Config) -> Result<Client> {
         .batch_execute(
             // A big table's COPY may take hours: the role's or database's timeouts must not end
             // it (transaction_timeout exists from PostgreSQL 17).
+            // row_security = off: a table's policies must make the copy fail, not leave rows out.
             "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; \
+             SET row_security = off; \
              SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0; \
              SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
         )

@@ -175,6 +175,15 @@ pub fn describe_postgres(err: &tokio_postgres::Error) -> String {
             if let Some(hint) = db.hint() {
                 text.push_str(&format!("; hint: {hint}"));
             }
+            // pgapply's reading sessions set row_security = off, so that policies cannot hide
+            // rows from a copy or a comparison without a word.
+            if db.code() == &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE
+                && db.message().contains("row-level security")
+            {
+                text.push_str(
+                    "; pgapply must read every row: give this role BYPASSRLS (ALTER ROLE .. BYPASSRLS), or connect as the table's owner",
+                );
+            }
             text
         }
         None => {

@@ -194,6 +194,22 @@ pub async fn run(
 }
 
 /// The run's outcome when a stop was asked for during the initial copy.
+/// Drops the slot of a copy that did not finish, saying so (a failure to drop is only logged:
+/// the error that ended the copy is the one to report, and the next --copy-data run drops it).
+async fn drop_copy_slot(session: &mut crate::source::ReplicationSession, slot: &str) {
+    match session.drop_slot(slot).await {
+        Ok(()) => tracing::warn!(
+            slot,
+            "dropped the replication slot made for the unfinished initial copy, so that it does not hold the source's WAL: the next run with --copy-data makes a new one and copies again"
+        ),
+        Err(e) => tracing::warn!(
+            error = %e,
+            "could not drop the replication slot made for the unfinished initial copy: the next run with --copy-data drops it; if you give up instead, drop it on the source with SELECT pg_drop_replication_slot({})",
+            crate::sql::quote_literal(slot)
+        ),
+    }
+}
+
 async fn copy_interrupted(
     setup: &tokio_postgres::Client,
     config: &RunConfig,
@@ -389,7 +405,11 @@ async fn run_in_span(
         let snapshot = tokio::select! {
             biased;
             s = session.create_slot_with_snapshot(&config.slot, negotiated.two_phase, config.failover_slot) => s?,
-            () = &mut stopped => return copy_interrupted(&setup, &config, resume).await,
+            () = &mut stopped => {
+                // (A slot whose creation was cut short is not there, or is dropped by the next
+                // --copy-data run.)
+                return copy_interrupted(&setup, &config, resume).await;
+            }
         };
         let client = target_connection(&pool, &config.target).await?;
         let slot = config.slot.clone();
@@ -409,6 +429,12 @@ async fn run_in_span(
             () = &mut stopped => None,
         };
         beat.stop().await;
+        // A copy that failed or was stopped is started over by the next --copy-data run, with a
+        // new slot: this one would only hold the source's WAL meanwhile (and for ever, if the
+        // user gives up).
+        if !matches!(copied, Some(Ok(_))) {
+            drop_copy_slot(&mut session, &config.slot).await;
+        }
         let Some(copied) = copied else {
             return copy_interrupted(&setup, &config, resume).await;
         };

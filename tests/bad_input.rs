@@ -147,8 +147,10 @@ async fn row_moved_into_a_row_filter_without_its_toasted_value() {
     if common::source_version(&db).await < 150000 {
         return common::skip("row filters need a PostgreSQL 15+ source");
     }
-    db.both("CREATE TABLE rf (id int PRIMARY KEY, b text)").await;
-    db.source_sql("ALTER TABLE rf ALTER b SET STORAGE EXTERNAL").await;
+    db.both("CREATE TABLE rf (id int PRIMARY KEY, b text)")
+        .await;
+    db.source_sql("ALTER TABLE rf ALTER b SET STORAGE EXTERNAL")
+        .await;
     db.publish("CREATE PUBLICATION p FOR TABLE rf WHERE (id > 100)")
         .await;
     db.source_sql("INSERT INTO rf VALUES (1, repeat('x', 100000))")
