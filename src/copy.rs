@@ -221,6 +221,29 @@ pub async fn published_tables(
             user_types,
         });
     }
+    // A partition listed beside its partitioned root (a publication through the root and another
+    // naming the partition, or FOR ALL TABLES): the stream sends its changes as the root's, and
+    // the root's copy reads its rows. Copied again on its own, they would be there twice.
+    if tables.iter().any(|t| t.partitioned) {
+        let names: Vec<String> = tables.iter().map(PublishedTable::qualified).collect();
+        let inside: Vec<String> = source
+            .query(
+                "SELECT t.q FROM unnest($1::text[]) AS t(q) \
+                 WHERE EXISTS (SELECT 1 FROM pg_catalog.pg_partition_ancestors(t.q::regclass) a \
+                               WHERE a.relid <> t.q::regclass \
+                                 AND a.relid IN (SELECT x::regclass FROM unnest($1::text[]) AS x))",
+                &[&names],
+            )
+            .await
+            .map_err(context)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for name in &inside {
+            tracing::debug!(table = %name, "copied with its partitioned root, which is published too");
+        }
+        tables.retain(|t| !inside.contains(&t.qualified()));
+    }
     Ok(tables)
 }
 
