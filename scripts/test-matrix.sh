@@ -55,23 +55,34 @@ for target in $TARGETS; do
             set +e
             PGAPPLY_SOURCE_PG_BIN=$(bin_for "$source") PGAPPLY_TARGET_PG_BIN=$(bin_for "$target") \
                 cargo test --test "$suite" -- --nocapture --test-threads 2 >"$log" 2>&1
+            code=$?
             set -e
+            counted=0
             while read -r name status; do
                 key="$suite::$name"
+                counted=$((counted + 1))
                 [[ " ${tests_seen[*]} " == *" $key "* ]] || tests_seen+=("$key")
-                if grep -q "PGAPPLY-SKIP $name:" "$log"; then
-                    status=skip
-                    skips=$((skips + 1))
-                elif [ "$status" = ok ]; then
-                    status=pass
-                    passes=$((passes + 1))
-                else
+                # A failure counts as one even when the test said it skipped part of its work.
+                if [ "$status" != ok ]; then
                     status=FAIL
                     failures=$((failures + 1))
                     echo "   FAILED $name"
+                elif grep -q "PGAPPLY-SKIP $name:" "$log"; then
+                    status=skip
+                    skips=$((skips + 1))
+                else
+                    status=pass
+                    passes=$((passes + 1))
                 fi
                 result["$key|$col"]=$status
             done < <(sed -n 's/^test \([a-z0-9_]*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1 \2/p' "$log")
+            # A test binary that failed without a "FAILED" line it could read (it aborted, or
+            # --nocapture output cut a result line): the run failed all the same.
+            if [ "$code" -ne 0 ] && ! grep -q '^test [a-z0-9_]* \.\.\. FAILED$' "$log"; then
+                failures=$((failures + 1))
+                echo "   FAILED $suite (cargo test exited $code; $counted results read)"
+                tail -n 40 "$log" | sed 's/^/   | /'
+            fi
             grep -h "PGAPPLY-SKIP" "$log" | sed 's/^/   /' | sort -u || true
             # A failure's own output, so that a CI log says why without the work directory.
             # (--nocapture prints a panic where it happens, not under "failures:").
