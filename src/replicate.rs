@@ -307,7 +307,20 @@ async fn run_in_span(
             negotiated.binary = false;
         }
     }
-
+    // A slot made two-phase by an earlier --two-phase run goes on sending prepared transactions:
+    // applied as such (and the target checked for them) whether or not --two-phase is given
+    // again. (With several workers, ensure_slot refuses such a slot.)
+    if !negotiated.two_phase
+        && config.apply_workers <= 1
+        && session.server_version() >= 150000
+        && session.slot_is_two_phase(&config.slot).await?
+    {
+        tracing::info!(
+            slot = %config.slot,
+            "the slot decodes two-phase transactions (made by a --two-phase run): applying them as with --two-phase"
+        );
+        negotiated.two_phase = true;
+    }
     if negotiated.two_phase {
         // Before the slot is made two-phase (which cannot be undone on it).
         let prepared: i32 = setup

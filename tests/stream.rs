@@ -741,9 +741,15 @@ async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
     db.source_sql("ROLLBACK PREPARED 'src-2'").await;
     db.source_sql("BEGIN; INSERT INTO tp VALUES (3, 'pending'); PREPARE TRANSACTION 'src-3';")
         .await;
+    // Without --two-phase this time: the slot is a two-phase one, so the run is too.
     let endpos = db.source_wal().await;
-    let out = run_with_deadline(db.pgapply("p", &["--two-phase", "--endpos", &endpos]), 60).await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("applying them as with --two-phase"),
+        "{}",
+        stderr(&out)
+    );
     // src-3 is prepared on the target too, not committed.
     assert_eq!(
         db.count(

@@ -225,6 +225,16 @@ impl ReplicationSession {
         Ok(!self.conn.simple_query(&sql).await?.rows.is_empty())
     }
 
+    /// Whether the slot exists and decodes two-phase transactions (15+; made so by a
+    /// `--two-phase` run). PostgreSQL keeps that once enabled, whatever a start asks for.
+    pub async fn slot_is_two_phase(&mut self, slot: &str) -> Result<bool> {
+        let sql = format!(
+            "SELECT coalesce(to_jsonb(s) ->> 'two_phase', 'false') AS two_phase FROM pg_catalog.pg_replication_slots s WHERE slot_name = {}",
+            quote_literal(slot)
+        );
+        Ok(self.conn.simple_query(&sql).await?.first("two_phase") == Some("true"))
+    }
+
     /// Creates the slot and exports the snapshot of its consistent point. The snapshot stays
     /// importable (SET TRANSACTION SNAPSHOT) until the next command on this session.
     pub async fn create_slot_with_snapshot(
