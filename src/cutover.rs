@@ -77,6 +77,20 @@ async fn slot_state(source: &Client, slot: &str) -> Result<(bool, Lsn, Lsn)> {
     Ok((row.get(0), parse(row.get(1))?, parse(row.get(2))?))
 }
 
+/// Whether a `pgapply run --copy-data` is copying for the slot now: its state says so and its
+/// heartbeat (every 10 s) is fresh (a killed one's state says so too, but goes stale).
+async fn copy_under_way(target: &Client, slot: &str) -> Result<bool> {
+    Ok(target
+        .query_opt(
+            "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND state = 'copying' \
+             AND heartbeat_at > now() - interval '30 seconds'",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("step 1: reading pgapply.progress on the target", e))?
+        .is_some())
+}
+
 /// Sizes like "16MB", "512kB", "1GB" or plain bytes.
 pub fn parse_size(text: &str) -> Result<u64> {
     let t = text.trim();
@@ -134,7 +148,23 @@ pub async fn cutover(
         )));
     }
 
-    // 1. Lag. A worker that is just (re)connecting shows the slot inactive for a moment: look a
+    // 1. Lag. A worker still making the initial copy leaves the slot inactive (it streams once
+    // the copy is done): wait for it, rather than take over a slot it is about to stream from.
+    let mut said = false;
+    while copy_under_way(&target, &slot).await? {
+        if !said {
+            println!("step 1: pgapply is still making the initial copy for slot {slot:?} (see pgapply status); waiting for it to finish");
+            said = true;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::definite(format!(
+                "step 1: the initial copy was still running after {}: run the cutover once it is done (pgapply status), or give a longer --timeout",
+                humantime::format_duration(settings.timeout)
+            )));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    // A worker that is just (re)connecting shows the slot inactive for a moment: look a
     // few times before concluding that none runs.
     let mut active = false;
     for _ in 0..10 {

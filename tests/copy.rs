@@ -1528,3 +1528,59 @@ async fn a_partition_published_twice_is_copied_once() {
     );
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM n").await, 8);
 }
+
+/// `cutover` while `run --copy-data` is still copying (the slot shows inactive meanwhile): it
+/// waits for the copy instead of taking the slot over, then cuts over as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_waits_for_a_copy_still_running() {
+    let db = TestDb::new("cutcopy").await;
+    db.both("CREATE TABLE big (id int PRIMARY KEY, v text)")
+        .await;
+    db.source_sql(
+        "INSERT INTO big SELECT g, 'v' || g FROM generate_series(1, 1000) g; \
+         CREATE PUBLICATION p FOR TABLE big;",
+    )
+    .await;
+    // A target lock that lets the copy's checks read the table but holds its COPY.
+    let (holder, connection) =
+        tokio_postgres::connect(&db.target_conninfo(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    holder
+        .batch_execute("BEGIN; LOCK TABLE big IN SHARE MODE")
+        .await
+        .unwrap();
+    let mut worker = spawn(db.pgapply("p", &["--copy-data"]));
+    wait_for("the copy to wait for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    let out_path = std::env::temp_dir().join(format!("pgapply-cutcopy-{}.out", std::process::id()));
+    let slot = db.slot();
+    let mut cutover = db.on_both("cutover", &["--slot", &slot, "--timeout", "60s"]);
+    cutover.stdout(std::fs::File::create(&out_path).unwrap());
+    let mut cutover = cutover.kill_on_drop(true).spawn().unwrap();
+    let said = || std::fs::read_to_string(&out_path).unwrap_or_default();
+    wait_for("the cutover to say it waits for the copy", 30, || async {
+        said().contains("still making the initial copy")
+    })
+    .await;
+    db.source_sql("INSERT INTO big VALUES (1001, 'after the snapshot')")
+        .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(90), cutover.wait())
+        .await
+        .expect("the cutover ends")
+        .unwrap();
+    assert!(status.success(), "cutover exit {status}: {}", said());
+    assert!(said().contains("cutover done"), "{}", said());
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), worker.wait())
+        .await
+        .expect("the worker stops at the cutover's end position")
+        .unwrap();
+    assert!(status.success(), "worker exit: {status}");
+    db.assert_same("big").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM big").await, 1001);
+    let _ = std::fs::remove_file(&out_path);
+}

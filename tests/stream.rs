@@ -742,7 +742,8 @@ async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
     // A transaction committed between a PREPARE and its COMMIT PREPARED.
     db.source_sql("BEGIN; INSERT INTO tp VALUES (4, 'prepared'); PREPARE TRANSACTION 'src-4';")
         .await;
-    db.source_sql("INSERT INTO tp VALUES (5, 'in between')").await;
+    db.source_sql("INSERT INTO tp VALUES (5, 'in between')")
+        .await;
     db.source_sql("COMMIT PREPARED 'src-4'").await;
     db.source_sql("BEGIN; INSERT INTO tp VALUES (3, 'pending'); PREPARE TRANSACTION 'src-3';")
         .await;
