@@ -6,7 +6,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio_postgres::Client;
 
@@ -35,9 +34,12 @@ impl Default for VerifySettings {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct TableResult {
+    /// `"schema"."table"`, as the text report and errors name it.
     pub table: String,
+    pub schema: String,
+    pub name: String,
     pub ok: bool,
     pub source_rows: i64,
     pub target_rows: i64,
@@ -46,7 +48,6 @@ pub struct TableResult {
     pub mismatches: Vec<(Option<String>, Option<String>)>,
     pub note: Option<String>,
     /// Why the table could not be compared (then `ok` is false and nothing else is known).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
 
@@ -419,6 +420,8 @@ async fn verify_table(
     }
     let mut result = TableResult {
         table: table.qualified(),
+        schema: table.schema.clone(),
+        name: table.name.clone(),
         ok: true,
         source_rows: 0,
         target_rows: 0,
@@ -511,9 +514,9 @@ pub async fn verify(
             settings.clone(),
             limit.clone(),
         );
-        let name = table.qualified();
+        let names = (table.qualified(), table.schema.clone(), table.name.clone());
         tasks.push((
-            name,
+            names,
             tokio::spawn(async move {
                 let _permit = limit.acquire_owned().await;
                 verify_table(s, t, table, settings, float_digits).await
@@ -523,7 +526,7 @@ pub async fn verify(
     // A table that cannot be compared (missing on the target, say) is reported as such; the
     // others are still compared.
     let mut results = Vec::new();
-    for (table, task) in tasks {
+    for ((table, schema, name), task) in tasks {
         let error = match task.await {
             Ok(Ok(result)) => {
                 results.push(result);
@@ -534,6 +537,8 @@ pub async fn verify(
         };
         results.push(TableResult {
             table,
+            schema,
+            name,
             ok: false,
             source_rows: 0,
             target_rows: 0,
@@ -550,7 +555,30 @@ pub async fn verify(
 /// Prints the results; an error if any table differs.
 pub fn report(results: &[TableResult], json: bool) -> Result<()> {
     if json {
-        let text = serde_json::to_string_pretty(results)
+        // Named as `status --json` names tables (`schema.table`, and each part on its own).
+        let list: Vec<serde_json::Value> = results
+            .iter()
+            .map(|r| {
+                let mut v = serde_json::json!({
+                    "table": format!("{}.{}", r.schema, r.name),
+                    "schema": r.schema,
+                    "name": r.name,
+                    "ok": r.ok,
+                    "source_rows": r.source_rows,
+                    "target_rows": r.target_rows,
+                    "chunks": r.chunks,
+                    "mismatches": r.mismatches.iter().map(|(from, to)| serde_json::json!({"from": from, "to": to})).collect::<Vec<_>>(),
+                });
+                if let Some(note) = &r.note {
+                    v["note"] = note.as_str().into();
+                }
+                if let Some(error) = &r.error {
+                    v["error"] = error.as_str().into();
+                }
+                v
+            })
+            .collect();
+        let text = serde_json::to_string_pretty(&list)
             .map_err(|e| Error::definite(format!("encoding JSON: {e}")))?;
         println!("{text}");
     } else {

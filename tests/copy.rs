@@ -854,7 +854,11 @@ async fn verify_names_a_corrupted_row() {
         .filter(|t| t["ok"] == false)
         .collect();
     assert_eq!(bad.len(), 1);
-    assert_eq!(bad[0]["table"], "\"public\".\"v\"");
+    assert_eq!(bad[0]["table"], "public.v");
+    assert_eq!(bad[0]["schema"], "public");
+    assert_eq!(bad[0]["name"], "v");
+    assert_eq!(bad[0]["mismatches"][0]["from"], "(2001)");
+    assert_eq!(bad[0]["mismatches"][0]["to"], "(3001)");
 
     // A table without a key is compared without a sort: a changed row still shows.
     db.target_sql(
