@@ -1588,3 +1588,40 @@ async fn cutover_waits_for_a_copy_still_running() {
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM big").await, 1001);
     let _ = std::fs::remove_file(&out_path);
 }
+
+/// A transaction left open on the source holds the slot's creation (and so the copy) back: the
+/// log says so while it waits, and the copy goes on once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_left_open_on_the_source_is_named_while_the_slot_waits() {
+    let db = TestDb::new("copywait").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO t VALUES (1), (2); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    let (holder, connection) =
+        tokio_postgres::connect(&db.source_conninfo(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    holder
+        .batch_execute("BEGIN; SELECT txid_current();")
+        .await
+        .unwrap();
+    let (mut worker, log) = common::spawn_logged(db.pgapply("p", &["--copy-data", "--copy-only"]));
+    wait_for("the log to name the wait", 30, || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("waits for the transactions open on the source")
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), worker.wait())
+        .await
+        .expect("the copy ends once the transaction did")
+        .unwrap();
+    assert!(
+        status.success(),
+        "{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 2);
+}

@@ -13,7 +13,7 @@ use bytes::BytesMut;
 use crate::error::{Error, Result};
 use crate::protocol::{Lsn, PgTimestamp, ReplicationFrame, StandbyStatusUpdate};
 use crate::sql::{quote_ident, quote_literal};
-use connection::ReplicationConnection;
+use connection::{QueryResult, ReplicationConnection};
 
 /// What IDENTIFY_SYSTEM says about the source.
 #[derive(Debug, Clone)]
@@ -112,9 +112,7 @@ impl ReplicationSession {
                 )));
             }
             let sql = create_slot_sql(slot, "nothing", two_phase, failover);
-            self.conn.simple_query(&sql).await.map_err(|e| {
-                e.context(format!("creating replication slot {slot:?} on the source"))
-            })?;
+            self.create_slot(slot, &sql).await?;
             tracing::info!(slot, "created logical replication slot (pgoutput)");
             return Ok(());
         }
@@ -245,10 +243,7 @@ impl ReplicationSession {
     ) -> Result<ExportedSnapshot> {
         self.check_failover(failover, two_phase)?;
         let sql = create_slot_sql(slot, "export", two_phase, failover);
-        let r =
-            self.conn.simple_query(&sql).await.map_err(|e| {
-                e.context(format!("creating replication slot {slot:?} on the source"))
-            })?;
+        let r = self.create_slot(slot, &sql).await?;
         let consistent_point = r
             .first("consistent_point")
             .unwrap_or_default()
@@ -268,6 +263,33 @@ impl ReplicationSession {
             consistent_point,
             snapshot_name,
         })
+    }
+
+    /// Runs a CREATE_REPLICATION_SLOT. A logical slot starts where no transaction is open on
+    /// the source, so the command waits for every one running (a session idle in a
+    /// transaction, a forgotten prepared one): said while it waits, not left to look like a hang.
+    async fn create_slot(&mut self, slot: &str, sql: &str) -> Result<QueryResult> {
+        let started = std::time::Instant::now();
+        let create = self.conn.simple_query(sql);
+        tokio::pin!(create);
+        let mut every = tokio::time::interval_at(
+            tokio::time::Instant::now() + std::time::Duration::from_secs(5),
+            std::time::Duration::from_secs(30),
+        );
+        loop {
+            tokio::select! {
+                r = &mut create => {
+                    return r.map_err(|e| {
+                        e.context(format!("creating replication slot {slot:?} on the source"))
+                    });
+                }
+                _ = every.tick() => tracing::warn!(
+                    slot,
+                    waited = %humantime::format_duration(std::time::Duration::from_secs(started.elapsed().as_secs())),
+                    "creating the replication slot waits for the transactions open on the source to end (a logical slot starts where none is open): look for old ones in pg_stat_activity (backend_xid, xact_start; sessions idle in transaction) and pg_prepared_xacts, and end them"
+                ),
+            }
+        }
     }
 
     pub async fn drop_slot(&mut self, slot: &str) -> Result<()> {
