@@ -262,8 +262,12 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
     let next = std::sync::atomic::AtomicI32::new(2);
     common::wait_for("the second group sent behind the first", 30, || async {
         let id = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        db.source_sql(&format!("INSERT INTO t VALUES ({id}, 'second')"))
-            .await;
+        // (Each also updates the first group's new row: applied without it, after the failed
+        // COMMIT, the update finds nothing, which must not be reported as a conflict.)
+        db.source_sql(&format!(
+            "INSERT INTO t VALUES ({id}, 'second'); UPDATE t SET v = 'second' WHERE id = 0"
+        ))
+        .await;
         std::fs::read_to_string(&log_path)
             .is_ok_and(|l| l.contains("group sent before the previous COMMIT is answered"))
     })
@@ -290,7 +294,14 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
     assert!(
         m.contains(&format!(
             "pgapply_rows_total{{operation=\"insert\"}} {inserts}\n"
-        )) && m.contains("pgapply_rows_total{operation=\"update\"} 1\n"),
+        )) && m.contains(&format!(
+            "pgapply_rows_total{{operation=\"update\"}} {}\n",
+            1 + second
+        )),
+        "{m}"
+    );
+    assert!(
+        m.contains("pgapply_conflicts_total{type=\"update_missing\"} 0\n"),
         "{m}"
     );
     common::signal(&child, libc::SIGTERM);
@@ -305,6 +316,7 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
         log.contains("PGAPPLY_TEST_FAILPOINT fail-commit"),
         "the first COMMIT did not fail:\n{log}"
     );
+    assert!(!log.contains("update_missing"), "{log}");
     // Had the second group committed, the retry would have resumed after it, without the
     // first group's UPDATE.
     db.assert_same("t").await;

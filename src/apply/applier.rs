@@ -956,6 +956,32 @@ impl Applier {
     /// Writes the conflicts of the group that just committed to pgapply.conflicts.
     async fn record_conflicts(&mut self, records: Vec<ConflictRecord>) {
         for record in records {
+            let log = &record.log;
+            if log.missing {
+                self.stats.missing_rows += 1;
+            }
+            METRICS.conflict(record.conflict_type);
+            match log.rows {
+                Some(rows) => tracing::warn!(
+                    table = %record.relation,
+                    key = %log.key,
+                    xid = log.xid,
+                    commit_lsn = %record.source_lsn,
+                    conflict = record.conflict_type,
+                    policy = record.policy,
+                    rows,
+                    "{}", log.sentence
+                ),
+                None => tracing::warn!(
+                    table = %record.relation,
+                    key = %log.key,
+                    xid = log.xid,
+                    commit_lsn = %record.source_lsn,
+                    conflict = record.conflict_type,
+                    policy = record.policy,
+                    "{}", log.sentence
+                ),
+            }
             let local_row: Option<String> = match &record.local_row_query {
                 _ if record.local_row.is_some() => record.local_row.clone(),
                 Some((sql, params)) => self
@@ -2178,17 +2204,7 @@ impl Applier {
         };
         let mut record = conflict_record(&about, signal);
         record.local_row = super::unique::rows_json(&clashing);
-        METRICS.conflict(conflict.name());
-        tracing::warn!(
-            table = %entry.target.qualified,
-            key = %about.describe_key_for_log(),
-            xid = about.xid,
-            commit_lsn = %about.commit_lsn,
-            conflict = conflict.name(),
-            policy = policy.name(),
-            rows = clashing.len(),
-            "{}", conflict_sentence(about.operation, signal)
-        );
+        record.log.rows = Some(clashing.len());
         if policy == Policy::ApplyRemote {
             if let Err(e) = super::unique::delete_rows(&self.client, entry, &clashing).await {
                 self.failure = Some(e);
@@ -2726,22 +2742,6 @@ impl Applier {
                     }
                     return;
                 }
-                if matches!(
-                    signal.conflict,
-                    ConflictType::UpdateMissing | ConflictType::DeleteMissing
-                ) {
-                    self.stats.missing_rows += 1;
-                }
-                METRICS.conflict(kind);
-                tracing::warn!(
-                    table = %about.relation.target.qualified,
-                    key = %about.describe_key_for_log(),
-                    xid = about.xid,
-                    commit_lsn = %about.commit_lsn,
-                    conflict = kind,
-                    policy = signal.policy.name(),
-                    "{}", conflict_sentence(about.operation, signal)
-                );
                 self.conflicts.push(conflict_record(about, signal));
             }
             Err(e) => {
@@ -3378,6 +3378,16 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
         source_lsn: about.commit_lsn,
         source_commit_time: Some(about.commit_time),
         policy: signal.policy.name(),
+        log: super::conflict::ConflictLog {
+            key: about.describe_key_for_log(),
+            xid: about.xid,
+            sentence: conflict_sentence(about.operation, signal),
+            rows: None,
+            missing: matches!(
+                signal.conflict,
+                ConflictType::UpdateMissing | ConflictType::DeleteMissing
+            ),
+        },
     }
 }
 

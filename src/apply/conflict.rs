@@ -169,6 +169,21 @@ pub struct ConflictRecord {
     pub source_lsn: crate::protocol::Lsn,
     pub source_commit_time: Option<crate::protocol::PgTimestamp>,
     pub policy: &'static str,
+    /// The warning logged (and counted) once the group that met the conflict has committed: a
+    /// group rolled back and applied again would otherwise say it twice, and the group after a
+    /// failed one would report rows "missing" that were only never committed.
+    pub log: ConflictLog,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConflictLog {
+    pub key: String,
+    pub xid: u32,
+    pub sentence: String,
+    /// Rows affected, for a unique conflict that found several.
+    pub rows: Option<usize>,
+    /// An update_missing or delete_missing (counted in the run's statistics).
+    pub missing: bool,
 }
 
 #[cfg(test)]
