@@ -1015,3 +1015,52 @@ async fn updates_of_unpublished_columns_only_write_nothing() {
         rows_text(&db.target, q).await
     );
 }
+
+/// `--origin none` (16+ source): changes the source itself received from elsewhere (made in a
+/// session with a replication origin, as a subscriber's are) are not applied; the source's own
+/// are. This is the loop prevention `cutover --reverse` relies on. Refused on older sources.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn origin_none_leaves_out_changes_that_came_from_elsewhere() {
+    let db = TestDb::new("originnone").await;
+    db.both("CREATE TABLE o (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE o").await;
+    if common::source_version(&db).await < 160000 {
+        let out = common::run_with_deadline(db.pgapply("p", &["--origin", "none"]), 30).await;
+        assert!(!out.status.success());
+        assert!(
+            common::stderr(&out).contains("--origin none needs a PostgreSQL 16"),
+            "{}",
+            common::stderr(&out)
+        );
+        return common::skip("--origin none needs a PostgreSQL 16+ source");
+    }
+    let origin = format!("elsewhere_{}", db.name);
+    db.source_sql(&format!(
+        "INSERT INTO o VALUES (1, 'local'); SELECT pg_replication_origin_create('{origin}');"
+    ))
+    .await;
+    // One session: the origin is set for it, then the change, as an apply worker does.
+    db.source_sql(&format!(
+        "SELECT pg_replication_origin_session_setup('{origin}'); \
+         INSERT INTO o VALUES (2, 'from elsewhere'); UPDATE o SET v = 'changed elsewhere' WHERE id = 1; \
+         SELECT pg_replication_origin_session_reset();"
+    ))
+    .await;
+    db.source_sql("INSERT INTO o VALUES (3, 'local again')")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = common::run_with_deadline(
+        db.pgapply("p", &["--origin", "none", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", common::stderr(&out));
+    let rows = db
+        .count(
+            &db.target,
+            "SELECT count(*) FROM o WHERE (id = 1 AND v = 'local') OR (id = 3 AND v = 'local again')",
+        )
+        .await;
+    assert_eq!(rows, 2);
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM o").await, 2);
+}
