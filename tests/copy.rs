@@ -388,7 +388,13 @@ fn pg_dump_usable() -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schema_then_copy_then_cutover_with_sequences() {
+    // A pg_dump that says it is 9.6, written long before it runs (a file still open for writing
+    // in a process forked meanwhile cannot be run).
+    let fake = std::env::temp_dir().join(format!("pgapply-old-pg_dump-{}", std::process::id()));
+    std::fs::write(&fake, "#!/bin/sh\necho 'pg_dump (PostgreSQL) 9.6.24'\n").unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     if !pg_dump_usable() {
+        let _ = std::fs::remove_file(&fake);
         return;
     }
     let db = TestDb::new("cutover").await;
@@ -406,6 +412,36 @@ async fn schema_then_copy_then_cutover_with_sequences() {
          CREATE ROLE {role} LOGIN;"
     ))
     .await;
+    // No pg_dump, or one older than the source: said, with what to install, before anything.
+    for (pg_dump, says) in [
+        (
+            "/nonexistent/pg_dump",
+            "cannot run pg_dump (/nonexistent/pg_dump)",
+        ),
+        (
+            fake.to_str().unwrap(),
+            "pg_dump pg_dump (PostgreSQL) 9.6.24 is older than the source",
+        ),
+    ] {
+        let mut cmd = db.on_both("schema", &[]);
+        cmd.env("PGAPPLY_PG_DUMP", pg_dump);
+        let out = run_with_deadline(cmd, 60).await;
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(says) && err.contains("PGAPPLY_PG_DUMP"),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_file(&fake);
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_class WHERE relname = 'orders'"
+        )
+        .await,
+        0
+    );
     // Definitions: types, sequences, tables; not the unpublished table.
     let out = run_with_deadline(db.on_both("schema", &[]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
