@@ -139,7 +139,8 @@ pub async fn cutover(
         settings.all_sequences,
     )
     .await?;
-    let mut problems = sequence_problems(&source, &target, &sequences).await?;
+    let mut problems =
+        sequence_problems(&source, &target, &sequences, settings.all_sequences).await?;
     problems.extend(freeze_problems(&source, &settings.freeze_roles).await?);
     if !problems.is_empty() {
         return Err(Error::definite(format!(
@@ -697,6 +698,7 @@ async fn sequence_problems(
     source: &Client,
     target: &Client,
     plan: &SequencePlan,
+    all_sequences: bool,
 ) -> Result<Vec<String>> {
     let (names, target_names): (Vec<String>, Vec<String>) = plan.copy.iter().cloned().unzip();
     let mut problems = Vec::new();
@@ -735,7 +737,8 @@ async fn sequence_problems(
                 "{name} is not a sequence on the target: the source's sequence of that name has nowhere to go"
             )),
             (None, _) => problems.push(format!(
-                "sequence {name} does not exist on the target: create it (pgapply schema creates the published tables' sequences), or leave --all-sequences out"
+                "sequence {name} does not exist on the target: create it (pgapply schema creates the published tables' sequences){}",
+                if all_sequences { ", or leave --all-sequences out" } else { "; the cutover carries each sequence a published table uses over to the target, so that new rows there continue after the source's" }
             )),
         }
     }
