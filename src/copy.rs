@@ -1039,23 +1039,36 @@ async fn copy_one(
     // The source sends one CopyData message per row; handed on one by one, each would be its own
     // message and flush towards the target. Gathered into large buffers instead.
     let mut buffer = bytes::BytesMut::with_capacity(COPY_BUFFER);
+    // Rows so far, for the progress report: the source sends a message per row (in binary, the
+    // header rides with the first row and the trailer comes alone). The target's count, at the
+    // end, is the one kept.
+    let (mut messages, mut reported) = (0u64, 0u64);
     while let Some(chunk) = out.next().await {
         let chunk = chunk.map_err(src_err)?;
         bytes += chunk.len() as u64;
-        progress
-            .bytes
-            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        messages += 1;
         buffer.extend_from_slice(&chunk);
         if buffer.len() >= COPY_BUFFER {
+            progress
+                .bytes
+                .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+            progress
+                .rows
+                .fetch_add(messages - reported, Ordering::Relaxed);
+            reported = messages;
             let full = buffer.split().freeze();
             sink.send(full).await.map_err(dst_err)?;
             buffer.reserve(COPY_BUFFER);
         }
     }
+    progress
+        .bytes
+        .fetch_add(buffer.len() as u64, Ordering::Relaxed);
     if !buffer.is_empty() {
         sink.send(buffer.freeze()).await.map_err(dst_err)?;
     }
     let rows = sink.finish().await.map_err(dst_err)?;
+    progress.rows.fetch_sub(reported, Ordering::Relaxed);
     progress.rows.fetch_add(rows, Ordering::Relaxed);
     // (Its bytes: `record_bytes`.)
     crate::metrics::METRICS.copied(&table.label(), rows, 0);
