@@ -78,6 +78,25 @@ async fn table_missing_on_target() {
     .await;
 }
 
+/// A partition published under its own name (not through its root) must exist on the target by
+/// that name: said at the start, not at its first change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_partition_missing_on_target() {
+    let db = TestDb::new("badpart").await;
+    db.source_sql(
+        "CREATE TABLE m (id int, v text) PARTITION BY RANGE (id); \
+         CREATE TABLE m_1 PARTITION OF m FOR VALUES FROM (0) TO (100); \
+         CREATE PUBLICATION p FOR TABLE m_1;",
+    )
+    .await;
+    db.target_sql("CREATE TABLE m (id int, v text)").await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &["table \"public\".\"m_1\" is published by the source but does not exist on the target"],
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn column_missing_on_target() {
     let db = TestDb::new("badcol").await;
