@@ -352,7 +352,8 @@ pub async fn schema(
         .map_err(|e| {
             let hint = match e.code().map(|c| c.code()) {
                 // A type or function from an extension: pg_dump --schema leaves extensions out.
-                Some("42704") | Some("42883") => "; if it comes from an extension, CREATE EXTENSION it on the target first",
+                // Or from a schema no published table is in, which the dump does not cover.
+                Some("42704") | Some("42883") => "; if it comes from an extension, CREATE EXTENSION it on the target first; if it is defined in a schema without published tables (the dump covers only the published tables' schemas), create it on the target first",
                 // A foreign key to a table that is not published.
                 Some("42P01") => "; a table it refers to may not be published: publish it, or create it on the target first",
                 _ => "",
