@@ -248,6 +248,18 @@ async fn interleaved_streamed_transactions(prefix: &str, extra: &[&str]) -> Test
         1001
     );
     assert_eq!(spool_files(&dir), 0, "spool files are removed after use");
+    // Rows counted as applied: not those of the rolled-back subtransaction x2 (2000 inserts,
+    // 500 updates) nor of the aborted transaction, whichever way they were applied.
+    let counted = db
+        .target
+        .query_one(
+            "SELECT inserts, updates, deletes FROM pgapply.progress WHERE slot_name = $1",
+            &[&db.slot()],
+        )
+        .await
+        .unwrap();
+    let counted: (i64, i64, i64) = (counted.get(0), counted.get(1), counted.get(2));
+    assert_eq!(counted, (9001, 2001, 500), "inserts, updates, deletes");
     db
 }
 

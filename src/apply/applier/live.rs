@@ -191,6 +191,9 @@ impl Drop for LiveLink {
 pub(crate) struct HelperState {
     /// Subtransactions with changes, in the order their savepoints were made (and as a set).
     subxacts: Vec<Xid>,
+    /// Per savepoint: the transaction's row counts when it was made, what a rollback to it
+    /// brings them back to (rows undone are not applied, so not counted).
+    rows_at: Vec<super::RowCounts>,
     known: std::collections::HashSet<Xid>,
     /// One savepoint name for every depth: SAVEPOINT, ROLLBACK TO SAVEPOINT, RELEASE SAVEPOINT.
     /// Rolling back to depth d pops the savepoints above it one by one, so three prepared
@@ -242,6 +245,7 @@ impl Applier {
         let queued = Arc::new(AtomicUsize::new(0));
         helper.live_helper = Some(HelperState {
             subxacts: Vec::new(),
+            rows_at: Vec::new(),
             known: Default::default(),
             savepoint: prepare("SAVEPOINT pgapply_sub").await?,
             rollback_to: prepare("ROLLBACK TO SAVEPOINT pgapply_sub").await?,
@@ -551,6 +555,7 @@ impl Applier {
                     })?;
                     if let Some(h) = &mut self.live_helper {
                         h.subxacts.clear();
+                        h.rows_at.clear();
                         h.known.clear();
                     }
                 }
@@ -601,8 +606,10 @@ impl Applier {
         self.flush_held_updates(None).await?;
         self.flush_insert_run().await?;
         self.push_plain(statement);
+        let rows = self.unsettled_rows;
         if let Some(h) = &mut self.live_helper {
             h.subxacts.push(sub);
+            h.rows_at.push(rows);
             h.known.insert(sub);
         }
         Ok(())
@@ -635,6 +642,9 @@ impl Applier {
         if let Some(h) = &mut self.live_helper {
             for x in h.subxacts.drain(depth..) {
                 h.known.remove(&x);
+            }
+            if let Some(rows) = h.rows_at.drain(depth..).next() {
+                self.unsettled_rows = rows;
             }
         }
         // Out now: the main session may be about to wait for the rows this releases.
