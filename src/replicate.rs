@@ -194,6 +194,28 @@ pub async fn run(
 }
 
 /// The run's outcome when a stop was asked for during the initial copy.
+/// Prepared transactions must be enabled on the target for two-phase apply. `what` starts the
+/// error message.
+async fn target_takes_prepared_transactions(
+    target: &tokio_postgres::Client,
+    what: &str,
+) -> Result<()> {
+    let prepared: i32 = target
+        .query_one(
+            "SELECT current_setting('max_prepared_transactions')::int",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading max_prepared_transactions on the target", e))?
+        .get(0);
+    if prepared == 0 {
+        return Err(Error::definite(format!(
+            "{what} prepared transactions on the target, but its max_prepared_transactions is 0: set it above 0 in postgresql.conf and restart the target"
+        )));
+    }
+    Ok(())
+}
+
 /// Drops the slot of a copy that did not finish, saying so (a failure to drop is only logged:
 /// the error that ended the copy is the one to report, and the next --copy-data run drops it).
 async fn drop_copy_slot(session: &mut crate::source::ReplicationSession, slot: &str) {
@@ -307,35 +329,9 @@ async fn run_in_span(
             negotiated.binary = false;
         }
     }
-    // A slot made two-phase by an earlier --two-phase run goes on sending prepared transactions:
-    // applied as such (and the target checked for them) whether or not --two-phase is given
-    // again. (With several workers, ensure_slot refuses such a slot.)
-    if !negotiated.two_phase
-        && config.apply_workers <= 1
-        && session.server_version() >= 150000
-        && session.slot_is_two_phase(&config.slot).await?
-    {
-        tracing::info!(
-            slot = %config.slot,
-            "the slot decodes two-phase transactions (made by a --two-phase run): applying them as with --two-phase"
-        );
-        negotiated.two_phase = true;
-    }
     if negotiated.two_phase {
         // Before the slot is made two-phase (which cannot be undone on it).
-        let prepared: i32 = setup
-            .query_one(
-                "SELECT current_setting('max_prepared_transactions')::int",
-                &[],
-            )
-            .await
-            .map_err(|e| Error::postgres("reading max_prepared_transactions on the target", e))?
-            .get(0);
-        if prepared == 0 {
-            return Err(Error::definite(
-                "--two-phase needs prepared transactions on the target, but its max_prepared_transactions is 0: set it above 0 in postgresql.conf and restart the target",
-            ));
-        }
+        target_takes_prepared_transactions(&setup, "--two-phase needs").await?;
     }
 
     let (store, mut resume) =
@@ -415,18 +411,21 @@ async fn run_in_span(
             let _ = stop.wait_for(|stopping| *stopping).await;
         };
         tokio::pin!(stopped);
+        // The copy is under way from here (`pgapply status`; a cutover waits for it), the
+        // slot's creation included, which waits for the transactions open on the source.
+        let client = target_connection(&pool, &config.target).await?;
+        let slot = config.slot.clone();
+        let beat = Background::spawn(|quit| copy_heartbeat(client, slot, quit));
         let snapshot = tokio::select! {
             biased;
             s = session.create_slot_with_snapshot(&config.slot, negotiated.two_phase, config.failover_slot) => s?,
             () = &mut stopped => {
                 // (A slot whose creation was cut short is not there, or is dropped by the next
                 // --copy-data run.)
+                beat.stop().await;
                 return copy_interrupted(&setup, &config, resume).await;
             }
         };
-        let client = target_connection(&pool, &config.target).await?;
-        let slot = config.slot.clone();
-        let beat = Background::spawn(|quit| copy_heartbeat(client, slot, quit));
         let copied = tokio::select! {
             // (A copy that ends as the stop comes counts as done.)
             biased;
@@ -442,16 +441,25 @@ async fn run_in_span(
             () = &mut stopped => None,
         };
         beat.stop().await;
-        // A copy that failed or was stopped is started over by the next --copy-data run, with a
-        // new slot: this one would only hold the source's WAL meanwhile (and for ever, if the
-        // user gives up).
-        if !matches!(copied, Some(Ok(_))) {
-            drop_copy_slot(&mut session, &config.slot).await;
-        }
-        let Some(copied) = copied else {
-            return copy_interrupted(&setup, &config, resume).await;
+        // Every table may be recorded as copied already when what failed, or the stop, came
+        // (the last range's commit marks its table done): then the copy is complete, and its
+        // slot holds every change since.
+        let complete = match &copied {
+            Some(Ok(_)) => true,
+            _ => matches!(
+                copy::status(&setup, &config.slot).await,
+                Ok(CopyStatus::Done)
+            ),
         };
-        copied?;
+        if !complete {
+            // Started over by the next --copy-data run, with a new slot: this one would only
+            // hold the source's WAL meanwhile (and for ever, if the user gives up).
+            drop_copy_slot(&mut session, &config.slot).await;
+            return match copied {
+                Some(Err(e)) => Err(e),
+                _ => copy_interrupted(&setup, &config, resume).await,
+            };
+        }
         store
             .set_position(&setup, snapshot.consistent_point)
             .await?;
@@ -470,6 +478,32 @@ async fn run_in_span(
                 "replication slot {:?} no longer exists on the source, but pgapply applied changes from it up to {resume}: a new slot would start after changes that were never applied. Start over with --copy-data --truncate-target (copies the published tables again into a new slot)",
                 config.slot
             )));
+        }
+        if !slot_exists && copy_status == CopyStatus::Done {
+            return Err(Error::definite(format!(
+                "replication slot {:?} no longer exists on the source, but the initial copy was made from it: a new slot would start after the changes made since the copy. Start over with --copy-data --truncate-target (copies the published tables again into a new slot)",
+                config.slot
+            )));
+        }
+        // A slot made two-phase by an earlier --two-phase run goes on sending prepared
+        // transactions: applied as such (and the target checked for them) whether or not
+        // --two-phase is given again. (With several workers, ensure_slot refuses such a slot.)
+        if slot_exists
+            && !negotiated.two_phase
+            && config.apply_workers <= 1
+            && session.server_version() >= 150000
+            && session.slot_is_two_phase(&config.slot).await?
+        {
+            target_takes_prepared_transactions(
+                &setup,
+                &format!("replication slot {:?} decodes two-phase transactions (it was made by a --two-phase run), which needs", config.slot),
+            )
+            .await?;
+            tracing::info!(
+                slot = %config.slot,
+                "the slot decodes two-phase transactions (made by a --two-phase run): applying them as with --two-phase"
+            );
+            negotiated.two_phase = true;
         }
         if config.copy_data && copy_status == CopyStatus::Done {
             copy::warn_tables_not_copied(
