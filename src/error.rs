@@ -177,11 +177,16 @@ pub fn describe_postgres(err: &tokio_postgres::Error) -> String {
             }
             // pgapply's reading sessions set row_security = off, so that policies cannot hide
             // rows from a copy or a comparison without a word.
+            // (PostgreSQL's own hint, when it gives one, is for a table owner under FORCE ROW
+            // LEVEL SECURITY, and says what to do.)
             if db.code() == &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE
-                && db.message().contains("row-level security")
+                && db
+                    .message()
+                    .starts_with("query would be affected by row-level security")
+                && db.hint().is_none()
             {
                 text.push_str(
-                    "; pgapply must read every row: give this role BYPASSRLS (ALTER ROLE .. BYPASSRLS), or connect as the table's owner",
+                    "; pgapply copies, compares and applies every row regardless of policies: give this role BYPASSRLS (ALTER ROLE .. BYPASSRLS), or connect as the table's owner",
                 );
             }
             text

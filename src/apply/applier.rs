@@ -955,6 +955,13 @@ impl Applier {
 
     /// Writes the conflicts of the group that just committed to pgapply.conflicts.
     async fn record_conflicts(&mut self, records: Vec<ConflictRecord>) {
+        self.announce_conflicts(&records);
+        self.write_conflicts(records).await;
+    }
+
+    /// Logs the conflicts of a group that committed (or a transaction that was prepared) and
+    /// counts them.
+    fn announce_conflicts(&mut self, records: &[ConflictRecord]) {
         for record in records {
             let log = &record.log;
             if log.missing {
@@ -982,6 +989,12 @@ impl Applier {
                     "{}", log.sentence
                 ),
             }
+        }
+    }
+
+    /// Writes conflict records to pgapply.conflicts (after their transaction committed).
+    async fn write_conflicts(&mut self, records: Vec<ConflictRecord>) {
+        for record in records {
             let local_row: Option<String> = match &record.local_row_query {
                 _ if record.local_row.is_some() => record.local_row.clone(),
                 Some((sql, params)) => self
@@ -1185,6 +1198,13 @@ impl Applier {
         }
         self.group = None;
         std::mem::take(&mut self.unsettled_rows).settle(&mut self.stats);
+        // Said and counted once prepared, as its rows are (a restart before COMMIT PREPARED
+        // finds the transaction prepared, not its conflicts); written to pgapply.conflicts when
+        // it commits.
+        if let Some(conflicts) = self.prepared_conflicts.remove(&xid) {
+            self.announce_conflicts(&conflicts);
+            self.prepared_conflicts.insert(xid, conflicts);
+        }
         tracing::debug!(gid = %gid, %end_lsn, "prepared");
         self.advance_applied(end_lsn);
         Ok(())
@@ -1267,7 +1287,7 @@ impl Applier {
         tracing::debug!(gid = %gid, %end_lsn, "{verb}");
         if let Some(conflicts) = self.prepared_conflicts.remove(&xid) {
             if commit {
-                self.record_conflicts(conflicts).await;
+                self.write_conflicts(conflicts).await;
             }
         }
         if commit {
@@ -2995,8 +3015,10 @@ impl Applier {
             // the server for transactions that will not commit now, and dropping the connection
             // ends them. Positions are in the origins; nothing after the failure committed.
             // (An origin that an abort moved is moved back when the run starts again, to the
-            // worker's row in pgapply.origin_commit: `ProgressStore::open`.)
+            // worker's row in pgapply.origin_commit: `ProgressStore::open`.) Groups answered as
+            // committed before it are counted and their conflicts recorded first.
             if let Some(e) = self.failure.take() {
+                self.settle_committed().await;
                 return Err(e);
             }
         }
