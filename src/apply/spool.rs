@@ -81,10 +81,15 @@ impl SpoolFiles {
         self.dir.join(format!("{}.xid-{xid}.spool", self.slot))
     }
 
+    /// This slot's files, and those of pgapply versions that named them `xid-<xid>.spool`
+    /// (left by a run before an upgrade, they would stay for ever).
     fn is_ours(&self, name: &str) -> bool {
-        name.strip_prefix(self.slot.as_str())
-            .and_then(|rest| rest.strip_prefix(".xid-"))
-            .is_some_and(|rest| rest.ends_with(".spool"))
+        let legacy = name.starts_with("xid-") && name.ends_with(".spool");
+        legacy
+            || name
+                .strip_prefix(self.slot.as_str())
+                .and_then(|rest| rest.strip_prefix(".xid-"))
+                .is_some_and(|rest| rest.ends_with(".spool"))
     }
 }
 
