@@ -68,10 +68,22 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     if let Some(src) = &source {
         check_source(src, &config, &mut report, &mut tables, &mut truncated).await;
     }
+    // A slot made by a --two-phase run makes every run on it two-phase.
+    let mut two_phase = config.requested.two_phase;
+    if let Some(src) = &source {
+        two_phase |= src
+            .query_opt(
+                "SELECT 1 FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1 \
+                 AND coalesce(to_jsonb(s) ->> 'two_phase', 'false') = 'true'",
+                &[&config.slot],
+            )
+            .await
+            .is_ok_and(|r| r.is_some());
+    }
     if let Some(dst) = &target {
         // Whatever the source said: the role's rights for pgapply's own state.
         check_target(dst, &mut report, &tables, &truncated).await;
-        check_apply_session(dst, &config, &mut report, &tables).await;
+        check_apply_session(dst, &mut report, &tables, two_phase).await;
     }
     finish(report)
 }
@@ -273,9 +285,9 @@ async fn check_source(
 /// subscriber) and, with --two-phase, prepared transactions.
 async fn check_apply_session(
     dst: &Client,
-    config: &crate::replicate::RunConfig,
     report: &mut Report,
     tables: &[crate::copy::PublishedTable],
+    two_phase: bool,
 ) {
     match crate::copy::loud_trigger_tables(dst, tables).await {
         Ok(loud) if loud.is_empty() => {}
@@ -285,7 +297,7 @@ async fn check_apply_session(
         )),
         Err(e) => report.problem(e.to_string()),
     }
-    if config.requested.two_phase {
+    if two_phase {
         let prepared = dst
             .query_one(
                 "SELECT current_setting('max_prepared_transactions')::int",
@@ -293,8 +305,8 @@ async fn check_apply_session(
             )
             .await;
         match prepared {
-            Ok(r) if r.get::<_, i32>(0) > 0 => report.ok("the target takes prepared transactions (--two-phase)"),
-            Ok(_) => report.problem("--two-phase needs prepared transactions on the target, but its max_prepared_transactions is 0: set it above 0 in postgresql.conf and restart the target"),
+            Ok(r) if r.get::<_, i32>(0) > 0 => report.ok("the target takes prepared transactions (two-phase)"),
+            Ok(_) => report.problem("two-phase apply (--two-phase, or a slot made by a --two-phase run) needs prepared transactions on the target, but its max_prepared_transactions is 0: set it above 0 in postgresql.conf and restart the target"),
             Err(e) => report.problem(format!("target: reading max_prepared_transactions: {e}")),
         }
     }
