@@ -13,6 +13,7 @@
 #   COPY_BENCH=1     also time the initial copy (built-in copy_data vs pgapply --copy-data); 0 skips it
 #   COPY_SCALE       pgbench scale of the copy dataset (default SCALE)
 #   COPY_JOBS        pgapply --copy-jobs for the copy phase (default 4)
+#   COPY_ROUNDS      copies by each applier, alternating which goes first (default ROUNDS)
 #   LATENCY_BENCH=1  also apply one backlog with pgapply directly and through examples/delay_proxy.rs
 #                    (DELAY_MS each way in front of the target, and 0 ms to show the proxy's own
 #                    cost); 0 skips it
@@ -45,6 +46,7 @@ ROWS_PER_TXN=4   # tpcb-like: 3 UPDATEs + 1 INSERT change rows (the SELECT does 
 COPY_BENCH="${COPY_BENCH:-1}"
 COPY_SCALE="${COPY_SCALE:-$SCALE}"
 COPY_JOBS="${COPY_JOBS:-4}"
+COPY_ROUNDS="${COPY_ROUNDS:-$ROUNDS}"
 LATENCY_BENCH="${LATENCY_BENCH:-1}"
 LATENCY_TXNS="${LATENCY_TXNS:-$TXNS}"
 DELAY_MS="${DELAY_MS:-1}"
@@ -64,7 +66,7 @@ for v in COPY_BENCH LATENCY_BENCH LAG_BENCH BIGTXN_BENCH PROFILE; do
 done
 [[ "$DELAY_MS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "DELAY_MS must be a number of milliseconds (got '$DELAY_MS')"
 [ -z "$RATE" ] || [[ "$RATE" =~ ^[1-9][0-9]*$ ]] || die "RATE must be a positive integer (got '$RATE')"
-for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS LATENCY_TXNS LAG_SECONDS BIGTXN_ROWS LAT_WORKERS; do
+for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS COPY_ROUNDS LATENCY_TXNS LAG_SECONDS BIGTXN_ROWS LAT_WORKERS; do
     [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
 done
 PER_CLIENT=$((TXNS / CLIENTS))
@@ -531,18 +533,17 @@ if [ "$COPY_BENCH" = 1 ]; then
     "$PG_BIN/pgbench" -i -q -s "$COPY_SCALE" -h 127.0.0.1 -p "$SRC_PORT" -U postgres copysrc >"$WORK/init-copysrc.log" 2>&1 ||
         { cat "$WORK/init-copysrc.log" >&2; die "pgbench -i failed for copysrc"; }
     q "$SRC_PORT" copysrc "CREATE PUBLICATION copypub FOR ALL TABLES" >/dev/null
-    for db in copy_target_builtin copy_target_pgapply; do
-        q "$TGT_PORT" postgres "CREATE DATABASE $db" >/dev/null
-        # d: drop, t: create tables, p: primary keys -- no data
-        "$PG_BIN/pgbench" -i -q -s 1 -I dtp -h 127.0.0.1 -p "$TGT_PORT" -U postgres "$db" >"$WORK/init-$db.log" 2>&1 ||
-            { cat "$WORK/init-$db.log" >&2; die "pgbench -i -I dtp failed for $db"; }
-    done
     IDX_SQL="SELECT string_agg(tablename || '.' || indexname, ' ' ORDER BY indexname) FROM pg_indexes WHERE schemaname = 'public'"
     idx_src="$(q "$SRC_PORT" copysrc "$IDX_SQL")"
-    for db in copy_target_builtin copy_target_pgapply; do
-        [ "$(q "$TGT_PORT" "$db" "$IDX_SQL")" = "$idx_src" ] || die "indexes of $db differ from copysrc"
-        [ "$(q "$TGT_PORT" "$db" "SELECT count(*) FROM pgbench_accounts")" = 0 ] || die "$db is not empty"
-    done
+    copy_fresh_target() {  # db: an empty copy of the tables, with their primary keys
+        q "$TGT_PORT" postgres "DROP DATABASE IF EXISTS $1" >/dev/null
+        q "$TGT_PORT" postgres "CREATE DATABASE $1" >/dev/null
+        # d: drop, t: create tables, p: primary keys -- no data
+        "$PG_BIN/pgbench" -i -q -s 1 -I dtp -h 127.0.0.1 -p "$TGT_PORT" -U postgres "$1" >"$WORK/init-$1.log" 2>&1 ||
+            { cat "$WORK/init-$1.log" >&2; die "pgbench -i -I dtp failed for $1"; }
+        [ "$(q "$TGT_PORT" "$1" "$IDX_SQL")" = "$idx_src" ] || die "indexes of $1 differ from copysrc"
+        [ "$(q "$TGT_PORT" "$1" "SELECT count(*) FROM pgbench_accounts")" = 0 ] || die "$1 is not empty"
+    }
     COPY_TABLES="$(q "$SRC_PORT" copysrc "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'copypub'")"
     COPY_BYTES="$(q "$SRC_PORT" copysrc "SELECT sum(pg_total_relation_size(format('%I.%I', schemaname, tablename)::regclass))
         FROM pg_publication_tables WHERE pubname = 'copypub'")"
@@ -557,21 +558,23 @@ if [ "$COPY_BENCH" = 1 ]; then
     COPY_CHECK_SQL="SELECT count(*) || ' ' || sum(abalance) FROM pgbench_accounts"
     COPY_SRC_RES="$(q "$SRC_PORT" copysrc "$COPY_CHECK_SQL")"
     COPY_SYNC_WORKERS="$(q "$TGT_PORT" postgres "SHOW max_sync_workers_per_subscription")"
-    log "initial copy: $COPY_TABLES tables, $COPY_MB MB; built-in first (max_sync_workers_per_subscription = $COPY_SYNC_WORKERS), then pgapply (--copy-jobs $COPY_JOBS)"
+    log "initial copy: $COPY_TABLES tables, $COPY_MB MB; $COPY_ROUNDS round(s), built-in (max_sync_workers_per_subscription = $COPY_SYNC_WORKERS) and pgapply (--copy-jobs $COPY_JOBS)"
 
-    # built-in
-    # The launcher starts workers at most once per wal_retrieve_retry_interval (and then sleeps a
-    # full interval): wait that out since the catch-up rounds' last ENABLE (untimed), as on an
-    # idle cluster the worker would start right away.
-    if [ -n "$LAST_ENABLE_AT" ]; then
-        pause="$(calc "$RETRY_MS / 1000 + 0.3 - ($(now) - $LAST_ENABLE_AT)")"
-        if [ "$(calc "($pause > 0)" 0)" = 1 ]; then sleep "$pause"; fi
-    fi
-    q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
-    t0="$(now)"
-    PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "CREATE SUBSCRIPTION copy_sub CONNECTION '$COPY_SRC_CONN' PUBLICATION copypub
-        WITH (copy_data = true, create_slot = true, slot_name = 'copy_builtin', synchronous_commit = off)" >/dev/null
-    "$PSQL" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$TGT_PORT" -U postgres -d copy_target_builtin >/dev/null <<SQL
+    copy_builtin() {  # round: sets COPY_SECS_builtin, COPY_RES_builtin
+        copy_fresh_target copy_target_builtin
+        # The launcher starts workers at most once per wal_retrieve_retry_interval (and then
+        # sleeps a full interval): wait that out since the last ENABLE or CREATE SUBSCRIPTION
+        # (untimed), as on an idle cluster the worker would start right away.
+        if [ -n "$LAST_ENABLE_AT" ]; then
+            pause="$(calc "$RETRY_MS / 1000 + 0.3 - ($(now) - $LAST_ENABLE_AT)")"
+            if [ "$(calc "($pause > 0)" 0)" = 1 ]; then sleep "$pause"; fi
+        fi
+        q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+        t0="$(now)"
+        LAST_ENABLE_AT="$t0"
+        PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "CREATE SUBSCRIPTION copy_sub CONNECTION '$COPY_SRC_CONN' PUBLICATION copypub
+            WITH (copy_data = true, create_slot = true, slot_name = 'copy_builtin', synchronous_commit = off)" >/dev/null
+        "$PSQL" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$TGT_PORT" -U postgres -d copy_target_builtin >/dev/null <<SQL
 DO \$\$
 DECLARE deadline timestamptz := clock_timestamp() + interval '$CATCHUP_TIMEOUT seconds';
 BEGIN
@@ -585,49 +588,66 @@ BEGIN
 END
 \$\$;
 SQL
-    t1="$(now)"
-    COPY_SECS_builtin="$(calc "$t1 - $t0")"
-    COPY_RES_builtin="$(q "$TGT_PORT" copy_target_builtin "$COPY_CHECK_SQL")"
-    PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "DROP SUBSCRIPTION copy_sub" >/dev/null   # also drops slot copy_builtin
-    log "initial copy: built-in $COPY_SECS_builtin s"
+        t1="$(now)"
+        COPY_SECS_builtin="$(calc "$t1 - $t0")"
+        COPY_RES_builtin="$(q "$TGT_PORT" copy_target_builtin "$COPY_CHECK_SQL")"
+        PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "DROP SUBSCRIPTION copy_sub" >/dev/null   # also drops slot copy_builtin
+        log "initial copy, round $1: built-in $COPY_SECS_builtin s"
+    }
+    copy_pgapply() {  # round: sets COPY_SECS_pgapply, COPY_RES_pgapply
+        copy_fresh_target copy_target_pgapply
+        q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
+        copy_end="$(q "$SRC_PORT" copysrc "SELECT pg_current_wal_lsn()")"
+        rc=0
+        TIMEFORMAT='%3R %3U %3S'
+        { time "$BIN" run --source "$COPY_SRC_CONN" \
+            --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=copy_target_pgapply" \
+            --publication copypub --slot copy_pgapply --copy-data --copy-jobs "$COPY_JOBS" --endpos "$copy_end" \
+            >"$WORK/pgapply-copy.log" 2>&1; } 2>"$WORK/time-copy" || rc=$?
+        unset TIMEFORMAT
+        if [ "$rc" != 0 ]; then
+            tail -n 30 "$WORK/pgapply-copy.log" >&2
+            die "initial copy: pgapply exited with status $rc (log above)"
+        fi
+        read -r COPY_SECS_pgapply copy_user copy_sys <"$WORK/time-copy"
+        COPY_RES_pgapply="$(q "$TGT_PORT" copy_target_pgapply "$COPY_CHECK_SQL")"
+        wait_slot_inactive copy_pgapply
+        q "$SRC_PORT" copysrc "SELECT pg_drop_replication_slot('copy_pgapply')" >/dev/null
+        log "initial copy, round $1: pgapply $COPY_SECS_pgapply s (pgapply process CPU $(calc "$copy_user + $copy_sys" 2) s)"
+    }
 
-    # pgapply
-    q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
-    copy_end="$(q "$SRC_PORT" copysrc "SELECT pg_current_wal_lsn()")"
-    rc=0
-    TIMEFORMAT='%3R %3U %3S'
-    { time "$BIN" run --source "$COPY_SRC_CONN" \
-        --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=copy_target_pgapply" \
-        --publication copypub --slot copy_pgapply --copy-data --copy-jobs "$COPY_JOBS" --endpos "$copy_end" \
-        >"$WORK/pgapply-copy.log" 2>&1; } 2>"$WORK/time-copy" || rc=$?
-    unset TIMEFORMAT
-    if [ "$rc" != 0 ]; then
-        tail -n 30 "$WORK/pgapply-copy.log" >&2
-        die "initial copy: pgapply exited with status $rc (log above)"
-    fi
-    read -r COPY_SECS_pgapply copy_user copy_sys <"$WORK/time-copy"
-    COPY_RES_pgapply="$(q "$TGT_PORT" copy_target_pgapply "$COPY_CHECK_SQL")"
-    wait_slot_inactive copy_pgapply
-    q "$SRC_PORT" copysrc "SELECT pg_drop_replication_slot('copy_pgapply')" >/dev/null
-    log "initial copy: pgapply $COPY_SECS_pgapply s (pgapply process CPU $(calc "$copy_user + $copy_sys" 2) s)"
-
-    if [ "$COPY_RES_builtin" = "$COPY_SRC_RES" ] && [ "$COPY_RES_pgapply" = "$COPY_SRC_RES" ]; then
-        COPY_VERDICT=MATCH
-    else
-        COPY_VERDICT=MISMATCH
-    fi
-    COPY_RATIO="$(calc "$COPY_SECS_builtin / $COPY_SECS_pgapply" 2)"
-    COPY_TABLE="| applier  | seconds |   MB/s |"$'\n'"|----------|--------:|-------:|"$'\n'
-    COPY_TABLE+="$(printf '| %-8s | %7.2f | %6.1f |' built-in "$COPY_SECS_builtin" "$(calc "$COPY_MB / $COPY_SECS_builtin" 2)")"$'\n'
-    COPY_TABLE+="$(printf '| %-8s | %7.2f | %6.1f |' pgapply "$COPY_SECS_pgapply" "$(calc "$COPY_MB / $COPY_SECS_pgapply" 2)")"$'\n'
-    COPY_SUMMARY="built-in seconds / pgapply seconds: x$COPY_RATIO (above 1: pgapply faster)"
-    COPY_CORRECT="Correctness (count(*) sum(abalance) of pgbench_accounts): $COPY_VERDICT (source [$COPY_SRC_RES] built-in [$COPY_RES_builtin] pgapply [$COPY_RES_pgapply])"
+    COPY_VERDICT=MATCH
+    copy_ratios=""
+    COPY_TABLE="| round | order | built-in s | pgapply s | built-in MB/s | pgapply MB/s | built-in s / pgapply s |"$'\n'
+    COPY_TABLE+="|------:|-------|-----------:|----------:|--------------:|-------------:|-----------------------:|"$'\n'
+    for ((r = 1; r <= COPY_ROUNDS; r++)); do
+        # The order alternates, as in the catch-up rounds: neither always goes first.
+        if ((r % 2)); then
+            order="built-in, pgapply"
+            copy_builtin "$r"
+            copy_pgapply "$r"
+        else
+            order="pgapply, built-in"
+            copy_pgapply "$r"
+            copy_builtin "$r"
+        fi
+        if [ "$COPY_RES_builtin" != "$COPY_SRC_RES" ] || [ "$COPY_RES_pgapply" != "$COPY_SRC_RES" ]; then
+            COPY_VERDICT=MISMATCH
+        fi
+        ratio="$(calc "$COPY_SECS_builtin / $COPY_SECS_pgapply" 2)"
+        copy_ratios+=" $ratio"
+        COPY_TABLE+="$(printf '| %5s | %-17s | %10.2f | %9.2f | %13.1f | %12.1f | %22s |' "$r" "$order" "$COPY_SECS_builtin" "$COPY_SECS_pgapply" \
+            "$(calc "$COPY_MB / $COPY_SECS_builtin" 2)" "$(calc "$COPY_MB / $COPY_SECS_pgapply" 2)" "x$ratio")"$'\n'
+    done
+    COPY_RATIO="$(echo "$copy_ratios" | median)"
+    COPY_SUMMARY="Median built-in seconds / pgapply seconds over $COPY_ROUNDS round(s): x$COPY_RATIO (above 1: pgapply faster)"
+    COPY_CORRECT="Correctness (count(*) sum(abalance) of pgbench_accounts, every round): $COPY_VERDICT (source [$COPY_SRC_RES], last round: built-in [$COPY_RES_builtin] pgapply [$COPY_RES_pgapply])"
     {
         echo
         echo "## Initial copy"
         echo
         echo "- COPY_SCALE=$COPY_SCALE: $COPY_TABLES tables (pgbench, pgbench_history empty), $COPY_MB MB = sum of pg_total_relation_size of the published tables on the source (heap + primary key indexes); MB/s = that / seconds"
-        echo "- targets: empty tables with the same primary keys (\`pgbench -i -I dtp\`); source tables prewarmed; target CHECKPOINT before each; built-in first, then pgapply"
+        echo "- $COPY_ROUNDS round(s), the order alternating (built-in first in odd rounds); each copy into new empty tables with the same primary keys (\`pgbench -i -I dtp\`); source tables prewarmed; target CHECKPOINT before each"
         echo "- built-in: timed from CREATE SUBSCRIPTION (copy_data = true, create_slot = true) until every table's srsubstate is 'r' or 's' (polled every 50 ms); max_sync_workers_per_subscription = $COPY_SYNC_WORKERS (default), so at most $COPY_SYNC_WORKERS tables copy at once, each by one worker"
         echo "- pgapply: \`pgapply run --copy-data --copy-jobs $COPY_JOBS --endpos <source WAL LSN just before>\`, timed until it exits"
         echo
