@@ -330,6 +330,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn tls_settings_stay_with_their_own_connection_string() {
+        // The same user and database on two servers named by address only.
+        let source = parse(
+            "source",
+            "hostaddr=10.0.0.5 user=u dbname=d sslmode=verify-ca sslrootcert=/tmp/ca.pem",
+        )
+        .unwrap();
+        let target = parse(
+            "target",
+            "hostaddr=10.0.0.6 user=u dbname=d sslmode=disable",
+        )
+        .unwrap();
+        assert_eq!(
+            crate::tls::settings_for(&source).mode,
+            crate::tls::SslMode::VerifyCa
+        );
+        assert_eq!(
+            crate::tls::settings_for(&source).root_cert,
+            Some(PathBuf::from("/tmp/ca.pem"))
+        );
+        assert_eq!(
+            crate::tls::settings_for(&target).mode,
+            crate::tls::SslMode::Disable
+        );
+    }
+
+    #[test]
     fn pgpass_matching() {
         let text = "# comment\nother:5432:*:u:nope\nlocalhost:*:db:u:se\\:cret\n*:*:*:*:fallback\n";
         assert_eq!(

@@ -73,19 +73,27 @@ impl SslMode {
     }
 }
 
-type ServerKey = (String, u16, String, String);
+/// Which connection string the settings belong to: every host, host address and port, the user,
+/// the database and the mode tokio-postgres was given (two connection strings that differ only
+/// in `hostaddr`, or in their `sslmode`, must not share them).
+type ServerKey = String;
 
 fn key(config: &tokio_postgres::Config) -> ServerKey {
-    let host = match config.get_hosts().first() {
-        Some(Host::Tcp(h)) => h.clone(),
-        Some(Host::Unix(p)) => p.display().to_string(),
-        None => String::new(),
-    };
-    (
-        host,
-        config.get_ports().first().copied().unwrap_or(5432),
-        config.get_user().unwrap_or_default().to_owned(),
-        config.get_dbname().unwrap_or_default().to_owned(),
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            Host::Tcp(h) => h.clone(),
+            Host::Unix(p) => p.display().to_string(),
+        })
+        .collect();
+    format!(
+        "{hosts:?} {:?} {:?} {:?} {:?} {:?}",
+        config.get_hostaddrs(),
+        config.get_ports(),
+        config.get_user(),
+        config.get_dbname(),
+        config.get_ssl_mode()
     )
 }
 
