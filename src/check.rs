@@ -7,7 +7,7 @@ use crate::cli::RunArgs;
 use crate::config::{self, FileConfig};
 use crate::conninfo;
 use crate::copy::published_tables;
-use crate::error::{Error, Result};
+use crate::error::{describe_postgres, Error, Result};
 use crate::sql::quote_ident;
 
 struct Report {
@@ -101,16 +101,17 @@ fn finish(report: Report) -> Result<()> {
     }
 }
 
+/// A yes/no query; a failure is the server's own message (not taken for a "no").
 async fn query_bool(
     client: &Client,
     sql: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-) -> Option<bool> {
+) -> std::result::Result<bool, String> {
     client
         .query_one(sql, params)
         .await
-        .ok()
-        .and_then(|r| r.get::<_, Option<bool>>(0))
+        .map(|r| r.get::<_, Option<bool>>(0).unwrap_or(false))
+        .map_err(|e| describe_postgres(&e))
 }
 
 async fn check_source(
@@ -144,7 +145,10 @@ async fn check_source(
                 ));
             }
         }
-        Err(e) => report.problem(format!("source: cannot read wal_level: {e}")),
+        Err(e) => report.problem(format!(
+            "source: cannot read wal_level: {}",
+            describe_postgres(&e)
+        )),
     }
     match query_bool(
         src,
@@ -153,25 +157,26 @@ async fn check_source(
     )
     .await
     {
-        Some(true) => report.ok("source role may replicate"),
-        Some(false) => report.problem("the source role lacks the REPLICATION attribute: ALTER ROLE ... REPLICATION (or use a superuser)"),
-        None => report.problem("source: cannot read the role's attributes (pg_roles)"),
+        Ok(true) => report.ok("source role may replicate"),
+        Ok(false) => report.problem("the source role lacks the REPLICATION attribute: ALTER ROLE ... REPLICATION (or use a superuser)"),
+        Err(e) => report.problem(format!("source: cannot read the role's attributes (pg_roles): {e}")),
     }
     for publication in &config.publications {
-        if query_bool(
+        match query_bool(
             src,
             "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)",
             &[publication],
         )
         .await
-            == Some(true)
         {
-            report.ok(format!("publication {publication:?} exists"));
-        } else {
-            report.problem(format!(
+            Ok(true) => report.ok(format!("publication {publication:?} exists")),
+            Ok(false) => report.problem(format!(
                 "publication {publication:?} does not exist on the source: CREATE PUBLICATION {} FOR TABLE ...",
                 quote_ident(publication)
-            ));
+            )),
+            Err(e) => report.problem(format!(
+                "source: cannot read publication {publication:?}: {e}"
+            )),
         }
     }
     match src
@@ -213,7 +218,7 @@ async fn check_source(
             "replication slot {:?} does not exist on the source: run with --create-slot",
             config.slot
         )),
-        Err(e) => report.problem(format!("source: cannot read pg_replication_slots: {e}")),
+        Err(e) => report.problem(format!("source: cannot read pg_replication_slots: {}", describe_postgres(&e))),
     }
     match published_tables(src, &config.publications, &config.table_map).await {
         Ok(t) => *tables = t,
@@ -276,7 +281,10 @@ async fn check_source(
                     report.problem(format!("the source role may not SELECT from {qualified} (needed by --copy-data): GRANT SELECT ON {qualified} TO ..."));
                 }
             }
-            Err(e) => report.problem(format!("source table {qualified}: {e}")),
+            Err(e) => report.problem(format!(
+                "source table {qualified}: {}",
+                describe_postgres(&e)
+            )),
         }
     }
 }
@@ -307,7 +315,7 @@ async fn check_apply_session(
         match prepared {
             Ok(r) if r.get::<_, i32>(0) > 0 => report.ok("the target takes prepared transactions (two-phase)"),
             Ok(_) => report.problem("two-phase apply (--two-phase, or a slot made by a --two-phase run) needs prepared transactions on the target, but its max_prepared_transactions is 0: set it above 0 in postgresql.conf and restart the target"),
-            Err(e) => report.problem(format!("target: reading max_prepared_transactions: {e}")),
+            Err(e) => report.problem(format!("target: reading max_prepared_transactions: {}", describe_postgres(&e))),
         }
     }
 }
@@ -324,10 +332,10 @@ async fn check_target(
         &[],
     )
     .await;
-    if can_create == Some(true) {
-        report.ok("target role may keep pgapply's state (schema pgapply)");
-    } else {
-        report.problem("the target role may not create schema pgapply: GRANT CREATE ON DATABASE ... TO ..., or create the schema for it");
+    match can_create {
+        Ok(true) => report.ok("target role may keep pgapply's state (schema pgapply)"),
+        Ok(false) => report.problem("the target role may not create schema pgapply: GRANT CREATE ON DATABASE ... TO ..., or create the schema for it"),
+        Err(e) => report.problem(format!("target: cannot read the role's privileges: {e}")),
     }
     for (i, table) in tables.iter().enumerate() {
         let truncates = truncated.get(i).copied().unwrap_or(false);
@@ -353,7 +361,10 @@ async fn check_target(
                 continue;
             }
             Err(e) => {
-                report.problem(format!("target table {qualified}: {e}"));
+                report.problem(format!(
+                    "target table {qualified}: {}",
+                    describe_postgres(&e)
+                ));
                 continue;
             }
         };
