@@ -274,6 +274,9 @@ fn escape_label(value: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// Requests the metrics endpoint serves at once; more wait to be accepted.
+const MAX_METRICS_REQUESTS: usize = 16;
+
 /// Binds `addr` and serves metrics in the background.
 pub async fn serve(addr: &str) -> Result<()> {
     let listener = TcpListener::bind(addr).await.map_err(|e| {
@@ -288,12 +291,25 @@ pub async fn serve(addr: &str) -> Result<()> {
         }
     })?;
     tracing::info!(addr = %addr, "serving metrics on /metrics and liveness on /healthz");
+    // A bounded number of requests at once (each may wait 5 s for its headers), so that
+    // whoever reaches the port cannot use up the descriptors the database connections need.
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_METRICS_REQUESTS));
     tokio::spawn(async move {
         loop {
-            let Ok((mut socket, _)) = listener.accept().await else {
-                continue;
+            let Ok(permit) = slots.clone().acquire_owned().await else {
+                return;
+            };
+            let mut socket = match listener.accept().await {
+                Ok((socket, _)) => socket,
+                Err(e) => {
+                    // Out of descriptors, say: not a reason to spin.
+                    tracing::debug!(error = %e, "metrics endpoint: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
             };
             tokio::spawn(async move {
+                let _permit = permit;
                 let mut request = Vec::with_capacity(512);
                 let mut buf = [0u8; 1024];
                 let read = tokio::time::timeout(Duration::from_secs(5), async {
