@@ -14,10 +14,16 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     let (rest, tls, mode_given) = take_tls_settings(conninfo)
         .map_err(|e| e.context(format!("--{role}: invalid connection string")))?;
     let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
-        // The cause (tokio-postgres' error source) names the bad key, never a value.
+        // The cause (tokio-postgres' error source) names the bad key, never a value; but an
+        // unquoted password with a space in it reads as more keys, named from the password.
+        let detail = crate::error::describe_postgres(&e);
+        if named_from_password(&rest, &detail) {
+            return Error::usage(format!(
+                "--{role}: invalid connection string: the password seems to contain a space: put it in single quotes (password='...'), or give it with --{role}-password-file"
+            ));
+        }
         Error::usage(format!(
-            "--{role}: invalid connection string: {}{}",
-            crate::error::describe_postgres(&e),
+            "--{role}: invalid connection string: {detail}{}",
             unsupported_hint(&rest)
         ))
     })?;
@@ -156,6 +162,24 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings,
 
 /// libpq keywords tokio-postgres does not know, with what to use instead (its own message says
 /// only "unknown option").
+/// Whether the parser's complaint names a word that follows an unquoted `password=`: part of
+/// the password, not a key.
+fn named_from_password(conninfo: &str, detail: &str) -> bool {
+    let Some(start) = conninfo.find("password=") else {
+        return false;
+    };
+    let after = &conninfo[start + "password=".len()..];
+    if after.starts_with('\'') {
+        return false;
+    }
+    let mut words = after.split_whitespace();
+    words.next();
+    words.any(|w| {
+        let key = w.split('=').next().unwrap_or(w);
+        !key.is_empty() && detail.contains(&format!("`{key}`"))
+    }) || detail.contains("unexpected EOF")
+}
+
 fn unsupported_hint(conninfo: &str) -> &'static str {
     let has =
         |key: &str| conninfo.contains(&format!("{key}=")) || conninfo.contains(&format!("{key} ="));
@@ -328,6 +352,20 @@ pub fn describe(config: &tokio_postgres::Config) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_password_with_a_space_is_not_repeated_in_the_error() {
+        for conninfo in [
+            "host=h password=abc def=x user=u",
+            "host=h password=abc def",
+        ] {
+            let err = parse("source", conninfo).unwrap_err().to_string();
+            assert!(!err.contains("def"), "{err}");
+            assert!(err.contains("single quotes"), "{err}");
+        }
+        let err = parse("source", "host=h pasword=x").unwrap_err().to_string();
+        assert!(err.contains("`pasword`"), "{err}");
+    }
 
     #[test]
     fn tls_settings_stay_with_their_own_connection_string() {
