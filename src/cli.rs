@@ -156,17 +156,17 @@ pub struct RunArgs {
     #[arg(long, env = "PGAPPLY_APPLY_WORKERS")]
     pub apply_workers: Option<usize>,
     /// Shortest wait before reconnecting after a transient error [default: 1s].
-    #[arg(long, env = "PGAPPLY_RETRY_MIN", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PGAPPLY_RETRY_MIN", value_parser = crate::config::parse_duration)]
     pub retry_min: Option<Duration>,
     /// Longest wait between reconnect attempts; the wait doubles up to this [default: 60s].
-    #[arg(long, env = "PGAPPLY_RETRY_MAX", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PGAPPLY_RETRY_MAX", value_parser = crate::config::parse_duration)]
     pub retry_max: Option<Duration>,
     /// Retries after transient errors before giving up, counted afresh once a run applies
     /// something or lasts a minute; 0 retries forever [default: 0].
     #[arg(long, env = "PGAPPLY_MAX_RETRIES")]
     pub max_retries: Option<u32>,
     /// How often to report progress to the source when nothing else prompts it [default: 10s].
-    #[arg(long, env = "PGAPPLY_STATUS_INTERVAL", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PGAPPLY_STATUS_INTERVAL", value_parser = crate::config::parse_duration)]
     pub status_interval: Option<Duration>,
     /// Largest protocol message accepted from the source, in bytes; a larger one is refused
     /// instead of buffered [default: 1 GiB, PostgreSQL's own limit].
@@ -231,7 +231,7 @@ pub struct CutoverArgs {
     pub max_lag: String,
     /// Give up if the lag or the drain takes longer than this; transient errors are retried
     /// until then (--retry-min, --retry-max and --max-retries are for `run`).
-    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10m", value_parser = crate::config::parse_duration)]
     pub timeout: Duration,
     /// Make these source roles read-only and end their sessions before draining.
     #[arg(long, value_delimiter = ',', value_name = "ROLE,...")]
@@ -286,7 +286,7 @@ pub struct StatusArgs {
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// How long the live workload runs.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = crate::config::parse_duration)]
     pub duration: Duration,
     /// Directory with initdb, pg_ctl and postgres (default: PGAPPLY_PG_BIN, or the newest
     /// /usr/lib/postgresql/*/bin).

@@ -22,10 +22,23 @@ const MIN_QUEUE_BYTES: u64 = 64 * 1024;
 /// Largest `--queue-size`: far beyond any machine's memory, well within the queue's counter.
 const MAX_QUEUE_BYTES: u64 = 1 << 40;
 
+/// Longest duration a setting takes: far beyond any sensible timeout, and well within what a
+/// clock reading can be moved by without overflowing.
+const MAX_DURATION: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
+
+/// A duration setting ("500ms", "10s", "5m"), at most ten years.
+pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
+    let d = humantime::parse_duration(text.trim()).map_err(|e| e.to_string())?;
+    if d > MAX_DURATION {
+        return Err(format!("{text:?} is longer than ten years"));
+    }
+    Ok(d)
+}
+
 fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Duration>, D::Error> {
     let text: Option<String> = Option::deserialize(d)?;
     text.map(|t| {
-        humantime::parse_duration(&t).map_err(|e| {
+        parse_duration(&t).map_err(|e| {
             serde::de::Error::custom(format!(
                 "invalid duration {t:?}: {e} (write it like \"500ms\", \"10s\" or \"5m\")"
             ))
@@ -351,7 +364,12 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         file.truncate_target,
     );
     if let Some(jobs) = args.copy_jobs.or(file.copy_jobs) {
-        config.copy.jobs = jobs.max(1);
+        if !(1..=64).contains(&jobs) {
+            return Err(Error::usage(format!(
+                "copy_jobs is {jobs}: use a number from 1 to 64 (each job holds a source and a target connection)"
+            )));
+        }
+        config.copy.jobs = jobs;
     }
     if let Some(pages) = args.copy_split_pages.or(file.copy_split_pages) {
         config.copy.split_pages = pages.max(1);

@@ -42,7 +42,7 @@ impl MaxLag {
     pub fn parse(text: &str) -> Result<MaxLag> {
         match parse_size(text) {
             Ok(bytes) => Ok(MaxLag::Bytes(bytes)),
-            Err(_) => humantime::parse_duration(text.trim())
+            Err(_) => crate::config::parse_duration(text)
                 .map(MaxLag::Time)
                 .map_err(|_| {
                     Error::usage(format!(
