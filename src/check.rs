@@ -228,7 +228,7 @@ async fn check_source(
         }
     }
     if tables.is_empty() {
-        report.problem("the publications contain no tables");
+        report.problem(crate::copy::no_tables_message(&config.publications));
     }
     for table in tables.iter() {
         let qualified = table.qualified();

@@ -118,6 +118,18 @@ pub async fn status(target: &Client, slot: &str) -> Result<CopyStatus> {
     })
 }
 
+/// What to say when `publications` hold no table.
+pub fn no_tables_message(publications: &[String]) -> String {
+    let names: Vec<String> = publications.iter().map(|p| format!("{p:?}")).collect();
+    format!(
+        "publication{} {} contain{} no tables: add some (ALTER PUBLICATION {} ADD TABLE ...), or check --publication",
+        if names.len() == 1 { "" } else { "s" },
+        names.join(", "),
+        if names.len() == 1 { "s" } else { "" },
+        publications.first().map_or_else(|| "...".to_owned(), |p| quote_ident(p))
+    )
+}
+
 /// The tables of `publications`, with their published columns and row filters.
 pub async fn published_tables(
     source: &Client,
@@ -362,7 +374,7 @@ async fn prepare_target(
             let generated: Option<String> = found.get(2);
             if generated.is_some_and(|g| !g.is_empty()) {
                 return Err(Error::definite(format!(
-                    "column {} of target table {qualified} is a generated column, but the source publishes values for it",
+                    "column {} of target table {qualified} is a generated column, but the source publishes values for it: make it a plain column on the target (ALTER TABLE {qualified} ALTER COLUMN ... DROP EXPRESSION), or leave it out of the publication's column list",
                     quote_ident(column)
                 )));
             }

@@ -199,7 +199,7 @@ pub async fn cutover(
             }
             if Instant::now() > deadline {
                 return Err(Error::definite(format!(
-                    "step 1: lag stayed above --max-lag for {}: is pgapply keeping up? (pgapply status)",
+                    "step 1: the lag of slot {slot:?} was still {bytes} bytes, {seconds:.1} s after {} (--timeout), above --max-lag: check that pgapply keeps up (pgapply status), then run the cutover again, or give a larger --max-lag or --timeout (nothing was changed yet)",
                     humantime::format_duration(settings.timeout)
                 )));
             }
@@ -420,20 +420,25 @@ async fn drain(
     // pg_terminate_backend only signals: a session caught committing may still write. The end
     // is taken once they are gone.
     while !ended_pids.is_empty() {
-        let left: i64 = source
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY ($1)",
+        let left: Vec<i32> = source
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE pid = ANY ($1) ORDER BY pid",
                 &[&ended_pids],
             )
             .await
             .map_err(|e| Error::postgres("step 3: waiting for the ended sessions", e))?
-            .get(0);
-        if left == 0 {
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if left.is_empty() {
             break;
         }
         if Instant::now() > deadline {
+            let pids: Vec<String> = left.iter().map(|p| p.to_string()).collect();
             return Err(Error::definite(format!(
-                "step 3: {left} session(s) of the frozen roles did not end in time"
+                "step 3: {} session(s) of the frozen roles did not end in time (--timeout): source process(es) {}; end them (SELECT pg_terminate_backend(pid)) and run the cutover again",
+                left.len(),
+                pids.join(", ")
             )));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -121,7 +121,9 @@ pub async fn schema(
         .get(0);
     let tables = published_tables(&source, publications, table_map).await?;
     if tables.is_empty() {
-        return Err(Error::definite("the publications contain no tables"));
+        return Err(Error::definite(crate::copy::no_tables_message(
+            publications,
+        )));
     }
     // Renames are done by moving tables around the dump: two tables into one name, or a name
     // that is one table's source and another's target, cannot be.

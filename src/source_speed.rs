@@ -58,7 +58,8 @@ pub async fn measure(
     session.check_publications(publications).await?;
     if !session.slot_exists(slot).await? {
         return Err(Error::definite(format!(
-            "slot {slot:?} does not exist on the source: create it first (SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput'))"
+            "slot {slot:?} does not exist on the source: create it first (SELECT pg_create_logical_replication_slot({}, 'pgoutput'))",
+            crate::sql::quote_literal(slot)
         )));
     }
     let negotiated = negotiate(session.server_version(), &Requested::default())?;

@@ -501,9 +501,9 @@ pub async fn verify(
     drop(target_client);
     let tables = published_tables(&client, publications, table_map).await?;
     if tables.is_empty() {
-        return Err(Error::definite(
-            "the publications contain no tables to verify",
-        ));
+        return Err(Error::definite(crate::copy::no_tables_message(
+            publications,
+        )));
     }
     let limit = Arc::new(Semaphore::new(settings.jobs.max(1)));
     let mut tasks = Vec::new();

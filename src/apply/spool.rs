@@ -407,7 +407,12 @@ impl Drop for Spool {
 }
 
 fn spool_error(path: &std::path::Path, e: std::io::Error) -> Error {
-    Error::definite(format!("spool file {}: {e}", path.display()))
+    let hint = if e.raw_os_error() == Some(libc::ENOSPC) {
+        ": free space there, or set --spool-dir to a disk with room (nothing is lost: the source sends the transaction again when pgapply starts again)"
+    } else {
+        ""
+    };
+    Error::definite(format!("spool file {}: {e}{hint}", path.display()))
 }
 
 /// Adds a message at the end, spilling to the file beyond the memory allowance.

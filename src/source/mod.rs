@@ -107,8 +107,9 @@ impl ReplicationSession {
         if r.rows.is_empty() {
             if !create {
                 return Err(Error::definite(format!(
-                    "replication slot {slot:?} does not exist on the source {}: run with --create-slot, or create it with SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')",
-                    self.conn.endpoint
+                    "replication slot {slot:?} does not exist on the source {}: run with --create-slot, or create it with SELECT pg_create_logical_replication_slot({}, 'pgoutput')",
+                    self.conn.endpoint,
+                    quote_literal(slot)
                 )));
             }
             let sql = create_slot_sql(slot, "nothing", two_phase, failover);
@@ -121,12 +122,13 @@ impl ReplicationSession {
         let slot_db = r.first("database").unwrap_or_default();
         if slot_type != "logical" || plugin != "pgoutput" {
             return Err(Error::definite(format!(
-                "replication slot {slot:?} on the source is a {slot_type} slot with plugin {plugin:?}; pgapply needs a logical slot using pgoutput"
+                "replication slot {slot:?} on the source is a {slot_type} slot with plugin {plugin:?}; pgapply needs a logical slot using pgoutput: give another --slot, or drop this one (SELECT pg_drop_replication_slot({})) if nothing else uses it and run with --create-slot",
+                quote_literal(slot)
             )));
         }
         if slot_db != database {
             return Err(Error::definite(format!(
-                "replication slot {slot:?} belongs to database {slot_db:?}, but the source connection is to database {database:?}"
+                "replication slot {slot:?} belongs to database {slot_db:?}, but the source connection is to database {database:?}: connect --source to dbname={slot_db}, or give another --slot for {database:?}"
             )));
         }
         // Invalidated (13+: WAL it needed was removed, max_slot_wal_keep_size; 16+: conflicts on
