@@ -349,6 +349,17 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         .clone()
         .or_else(|| file.slot.clone())
         .ok_or_else(|| missing("slot", "slot"))?;
+    // PostgreSQL's rule for slot names (a wrong one would otherwise read "does not exist").
+    if slot.is_empty()
+        || slot.len() > 63
+        || !slot
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    {
+        return Err(Error::usage(format!(
+            "slot name {slot:?} is not valid: use lower-case letters, digits and _ (at most 63)"
+        )));
+    }
     let mut config = RunConfig::new(source, target, publications, slot);
     config.create_slot = switch(args.create_slot, "PGAPPLY_CREATE_SLOT", file.create_slot);
     config.failover_slot = switch(

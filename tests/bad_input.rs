@@ -572,6 +572,20 @@ async fn wrong_settings_exit_2_before_connecting() {
             &["--endpos", "cutover"],
         ),
         (
+            common::pgapply_command(&[
+                "run",
+                "--source",
+                "host=no-such-host.invalid",
+                "--target",
+                "host=no-such-host.invalid",
+                "--publication",
+                "p",
+                "--slot",
+                "My-Slot",
+            ]),
+            &["slot name \"My-Slot\" is not valid"],
+        ),
+        (
             run(&["--copy-jobs", "100000"], "host=h"),
             &["copy_jobs is 100000", "from 1 to 64"],
         ),
