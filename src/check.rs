@@ -16,11 +16,11 @@ struct Report {
 
 impl Report {
     fn ok(&self, text: impl AsRef<str>) {
-        println!("ok       {}", text.as_ref());
+        crate::out!("ok       {}", text.as_ref());
     }
     fn problem(&mut self, text: impl Into<String>) {
         let text = text.into();
-        println!("PROBLEM  {text}");
+        crate::out!("PROBLEM  {text}");
         self.problems.push(text);
     }
 }
@@ -90,7 +90,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
 
 fn finish(report: Report) -> Result<()> {
     if report.problems.is_empty() {
-        println!("no problems found");
+        crate::out!("no problems found");
         Ok(())
     } else {
         Err(Error::definite(format!(

@@ -154,7 +154,7 @@ pub async fn cutover(
     let mut said = false;
     while copy_under_way(&target, &slot).await? {
         if !said {
-            println!("step 1: pgapply is still making the initial copy for slot {slot:?} (see pgapply status); waiting for it to finish");
+            crate::out!("step 1: pgapply is still making the initial copy for slot {slot:?} (see pgapply status); waiting for it to finish");
             said = true;
         }
         if Instant::now() > deadline {
@@ -189,7 +189,7 @@ pub async fn cutover(
                 .await
                 .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?
                 .get(0);
-            println!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed})");
+            crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed})");
             let below = match settings.max_lag {
                 MaxLag::Bytes(max) => bytes <= max,
                 MaxLag::Time(max) => seconds <= max.as_secs_f64(),
@@ -206,7 +206,7 @@ pub async fn cutover(
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     } else {
-        println!("step 1: no worker is streaming slot {slot:?}; this command applies the remaining changes itself");
+        crate::out!("step 1: no worker is streaming slot {slot:?}; this command applies the remaining changes itself");
         if !settings.freeze_roles.is_empty() {
             // Catch up while the application still writes: once frozen, it waits only for
             // what it wrote since.
@@ -214,7 +214,7 @@ pub async fn cutover(
             let mut config = run_config.clone();
             config.endpos = Some(current);
             let outcome = run_until(config, deadline, "step 1").await?;
-            println!(
+            crate::out!(
                 "step 1: caught up to {} before freezing writes",
                 outcome.flushed
             );
@@ -296,7 +296,7 @@ pub async fn cutover(
             .await
             .map_err(context)?;
         ended_pids.extend(pids);
-        println!(
+        crate::out!(
             "step 2: role {role:?} is read-only now in database {database:?} and {ended} session(s) there ended; undo with: {}",
             undo(role)
         );
@@ -327,7 +327,7 @@ pub async fn cutover(
     let end = drain(&source, &target, &run_config, &ended_pids, deadline)
         .await
         .map_err(frozen)?;
-    println!("step 3: everything up to {end} is applied");
+    crate::out!("step 3: everything up to {end} is applied");
     // A transaction prepared on the source before the end (--two-phase) and not yet committed or
     // rolled back there stays prepared on the target: somebody must decide it.
     // (Named pgapply_<slot>_<xid>: the rest after the slot's prefix is all digits, which keeps
@@ -353,7 +353,7 @@ pub async fn cutover(
         })
         .collect();
     for gid in &prepared {
-        println!(
+        crate::out!(
             "step 3: WARNING: transaction {gid} is still prepared on the target (prepared on the source, neither committed nor rolled back there before the end): COMMIT PREPARED or ROLLBACK PREPARED it on the target as the source decides"
         );
     }
@@ -362,14 +362,14 @@ pub async fn cutover(
     let copied = copy_sequences(&source, &target, &sequences)
         .await
         .map_err(frozen)?;
-    println!("step 4: copied {copied} sequence(s)");
+    crate::out!("step 4: copied {copied} sequence(s)");
     if !sequences.left_out.is_empty() {
         let shown = sequences.left_out.len().min(20);
         let more = match sequences.left_out.len() - shown {
             0 => String::new(),
             n => format!(" and {n} more"),
         };
-        println!(
+        crate::out!(
             "step 4: not copied, as no published table uses them: {}{more} (--all-sequences copies every sequence)",
             sequences.left_out[..shown].join(", ")
         );
@@ -386,7 +386,7 @@ pub async fn cutover(
     .await
     .map_err(frozen)?;
     verify::report(&results, false).map_err(|e| frozen(e.context("step 5")))?;
-    println!("step 5: {} table(s) verified", results.len());
+    crate::out!("step 5: {} table(s) verified", results.len());
 
     // 6. Reverse replication.
     if settings.reverse {
@@ -394,13 +394,13 @@ pub async fn cutover(
             .await
             .map_err(frozen)?;
     }
-    println!(
+    crate::out!(
         "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target",
         started.elapsed().as_secs_f64()
     );
     // The slot stays (a worker started again stops at the end, and it shows where the cutover
     // ended), but it holds the old primary's WAL from the end on, for as long as it exists.
-    println!(
+    crate::out!(
         "slot {slot:?} on the source is kept and holds its WAL from {end} on: once the migration is settled, drop it there: SELECT pg_drop_replication_slot('{}')",
         slot.replace('\'', "''")
     );
@@ -462,7 +462,7 @@ async fn drain(
         .get::<_, String>(0)
         .parse::<Lsn>()
         .map_err(|e| Error::definite(e.to_string()))?;
-    println!("step 3: draining replication to {end}");
+    crate::out!("step 3: draining replication to {end}");
     // The slot's worker stops at the end, as with --endpos, and stays stopped there when started
     // again: it must not apply the source's later writes to what is now the primary. (Written
     // again after a run of our own, which may have made the slot's row.)
@@ -483,12 +483,12 @@ async fn drain(
         )));
     }
     if active {
-        println!("step 3: asked the running worker to stop at {end}");
+        crate::out!("step 3: asked the running worker to stop at {end}");
         let mut inactive_since: Option<Instant> = None;
         loop {
             let (active, confirmed, _) = slot_state(source, slot).await?;
             if !active && confirmed >= end {
-                println!("step 3: the worker confirmed {end} and stopped");
+                crate::out!("step 3: the worker confirmed {end} and stopped");
                 return Ok(end);
             }
             if active {
@@ -497,7 +497,7 @@ async fn drain(
                 > Duration::from_secs(5)
             {
                 // Gone before the end (stopped, or failed and not back within 5 s).
-                println!("step 3: the worker stopped at {confirmed}, before {end}: applying the rest here");
+                crate::out!("step 3: the worker stopped at {confirmed}, before {end}: applying the rest here");
                 break;
             }
             if Instant::now() > deadline {
@@ -532,7 +532,7 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
     loop {
         match run_once_until(config.clone(), deadline, step).await {
             Err(e) if e.is_transient() && Instant::now() + Duration::from_secs(1) < deadline => {
-                println!("{step}: {e}; trying again");
+                crate::out!("{step}: {e}; trying again");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
             outcome => return outcome,
@@ -860,11 +860,11 @@ async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
     } else {
         ""
     };
-    println!(
+    crate::out!(
         "step 6: reverse replication prepared: publication {publication:?} and slot {slot:?} on the target. To replicate back, run:\n  pgapply run --source <new primary> --target <old primary> --publication {publication} --slot {slot}{origin}"
     );
     // Unread, the slot keeps the new primary's WAL for good.
-    println!(
+    crate::out!(
         "slot {slot:?} on the target (the new primary) holds its WAL from now on until that runs: if you will not replicate back, drop it there: SELECT pg_drop_replication_slot('{}')",
         slot.replace('\'', "''")
     );

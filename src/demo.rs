@@ -42,7 +42,7 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
     let bin = pg_bin.or_else(find_pg_bin).ok_or_else(|| {
         Error::definite("no PostgreSQL binaries found: install postgresql (e.g. apt-get install postgresql-15) or set PGAPPLY_PG_BIN to a directory with initdb, pg_ctl and postgres")
     })?;
-    println!(
+    crate::out!(
         "starting two throwaway PostgreSQL clusters from {}",
         bin.display()
     );
@@ -56,9 +56,10 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
         .await
         .map_err(|e| Error::definite(e.to_string()))?
         .map_err(|e| Error::definite(format!("starting the target cluster: {e}")))?;
-    println!(
+    crate::out!(
         "  source: port {}   target: port {}",
-        source.port, target.port
+        source.port,
+        target.port
     );
 
     let src = connect(&source.conninfo("postgres")).await?;
@@ -107,7 +108,7 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    println!(
+    crate::out!(
         "running a live workload on the source for {} (inserts, updates, deletes)",
         humantime::format_duration(duration)
     );
@@ -140,7 +141,7 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
             last_report = Instant::now();
             let lsn = wal_position(&src).await?;
             let applied = progress_rx.borrow().durable;
-            println!(
+            crate::out!(
                 "  {:>5.1}s  {txns:>6} transactions on the source   source WAL {lsn}   applied {applied}   lag {} bytes",
                 began.elapsed().as_secs_f64(),
                 lsn.0.saturating_sub(applied.0)
@@ -153,7 +154,7 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
     }
 
     let end = wal_position(&src).await?;
-    println!("workload done: {txns} transactions; waiting for pgapply to reach {end}");
+    crate::out!("workload done: {txns} transactions; waiting for pgapply to reach {end}");
     let deadline = Instant::now() + Duration::from_secs(60);
     while progress_rx.borrow().durable < end {
         if worker.is_finished() || Instant::now() > deadline {
@@ -168,7 +169,7 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
 
     let s = table_digest(&src, "public.orders").await?;
     let t = table_digest(&dst, "public.orders").await?;
-    println!(
+    crate::out!(
         "applied {} transactions ({} inserts, {} updates, {} deletes); flushed up to {}",
         outcome.stats.transactions,
         outcome.stats.inserts,
@@ -176,10 +177,10 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
         outcome.stats.deletes,
         outcome.flushed
     );
-    println!("source orders: {} rows, md5 {}", s.rows, s.md5);
-    println!("target orders: {} rows, md5 {}", t.rows, t.md5);
+    crate::out!("source orders: {} rows, md5 {}", s.rows, s.md5);
+    crate::out!("target orders: {} rows, md5 {}", t.rows, t.md5);
     if s == t {
-        println!("source and target match");
+        crate::out!("source and target match");
         Ok(())
     } else {
         Err(Error::definite("source and target differ after the demo"))

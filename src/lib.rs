@@ -4,6 +4,16 @@
 //! [`relation`] (relation cache, column mapping) -> [`apply`] (statements, transactions, progress)
 //! -> flushed position back to the source. See docs/design.md.
 
+/// `println!` for a command's output that goes on quietly when stdout is closed (`pgapply
+/// status | head -1`), where `println!` would panic on the broken pipe.
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 pub mod apply;
 pub mod check;
 pub mod cli;

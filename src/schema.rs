@@ -362,7 +362,7 @@ pub async fn schema(
             };
             Error::postgres(format!("creating the definitions on the target (all or nothing: nothing was created){hint}"), e)
         })?;
-    println!(
+    crate::out!(
         "created the definitions ({section}) of {} published table(s) in schema(s) {} on the target",
         tables.len(),
         schemas.join(", ")

@@ -41,7 +41,7 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
             "the target has no pgapply progress for slot {slot:?}: check --slot (see `pgapply status`)"
         )));
     }
-    println!(
+    crate::out!(
         "the source transaction committed at {lsn} will be skipped when pgapply next starts for slot {slot}; it is recorded in pgapply.conflicts"
     );
     Ok(())

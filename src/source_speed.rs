@@ -32,7 +32,7 @@ pub async fn source_speed_command(args: &SourceSpeedArgs) -> Result<()> {
     })?;
     let speed = measure(&source, &args.publication, &args.slot, endpos).await?;
     let per_second = |n: u64| n as f64 / speed.seconds.max(1e-9);
-    println!(
+    crate::out!(
         "read {} transactions ({} messages, {:.1} MB) up to {endpos} in {:.3} s: {:.0} txn/s, {:.0} messages/s, {:.1} MB/s",
         speed.transactions,
         speed.messages,

@@ -150,11 +150,11 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
     if args.json {
         let text = serde_json::to_string_pretty(&slots)
             .map_err(|e| Error::definite(format!("encoding status as JSON: {e}")))?;
-        println!("{text}");
+        crate::out!("{text}");
         return Ok(());
     }
     if slots.is_empty() {
-        println!("no pgapply slots recorded on the target");
+        crate::out!("no pgapply slots recorded on the target");
     }
     for s in &slots {
         let heartbeat = s
@@ -162,8 +162,8 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             .map(|a| format!(", last heartbeat {a:.0}s ago"))
             .unwrap_or_default();
         let pid = s.pid.map(|p| format!(", pid {p}")).unwrap_or_default();
-        println!("slot {}: {}{pid}{heartbeat}", s.slot, s.state);
-        println!(
+        crate::out!("slot {}: {}{pid}{heartbeat}", s.slot, s.state);
+        crate::out!(
             "  applied up to {} (source commit {})",
             s.applied_lsn.as_deref().unwrap_or("-"),
             s.last_commit_time.as_deref().unwrap_or("-")
@@ -172,21 +172,28 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             .lag_bytes
             .map(|b| format!("{b} bytes"))
             .unwrap_or_else(|| "? bytes (give --source)".into());
-        println!("  lag {bytes}, {:.1} s", s.lag_seconds.unwrap_or(0.0));
-        println!(
+        crate::out!("  lag {bytes}, {:.1} s", s.lag_seconds.unwrap_or(0.0));
+        crate::out!(
             "  applied {} transactions: {} inserts, {} updates, {} deletes, {} truncates",
-            s.transactions, s.inserts, s.updates, s.deletes, s.truncates
+            s.transactions,
+            s.inserts,
+            s.updates,
+            s.deletes,
+            s.truncates
         );
-        println!("  conflicts {}", s.conflicts);
+        crate::out!("  conflicts {}", s.conflicts);
         if let Some(stop) = &s.stop_lsn {
-            println!(
+            crate::out!(
                 "  stopped at {stop} by `pgapply cutover`: nothing after it is applied (clear pgapply.progress.stop_lsn to replicate again)"
             );
         }
         for c in &s.copy {
-            println!(
+            crate::out!(
                 "  copy {} {}: {} rows, {} bytes",
-                c.table, c.state, c.rows, c.bytes
+                c.table,
+                c.state,
+                c.rows,
+                c.bytes
             );
         }
     }

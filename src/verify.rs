@@ -580,23 +580,27 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
             .collect();
         let text = serde_json::to_string_pretty(&list)
             .map_err(|e| Error::definite(format!("encoding JSON: {e}")))?;
-        println!("{text}");
+        crate::out!("{text}");
     } else {
         for r in results {
             if let Some(error) = &r.error {
-                println!("FAILED    {}: not compared: {error}", r.table);
+                crate::out!("FAILED    {}: not compared: {error}", r.table);
             } else if r.ok {
-                println!(
+                crate::out!(
                     "OK        {} ({} rows, {} chunks)",
-                    r.table, r.source_rows, r.chunks
+                    r.table,
+                    r.source_rows,
+                    r.chunks
                 );
             } else {
-                println!(
+                crate::out!(
                     "MISMATCH  {}: source {} rows, target {} rows",
-                    r.table, r.source_rows, r.target_rows
+                    r.table,
+                    r.source_rows,
+                    r.target_rows
                 );
                 for (from, to) in &r.mismatches {
-                    println!(
+                    crate::out!(
                         "          key range [{} .. {})",
                         from.as_deref().unwrap_or("start"),
                         to.as_deref().unwrap_or("end")
@@ -604,7 +608,7 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
                 }
             }
             if let Some(note) = &r.note {
-                println!("          note: {note}");
+                crate::out!("          note: {note}");
             }
         }
     }

@@ -364,6 +364,23 @@ async fn status_and_metrics_move_with_the_workload() {
         text.contains(&format!("slot {}: stopped", db.slot())),
         "{text}"
     );
+    // Its output cut short (`pgapply status | head -1`): no panic on the closed pipe.
+    {
+        let mut c = pgapply();
+        c.args(["status", "--target", &db.target_conninfo()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        drop(child.stdout.take());
+        let out =
+            tokio::time::timeout(std::time::Duration::from_secs(30), child.wait_with_output())
+                .await
+                .expect("status ends")
+                .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{}: {err}", out.status);
+        assert!(!err.contains("panicked"), "{err}");
+    }
     // A worker killed (or cut off from the target) cannot record that it stopped: its old
     // heartbeat gives it away.
     db.target_sql(
