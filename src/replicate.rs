@@ -378,16 +378,22 @@ async fn run_in_span(
         tracing::warn!("the initial copy was done, but its slot no longer exists on the source: copying the tables again into a new slot (the target tables must be empty, or use --truncate-target)");
     }
     if config.copy_data && fence.is_none() && (copy_status != CopyStatus::Done || copy_again) {
-        if slot_exists {
-            if copy_status == CopyStatus::Incomplete || !resume.is_valid() {
-                // Nothing was applied from this slot: a new one with a fresh snapshot loses nothing.
-                session.drop_slot(&config.slot).await?;
-            } else {
-                return Err(Error::definite(format!(
+        if slot_exists && copy_status != CopyStatus::Incomplete {
+            // Not the slot of an interrupted copy of pgapply's: made by hand, or by a run without
+            // --copy-data, it may hold changes someone counts on. The copy's snapshot can only
+            // come with a slot created for it.
+            return Err(Error::definite(if resume.is_valid() {
+                format!(
                     "--copy-data creates slot {:?} with a snapshot of the data, but the slot exists and pgapply has already applied changes from it: run without --copy-data, or drop the slot and the target data to start over",
                     config.slot
-                )));
-            }
+                )
+            } else {
+                format!(
+                    "--copy-data creates slot {:?} with a snapshot of the data, but a slot of that name already exists on the source (made by hand, or by a run without --copy-data): give another --slot, or drop it if nothing needs its changes (SELECT pg_drop_replication_slot({})) and run again",
+                    config.slot,
+                    crate::sql::quote_literal(&config.slot)
+                )
+            }));
         }
         if copy_status == CopyStatus::Incomplete {
             copy::reset_interrupted(&setup, &config.slot, &config.table_map).await?;
@@ -403,6 +409,11 @@ async fn run_in_span(
             session.server_version() / 10000,
         )
         .await?;
+        // The slot of the interrupted copy: nothing was applied from it, and the copy starts over
+        // with a new one (only now, once the target tables were found ready for it).
+        if slot_exists {
+            session.drop_slot(&config.slot).await?;
+        }
         // A stop asked for during the copy (or while the slot waits for running transactions)
         // ends it: tables not finished are copied again by the next run with --copy-data, as
         // after an interrupted one.

@@ -1662,3 +1662,47 @@ async fn a_transaction_left_open_on_the_source_is_named_while_the_slot_waits() {
     );
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 2);
 }
+
+/// A slot that exists but is not the slot of an interrupted copy (made by hand, or by a run
+/// without --copy-data) is left alone by --copy-data: refused, naming it, and kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_data_leaves_a_slot_it_did_not_make() {
+    let db = TestDb::new("copyslot").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO t VALUES (1); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    db.source
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&db.slot()],
+        )
+        .await
+        .unwrap();
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("already exists on the source") && err.contains("pg_drop_replication_slot"),
+        "{err}"
+    );
+    let slots = db
+        .count(
+            &db.source,
+            &format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                db.slot()
+            ),
+        )
+        .await;
+    assert_eq!(slots, 1, "the slot is kept");
+    // Without --copy-data it streams what it holds.
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM t WHERE id = 2")
+            .await,
+        1
+    );
+}
