@@ -142,6 +142,7 @@ pub async fn cutover(
     let mut problems =
         sequence_problems(&source, &target, &sequences, settings.all_sequences).await?;
     problems.extend(freeze_problems(&source, &settings.freeze_roles).await?);
+    problems.extend(read_problems(&source, &target, &run_config).await?);
     if !problems.is_empty() {
         return Err(Error::definite(format!(
             "the cutover would stop half-way (nothing was done): {}",
@@ -601,6 +602,27 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
         .map_err(context)?;
     let (superuser, createrole, signal, version): (bool, bool, bool, i32) =
         (me.get(0), me.get(1), me.get(2), me.get(3));
+    // A superuser ignores default_transaction_read_only's intent (it may turn it off in any
+    // session), and the cutover's own role frozen could not run the command that undoes it.
+    for row in source
+        .query(
+            "SELECT r.rolname::text, r.rolsuper, r.rolname = current_user              FROM pg_catalog.pg_roles r WHERE r.rolname::text = ANY($1::text[])",
+            &[&roles],
+        )
+        .await
+        .map_err(context)?
+    {
+        let (role, is_superuser, is_me): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
+        if is_superuser {
+            problems.push(format!(
+                "--freeze-writes names superuser {role:?}: a superuser can turn read-only off in its own sessions, so freezing it does not stop its writes; stop the application's superuser sessions yourself, or let the application connect as an ordinary role"
+            ));
+        } else if is_me {
+            problems.push(format!(
+                "--freeze-writes names {role:?}, the role the cutover connects as: frozen, it could not run the command that undoes the freeze; connect as another role"
+            ));
+        }
+    }
     if superuser {
         return Ok(problems);
     }
@@ -623,14 +645,50 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
         .map_err(context)?
     {
         let (role, is_superuser, admin): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
-        if is_superuser {
-            problems.push(format!(
-                "--freeze-writes names superuser {role:?}: only a superuser may make it read-only and end its sessions"
-            ));
-        } else if !admin {
+        // (Superusers: refused above.)
+        if !is_superuser && !admin {
             problems.push(format!(
                 "--freeze-writes names role {role:?}, which the source role may not alter (PostgreSQL 16+ asks for ADMIN OPTION on it: GRANT {} TO <the cutover's role> WITH ADMIN OPTION)",
                 crate::sql::quote_ident(&role)
+            ));
+        }
+    }
+    Ok(problems)
+}
+
+/// The verify step reads every published table on both sides: a table either role may not
+/// read would fail it after writes were frozen.
+async fn read_problems(
+    source: &Client,
+    target: &Client,
+    config: &RunConfig,
+) -> Result<Vec<String>> {
+    let tables = published_tables(source, &config.publications, &config.table_map).await?;
+    let mut problems = Vec::new();
+    for (client, side, names) in [
+        (
+            source,
+            "source",
+            tables.iter().map(|t| t.qualified()).collect::<Vec<_>>(),
+        ),
+        (
+            target,
+            "target",
+            tables.iter().map(|t| t.target_qualified()).collect(),
+        ),
+    ] {
+        for row in client
+            .query(
+                "SELECT n FROM unnest($1::text[]) n \
+                 WHERE pg_catalog.to_regclass(n) IS NOT NULL AND NOT pg_catalog.has_table_privilege(n, 'SELECT')",
+                &[&names],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("checking the {side} role's rights on the published tables"), e))?
+        {
+            let table: String = row.get(0);
+            problems.push(format!(
+                "the {side} role may not read {table}, which the verify step compares: GRANT SELECT ON {table} TO it"
             ));
         }
     }

@@ -585,7 +585,8 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     // anything is done, so no role is frozen.
     db.source_sql("CREATE SEQUENCE only_here").await;
     let slot = db.slot();
-    let roles = format!("{role}, nosuch_{}", db.name);
+    // (And a superuser, here the role the cutover connects as: refused both ways.)
+    let roles = format!("{role}, nosuch_{}, postgres", db.name);
     let out = run_with_deadline(
         db.on_both(
             "cutover",
@@ -608,7 +609,8 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
         err.contains("nothing was done")
             && err.contains(&format!("role \"nosuch_{}\"", db.name))
             && err.contains("sequence \"public\".\"only_here\" does not exist on the target")
-            && err.contains("or leave --all-sequences out"),
+            && err.contains("or leave --all-sequences out")
+            && err.contains("names superuser \"postgres\""),
         "{err}"
     );
     let frozen = format!(
@@ -1704,5 +1706,57 @@ async fn copy_data_leaves_a_slot_it_did_not_make() {
         db.count(&db.target, "SELECT count(*) FROM t WHERE id = 2")
             .await,
         1
+    );
+}
+
+/// The verify step reads every published table: a source role that may not is named before the
+/// cutover changes anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_names_a_table_the_source_role_may_not_read() {
+    let db = TestDb::new("cutread").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    let user = format!("cut_{}", db.name);
+    db.source_sql(&format!(
+        "INSERT INTO t VALUES (1); CREATE PUBLICATION p FOR TABLE t; \
+         CREATE ROLE {user} LOGIN REPLICATION PASSWORD 'cut-secret';"
+    ))
+    .await;
+    let source = format!(
+        "host=127.0.0.1 port={} user={user} password=cut-secret dbname={}",
+        db.source_port, db.name
+    );
+    let target = db.target_conninfo();
+    let slot = db.slot();
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "cutover",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &slot,
+            "--timeout",
+            "30s",
+        ]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("nothing was done")
+            && err.contains("the source role may not read \"public\".\"t\""),
+        "{err}"
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE stop_lsn IS NOT NULL"
+        )
+        .await,
+        0
     );
 }
