@@ -594,7 +594,7 @@ async fn run_in_span(
     );
     tracing::info!(
         source = %conninfo::describe(&config.source),
-        target = %conninfo::describe(&config.target),
+        target_server = %conninfo::describe(&config.target),
         server_version = session.server_version(),
         protocol_version = negotiated.protocol_version,
         progress = match &store.mode { ProgressMode::Origin { .. } => "replication origin", ProgressMode::Table => "pgapply.progress table" },

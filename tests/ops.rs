@@ -416,6 +416,8 @@ async fn json_log_lines_parse() {
         let v: serde_json::Value =
             serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
         assert!(v["level"].is_string() && v["message"].is_string(), "{line}");
+        // No field shadows the log's own keys (a parser keeps only one of two "target"s).
+        assert!(line.matches("\"target\":").count() <= 1, "{line}");
         // Every line of the run names its slot (the last, "done", comes after the run).
         if v["message"] != "done" {
             assert_eq!(v["span"]["slot"], db.slot().as_str(), "{line}");
