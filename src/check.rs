@@ -29,13 +29,14 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     let mut report = Report {
         problems: Vec::new(),
     };
-    let (config, _) = match config::resolve(args, file) {
-        Ok(c) => c,
-        Err(e) => {
-            report.problem(e.to_string());
-            return finish(report);
-        }
-    };
+    let (config, _) =
+        match config::resolve(args, file).and_then(|c| config::check_run_only(&c.0).map(|()| c)) {
+            Ok(c) => c,
+            Err(e) => {
+                report.problem(e.to_string());
+                return finish(report);
+            }
+        };
     report.ok("settings");
     let source = match crate::tls::connect_to(&config.source, "source").await {
         Ok(c) => {
@@ -82,7 +83,13 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     }
     if let Some(dst) = &target {
         // Whatever the source said: the role's rights for pgapply's own state.
-        check_target(dst, &mut report, &tables, &truncated).await;
+        // --copy-data with a copy still to make wants empty tables (or --truncate-target).
+        let copy_pending = config.copy_data
+            && !config.copy.truncate_target
+            && crate::copy::status(dst, &config.slot)
+                .await
+                .map_or(true, |s| s != crate::copy::CopyStatus::Done);
+        check_target(dst, &mut report, &tables, &truncated, copy_pending).await;
         check_apply_session(dst, &mut report, &tables, two_phase).await;
     }
     finish(report)
@@ -325,6 +332,7 @@ async fn check_target(
     report: &mut Report,
     tables: &[crate::copy::PublishedTable],
     truncated: &[bool],
+    copy_pending: bool,
 ) {
     let can_create = query_bool(
         dst,
@@ -377,6 +385,21 @@ async fn check_target(
             report.problem(format!(
                 "the publications replicate TRUNCATE, but the target role may not truncate {qualified}: GRANT TRUNCATE ON {qualified} TO ..."
             ));
+        }
+        if copy_pending {
+            match dst
+                .query_one(
+                    &format!("SELECT EXISTS (SELECT 1 FROM {qualified})"),
+                    &[],
+                )
+                .await
+            {
+                Ok(r) if r.get::<_, bool>(0) => report.problem(format!(
+                    "target table {qualified} is not empty, and --copy-data copies into empty tables: empty it, or add --truncate-target"
+                )),
+                Ok(_) => {}
+                Err(e) => report.problem(format!("target table {qualified}: {}", describe_postgres(&e))),
+            }
         }
         let mut fine = true;
         // A target column the source does not send gets its default: without one, NOT NULL

@@ -26,6 +26,22 @@ const MAX_QUEUE_BYTES: u64 = 1 << 40;
 /// clock reading can be moved by without overflowing.
 const MAX_DURATION: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
 
+/// Settings that only `run` (and `check`, which checks for it) refuses together: `cutover`
+/// shares the settings and ignores --copy-only.
+pub fn check_run_only(config: &RunConfig) -> Result<()> {
+    if config.copy_only && !config.copy_data {
+        return Err(Error::usage(
+            "--copy-only goes with --copy-data: it stops after the initial copy",
+        ));
+    }
+    if config.copy_only && config.endpos.is_some() {
+        return Err(Error::usage(
+            "--copy-only stops after the initial copy, before any change: --endpos does not apply",
+        ));
+    }
+    Ok(())
+}
+
 /// A duration setting ("500ms", "10s", "5m"), at most ten years.
 pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
     let d = humantime::parse_duration(text.trim()).map_err(|e| e.to_string())?;

@@ -243,17 +243,7 @@ fn reload_on_sighup(
 
 async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<(), Error> {
     let (mut config, service) = config::resolve(&args, &file)?;
-    // (Checked here, not in `resolve`: cutover shares the settings and ignores --copy-only.)
-    if config.copy_only && !config.copy_data {
-        return Err(Error::usage(
-            "--copy-only goes with --copy-data: it stops after the initial copy",
-        ));
-    }
-    if config.copy_only && config.endpos.is_some() {
-        return Err(Error::usage(
-            "--copy-only stops after the initial copy, before any change: --endpos does not apply",
-        ));
-    }
+    config::check_run_only(&config)?;
     let (policy_tx, policy_rx) = watch::channel(std::sync::Arc::new(config.policies.clone()));
     config.policy_updates = Some(policy_rx);
     if let Some(addr) = &service.metrics_addr {

@@ -555,6 +555,23 @@ async fn check_lists_every_problem() {
     let (code, text, log) = check("p,ins", &["--create-slot"]).await;
     assert_eq!(code, Some(0), "{text}\n{log}");
     assert!(text.contains("no problems found"), "{text}");
+    // What `run` would refuse: --copy-only without --copy-data; --copy-data into a table with
+    // rows.
+    let (code, text, _) = check("p,ins", &["--create-slot", "--copy-only"]).await;
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("--copy-only goes with --copy-data"), "{text}");
+    db.target_sql("INSERT INTO good VALUES (1, 'already here')")
+        .await;
+    let (code, text, _) = check("p,ins", &["--copy-data"]).await;
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("target table \"public\".\"good\" is not empty")
+            && text.contains("--truncate-target"),
+        "{text}"
+    );
+    let (code, text, _) = check("p,ins", &["--copy-data", "--truncate-target"]).await;
+    assert_eq!(code, Some(0), "{text}");
+    db.target_sql("DELETE FROM good").await;
 
     // A slot another process is using: named, with the process.
     let mut worker = spawn(db.pgapply("p,ins", &["--create-slot"]));
