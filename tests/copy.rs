@@ -1760,3 +1760,43 @@ async fn cutover_names_a_table_the_source_role_may_not_read() {
         0
     );
 }
+
+/// A new slot's run says "starting" in `pgapply status` until its first status update (here it
+/// waits for a target table a session holds locked), not "unknown".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_slot_is_starting_until_its_run_reports() {
+    let db = TestDb::new("copystart").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
+    let (holder, connection) =
+        tokio_postgres::connect(&db.target_conninfo(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut worker = common::spawn(db.pgapply("p", &["--copy-data", "--copy-only"]));
+    wait_for("the run to wait for the table", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    let target = db.target_conninfo();
+    let out = run_with_deadline(
+        common::pgapply_command(&["status", "--target", &target, "--slot", &db.slot()]),
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains(&format!("slot {}: starting", db.slot())),
+        "{text}"
+    );
+    holder.batch_execute("COMMIT").await.unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), worker.wait())
+        .await
+        .expect("the copy ends")
+        .unwrap();
+    assert!(status.success());
+}

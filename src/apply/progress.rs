@@ -67,8 +67,10 @@ impl ProgressStore {
         let context = |e| Error::postgres("reading pgapply.progress on the target", e);
         client
             .execute(
-                "INSERT INTO pgapply.progress (slot_name, source_system_id) VALUES ($1, $2) ON CONFLICT (slot_name) DO NOTHING",
-                &[&slot, &source_system_id],
+                // (A new slot's row says "starting" until the run's first status update.)
+                "INSERT INTO pgapply.progress (slot_name, source_system_id, state, pid, heartbeat_at) \
+                 VALUES ($1, $2, 'starting', $3, now()) ON CONFLICT (slot_name) DO NOTHING",
+                &[&slot, &source_system_id, &(std::process::id() as i32)],
             )
             .await
             .map_err(context)?;
