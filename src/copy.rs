@@ -397,8 +397,10 @@ async fn prepare_target(
     if !not_empty.is_empty() {
         if !truncate {
             return Err(Error::definite(format!(
-                "target table {} is not empty: the initial copy needs empty tables; empty them, or run with --truncate-target to let pgapply do it",
-                not_empty.join(", ")
+                "target table{} {} {} not empty: the initial copy needs empty tables; empty them, or run with --truncate-target to let pgapply do it",
+                if not_empty.len() == 1 { "" } else { "s" },
+                not_empty.join(", "),
+                if not_empty.len() == 1 { "is" } else { "are" }
             )));
         }
         // Every published table in one statement, the empty ones too: a table with rows may be

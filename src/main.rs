@@ -55,7 +55,7 @@ fn main() -> ExitCode {
                 .filter(|v| !v.trim().is_empty())
         })
         .or_else(|| file.log_level.clone());
-    let filter = EnvFilter::try_new(level.as_deref().unwrap_or("info"));
+    let filter = log_filter(level.as_deref().unwrap_or("info"));
     let filter = match filter {
         Ok(f) => f,
         Err(e) => {
@@ -227,7 +227,7 @@ fn reload_on_sighup(
             tracing::info!("SIGHUP: reloaded log level and conflict policies");
             if reload.level_from_file {
                 if let Some(level) = &file.log_level {
-                    match EnvFilter::try_new(level) {
+                    match log_filter(level) {
                         Ok(f) => {
                             let _ = reload.log.reload(f);
                         }
@@ -239,6 +239,17 @@ fn reload_on_sighup(
             }
         }
     });
+}
+
+/// The log filter for a level setting. The connection pool's own warnings ("Connection error:
+/// db error", without the server or the reason) repeat what pgapply says about the same failure
+/// with both: left out unless the setting names the pool.
+fn log_filter(level: &str) -> Result<EnvFilter, tracing_subscriber::filter::ParseError> {
+    if level.contains("deadpool") {
+        EnvFilter::try_new(level)
+    } else {
+        EnvFilter::try_new(format!("{level},deadpool=error"))
+    }
 }
 
 async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<(), Error> {

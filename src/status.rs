@@ -79,21 +79,21 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
     for row in rows {
         let slot: String = row.get(0);
         let applied: Option<String> = row.get(3);
-        let lag_bytes = match (&source, &applied) {
-            (Some(src), Some(lsn)) => Some(
-                // From what the slot has confirmed too: pgapply confirms WAL without published
-                // changes (an idle source) without applying anything.
-                src.query_one(
+        let lag_bytes = match &source {
+            // From what the slot has confirmed too: pgapply confirms WAL without published
+            // changes (an idle source) without applying anything; and a run that has not
+            // applied anything yet has only that. (greatest() passes over a NULL.)
+            Some(src) => src
+                .query_one(
                     "SELECT (pg_current_wal_lsn() - greatest($1::text::pg_lsn, \
                        (SELECT confirmed_flush_lsn FROM pg_catalog.pg_replication_slots WHERE slot_name = $2)))::int8",
-                    &[lsn, &slot],
+                    &[&applied, &slot],
                 )
                 .await
                 .map_err(|e| Error::postgres("reading the source WAL position", e))?
-                .get::<_, i64>(0)
-                .max(0),
-            ),
-            _ => None,
+                .get::<_, Option<i64>>(0)
+                .map(|b| b.max(0)),
+            None => None,
         };
         let copy_rows = target
             .query(
@@ -147,6 +147,14 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
 
 pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> {
     let slots = collect(args, file).await?;
+    // A slot asked for by name that the target does not know: a typo, or the wrong target.
+    if let Some(slot) = args.slot.clone().or_else(|| file.slot.clone()) {
+        if slots.is_empty() {
+            return Err(Error::definite(format!(
+                "the target has no pgapply state for slot {slot:?}: check --slot and --target (`pgapply status --target ...` without --slot lists the slots it has)"
+            )));
+        }
+    }
     if args.json {
         let text = serde_json::to_string_pretty(&slots)
             .map_err(|e| Error::definite(format!("encoding status as JSON: {e}")))?;

@@ -303,7 +303,16 @@ impl ConnectError {
     pub fn into_error(self, context: impl Into<String>) -> Error {
         match self {
             ConnectError::Setup(e) => e.context(context.into()),
-            ConnectError::Postgres(e) => Error::postgres(context, e),
+            ConnectError::Postgres(e) => {
+                let err = Error::postgres(context, e);
+                if err.message().ends_with("password missing") {
+                    err.context_after(
+                        "the server asks for a password: give password= in the connection string, --source-password-file / --target-password-file, PGPASSWORD, or ~/.pgpass",
+                    )
+                } else {
+                    err
+                }
+            }
         }
     }
 }

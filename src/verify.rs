@@ -564,8 +564,9 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
                     "schema": r.schema,
                     "name": r.name,
                     "ok": r.ok,
-                    "source_rows": r.source_rows,
-                    "target_rows": r.target_rows,
+                    // (Not known for a table that could not be compared.)
+                    "source_rows": r.error.is_none().then_some(r.source_rows),
+                    "target_rows": r.error.is_none().then_some(r.target_rows),
                     "chunks": r.chunks,
                     "mismatches": r.mismatches.iter().map(|(from, to)| serde_json::json!({"from": from, "to": to})).collect::<Vec<_>>(),
                 });

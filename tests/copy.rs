@@ -927,6 +927,15 @@ async fn verify_names_a_corrupted_row() {
         "{}",
         stderr(&out)
     );
+    let out = run_with_deadline(base(true), 60).await;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let w = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "w")
+        .unwrap();
+    assert!(w["error"].is_string() && w["source_rows"].is_null(), "{w}");
 }
 
 /// A UTF8 source copied into a LATIN1 target: the same rows, so verify says OK (it compares

@@ -364,6 +364,28 @@ async fn status_and_metrics_move_with_the_workload() {
         text.contains(&format!("slot {}: stopped", db.slot())),
         "{text}"
     );
+    // A slot the target does not know: said, exit 1.
+    let out = run_with_deadline(
+        {
+            let mut c = pgapply();
+            c.args([
+                "status",
+                "--target",
+                &db.target_conninfo(),
+                "--slot",
+                "no_such_slot",
+            ]);
+            c
+        },
+        30,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no pgapply state for slot \"no_such_slot\""),
+        "{}",
+        stderr(&out)
+    );
     // Its output cut short (`pgapply status | head -1`): no panic on the closed pipe.
     {
         let mut c = pgapply();
@@ -802,8 +824,14 @@ async fn status_and_skip_take_the_config_file() {
         )
         .unwrap();
     }
+    // (Here a slot the target has no state for: said, exit 1.)
     let out = run_with_deadline(cmd(&["status", "--json"]), 30).await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no pgapply state for slot \"some_other_slot\""),
+        "{}",
+        stderr(&out)
+    );
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!text.contains(&db.slot()), "{text}");
     write("");
