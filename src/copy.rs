@@ -513,9 +513,12 @@ pub async fn reset_interrupted(
             .await
             .map_err(context)?;
     }
+    // The rows stay (pending) until `plan_copy` replaces them in one transaction: should that
+    // fail, the copy still reads as interrupted, so a run without --copy-data refuses to stream
+    // into the emptied tables, and the next --copy-data run knows the slot as the copy's own.
     target
         .execute(
-            "DELETE FROM pgapply.copy_state WHERE slot_name = $1",
+            "UPDATE pgapply.copy_state SET state = 'pending' WHERE slot_name = $1",
             &[&slot],
         )
         .await

@@ -194,6 +194,34 @@ pub async fn run(
 }
 
 /// The run's outcome when a stop was asked for during the initial copy.
+/// A target session holding the slot's copy lock (a session-level advisory lock), or a transient
+/// error if another session holds it.
+async fn copy_lock(config: &RunConfig) -> Result<tokio_postgres::Client> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ("pgapply copy", &config.slot).hash(&mut h);
+    let key = h.finish() as i32;
+    let client = crate::tls::connect_to(&config.target, "target").await?;
+    let got: bool = client
+        .query_one(
+            "SELECT pg_catalog.pg_try_advisory_lock($1::int4, $2::int4)",
+            &[&COPY_LOCK_CLASS, &key],
+        )
+        .await
+        .map_err(|e| Error::postgres("taking the initial copy's lock on the target", e))?
+        .get(0);
+    if !got {
+        return Err(Error::transient(format!(
+            "another pgapply is making the initial copy for slot {:?} (see pgapply status): this one waits for it to finish or to stop",
+            config.slot
+        )));
+    }
+    Ok(client)
+}
+
+/// The first key of the copy lock: "pgcp".
+const COPY_LOCK_CLASS: i32 = 0x7067_6370;
+
 /// Prepared transactions must be enabled on the target for two-phase apply. `what` starts the
 /// error message.
 async fn target_takes_prepared_transactions(
@@ -378,6 +406,10 @@ async fn run_in_span(
         tracing::warn!("the initial copy was done, but its slot no longer exists on the source: copying the tables again into a new slot (the target tables must be empty, or use --truncate-target)");
     }
     if config.copy_data && fence.is_none() && (copy_status != CopyStatus::Done || copy_again) {
+        // One copy per slot at a time: starting over under another process's copy would empty
+        // the tables it is filling. A session of its own holds the slot's copy lock until the
+        // copy ends (a killed process's session ends with it, and the lock with the session).
+        let copy_lock = copy_lock(&config).await?;
         if slot_exists && copy_status != CopyStatus::Incomplete {
             // Not the slot of an interrupted copy of pgapply's: made by hand, or by a run without
             // --copy-data, it may hold changes someone counts on. The copy's snapshot can only
@@ -475,6 +507,8 @@ async fn run_in_span(
             .set_position(&setup, snapshot.consistent_point)
             .await?;
         resume = snapshot.consistent_point;
+        // (Its session ends: the copy lock goes with it.)
+        drop(copy_lock);
     } else {
         if copy_status == CopyStatus::Incomplete {
             return Err(Error::definite(format!(

@@ -1809,3 +1809,57 @@ async fn a_new_slot_is_starting_until_its_run_reports() {
         .unwrap();
     assert!(status.success());
 }
+
+/// A second `run --copy-data` for a slot whose copy another process is making leaves it alone
+/// (starting over would empty the tables under it): it waits, here giving up after one retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_copy_of_the_same_slot_waits_for_the_first() {
+    let db = TestDb::new("copytwice").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql(
+        "INSERT INTO t SELECT generate_series(1, 1000); CREATE PUBLICATION p FOR TABLE t;",
+    )
+    .await;
+    let (holder, connection) =
+        tokio_postgres::connect(&db.target_conninfo(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN SHARE MODE")
+        .await
+        .unwrap();
+    let mut first = common::spawn(db.pgapply("p", &["--copy-data", "--copy-only"]));
+    wait_for("the first copy to wait for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--copy-data",
+                "--copy-only",
+                "--max-retries",
+                "1",
+                "--retry-min",
+                "10ms",
+            ],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("another pgapply is making the initial copy"),
+        "{err}"
+    );
+    holder.batch_execute("COMMIT").await.unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), first.wait())
+        .await
+        .expect("the first copy ends")
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 1000);
+}
