@@ -234,9 +234,11 @@ pub async fn cutover(
             .map_err(|e| Error::postgres("step 2: reading the source's database name", e))?
             .get(0)
     };
+    // (The SET first: in a session of a frozen role, the cutover's own say, the ALTER would
+    // be refused as a write in a read-only transaction.)
     let undo = |role: &str| {
         format!(
-            "ALTER ROLE {} IN DATABASE {} RESET default_transaction_read_only",
+            "SET default_transaction_read_only = off; ALTER ROLE {} IN DATABASE {} RESET default_transaction_read_only",
             quote_ident(role),
             quote_ident(&database)
         )
@@ -602,27 +604,6 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
         .map_err(context)?;
     let (superuser, createrole, signal, version): (bool, bool, bool, i32) =
         (me.get(0), me.get(1), me.get(2), me.get(3));
-    // A superuser ignores default_transaction_read_only's intent (it may turn it off in any
-    // session), and the cutover's own role frozen could not run the command that undoes it.
-    for row in source
-        .query(
-            "SELECT r.rolname::text, r.rolsuper, r.rolname = current_user              FROM pg_catalog.pg_roles r WHERE r.rolname::text = ANY($1::text[])",
-            &[&roles],
-        )
-        .await
-        .map_err(context)?
-    {
-        let (role, is_superuser, is_me): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
-        if is_superuser {
-            problems.push(format!(
-                "--freeze-writes names superuser {role:?}: a superuser can turn read-only off in its own sessions, so freezing it does not stop its writes; stop the application's superuser sessions yourself, or let the application connect as an ordinary role"
-            ));
-        } else if is_me {
-            problems.push(format!(
-                "--freeze-writes names {role:?}, the role the cutover connects as: frozen, it could not run the command that undoes the freeze; connect as another role"
-            ));
-        }
-    }
     if superuser {
         return Ok(problems);
     }
@@ -645,8 +626,11 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
         .map_err(context)?
     {
         let (role, is_superuser, admin): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
-        // (Superusers: refused above.)
-        if !is_superuser && !admin {
+        if is_superuser {
+            problems.push(format!(
+                "--freeze-writes names superuser {role:?}: only a superuser may make it read-only and end its sessions; run the cutover as a superuser, or leave that role out"
+            ));
+        } else if !admin {
             problems.push(format!(
                 "--freeze-writes names role {role:?}, which the source role may not alter (PostgreSQL 16+ asks for ADMIN OPTION on it: GRANT {} TO <the cutover's role> WITH ADMIN OPTION)",
                 crate::sql::quote_ident(&role)
