@@ -71,7 +71,15 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     }
     // A slot made by a --two-phase run makes every run on it two-phase.
     let mut two_phase = config.requested.two_phase;
+    let mut slot_exists = false;
     if let Some(src) = &source {
+        slot_exists = src
+            .query_opt(
+                "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                &[&config.slot],
+            )
+            .await
+            .is_ok_and(|r| r.is_some());
         two_phase |= src
             .query_opt(
                 "SELECT 1 FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1 \
@@ -83,13 +91,48 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     }
     if let Some(dst) = &target {
         // Whatever the source said: the role's rights for pgapply's own state.
-        // --copy-data with a copy still to make wants empty tables (or --truncate-target).
-        let copy_pending = config.copy_data
-            && !config.copy.truncate_target
-            && crate::copy::status(dst, &config.slot)
+        // As `run` decides: --copy-data with a copy still to make (none yet, an interrupted one,
+        // or a finished one whose slot is gone) wants empty tables, or --truncate-target; an
+        // interrupted copy's tables it empties itself; and a slot it did not make for a copy
+        // it refuses.
+        use crate::copy::CopyStatus;
+        let status = crate::copy::status(dst, &config.slot)
+            .await
+            .unwrap_or(CopyStatus::None);
+        let copy_pending = config.copy_data && (status != CopyStatus::Done || !slot_exists);
+        if copy_pending && slot_exists && status == CopyStatus::None {
+            report.problem(format!(
+                "--copy-data creates slot {:?} with a snapshot of the data, but a slot of that name already exists on the source (made by hand, or by a run without --copy-data): give another --slot, or drop it if nothing needs its changes",
+                config.slot
+            ));
+        }
+        let emptied: Vec<String> = if status == CopyStatus::Incomplete {
+            crate::copy::copied_tables(dst, &config.slot)
                 .await
-                .map_or(true, |s| s != crate::copy::CopyStatus::Done);
-        check_target(dst, &mut report, &tables, &truncated, copy_pending).await;
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(schema, name)| {
+                    let (schema, name) = config
+                        .table_map
+                        .get(&(schema.clone(), name.clone()))
+                        .cloned()
+                        .unwrap_or((schema, name));
+                    crate::sql::qualified_name(&schema, &name)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let must_be_empty = copy_pending && !config.copy.truncate_target;
+        check_target(
+            dst,
+            &mut report,
+            &tables,
+            &truncated,
+            must_be_empty,
+            &emptied,
+        )
+        .await;
         check_apply_session(dst, &mut report, &tables, two_phase).await;
     }
     finish(report)
@@ -333,6 +376,7 @@ async fn check_target(
     tables: &[crate::copy::PublishedTable],
     truncated: &[bool],
     copy_pending: bool,
+    emptied: &[String],
 ) {
     let can_create = query_bool(
         dst,
@@ -386,7 +430,7 @@ async fn check_target(
                 "the publications replicate TRUNCATE, but the target role may not truncate {qualified}: GRANT TRUNCATE ON {qualified} TO ..."
             ));
         }
-        if copy_pending {
+        if copy_pending && !emptied.contains(&qualified) {
             match dst
                 .query_one(
                     &format!("SELECT EXISTS (SELECT 1 FROM {qualified})"),

@@ -609,6 +609,10 @@ async fn check_lists_every_problem() {
     );
     worker.start_kill().expect("kill");
     let _ = worker.wait().await;
+    // That slot was made without --copy-data: `run --copy-data` would refuse it, so check says so.
+    let (code, text, _) = check("p,ins", &["--copy-data", "--truncate-target"]).await;
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("already exists on the source"), "{text}");
     let _ = std::io::stdout().flush();
 }
 
