@@ -172,13 +172,63 @@ fn named_from_password(conninfo: &str, detail: &str) -> bool {
     if after.starts_with('\'') {
         return false;
     }
-    let mut words = after.split_whitespace();
-    words.next();
-    words.any(|w| {
+    let words: Vec<&str> = after.split_whitespace().skip(1).collect();
+    // A libpq keyword named is a real option (passfile, say), not a piece of the password.
+    words.iter().any(|w| {
         let key = w.split('=').next().unwrap_or(w);
-        !key.is_empty() && detail.contains(&format!("`{key}`"))
-    }) || detail.contains("unexpected EOF")
+        !key.is_empty() && !LIBPQ_KEYWORDS.contains(&key) && detail.contains(&format!("`{key}`"))
+    }) || (detail.contains("unexpected EOF") && words.iter().any(|w| !w.contains('=')))
 }
+
+/// libpq's connection keywords (PostgreSQL 18).
+const LIBPQ_KEYWORDS: &[&str] = &[
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "passfile",
+    "require_auth",
+    "channel_binding",
+    "connect_timeout",
+    "client_encoding",
+    "options",
+    "application_name",
+    "fallback_application_name",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+    "replication",
+    "gssencmode",
+    "sslmode",
+    "sslnegotiation",
+    "sslcompression",
+    "sslcert",
+    "sslkey",
+    "sslkeylogfile",
+    "sslpassword",
+    "sslcertmode",
+    "sslrootcert",
+    "sslcrl",
+    "sslcrldir",
+    "sslsni",
+    "requirepeer",
+    "ssl_min_protocol_version",
+    "ssl_max_protocol_version",
+    "krbsrvname",
+    "gsslib",
+    "gssdelegation",
+    "service",
+    "target_session_attrs",
+    "load_balance_hosts",
+    "min_protocol_version",
+    "max_protocol_version",
+    "scram_client_key",
+    "scram_server_key",
+];
 
 fn unsupported_hint(conninfo: &str) -> &'static str {
     let has =
@@ -365,6 +415,11 @@ mod tests {
         }
         let err = parse("source", "host=h pasword=x").unwrap_err().to_string();
         assert!(err.contains("`pasword`"), "{err}");
+        // A real option after the password keeps its own message.
+        let err = parse("source", "host=h password=x passfile=/p")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("PGPASSFILE"), "{err}");
     }
 
     #[test]
