@@ -143,6 +143,12 @@ pub async fn cutover(
         sequence_problems(&source, &target, &sequences, settings.all_sequences).await?;
     problems.extend(freeze_problems(&source, &settings.freeze_roles).await?);
     problems.extend(read_problems(&source, &target, &run_config).await?);
+    if settings.reverse && run_config.slot.len() + "_reverse".len() > 63 {
+        problems.push(format!(
+            "--reverse names its slot and publication {:?}, longer than PostgreSQL's 63 characters: use a --slot of at most 55",
+            format!("{}_reverse", run_config.slot)
+        ));
+    }
     if !problems.is_empty() {
         return Err(Error::definite(format!(
             "the cutover would stop half-way (nothing was done): {}",

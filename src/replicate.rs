@@ -135,7 +135,8 @@ pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool>
             // with the statement (one simple-protocol message), so now() equals
             // statement_timestamp(); inside one it is older, and the cast below fails (as does any
             // statement in an aborted transaction): the pool then closes that session and hands
-            // out another, logging the text below. (Appending the stable, empty
+            // out another (its log line, with the text below, shows with --log-level
+            // deadpool=warn or more; it is left out by default). (Appending the stable, empty
             // left(now()::text, 0) keeps the planner from folding, and so raising, the cast
             // before the comparison is known.)
             recycling_method: RecyclingMethod::Custom(
@@ -487,17 +488,17 @@ async fn run_in_span(
         // Every table may be recorded as copied already when what failed, or the stop, came
         // (the last range's commit marks its table done): then the copy is complete, and its
         // slot holds every change since.
-        let complete = match &copied {
-            Some(Ok(_)) => true,
-            _ => matches!(
-                copy::status(&setup, &config.slot).await,
-                Ok(CopyStatus::Done)
-            ),
+        let status = match &copied {
+            Some(Ok(_)) => Ok(CopyStatus::Done),
+            _ => copy::status(&setup, &config.slot).await,
         };
-        if !complete {
+        if !matches!(status, Ok(CopyStatus::Done)) {
             // Started over by the next --copy-data run, with a new slot: this one would only
-            // hold the source's WAL meanwhile (and for ever, if the user gives up).
-            drop_copy_slot(&mut session, &config.slot).await;
+            // hold the source's WAL meanwhile (and for ever, if the user gives up). (When the
+            // copy's state cannot be read, the slot stays: the next run decides.)
+            if status.is_ok() {
+                drop_copy_slot(&mut session, &config.slot).await;
+            }
             return match copied {
                 Some(Err(e)) => Err(e),
                 _ => copy_interrupted(&setup, &config, resume).await,

@@ -151,7 +151,7 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
     if let Some(slot) = args.slot.clone().or_else(|| file.slot.clone()) {
         if slots.is_empty() {
             return Err(Error::definite(format!(
-                "the target has no pgapply state for slot {slot:?}: check --slot and --target (`pgapply status --target ...` without --slot lists the slots it has)"
+                "the target has no pgapply state for slot {slot:?}: check the slot (--slot, PGAPPLY_SLOT or slot in the config file) and --target; without a slot, status lists every slot the target has"
             )));
         }
     }
