@@ -71,7 +71,8 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     }
     // A slot made by a --two-phase run makes every run on it two-phase.
     let mut two_phase = config.requested.two_phase;
-    let mut slot_exists = false;
+    // (None: not known, the source unreachable; then nothing is judged from it.)
+    let mut slot_exists = None;
     if let Some(src) = &source {
         slot_exists = src
             .query_opt(
@@ -79,7 +80,8 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
                 &[&config.slot],
             )
             .await
-            .is_ok_and(|r| r.is_some());
+            .ok()
+            .map(|r| r.is_some());
         two_phase |= src
             .query_opt(
                 "SELECT 1 FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1 \
@@ -99,8 +101,18 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         let status = crate::copy::status(dst, &config.slot)
             .await
             .unwrap_or(CopyStatus::None);
-        let copy_pending = config.copy_data && (status != CopyStatus::Done || !slot_exists);
-        if copy_pending && slot_exists && status == CopyStatus::None {
+        // A slot a cutover stopped is not copied again by `run`.
+        let fenced = dst
+            .query_opt(
+                "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND to_jsonb(progress) ->> 'stop_lsn' IS NOT NULL",
+                &[&config.slot],
+            )
+            .await
+            .is_ok_and(|r| r.is_some());
+        let copy_pending = config.copy_data
+            && !fenced
+            && slot_exists.is_some_and(|exists| status != CopyStatus::Done || !exists);
+        if copy_pending && slot_exists == Some(true) && status == CopyStatus::None {
             report.problem(format!(
                 "--copy-data creates slot {:?} with a snapshot of the data, but a slot of that name already exists on the source (made by hand, or by a run without --copy-data): give another --slot, or drop it if nothing needs its changes",
                 config.slot

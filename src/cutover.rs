@@ -240,11 +240,11 @@ pub async fn cutover(
             .map_err(|e| Error::postgres("step 2: reading the source's database name", e))?
             .get(0)
     };
-    // (The SET first: in a session of a frozen role, the cutover's own say, the ALTER would
-    // be refused as a write in a read-only transaction.)
+    // (In a read-write transaction: in a session of a frozen role, the cutover's own say, the
+    // ALTER would be refused as a write in a read-only one, even sent as one string.)
     let undo = |role: &str| {
         format!(
-            "SET default_transaction_read_only = off; ALTER ROLE {} IN DATABASE {} RESET default_transaction_read_only",
+            "BEGIN READ WRITE; ALTER ROLE {} IN DATABASE {} RESET default_transaction_read_only; COMMIT",
             quote_ident(role),
             quote_ident(&database)
         )

@@ -194,22 +194,29 @@ pub async fn run(
     result
 }
 
-/// The run's outcome when a stop was asked for during the initial copy.
 /// A target session holding the slot's copy lock (a session-level advisory lock), or a transient
 /// error if another session holds it.
 async fn copy_lock(config: &RunConfig) -> Result<tokio_postgres::Client> {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    ("pgapply copy", &config.slot).hash(&mut h);
-    let key = h.finish() as i32;
     let client = crate::tls::connect_to(&config.target, "target").await?;
-    let got: bool = client
-        .query_one(
-            "SELECT pg_catalog.pg_try_advisory_lock($1::int4, $2::int4)",
-            &[&COPY_LOCK_CLASS, &key],
+    let failed = |e| Error::postgres("taking the initial copy's lock on the target", e);
+    // Idle for the whole copy: no idle timeout may end it (and the lock with it), and the
+    // server notices within a minute or two when this process is gone without a word, so that
+    // a retry is not kept out by a session nobody holds any more.
+    client
+        .batch_execute(
+            "SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10; SET tcp_keepalives_count = 3; \
+             SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'idle_session_timeout'",
         )
         .await
-        .map_err(|e| Error::postgres("taking the initial copy's lock on the target", e))?
+        .map_err(failed)?;
+    // (The key from the server's own hash, the same for every build of pgapply.)
+    let got: bool = client
+        .query_one(
+            "SELECT pg_catalog.pg_try_advisory_lock($1::int4, pg_catalog.hashtext('pgapply copy ' || $2))",
+            &[&COPY_LOCK_CLASS, &config.slot],
+        )
+        .await
+        .map_err(failed)?
         .get(0);
     if !got {
         return Err(Error::transient(format!(
@@ -261,6 +268,7 @@ async fn drop_copy_slot(session: &mut crate::source::ReplicationSession, slot: &
     }
 }
 
+/// The run's outcome when a stop was asked for during the initial copy.
 async fn copy_interrupted(
     setup: &tokio_postgres::Client,
     config: &RunConfig,
@@ -397,6 +405,15 @@ async fn run_in_span(
         },
         ..config
     };
+    // One copy per slot at a time: starting over under another process's copy would empty the
+    // tables it is filling. A session of its own holds the slot's copy lock, taken before the
+    // copy's state is read (so that it cannot change under this run) and kept until the copy
+    // ends (a killed process's session ends with it, and the lock with the session).
+    let copy_lock = if config.copy_data && fence.is_none() {
+        Some(copy_lock(&config).await?)
+    } else {
+        None
+    };
     let copy_status = copy::status(&setup, &config.slot).await?;
     let slot_exists = session.slot_exists(&config.slot).await?;
     // The slot of a finished copy was dropped: the changes it held are lost, so with --copy-data
@@ -407,10 +424,6 @@ async fn run_in_span(
         tracing::warn!("the initial copy was done, but its slot no longer exists on the source: copying the tables again into a new slot (the target tables must be empty, or use --truncate-target)");
     }
     if config.copy_data && fence.is_none() && (copy_status != CopyStatus::Done || copy_again) {
-        // One copy per slot at a time: starting over under another process's copy would empty
-        // the tables it is filling. A session of its own holds the slot's copy lock until the
-        // copy ends (a killed process's session ends with it, and the lock with the session).
-        let copy_lock = copy_lock(&config).await?;
         if slot_exists && copy_status != CopyStatus::Incomplete {
             // Not the slot of an interrupted copy of pgapply's: made by hand, or by a run without
             // --copy-data, it may hold changes someone counts on. The copy's snapshot can only
@@ -498,6 +511,11 @@ async fn run_in_span(
             // copy's state cannot be read, the slot stays: the next run decides.)
             if status.is_ok() {
                 drop_copy_slot(&mut session, &config.slot).await;
+            } else {
+                tracing::warn!(
+                    "the initial copy did not finish and its state could not be read: its replication slot stays; the next run with --copy-data starts the copy over, or, if you give up, drop it on the source with SELECT pg_drop_replication_slot({})",
+                    crate::sql::quote_literal(&config.slot)
+                );
             }
             return match copied {
                 Some(Err(e)) => Err(e),
@@ -511,6 +529,7 @@ async fn run_in_span(
         // (Its session ends: the copy lock goes with it.)
         drop(copy_lock);
     } else {
+        drop(copy_lock);
         if copy_status == CopyStatus::Incomplete {
             return Err(Error::definite(format!(
                 "the initial copy for slot {:?} was interrupted and cannot continue: rerun with --copy-data to start it over",
