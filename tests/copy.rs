@@ -1592,11 +1592,7 @@ async fn cutover_waits_for_a_copy_still_running() {
     )
     .await;
     // A target lock that lets the copy's checks read the table but holds its COPY.
-    let (holder, connection) =
-        tokio_postgres::connect(&db.target_conninfo(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(connection);
+    let holder = common::connect(db.target_port, &db.name).await;
     holder
         .batch_execute("BEGIN; LOCK TABLE big IN SHARE MODE")
         .await
@@ -1643,11 +1639,7 @@ async fn a_transaction_left_open_on_the_source_is_named_while_the_slot_waits() {
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.source_sql("INSERT INTO t VALUES (1), (2); CREATE PUBLICATION p FOR TABLE t;")
         .await;
-    let (holder, connection) =
-        tokio_postgres::connect(&db.source_conninfo(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(connection);
+    let holder = common::connect(db.source_port, &db.name).await;
     holder
         .batch_execute("BEGIN; SELECT txid_current();")
         .await
@@ -1775,11 +1767,7 @@ async fn a_new_slot_is_starting_until_its_run_reports() {
     let db = TestDb::new("copystart").await;
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
-    let (holder, connection) =
-        tokio_postgres::connect(&db.target_conninfo(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(connection);
+    let holder = common::connect(db.target_port, &db.name).await;
     holder
         .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
         .await
@@ -1818,11 +1806,7 @@ async fn a_second_copy_of_the_same_slot_waits_for_the_first() {
         "INSERT INTO t SELECT generate_series(1, 1000); CREATE PUBLICATION p FOR TABLE t;",
     )
     .await;
-    let (holder, connection) =
-        tokio_postgres::connect(&db.target_conninfo(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(connection);
+    let holder = common::connect(db.target_port, &db.name).await;
     holder
         .batch_execute("BEGIN; LOCK TABLE t IN SHARE MODE")
         .await
