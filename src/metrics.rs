@@ -112,9 +112,9 @@ pub struct Metrics {
 pub static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(Metrics::default);
 
 impl Metrics {
-    pub fn conflict(&self, kind: &'static str) {
+    pub fn conflict(&self, kind: &'static str, count: u64) {
         if let Ok(mut c) = self.conflicts.lock() {
-            *c.entry(kind).or_default() += 1;
+            *c.entry(kind).or_default() += count;
         }
     }
 

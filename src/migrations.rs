@@ -56,6 +56,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "check_committed",
         include_str!("../migrations/0010_check_committed.sql"),
     ),
+    (
+        11,
+        "conflict_occurrences",
+        include_str!("../migrations/0011_conflict_occurrences.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

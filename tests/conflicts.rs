@@ -669,3 +669,48 @@ async fn refused_prepare(db: &TestDb, gid: &str) {
     db.assert_same("t").await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 1);
 }
+
+/// A bulk DELETE of rows the target lacks is one conflict per row: the first ones are logged and
+/// recorded one by one, the rest counted in one row, so memory does not grow with the size of the
+/// source transaction. Every conflict is still counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflicts_beyond_the_first_thousand_of_a_transaction_are_counted_in_one_row() {
+    let db = TestDb::new("bulk_missing").await;
+    db.both("CREATE TABLE bulk (id int PRIMARY KEY, v text);")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE bulk").await;
+    db.source_sql("INSERT INTO bulk SELECT g, 'row ' || g FROM generate_series(1, 2500) g")
+        .await;
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.target_sql("DELETE FROM bulk").await;
+    db.source_sql("DELETE FROM bulk").await;
+    let out = sync_with(&db, &[]).await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("1500 more delete_missing conflicts on \"public\".\"bulk\""),
+        "{log}"
+    );
+    let rows: Vec<(Option<String>, i64)> = db
+        .target
+        .query(
+            "SELECT key, occurrences FROM pgapply.conflicts WHERE conflict_type = 'delete_missing' ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows.len(), 1001, "1000 whole records and one summary");
+    assert!(rows[..1000].iter().all(|(k, n)| k.is_some() && *n == 1));
+    assert_eq!(rows[1000], (None, 1500));
+    let counted = db
+        .count(
+            &db.target,
+            "SELECT coalesce(sum(value::bigint), 0)::bigint FROM pgapply.progress, jsonb_each_text(conflicts)",
+        )
+        .await;
+    assert_eq!(counted, 2500, "status counts every conflict");
+}

@@ -9,7 +9,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tokio_postgres::{Client, Statement};
 
 use super::batch::UpdateBatch;
-use super::conflict::{ConflictRecord, ConflictType, Policy, PolicyMap};
+use super::conflict::{ConflictRecord, ConflictType, GroupConflicts, Policy, PolicyMap};
 use super::parallel::{After, Turn, WorkerRole};
 use super::progress::ProgressStore;
 use super::spool::Spool;
@@ -169,7 +169,7 @@ struct Committing {
     immediate_seq: Option<u64>,
     started: Instant,
     /// Filled when the COMMIT's answer arrives.
-    conflicts: Vec<ConflictRecord>,
+    conflicts: GroupConflicts,
     /// The group's changes, counted once it committed.
     rows: RowCounts,
 }
@@ -436,10 +436,10 @@ pub struct Applier {
     /// The commit LSN of a transaction to skip on purpose (`pgapply skip`).
     skip_lsn: Option<Lsn>,
     /// Conflicts met in the open group, recorded once it commits.
-    conflicts: Vec<ConflictRecord>,
+    conflicts: GroupConflicts,
     /// Conflicts met by transactions prepared on the target (by source xid): recorded at COMMIT
     /// PREPARED, dropped at ROLLBACK PREPARED.
-    prepared_conflicts: HashMap<Xid, Vec<ConflictRecord>>,
+    prepared_conflicts: HashMap<Xid, GroupConflicts>,
     /// Transactions of the open group skipped on request: (xid, commit LSN, commit time).
     skip_records: Vec<(u32, Lsn, PgTimestamp)>,
     /// Inserts into one table by one source transaction, waiting to go out as one statement.
@@ -694,7 +694,7 @@ impl Applier {
             policies: options.policies,
             policy_updates: options.policy_updates,
             skip_lsn: options.skip_lsn,
-            conflicts: Vec::new(),
+            conflicts: GroupConflicts::default(),
             prepared_conflicts: HashMap::new(),
             skip_records: Vec::new(),
             insert_run: None,
@@ -954,20 +954,20 @@ impl Applier {
     }
 
     /// Writes the conflicts of the group that just committed to pgapply.conflicts.
-    async fn record_conflicts(&mut self, records: Vec<ConflictRecord>) {
-        self.announce_conflicts(&records);
-        self.write_conflicts(records).await;
+    async fn record_conflicts(&mut self, conflicts: GroupConflicts) {
+        self.announce_conflicts(&conflicts);
+        self.write_conflicts(conflicts).await;
     }
 
     /// Logs the conflicts of a group that committed (or a transaction that was prepared) and
     /// counts them.
-    fn announce_conflicts(&mut self, records: &[ConflictRecord]) {
-        for record in records {
+    fn announce_conflicts(&mut self, conflicts: &GroupConflicts) {
+        for record in conflicts.records() {
             let log = &record.log;
             if log.missing {
                 self.stats.missing_rows += 1;
             }
-            METRICS.conflict(record.conflict_type);
+            METRICS.conflict(record.conflict_type, 1);
             match log.rows {
                 Some(rows) => tracing::warn!(
                     table = %record.relation,
@@ -990,10 +990,31 @@ impl Applier {
                 ),
             }
         }
+        for more in conflicts.beyond() {
+            if more.missing {
+                self.stats.missing_rows += more.count;
+            }
+            METRICS.conflict(more.conflict_type, more.count);
+            tracing::warn!(
+                table = %more.relation,
+                conflict = more.conflict_type,
+                policy = more.policy,
+                conflicts = more.count,
+                first_commit_lsn = %more.first_lsn,
+                last_commit_lsn = %more.last_lsn,
+                "{} more {} conflicts on {} in the same target transaction (policy {}), counted but not logged one by one: pgapply.conflicts holds them as one row with occurrences = {}",
+                more.count,
+                more.conflict_type,
+                more.relation,
+                more.policy,
+                more.count
+            );
+        }
     }
 
     /// Writes conflict records to pgapply.conflicts (after their transaction committed).
-    async fn write_conflicts(&mut self, records: Vec<ConflictRecord>) {
+    async fn write_conflicts(&mut self, conflicts: GroupConflicts) {
+        let (records, beyond) = conflicts.into_parts();
         for record in records {
             let local_row: Option<String> = match &record.local_row_query {
                 _ if record.local_row.is_some() => record.local_row.clone(),
@@ -1012,28 +1033,64 @@ impl Applier {
                     .and_then(|r| r.get(0)),
                 None => None,
             };
-            let result = self
-                .catalog
-                .execute(
-                    "INSERT INTO pgapply.conflicts (slot_name, relation, conflict_type, key, local_row, remote_row, \
-                         source_lsn, source_commit_time, policy) \
-                     VALUES ($1, $2, $3, $4, $5::text::jsonb, $6::text::jsonb, $7::text::pg_lsn, $8::text::timestamptz, $9)",
-                    &[
-                        &self.slot,
-                        &record.relation,
-                        &record.conflict_type,
-                        &record.key,
-                        &local_row,
-                        &record.remote_row,
-                        &record.source_lsn.to_string(),
-                        &record.source_commit_time.map(|t| t.to_rfc3339()),
-                        &record.policy,
-                    ],
-                )
-                .await;
-            if let Err(e) = result {
-                tracing::warn!(error = %describe_postgres(&e), "could not record a conflict in pgapply.conflicts");
-            }
+            self.write_conflict(
+                &record.relation,
+                record.conflict_type,
+                Some(&record.key),
+                (local_row.as_deref(), record.remote_row.as_deref()),
+                (record.source_lsn, record.source_commit_time),
+                record.policy,
+                1,
+            )
+            .await;
+        }
+        for more in beyond {
+            self.write_conflict(
+                &more.relation,
+                more.conflict_type,
+                None,
+                (None, None),
+                (more.last_lsn, more.last_commit_time),
+                more.policy,
+                more.count,
+            )
+            .await;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn write_conflict(
+        &self,
+        relation: &str,
+        conflict_type: &str,
+        key: Option<&str>,
+        (local_row, remote_row): (Option<&str>, Option<&str>),
+        (source_lsn, commit_time): (Lsn, Option<PgTimestamp>),
+        policy: &str,
+        occurrences: u64,
+    ) {
+        let result = self
+            .catalog
+            .execute(
+                "INSERT INTO pgapply.conflicts (slot_name, relation, conflict_type, key, local_row, remote_row, \
+                     source_lsn, source_commit_time, policy, occurrences) \
+                 VALUES ($1, $2, $3, $4, $5::text::jsonb, $6::text::jsonb, $7::text::pg_lsn, $8::text::timestamptz, $9, $10)",
+                &[
+                    &self.slot,
+                    &relation,
+                    &conflict_type,
+                    &key,
+                    &local_row,
+                    &remote_row,
+                    &source_lsn.to_string(),
+                    &commit_time.map(|t| t.to_rfc3339()),
+                    &policy,
+                    &i64::try_from(occurrences).unwrap_or(i64::MAX),
+                ],
+            )
+            .await;
+        if let Err(e) = result {
+            tracing::warn!(error = %describe_postgres(&e), "could not record a conflict in pgapply.conflicts");
         }
     }
 
@@ -3137,7 +3194,7 @@ impl Applier {
             last_transaction: group.last_transaction,
             immediate_seq,
             started: group.started,
-            conflicts: Vec::new(),
+            conflicts: GroupConflicts::default(),
             rows: std::mem::take(&mut self.unsettled_rows),
         });
         self.submit_pending();
@@ -3372,9 +3429,11 @@ fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRecord {
             let mut conditions = Vec::new();
             for (n, &k) in entry.key_columns.iter().enumerate() {
                 conditions.push(format!("{} = ${}", entry.quoted_columns[k], n + 1));
+                // Copies: a slice would keep the whole received message alive until the
+                // group commits.
                 params.push(match values.get(k) {
-                    Some(Value::Text(t)) => WireValue::Text(t.clone()),
-                    Some(Value::Binary(b)) => WireValue::Binary(b.clone()),
+                    Some(Value::Text(t)) => WireValue::Text(bytes::Bytes::copy_from_slice(t)),
+                    Some(Value::Binary(b)) => WireValue::Binary(bytes::Bytes::copy_from_slice(b)),
                     _ => WireValue::Null,
                 });
             }

@@ -186,9 +186,196 @@ pub struct ConflictLog {
     pub missing: bool,
 }
 
+/// The conflicts that one target transaction met, to be logged and recorded once it commits.
+/// Memory stays bounded however many rows one source transaction touches (a bulk DELETE of
+/// rows the target lacks is one conflict per row): the first ones are kept whole, the rest only
+/// counted, per table, conflict and policy.
+#[derive(Debug, Default)]
+pub struct GroupConflicts {
+    records: Vec<ConflictRecord>,
+    bytes: usize,
+    beyond: Vec<ConflictSummary>,
+}
+
+/// Conflicts counted but not kept one by one (`GroupConflicts`).
+#[derive(Debug, Clone)]
+pub struct ConflictSummary {
+    pub relation: String,
+    pub conflict_type: &'static str,
+    pub policy: &'static str,
+    pub missing: bool,
+    pub count: u64,
+    pub first_lsn: crate::protocol::Lsn,
+    pub last_lsn: crate::protocol::Lsn,
+    pub last_commit_time: Option<crate::protocol::PgTimestamp>,
+}
+
+impl GroupConflicts {
+    /// Conflicts kept whole per target transaction, and the bytes they may hold.
+    pub const MAX_RECORDS: usize = 1000;
+    pub const MAX_BYTES: usize = 16 << 20;
+
+    pub fn push(&mut self, record: ConflictRecord) {
+        let size = record.size();
+        if self.beyond.is_empty()
+            && self.records.len() < Self::MAX_RECORDS
+            && self.bytes + size <= Self::MAX_BYTES
+        {
+            self.bytes += size;
+            self.records.push(record);
+            return;
+        }
+        let same = |s: &&mut ConflictSummary| {
+            s.relation == record.relation
+                && s.conflict_type == record.conflict_type
+                && s.policy == record.policy
+        };
+        match self.beyond.iter_mut().find(same) {
+            Some(s) => {
+                s.count += 1;
+                s.last_lsn = record.source_lsn;
+                s.last_commit_time = record.source_commit_time;
+            }
+            None => self.beyond.push(ConflictSummary {
+                relation: record.relation,
+                conflict_type: record.conflict_type,
+                policy: record.policy,
+                missing: record.log.missing,
+                count: 1,
+                first_lsn: record.source_lsn,
+                last_lsn: record.source_lsn,
+                last_commit_time: record.source_commit_time,
+            }),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty() && self.beyond.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        *self = Self::default();
+    }
+
+    pub fn records(&self) -> &[ConflictRecord] {
+        &self.records
+    }
+
+    pub fn beyond(&self) -> &[ConflictSummary] {
+        &self.beyond
+    }
+
+    pub fn into_parts(self) -> (Vec<ConflictRecord>, Vec<ConflictSummary>) {
+        (self.records, self.beyond)
+    }
+
+    /// Names the commit of conflicts noted before it was known (`placeholder` as their LSN).
+    pub fn name_commit(
+        &mut self,
+        placeholder: crate::protocol::Lsn,
+        commit_lsn: crate::protocol::Lsn,
+        commit_time: crate::protocol::PgTimestamp,
+    ) {
+        for r in &mut self.records {
+            if r.source_lsn == placeholder {
+                r.source_lsn = commit_lsn;
+                r.source_commit_time = Some(commit_time);
+            }
+        }
+        for s in &mut self.beyond {
+            if s.first_lsn == placeholder {
+                s.first_lsn = commit_lsn;
+            }
+            if s.last_lsn == placeholder {
+                s.last_lsn = commit_lsn;
+                s.last_commit_time = Some(commit_time);
+            }
+        }
+    }
+}
+
+impl ConflictRecord {
+    /// Roughly the bytes it holds.
+    fn size(&self) -> usize {
+        let query = self.local_row_query.as_ref().map_or(0, |(sql, params)| {
+            use crate::apply::statement::WireValue;
+            let value = |p: &WireValue| match p {
+                WireValue::Null => 0,
+                WireValue::Text(b) | WireValue::Binary(b) => b.len(),
+            };
+            sql.len() + params.iter().map(value).sum::<usize>()
+        });
+        std::mem::size_of::<Self>()
+            + self.relation.len()
+            + self.key.len()
+            + query
+            + self.local_row.as_ref().map_or(0, String::len)
+            + self.remote_row.as_ref().map_or(0, String::len)
+            + self.log.key.len()
+            + self.log.sentence.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn record(table: &str, row_bytes: usize, lsn: u64) -> ConflictRecord {
+        ConflictRecord {
+            relation: table.into(),
+            conflict_type: "delete_missing",
+            key: "(id)=(1)".into(),
+            local_row_query: None,
+            local_row: None,
+            remote_row: Some("x".repeat(row_bytes)),
+            source_lsn: crate::protocol::Lsn(lsn),
+            source_commit_time: None,
+            policy: "skip",
+            log: ConflictLog {
+                key: "(id)=(1)".into(),
+                xid: 1,
+                sentence: "DELETE found no row".into(),
+                rows: None,
+                missing: true,
+            },
+        }
+    }
+
+    #[test]
+    fn a_group_keeps_its_first_conflicts_whole_and_counts_the_rest_by_bytes_too() {
+        let mut g = GroupConflicts::default();
+        // 1 MiB rows: the byte budget ends it before the count does.
+        for n in 0..40 {
+            g.push(record("a", 1 << 20, 100 + n));
+        }
+        g.push(record("b", 10, 200));
+        g.push(record("a", 10, 201));
+        let kept = g.records().len();
+        assert!((10..=16).contains(&kept), "{kept}");
+        let beyond: Vec<(&str, u64, u64, u64)> = g
+            .beyond()
+            .iter()
+            .map(|s| (s.relation.as_str(), s.count, s.first_lsn.0, s.last_lsn.0))
+            .collect();
+        assert_eq!(
+            beyond,
+            vec![
+                ("a", 40 - kept as u64 + 1, 100 + kept as u64, 201),
+                ("b", 1, 200, 200)
+            ],
+            "once counting began, later small ones are counted too (their order is kept)"
+        );
+        g.name_commit(
+            crate::protocol::Lsn(201),
+            crate::protocol::Lsn(300),
+            crate::protocol::PgTimestamp(7),
+        );
+        assert_eq!(g.beyond()[0].last_lsn.0, 300);
+        assert_eq!(
+            g.beyond()[0].last_commit_time,
+            Some(crate::protocol::PgTimestamp(7))
+        );
+    }
 
     #[test]
     fn defaults_and_refusals() {

@@ -572,12 +572,8 @@ impl Applier {
                 // Conflicts met on the way name the transaction by its commit, known only now:
                 // every answer first (held rows included), then the names.
                 self.send_pipeline().await?;
-                for conflict in &mut self.conflicts {
-                    if conflict.source_lsn == Lsn(u64::MAX) {
-                        conflict.source_lsn = c.commit_lsn;
-                        conflict.source_commit_time = Some(c.commit_time);
-                    }
-                }
+                self.conflicts
+                    .name_commit(Lsn(u64::MAX), c.commit_lsn, c.commit_time);
                 self.on_commit(Commit {
                     flags: c.flags,
                     commit_lsn: c.commit_lsn,
