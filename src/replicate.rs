@@ -394,6 +394,7 @@ async fn run_in_span(
         }
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
+    source_has_reached(&mut session, identity.wal_position, resume).await?;
     target_tables_exist(&config, &setup).await?;
     // The fence decides where this run stops unless --endpos comes first (the cutover's own run
     // stops at the same position: no warning then).
@@ -1149,6 +1150,28 @@ async fn stop_position(target: &tokio_postgres::Client, slot: &str) -> Result<Op
     Ok(row
         .and_then(|r| r.get::<_, Option<String>>(0))
         .and_then(|t| t.parse::<Lsn>().ok()))
+}
+
+/// Refuses a source whose WAL ends before what the target has applied from it: a standby that
+/// was behind and was promoted, or a server restored from a backup, has the same system
+/// identifier, and streaming from there would skip, without a word, every transaction it commits
+/// below that position.
+async fn source_has_reached(
+    session: &mut ReplicationSession,
+    wal_end: Lsn,
+    resume: Lsn,
+) -> Result<()> {
+    if !resume.is_valid() || resume <= wal_end {
+        return Ok(());
+    }
+    // Read again: the first reading came before the target's position was read.
+    let wal_end = session.identify_system().await?.wal_position;
+    if resume <= wal_end {
+        return Ok(());
+    }
+    Err(Error::definite(format!(
+        "the target has applied changes from this source up to {resume}, but the source's WAL ends at {wal_end}: the source is not the server those changes came from (a standby that was behind was promoted, or the server was restored from a backup), and its transactions below {resume} would be skipped. Compare the tables (pgapply verify), then start over into a new slot with --copy-data --truncate-target"
+    )))
 }
 
 /// How long the source may say nothing before the connection is presumed lost. A source busy

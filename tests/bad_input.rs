@@ -731,3 +731,30 @@ async fn table_mode_waits_for_a_previous_session_still_committing() {
     );
     db.assert_same("h").await;
 }
+
+/// A source whose WAL ends before what the target applied from it (a standby that was behind and
+/// was promoted, a restore from a backup: same system identifier) is refused: streaming from
+/// there would skip its transactions below that position without a word. Here the target's
+/// position is moved past the source's end by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_behind_the_targets_position_is_refused() {
+    let db = TestDb::new("behind").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.target_sql("UPDATE pgapply.progress SET lsn = 'FF/0'")
+        .await;
+    let last = expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "FF/0",
+            "the source's WAL ends at",
+            "--copy-data --truncate-target",
+        ],
+    )
+    .await;
+    assert!(!last.contains("panicked"), "{last}");
+}
