@@ -755,7 +755,20 @@ async fn run_in_span(
     let read_result = reader.run(&mut shutdown).await;
     // Closing the queue lets the applier finish what it has and stop.
     reader.tx = None;
-    let (stats, apply_result) = match (&mut applier_task).await {
+    // The applier may take a while to finish a full queue against a slow target: status updates
+    // go on meanwhile, or the source would end the connection (wal_sender_timeout) before the
+    // last word below, and the slot would not learn what was applied until the next run.
+    let joined = loop {
+        tokio::select! {
+            joined = &mut applier_task => break joined,
+            _ = tokio::time::sleep(reader.status_interval) => {
+                if let Err(e) = reader.send_status(false).await {
+                    tracing::debug!(error = %e, "status update while the applier finishes not sent");
+                }
+            }
+        }
+    };
+    let (stats, apply_result) = match joined {
         Ok(pair) => pair,
         Err(e) => return Err(Error::definite(format!("the apply task failed: {e}"))),
     };

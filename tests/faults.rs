@@ -654,3 +654,60 @@ async fn a_short_wal_sender_timeout_lowers_the_status_interval() {
     assert!(log.contains("this run sends them every 500ms"), "{log}");
     db.assert_same("t").await;
 }
+
+/// The run reached its end position while the applier still waits on the target (a full queue
+/// behind a slow target): status updates go on while it finishes, so the source keeps the
+/// connection past its wal_sender_timeout and learns, at the end, everything that was applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_updates_go_on_while_the_applier_finishes_after_the_end_position() {
+    if common::clusters().source_major < 12 {
+        common::skip("wal_sender_timeout is set per connection from PostgreSQL 12");
+        return;
+    }
+    let db = TestDb::new("drainstatus").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t SELECT generate_series(1, 100)")
+        .await;
+    let endpos = db.source_wal().await;
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let source = format!(
+        "{} options=-cwal_sender_timeout=1500ms",
+        db.source_conninfo()
+    );
+    let mut child = spawn(db.pgapply_via(
+        &source,
+        &db.target_conninfo(),
+        &db.slot(),
+        "p",
+        &["--endpos", &endpos],
+    ));
+    wait_for("the applier to wait for the lock", 30, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    // The delay under test, not a synchronisation: the applier stays blocked for more than twice
+    // the source's wal_sender_timeout after the reader has everything up to the end position.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("pgapply finished")
+        .unwrap();
+    assert!(status.success());
+    db.assert_same("t").await;
+    let confirmed = db
+        .count(
+            &db.source,
+            &format!(
+                "SELECT (confirmed_flush_lsn >= '{endpos}')::int::int8 FROM pg_replication_slots WHERE slot_name = '{}'",
+                db.slot()
+            ),
+        )
+        .await;
+    assert_eq!(confirmed, 1, "the slot learnt what was applied");
+}
