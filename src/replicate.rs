@@ -1094,7 +1094,7 @@ async fn binary_unsafe(config: &RunConfig, source_version: u32) -> Result<Option
     for table in &tables {
         let rows = source
             .query(
-                "SELECT a.attname::text, a.atttypid < 10000 FROM pg_attribute a                  WHERE a.attrelid = $1::text::regclass AND a.attnum > 0 AND NOT a.attisdropped",
+                "SELECT a.attname::text, a.atttypid < 10000 FROM pg_catalog.pg_attribute a                  WHERE a.attrelid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped",
                 &[&table.qualified()],
             )
             .await
@@ -1111,7 +1111,7 @@ async fn binary_unsafe(config: &RunConfig, source_version: u32) -> Result<Option
         for (column, source_type) in &table.columns {
             let target_type: Option<String> = target
                 .query_opt(
-                    "SELECT pg_catalog.format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2",
+                    "SELECT pg_catalog.format_type(atttypid, atttypmod) FROM pg_catalog.pg_attribute WHERE attrelid = pg_catalog.to_regclass($1) AND attname = $2",
                     &[&table.target_qualified(), column],
                 )
                 .await

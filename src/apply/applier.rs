@@ -1875,6 +1875,14 @@ impl Applier {
             Some(OldRow::Full(tuple)) => {
                 Self::check_width(entry, tuple)?;
                 let values: Vec<Value> = tuple.values().collect();
+                // PostgreSQL sends a FULL old row whole; one with nothing to match by would
+                // find any row of the table.
+                if !values.is_empty() && values.iter().all(|v| matches!(v, Value::UnchangedToast)) {
+                    return Err(Error::definite(format!(
+                        "the source sent the old row of a change to table {} (REPLICA IDENTITY FULL) with every value marked unchanged: there is nothing to find the row by; this is a protocol error",
+                        entry.display_name()
+                    )));
+                }
                 let mut nulls = ColumnSet::default();
                 let mut skipped = ColumnSet::default();
                 for (i, v) in values.iter().enumerate() {
