@@ -72,23 +72,19 @@ pub async fn apply(client: &mut Client) -> Result<()> {
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await
         .map_err(context)?;
-    // (SET LOCAL: without the "already exists, skipping" notices on every start.)
-    tx.batch_execute(
-        "SET LOCAL client_min_messages = warning;
-         CREATE SCHEMA IF NOT EXISTS pgapply;
-         CREATE TABLE IF NOT EXISTS pgapply.schema_migrations (
-             version    integer PRIMARY KEY,
-             name       text NOT NULL,
-             applied_at timestamptz NOT NULL DEFAULT now()
-         );",
-    )
-    .await
-    .map_err(|e| {
-        Error::postgres(
-            "creating schema pgapply on the target (the target role needs CREATE on the database, or create the schema for it)",
-            e,
+    // Created once, by a role that may: a role given rights in an existing schema need not be
+    // allowed to create one (CREATE ... IF NOT EXISTS checks that right first).
+    let exists: bool = tx
+        .query_one(
+            "SELECT pg_catalog.to_regclass('pgapply.schema_migrations') IS NOT NULL",
+            &[],
         )
-    })?;
+        .await
+        .map_err(context)?
+        .get(0);
+    if !exists {
+        create_schema(&tx).await?;
+    }
     let row = tx
         .query_one(
             "SELECT coalesce(max(version), 0) FROM pgapply.schema_migrations",
@@ -103,7 +99,7 @@ pub async fn apply(client: &mut Client) -> Result<()> {
         }
         tx.batch_execute(sql).await.map_err(|e| {
             Error::postgres(
-                format!("applying pgapply migration {version} ({name}) on the target"),
+                format!("applying pgapply migration {version} ({name}) on the target (run pgapply once as the role that owns schema pgapply, or a superuser)"),
                 e,
             )
         })?;
@@ -121,6 +117,26 @@ pub async fn apply(client: &mut Client) -> Result<()> {
     }
     tx.commit().await.map_err(context)?;
     Ok(())
+}
+
+async fn create_schema(tx: &tokio_postgres::Transaction<'_>) -> Result<()> {
+    // (SET LOCAL: without "already exists, skipping" notices when two runs race to create it.)
+    tx.batch_execute(
+        "SET LOCAL client_min_messages = warning;
+         CREATE SCHEMA IF NOT EXISTS pgapply;
+         CREATE TABLE IF NOT EXISTS pgapply.schema_migrations (
+             version    integer PRIMARY KEY,
+             name       text NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         );",
+    )
+    .await
+    .map_err(|e| {
+        Error::postgres(
+            "creating schema pgapply on the target (the target role needs CREATE on the database, or create the schema for it)",
+            e,
+        )
+    })
 }
 
 #[cfg(test)]

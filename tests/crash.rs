@@ -321,3 +321,109 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
     // first group's UPDATE.
     db.assert_same("t").await;
 }
+
+/// Puts back, under the slot's name, a copy of the slot taken before anything was applied: the
+/// source then streams from before what the target already applied, as after a crash between
+/// a target commit and the source's confirmation. (Slot copies are PostgreSQL 12+.)
+async fn rewind_slot(db: &TestDb, copy: &str) {
+    db.source
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
+        .await
+        .unwrap();
+    db.source
+        .execute(
+            "SELECT pg_copy_logical_replication_slot($1, $2)",
+            &[&copy, &db.slot()],
+        )
+        .await
+        .unwrap();
+}
+
+async fn copy_slot(db: &TestDb) -> Option<String> {
+    if source_version(db).await < 120000 {
+        skip("slots can be copied from PostgreSQL 12");
+        return None;
+    }
+    let copy = format!("{}_copy", db.slot());
+    db.source
+        .execute(
+            "SELECT pg_copy_logical_replication_slot($1, $2)",
+            &[&db.slot(), &copy],
+        )
+        .await
+        .unwrap();
+    Some(copy)
+}
+
+/// A run in origin mode applied transactions the source did not hear about; the next run's
+/// target role may not use origins (progress table mode): it resumes after what the origin mode
+/// applied (its rows in pgapply.origin_commit), not from the source's older position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_without_origin_rights_resumes_after_what_origin_mode_applied() {
+    let db = TestDb::new("modeswitch").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let Some(copy) = copy_slot(&db).await else {
+        return;
+    };
+    db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
+        .await;
+    db.sync("p").await;
+    rewind_slot(&db, &copy).await;
+    let writer = format!("writer_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {writer} LOGIN PASSWORD 'w'; GRANT ALL ON t TO {writer}; \
+         GRANT USAGE ON SCHEMA pgapply TO {writer}; GRANT ALL ON ALL TABLES IN SCHEMA pgapply TO {writer}; \
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA pgapply TO {writer};"
+    ))
+    .await;
+    db.source_sql("INSERT INTO t VALUES (3, 'c')").await;
+    let endpos = db.source_wal().await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={writer} password=w dbname={}",
+        db.target_port, db.name
+    );
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &target,
+            &db.slot(),
+            "p",
+            &["--endpos", &endpos, "--max-retries", "1"],
+        ),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("pgapply.progress"), "table mode: {log}");
+    db.assert_same("t").await;
+}
+
+/// Deleting the slot's row from pgapply.progress starts it over (as the error about a slot name
+/// pointed at another source says): positions left in its origins no longer count, or the run
+/// would skip every transaction below them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_progress_row_starts_the_slot_over() {
+    let db = TestDb::new("startover").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let Some(copy) = copy_slot(&db).await else {
+        return;
+    };
+    db.source_sql("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
+        .await;
+    db.sync("p").await;
+    // Start over: the target emptied, its progress forgotten, the slot from the beginning.
+    db.target_sql("TRUNCATE t; DELETE FROM pgapply.progress")
+        .await;
+    rewind_slot(&db, &copy).await;
+    let out = db.sync("p").await;
+    assert!(
+        stderr(&out).contains("positions an earlier run left"),
+        "{}",
+        stderr(&out)
+    );
+    db.assert_same("t").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 2);
+}

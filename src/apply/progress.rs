@@ -40,13 +40,84 @@ const COMMIT_TIME_SETTING: &str = "pgapply.commit_time";
 /// Between the slot's origin name and a parallel worker's number (slot names can not hold '-').
 const WORKER_SUFFIX: &str = "-w";
 
+/// A slot without a row in pgapply.progress has applied nothing here (every run writes the row
+/// before it applies anything): positions left under its name (its row deleted to start over,
+/// after the slot name was pointed at another source, say) belong to something else, and would
+/// make the run skip the new source's transactions below them.
+async fn forget_positions(client: &Client, mode: &ProgressMode, origin: &str) -> Result<()> {
+    let context = |e| Error::postgres("clearing old positions of this slot on the target", e);
+    let mine = "origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w'";
+    // Read first: a role that may not use origins may not be allowed to delete either, and
+    // there is usually nothing to delete.
+    let rows: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM pgapply.origin_commit WHERE {mine}"),
+            &[&origin],
+        )
+        .await
+        .map_err(context)?
+        .get(0);
+    if rows > 0 {
+        client
+            .execute(
+                &format!("DELETE FROM pgapply.origin_commit WHERE {mine}"),
+                &[&origin],
+            )
+            .await
+            .map_err(context)?;
+    }
+    let mut origins = 0;
+    if let ProgressMode::Origin { .. } = mode {
+        // Moved back to nothing (the function may move an origin backwards).
+        origins = client
+            .query(
+                "SELECT pg_catalog.pg_replication_origin_advance(roname, '0/0') \
+                 FROM pg_catalog.pg_replication_origin \
+                 WHERE (roname = $1 OR left(roname, length($1) + 2) = $1 || '-w') \
+                   AND pg_catalog.pg_replication_origin_progress(roname, false) IS NOT NULL",
+                &[&origin],
+            )
+            .await
+            .map_err(context)?
+            .len();
+    }
+    if rows > 0 || origins > 0 {
+        tracing::info!(
+            origin,
+            "no progress is recorded on the target for this slot: positions an earlier run left in its replication origins were cleared"
+        );
+    }
+    Ok(())
+}
+
+/// The latest position that the slot's origin and its parallel workers' origins recorded in
+/// their rows of pgapply.origin_commit, each written inside the transaction it describes.
+async fn origin_rows_position(client: &Client, origin: &str) -> Result<Lsn> {
+    // ORDER BY: max(pg_lsn) is PostgreSQL 13+.
+    let row = client
+        .query_opt(
+            "SELECT end_lsn::text FROM pgapply.origin_commit \
+             WHERE origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w' \
+             ORDER BY end_lsn DESC LIMIT 1",
+            &[&origin],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.origin_commit on the target", e))?;
+    match row {
+        Some(row) => parse_lsn(row.get(0)),
+        None => Ok(Lsn::INVALID),
+    }
+}
+
 impl ProgressStore {
     /// Chooses the mode, checks the recorded source identity, and returns the resume position
     /// (`0/0` when nothing was applied yet).
     pub async fn open(client: &Client, slot: &str, source_system_id: &str) -> Result<(Self, Lsn)> {
         let origin = format!("pgapply_{slot}");
         let mode = match ensure_origin(client, &origin).await {
-            Ok(()) => ProgressMode::Origin { name: origin },
+            Ok(()) => ProgressMode::Origin {
+                name: origin.clone(),
+            },
             Err(e) if e.code().is_some_and(|c| c.code() == INSUFFICIENT_PRIVILEGE) => {
                 tracing::info!(
                     "the target role may not use replication origins; recording progress in pgapply.progress instead (synchronous_commit stays on)"
@@ -65,7 +136,7 @@ impl ProgressStore {
             slot: slot.to_owned(),
         };
         let context = |e| Error::postgres("reading pgapply.progress on the target", e);
-        client
+        let new_row = client
             .execute(
                 // (A new slot's row says "starting" until the run's first status update.)
                 "INSERT INTO pgapply.progress (slot_name, source_system_id, state, pid, heartbeat_at) \
@@ -73,7 +144,11 @@ impl ProgressStore {
                 &[&slot, &source_system_id, &(std::process::id() as i32)],
             )
             .await
-            .map_err(context)?;
+            .map_err(context)?
+            == 1;
+        if new_row {
+            forget_positions(client, &store.mode, &origin).await?;
+        }
         let row = client
             .query_one(
                 "SELECT source_system_id, lsn::text FROM pgapply.progress WHERE slot_name = $1",
@@ -108,7 +183,10 @@ impl ProgressStore {
                 reconcile_origins(client, name).await?;
                 store.durable_position(client).await?
             }
-            ProgressMode::Table => Lsn::INVALID,
+            // Without origin rights now, perhaps not before: what a run in origin mode applied
+            // is in its rows of pgapply.origin_commit (an ordinary table), not in the progress
+            // row, and starting from the progress row would apply it again.
+            ProgressMode::Table => origin_rows_position(client, &origin).await?,
         };
         Ok((store, table_lsn.max(origin_lsn)))
     }
