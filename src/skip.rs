@@ -29,6 +29,22 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
             conninfo::describe(&config)
         ))
     })?;
+    // A transaction already applied never comes again: its request would wait for ever.
+    let applied: Option<String> = client
+        .query_opt(
+            "SELECT greatest(lsn, applied_lsn)::text FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+        .and_then(|r| r.get(0));
+    if let Some(applied) = applied.and_then(|a| a.parse::<Lsn>().ok()) {
+        if lsn < applied {
+            return Err(Error::definite(format!(
+                "the source transaction committed at {lsn} is already applied (slot {slot:?} has applied up to {applied}): nothing to skip; check --lsn against the latest error"
+            )));
+        }
+    }
     let updated = client
         .execute(
             "UPDATE pgapply.progress SET skip_lsn = $2::text::pg_lsn WHERE slot_name = $1",

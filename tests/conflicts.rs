@@ -181,6 +181,30 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
     let recorded = conflicts(&db).await;
     assert_eq!(recorded.len(), 1);
     assert_eq!(recorded[0].0, "skipped_transaction");
+    // Skipping it again is refused: it is behind the applied position, and a request for it
+    // would wait for ever.
+    let skipped: String = db
+        .target
+        .query_one(
+            "SELECT source_lsn::text FROM pgapply.conflicts WHERE conflict_type = 'skipped_transaction'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let mut again = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    again.args([
+        "skip",
+        "--target",
+        &db.target_conninfo(),
+        "--slot",
+        &db.slot(),
+        "--lsn",
+        &skipped,
+    ]);
+    let out = run_with_deadline(again, 30).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("already applied"), "{}", stderr(&out));
     // The request is used up; later runs apply normally.
     db.source_sql("INSERT INTO k VALUES (5, 'e')").await;
     let out = sync_with(&db, &[]).await;
