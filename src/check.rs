@@ -406,13 +406,14 @@ async fn check_target(
         let qualified = table.target_qualified();
         let rows = dst
             .query(
-                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), t.typcategory::text, \
+                &format!("SELECT a.attname::text, {}, t.typcategory::text, \
                         coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '', \
                         has_table_privilege(a.attrelid, 'INSERT') AND has_table_privilege(a.attrelid, 'UPDATE') AND has_table_privilege(a.attrelid, 'DELETE'), \
                         a.attnotnull AND NOT a.atthasdef AND coalesce(to_jsonb(a) ->> 'attidentity', '') = '', \
                         has_table_privilege(a.attrelid, 'TRUNCATE') \
-                 FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
-                 WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+                 FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
+                 WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+                    crate::sql::type_name_sql("a.atttypid", "a.atttypmod")),
                 &[&qualified],
             )
             .await;

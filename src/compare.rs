@@ -11,10 +11,11 @@ pub struct TableDigest {
 }
 
 /// Count and md5 of the rows' text form, ordered by every column (so tables without a key
-/// compare too, duplicates included). `table` must already be quoted.
+/// compare too, duplicates included). `table` must already be quoted. (`r.*`: a column named `r`
+/// would stand for the whole row.)
 pub async fn table_digest(client: &Client, table: &str) -> Result<TableDigest> {
     let sql = format!(
-        "SELECT count(*), coalesce(md5(string_agg(r::text, E'\\n' ORDER BY r::text)), '') FROM {table} AS r"
+        "SELECT count(*), coalesce(md5(string_agg((r.*)::text, E'\\n' ORDER BY (r.*)::text)), '') FROM {table} AS r"
     );
     let row = client
         .query_one(&sql, &[])

@@ -185,11 +185,16 @@ pub async fn published_tables(
         let qualified = qualified_name(&schema, &name);
         let info = source
             .query(
-                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), c.relpages::int8, \
-                        c.relkind = 'p', a.atttypid >= 10000, coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '' \
-                 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid \
-                 WHERE c.oid = $1::text::regclass AND a.attnum > 0 AND NOT a.attisdropped \
-                 ORDER BY a.attnum",
+                // Pages from the file's size: relpages is 0 until the first VACUUM or ANALYZE.
+                &format!(
+                    "SELECT a.attname::text, {}, \
+                            (pg_catalog.pg_relation_size(c.oid) / pg_catalog.current_setting('block_size')::int8)::int8, \
+                            c.relkind = 'p', a.atttypid >= 10000, coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '' \
+                     FROM pg_catalog.pg_class c JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid \
+                     WHERE c.oid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped \
+                     ORDER BY a.attnum",
+                    crate::sql::type_name_sql("a.atttypid", "a.atttypmod")
+                ),
                 &[&qualified],
             )
             .await
@@ -198,12 +203,18 @@ pub async fn published_tables(
         let partitioned = info.first().is_some_and(|r| r.get::<_, bool>(3));
         // The publication's column list says what is published (PostgreSQL 18 may list stored
         // generated columns: their values are streamed, so they are copied too). Without a list
-        // (before 15) every column but the generated ones is.
+        // (before 15) every column but the generated ones is. PostgreSQL 15 lists generated
+        // columns even without a column list, but streams no value for them before 18.
         let published: Vec<&tokio_postgres::Row> = info
             .iter()
-            .filter(|r| match &m.columns {
-                Some(list) => list.contains(&r.get::<_, String>(0)),
-                None => !r.get::<_, bool>(5),
+            .filter(|r| {
+                let generated = r.get::<_, bool>(5);
+                match &m.columns {
+                    Some(list) => {
+                        list.contains(&r.get::<_, String>(0)) && (version >= 180000 || !generated)
+                    }
+                    None => !generated,
+                }
             })
             .collect();
         let user_types = published.iter().any(|r| r.get::<_, bool>(4));
@@ -350,9 +361,12 @@ async fn prepare_target(
         let qualified = table.target_qualified();
         let rows = target
             .query(
-                "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod), (to_jsonb(a) ->> 'attgenerated') \
-                 FROM pg_catalog.pg_attribute a \
-                 WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+                &format!(
+                    "SELECT a.attname::text, {}, (to_jsonb(a) ->> 'attgenerated') \
+                     FROM pg_catalog.pg_attribute a \
+                     WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+                    crate::sql::type_name_sql("a.atttypid", "a.atttypmod")
+                ),
                 &[&qualified],
             )
             .await
@@ -909,7 +923,7 @@ async fn connect_source(config: &tokio_postgres::Config) -> Result<Client> {
             // it (transaction_timeout exists from PostgreSQL 17).
             // row_security = off: a table's policies must make the copy fail, not leave rows out.
             "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; \
-             SET row_security = off; \
+             SET lc_monetary = 'C'; SET row_security = off; \
              SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0; \
              SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
         )
@@ -1019,10 +1033,11 @@ async fn copy_one(
         .map_err(dst_err)?;
     let target_tx = target.transaction().await.map_err(dst_err)?;
     // A big table's COPY may take hours: the role's or database's timeouts must not end it.
+    // money is read as the source session wrote it (lc_monetary C on both).
     target_tx
         .batch_execute(
             "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; \
-             SET LOCAL idle_in_transaction_session_timeout = 0; \
+             SET LOCAL idle_in_transaction_session_timeout = 0; SET LOCAL lc_monetary = 'C'; \
              SELECT pg_catalog.set_config(name, '0', true) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
         )
         .await

@@ -1111,7 +1111,10 @@ async fn binary_unsafe(config: &RunConfig, source_version: u32) -> Result<Option
         for (column, source_type) in &table.columns {
             let target_type: Option<String> = target
                 .query_opt(
-                    "SELECT pg_catalog.format_type(atttypid, atttypmod) FROM pg_catalog.pg_attribute WHERE attrelid = pg_catalog.to_regclass($1) AND attname = $2",
+                    &format!(
+                        "SELECT {} FROM pg_catalog.pg_attribute WHERE attrelid = pg_catalog.to_regclass($1) AND attname = $2",
+                        crate::sql::type_name_sql("atttypid", "atttypmod")
+                    ),
                     &[&table.target_qualified(), column],
                 )
                 .await

@@ -21,6 +21,19 @@ pub fn qualified_name(schema: &str, table: &str) -> String {
     format!("{}.{}", quote_ident(schema), quote_ident(table))
 }
 
+/// SQL for a type's name as `format_type` gives it, schema-qualified unless the type is
+/// pg_catalog's: `format_type` leaves out the schema of a type the session's search_path finds,
+/// and the name is used, or compared, on the other server, whose search_path may differ.
+pub fn type_name_sql(type_oid: &str, typmod: &str) -> String {
+    format!(
+        "(SELECT CASE WHEN tn.nspname <> 'pg_catalog' AND pg_catalog.pg_type_is_visible(ty.oid) \
+                      THEN pg_catalog.quote_ident(tn.nspname) || '.' || pg_catalog.format_type(ty.oid, {typmod}) \
+                      ELSE pg_catalog.format_type(ty.oid, {typmod}) END \
+          FROM pg_catalog.pg_type ty JOIN pg_catalog.pg_namespace tn ON tn.oid = ty.typnamespace \
+          WHERE ty.oid = {type_oid})"
+    )
+}
+
 /// A string literal that is correct whatever `standard_conforming_strings` says: `E'...'` with
 /// quotes and backslashes escaped.
 pub fn quote_literal(value: &str) -> String {

@@ -99,15 +99,16 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
         .query(
             &format!(
                 "SELECT a.attname::text, \
-                        CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
-                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END \
+                        CASE WHEN t.typtype = 'd' THEN {base} ELSE {own} END \
                  FROM (SELECT i.indrelid, i.indkey, {key_count} AS n FROM pg_catalog.pg_index i \
                        WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
                        ORDER BY i.indisprimary DESC LIMIT 1) i \
                  CROSS JOIN generate_series(0, i.n - 1) k \
                  JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k] \
                  JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
-                 ORDER BY k"
+                 ORDER BY k",
+                base = crate::sql::type_name_sql("t.typbasetype", "t.typtypmod"),
+                own = crate::sql::type_name_sql("a.atttypid", "a.atttypmod"),
             ),
             &[&table.qualified()],
         )
@@ -196,8 +197,9 @@ async fn all_chunk_digests(
 }
 
 /// A row's digest: of its text form in UTF-8, so that databases of different encodings (a
-/// LATIN1 source migrated to a UTF8 target, say) give the same digest for the same row.
-const ROW_HASH: &str = "md5(convert_to(r::text, 'UTF8'))";
+/// LATIN1 source migrated to a UTF8 target, say) give the same digest for the same row. `r.*`,
+/// not `r`: a column named `r` would stand for the whole row.
+const ROW_HASH: &str = "md5(convert_to((r.*)::text, 'UTF8'))";
 
 struct Chunk {
     from: Option<Vec<String>>,

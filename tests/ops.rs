@@ -839,7 +839,7 @@ async fn status_and_skip_take_the_config_file() {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!text.contains(&db.slot()), "{text}");
     write("");
-    let out = run_with_deadline(cmd(&["skip", "--lsn", "0/1"]), 30).await;
+    let out = run_with_deadline(cmd(&["skip", "--lsn", "FF/0"]), 30).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains(&db.slot()),

@@ -560,7 +560,7 @@ impl Applier {
         let spool = Spool::open(options.spool_dir.clone(), &options.slot)?;
         client
             .batch_execute(
-                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET row_security = off",
+                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET row_security = off",
             )
             .await
             .map_err(|e| Error::postgres("configuring the target apply session", e))?;

@@ -20,10 +20,12 @@ use tokio_postgres::config::Host;
 
 use crate::error::{Error, Result};
 
-/// Startup options that make text values round-trip exactly, as PostgreSQL's own subscriber sets.
+/// Startup options that make text values round-trip exactly, as PostgreSQL's own subscriber sets,
+/// and money in the C locale's form, which the target's sessions read with the same setting
+/// (servers of different lc_monetary would misread each other's amounts, or refuse them).
 /// The idle-in-transaction timeout is off: the session that exported the initial copy's snapshot
 /// waits inside its transaction until the copy is done.
-const STARTUP_OPTIONS: &str = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c idle_in_transaction_session_timeout=0";
+const STARTUP_OPTIONS: &str = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c lc_monetary=C -c idle_in_transaction_session_timeout=0";
 
 /// How much to ask the kernel for per read: large reads let the walsender batch its sends.
 const READ_CHUNK: usize = 256 * 1024;
