@@ -714,12 +714,13 @@ async fn run_in_span(
     let (stop_tx, stop_rx) = watch::channel(None);
     let heartbeat = {
         let client = target_connection(&pool, &config.target).await?;
+        let target = (pool.clone(), config.target.clone());
         let (slot, every, reported) = (
             config.slot.clone(),
             config.status_interval,
             reported.clone(),
         );
-        Background::spawn(|quit| heartbeat(client, slot, every, reported, stop_tx, quit))
+        Background::spawn(|quit| heartbeat(client, target, slot, every, reported, stop_tx, quit))
     };
 
     let (tx, rx) = mpsc::unbounded_channel();
@@ -1299,7 +1300,8 @@ pub const HEARTBEAT_MAX_EVERY: Duration = Duration::from_secs(10);
 /// Records the worker's state on the target every status interval (at most 10 s), and every
 /// second reads whether `pgapply cutover` asked it to stop at a position.
 async fn heartbeat(
-    client: Object,
+    mut client: Object,
+    (pool, target): (Pool, tokio_postgres::Config),
     slot: String,
     every: Duration,
     reported: Arc<tokio::sync::Mutex<HeartbeatCounts>>,
@@ -1313,6 +1315,25 @@ async fn heartbeat(
         tokio::select! {
             _ = tick.tick() => {}
             _ = quit.changed() => return,
+        }
+        // A target restarted under an idle worker: nothing else notices until a change comes,
+        // and `pgapply cutover`'s stop request, read here, must still get through.
+        if client.is_closed() {
+            match target_connection(&pool, &target).await {
+                Ok(fresh) => {
+                    tracing::info!(
+                        "the heartbeat's connection to the target was lost: connected again"
+                    );
+                    client = fresh;
+                }
+                Err(e) => {
+                    if beaten.is_none_or(|at| at.elapsed() >= every) {
+                        beaten = Some(Instant::now());
+                        tracing::warn!(error = %e, "could not record the heartbeat on the target");
+                    }
+                    continue;
+                }
+            }
         }
         if beaten.is_none_or(|at| at.elapsed() >= every) {
             beaten = Some(Instant::now());

@@ -69,4 +69,19 @@ async fn source_and_target_restarts_are_ridden_out() {
         .expect("wait");
     assert!(status.success(), "{status}");
     db3.assert_same("r").await;
+
+    // The target restarts under an idle worker: nothing is applied meanwhile to show it the lost
+    // connection, but `pgapply cutover`'s request to stop, read on the heartbeat's connection,
+    // still gets through, and the worker stops where it asks.
+    let mut child = spawn(db3.pgapply("p", &["--retry-min", "100ms", "--retry-max", "1s"]));
+    db3.wait_slot_active().await;
+    restart_cluster(&c.target_bin, &c.target_dir, "fast").expect("restart target");
+    let db4 = TestDb::reconnect(&db).await;
+    db4.cutover(&[]).await;
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait())
+        .await
+        .expect("the worker stops at the cutover's position")
+        .expect("wait");
+    assert!(status.success(), "{status}");
+    db4.assert_same("r").await;
 }
