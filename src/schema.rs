@@ -193,8 +193,9 @@ pub async fn schema(
         .unwrap_or(0);
     if dump_major < source_major {
         return Err(Error::definite(format!(
-            "pg_dump {} is older than the source (PostgreSQL {source_major}): install pg_dump {source_major} or newer, or set PGAPPLY_PG_DUMP",
-            text.trim()
+            "{} ({}) is older than the source (PostgreSQL {source_major}): install pg_dump {source_major} or newer, or set PGAPPLY_PG_DUMP",
+            text.trim(),
+            pg_dump.display()
         )));
     }
     let mut cmd = tokio::process::Command::new(&pg_dump);

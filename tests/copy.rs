@@ -413,15 +413,16 @@ async fn schema_then_copy_then_cutover_with_sequences() {
     ))
     .await;
     // No pg_dump, or one older than the source: said, with what to install, before anything.
+    let older = format!(
+        "pg_dump (PostgreSQL) 9.6.24 ({}) is older than the source",
+        fake.display()
+    );
     for (pg_dump, says) in [
         (
             "/nonexistent/pg_dump",
             "cannot run pg_dump (/nonexistent/pg_dump)",
         ),
-        (
-            fake.to_str().unwrap(),
-            "pg_dump pg_dump (PostgreSQL) 9.6.24 is older than the source",
-        ),
+        (fake.to_str().unwrap(), older.as_str()),
     ] {
         let mut cmd = db.on_both("schema", &[]);
         cmd.env("PGAPPLY_PG_DUMP", pg_dump);
