@@ -196,6 +196,34 @@ async fn all_chunk_digests(
         .collect())
 }
 
+/// A key as a row's text form: `(2001)`, `("a, b",x)`. Values that would read ambiguously
+/// (empty, with a comma, a quote, a backslash, a parenthesis or a space) are double-quoted.
+fn key_text(values: &[String]) -> String {
+    let field = |v: &String| {
+        let plain = !v.is_empty()
+            && !v
+                .chars()
+                .any(|c| matches!(c, ',' | '"' | '\\' | '(' | ')') || c.is_whitespace());
+        if plain {
+            return v.clone();
+        }
+        let mut out = String::with_capacity(v.len() + 2);
+        out.push('"');
+        for c in v.chars() {
+            if matches!(c, '"' | '\\') {
+                out.push(c);
+            }
+            out.push(c);
+        }
+        out.push('"');
+        out
+    };
+    format!(
+        "({})",
+        values.iter().map(field).collect::<Vec<_>>().join(", ")
+    )
+}
+
 /// A row's digest: of its text form in UTF-8, so that databases of different encodings (a
 /// LATIN1 source migrated to a UTF8 target, say) give the same digest for the same row. `r.*`,
 /// not `r`: a column named `r` would stand for the whole row.
@@ -474,8 +502,7 @@ async fn verify_table(
                 result.target_rows += t.0;
                 if s != t {
                     result.ok = false;
-                    let show =
-                        |b: &Option<Vec<String>>| b.as_ref().map(|v| format!("({})", v.join(", ")));
+                    let show = |b: &Option<Vec<String>>| b.as_ref().map(|v| key_text(v));
                     result.mismatches.push((show(&chunk.from), show(&chunk.to)));
                 }
                 break;
@@ -642,5 +669,18 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
             "source and target differ in {}",
             bad.join(", ")
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::key_text;
+
+    #[test]
+    fn keys_are_printed_so_that_each_value_reads_alone() {
+        let key = |v: &[&str]| key_text(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(key(&["2001"]), "(2001)");
+        assert_eq!(key(&["a, b", "x"]), r#"("a, b", x)"#);
+        assert_eq!(key(&["", r#"q"\"#]), r#"("", "q""\\")"#);
     }
 }
