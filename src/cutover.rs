@@ -510,10 +510,16 @@ async fn drain(
                 break;
             }
             if Instant::now() > deadline {
-                return Err(Error::definite(format!(
-                    "step 3: the worker did not confirm {end} and stop in time (confirmed {confirmed}, slot {}): see its log",
-                    if active { "still in use" } else { "free" }
-                )));
+                return Err(Error::definite(if active && confirmed >= end {
+                    format!(
+                        "step 3: the worker confirmed {end} (it is at {confirmed}) but did not stop in time: it reads the request to stop from the target, so it may have lost its connection there; see its log, stop it (SIGTERM), and run the cutover again"
+                    )
+                } else {
+                    format!(
+                        "step 3: the worker did not confirm {end} and stop in time (confirmed {confirmed}, slot {}): see its log",
+                        if active { "still in use" } else { "free" }
+                    )
+                }));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
