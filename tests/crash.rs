@@ -427,3 +427,56 @@ async fn deleting_the_progress_row_starts_the_slot_over() {
     db.assert_same("t").await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 2);
 }
+
+/// The latest of a slot's origins (parallel workers, the --streaming parallel helper) is where a
+/// run resumes, compared as positions: '0/F000000' is before '0/10000000', though its text
+/// sorts after. (Compared as text, a run resumed at the earlier one and applied again what lay
+/// between.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_latest_origin_is_found_by_position_not_by_text() {
+    let db = TestDb::new("lsnorder").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--apply-workers", "2", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The source's WAL past 0/10000000: a segment switch per round costs next to nothing.
+    for _ in 0..20 {
+        let past = db
+            .count(
+                &db.source,
+                "SELECT (pg_current_wal_lsn() > '0/10000100')::int::int8",
+            )
+            .await;
+        if past == 1 {
+            break;
+        }
+        db.source_sql(
+            "SELECT pg_logical_emit_message(false, 'pgapply-test', 'x'); SELECT pg_switch_wal();",
+        )
+        .await;
+    }
+    let main = format!("pgapply_{}", db.slot());
+    let worker = format!("{main}-w1");
+    db.target_sql(&format!(
+        "SELECT pg_replication_origin_advance('{main}', '0/F000000'); \
+         SELECT pg_replication_origin_advance('{worker}', '0/10000000'); \
+         UPDATE pgapply.origin_commit SET end_lsn = '0/F000000' WHERE origin_name = '{main}'; \
+         UPDATE pgapply.origin_commit SET end_lsn = '0/10000000' WHERE origin_name = '{worker}';"
+    ))
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--apply-workers", "2", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("resume_lsn=0/10000000"), "{log}");
+}

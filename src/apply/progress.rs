@@ -93,12 +93,13 @@ async fn forget_positions(client: &Client, mode: &ProgressMode, origin: &str) ->
 /// The latest position that the slot's origin and its parallel workers' origins recorded in
 /// their rows of pgapply.origin_commit, each written inside the transaction it describes.
 async fn origin_rows_position(client: &Client, origin: &str) -> Result<Lsn> {
-    // ORDER BY: max(pg_lsn) is PostgreSQL 13+.
+    // ORDER BY: max(pg_lsn) is PostgreSQL 13+. (By the qualified column: a bare name would be
+    // the output column, the text, and '0/C0' would come after '0/10000000'.)
     let row = client
         .query_opt(
-            "SELECT end_lsn::text FROM pgapply.origin_commit \
-             WHERE origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w' \
-             ORDER BY end_lsn DESC LIMIT 1",
+            "SELECT w.end_lsn::text FROM pgapply.origin_commit w \
+             WHERE w.origin_name = $1 OR left(w.origin_name, length($1) + 2) = $1 || '-w' \
+             ORDER BY w.end_lsn DESC LIMIT 1",
             &[&origin],
         )
         .await
@@ -255,7 +256,8 @@ impl ProgressStore {
         if unused.is_empty() {
             return Ok(());
         }
-        // The main origin takes the latest position of all (ORDER BY: max(pg_lsn) is 13+), read now rather than taken from
+        // The main origin takes the latest position of all (ORDER BY: max(pg_lsn) is 13+; by the
+        // qualified column, not the text of the output), read now rather than taken from
         // `resume`: a backend of a killed run may have committed on one of these since `resume`
         // was read (the resume check after binding then sees the main origin moved and starts
         // over from there). One still bound to such a backend cannot be dropped: an error, and a
@@ -268,7 +270,7 @@ impl ProgressStore {
                    FROM (SELECT o, pg_catalog.pg_replication_origin_progress(o, false) AS p FROM unnest($1::text[]) o) x \
                    LEFT JOIN pgapply.origin_commit w ON w.origin_name = x.o \
                    UNION ALL SELECT $2::text::pg_lsn WHERE $3) fs \
-                 ORDER BY f DESC NULLS LAST LIMIT 1",
+                 ORDER BY fs.f DESC NULLS LAST LIMIT 1",
                 &[&unused, &resume.to_string(), &resume.is_valid()],
             )
             .await
@@ -533,7 +535,8 @@ impl ProgressStore {
         let row = match &self.mode {
             // With parallel workers (`apply::parallel`) each has its own origin and they commit
             // in source order: the latest of them is the position, everything before it is
-            // committed. Flushing each flushes the WAL of all earlier commits too.
+            // committed. Flushing each flushes the WAL of all earlier commits too. (Ordered by
+            // `s.p`, the pg_lsn: a bare `p` is the output column, whose text sorts wrongly.)
             ProgressMode::Origin { name } => {
                 client
                     .query_one(
@@ -541,7 +544,7 @@ impl ProgressStore {
                            SELECT pg_catalog.pg_replication_origin_progress(roname, true) AS p \
                            FROM pg_catalog.pg_replication_origin \
                            WHERE roname = $1 OR left(roname, length($1) + 2) = $1 || '-w') s \
-                         ORDER BY p DESC NULLS LAST LIMIT 1",
+                         ORDER BY s.p DESC NULLS LAST LIMIT 1",
                         &[name],
                     )
                     .await
