@@ -758,3 +758,38 @@ async fn a_source_behind_the_targets_position_is_refused() {
     .await;
     assert!(!last.contains("panicked"), "{last}");
 }
+
+/// Replication origins belong to the whole target cluster: a second database of that cluster
+/// replicated under a slot name another database uses is refused, naming that database, instead
+/// of sharing (and corrupting) its position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_name_used_by_another_database_of_the_target_cluster_is_refused() {
+    let a = TestDb::new("claim_a").await;
+    a.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    a.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    a.source_sql("INSERT INTO t VALUES (1)").await;
+    a.sync("p").await;
+    let b = TestDb::new("claim_b").await;
+    b.target_sql("CREATE TABLE t (id int PRIMARY KEY)").await;
+    let endpos = a.source_wal().await;
+    let last = expect_failure(
+        a.pgapply_via(
+            &a.source_conninfo(),
+            &b.target_conninfo(),
+            &a.slot(),
+            "p",
+            &["--endpos", &endpos],
+        ),
+        &[
+            &format!("slot name \"{}\" is already used", a.slot()),
+            &format!("database \"{}\"", a.name),
+            "another --slot",
+        ],
+    )
+    .await;
+    assert!(!last.contains("panicked"), "{last}");
+    // The first database's own runs go on.
+    a.source_sql("INSERT INTO t VALUES (2)").await;
+    a.sync("p").await;
+    a.assert_same("t").await;
+}

@@ -40,6 +40,62 @@ const COMMIT_TIME_SETTING: &str = "pgapply.commit_time";
 /// Between the slot's origin name and a parallel worker's number (slot names can not hold '-').
 const WORKER_SUFFIX: &str = "-w";
 
+/// Replication origins (and prepared transactions' names) belong to the whole target cluster,
+/// pgapply's tables to one database: two databases of one cluster replicated under the same slot
+/// name would share a position, and each would skip what the other applied. So the database
+/// that uses a slot name claims it with an origin of its own, `pgapply_<slot>.db<oid>` (never
+/// advanced, so it takes no origin state), and another database's claim refuses the run.
+async fn claim_slot_name(client: &Client, slot: &str, origin: &str) -> Result<()> {
+    let context = |e| {
+        Error::postgres(
+            "checking which database uses this slot name on the target",
+            e,
+        )
+    };
+    // Each claim, with its database's name and whether it is this one (NULLs: dropped since).
+    let claims = client
+        .query(
+            "SELECT c.roname::text, d.datname::text, d.datname = current_database() \
+             FROM pg_catalog.pg_replication_origin c \
+             LEFT JOIN pg_catalog.pg_database d ON 'db' || d.oid::text = substr(c.roname, length($1) + 2) \
+             WHERE left(c.roname, length($1) + 3) = $1 || '.db'",
+            &[&origin],
+        )
+        .await
+        .map_err(context)?;
+    let mut mine = false;
+    for row in claims {
+        let claim: String = row.get(0);
+        match (row.get::<_, Option<String>>(1), row.get::<_, Option<bool>>(2)) {
+            (_, Some(true)) => mine = true,
+            (Some(database), _) => {
+                return Err(Error::definite(format!(
+                    "slot name {slot:?} is already used by pgapply in database {database:?} of this target cluster: the position is kept in replication origins, which all databases of a cluster share, so give this run another --slot (and make that slot on the source). If nothing replicates into {database:?} under this name any more, drop its claim: SELECT pg_replication_origin_drop({})",
+                    crate::sql::quote_literal(&claim)
+                )))
+            }
+            // The claim of a database dropped since.
+            (None, _) => {
+                client
+                    .execute("SELECT pg_catalog.pg_replication_origin_drop($1)", &[&claim])
+                    .await
+                    .map_err(context)?;
+            }
+        }
+    }
+    if !mine {
+        client
+            .execute(
+                "SELECT pg_catalog.pg_replication_origin_create($1 || '.db' || oid::text) \
+                 FROM pg_catalog.pg_database WHERE datname = current_database()",
+                &[&origin],
+            )
+            .await
+            .map_err(context)?;
+    }
+    Ok(())
+}
+
 /// A slot without a row in pgapply.progress has applied nothing here (every run writes the row
 /// before it applies anything): positions left under its name (its row deleted to start over,
 /// after the slot name was pointed at another source, say) belong to something else, and would
@@ -132,6 +188,9 @@ impl ProgressStore {
                 ))
             }
         };
+        if let ProgressMode::Origin { name } = &mode {
+            claim_slot_name(client, slot, name).await?;
+        }
         let store = ProgressStore {
             mode,
             slot: slot.to_owned(),
