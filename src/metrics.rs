@@ -1,5 +1,5 @@
-//! Prometheus metrics (`--metrics-addr`): `/metrics` in the text exposition format and `/healthz`
-//! for liveness. The exposition format is a few lines of text, so it is written here directly
+//! Prometheus metrics (`--metrics-addr`): `/metrics` in the text exposition format, `/healthz`
+//! for liveness and `/readyz` for whether the worker streams now. The exposition format is a few lines of text, so it is written here directly
 //! rather than through a metrics framework and an HTTP stack (see docs/design.md).
 
 use std::collections::BTreeMap;
@@ -27,6 +27,7 @@ pub const QUEUE_BYTES: &str = "pgapply_queue_bytes";
 pub const CONFLICTS: &str = "pgapply_conflicts_total";
 pub const COPY_ROWS: &str = "pgapply_copy_rows_total";
 pub const COPY_BYTES: &str = "pgapply_copy_bytes_total";
+pub const STREAMING: &str = "pgapply_streaming";
 
 #[derive(Default)]
 pub struct Counter(AtomicU64);
@@ -95,6 +96,9 @@ pub struct Metrics {
     pub lag_millis: Gauge,
     /// Bytes received from the source and not applied yet (at most `--queue-size`).
     pub queue_bytes: Gauge,
+    /// 1 while a run streams from the source into the target, 0 otherwise (waiting to retry
+    /// after an error, copying, stopped): the lag figures are only current while it is 1.
+    pub streaming: Gauge,
     /// Commit time of the last applied source transaction: µs since 2000-01-01.
     pub last_commit_time: Gauge,
     pub transactions: Counter,
@@ -176,6 +180,11 @@ impl Metrics {
             LAG_SECONDS,
             "Age of the last applied source commit while changes are pending.",
             self.lag_millis.get() as f64 / 1000.0,
+        );
+        gauge(
+            STREAMING,
+            "1 while a run streams from the source into the target; 0 while it waits to retry after an error (the lag figures are then those last known), copies, or has stopped.",
+            self.streaming.get() as f64,
         );
         gauge(
             QUEUE_BYTES,
@@ -329,6 +338,16 @@ pub async fn serve(addr: &str) -> Result<()> {
                 let (status, content_type, body) = match path {
                     "/metrics" => ("200 OK", "text/plain; version=0.0.4", METRICS.render()),
                     "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),
+                    // Readiness: streaming now, not waiting to retry after an error.
+                    "/readyz" if METRICS.streaming.get() == 1 => {
+                        ("200 OK", "text/plain", "streaming\n".to_owned())
+                    }
+                    "/readyz" => (
+                        "503 Service Unavailable",
+                        "text/plain",
+                        "not streaming (waiting to retry, copying, or stopped: see the log)\n"
+                            .to_owned(),
+                    ),
                     _ => ("404 Not Found", "text/plain", "not found\n".to_owned()),
                 };
                 let response = format!(

@@ -753,7 +753,9 @@ async fn run_in_span(
             .and_then(|v| v.parse().ok())
             .unwrap_or(PACE_WHEN_QUEUED),
     };
+    METRICS.streaming.set(1);
     let read_result = reader.run(&mut shutdown).await;
+    METRICS.streaming.set(0);
     // Closing the queue lets the applier finish what it has and stop.
     reader.tx = None;
     // The applier may take a while to finish a full queue against a slow target: status updates

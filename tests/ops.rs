@@ -256,7 +256,17 @@ async fn status_and_metrics_move_with_the_workload() {
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
-    let mut child = spawn(db.pgapply("p", &["--metrics-addr", &addr]));
+    let mut child = spawn(db.pgapply(
+        "p",
+        &[
+            "--metrics-addr",
+            &addr,
+            "--retry-min",
+            "3s",
+            "--retry-max",
+            "3s",
+        ],
+    ));
     wait_for("metrics endpoint", 30, || async {
         tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
@@ -349,6 +359,25 @@ async fn status_and_metrics_move_with_the_workload() {
         text.contains(&format!("slot {}: streaming", db.slot())),
         "{text}"
     );
+    // Readiness: streaming now; not while the run waits to retry after losing the target
+    // (its sessions ended here, and a change to apply shows it the loss).
+    assert!(http_get(port, "/readyz").await.ends_with("streaming\n"));
+    db.target_sql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+    )
+    .await;
+    db.source_sql("INSERT INTO t VALUES (100, 100)").await;
+    wait_for("/readyz to say not streaming", 30, || async {
+        let r = http_get(port, "/readyz").await;
+        r.starts_with("HTTP/1.1 503")
+            && metric(&http_get(port, "/metrics").await, "pgapply_streaming") == 0.0
+    })
+    .await;
+    wait_for("/readyz to say streaming again", 60, || async {
+        http_get(port, "/readyz").await.starts_with("HTTP/1.1 200")
+    })
+    .await;
     let pid = child.id().unwrap() as i32;
     // SAFETY: signalling our own child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
