@@ -510,10 +510,22 @@ async fn check_target(
 }
 
 /// Different type names that still take each other's text form: same family of numbers, text or
-/// times (by the target type's category), or a length/precision change of the same type.
+/// times (by the target type's category), a length/precision change of the same type, or the
+/// same type name in another schema (an extension installed elsewhere on the target, say).
 fn compatible(source: &str, target: &str, target_category: &str) -> bool {
     let base = |t: &str| t.split('(').next().unwrap_or(t).trim().to_owned();
     if base(source) == base(target) {
+        return true;
+    }
+    // The name after the schema: `public.citext` and `extensions.citext` alike.
+    let unqualified = |t: &str| {
+        let b = base(t);
+        match b.rfind("\".") {
+            Some(i) if b.ends_with('"') => b[i + 2..].to_owned(),
+            _ => b.rsplit('.').next().unwrap_or(&b).to_owned(),
+        }
+    };
+    if unqualified(source) == unqualified(target) {
         return true;
     }
     let numeric = [
@@ -533,4 +545,25 @@ fn compatible(source: &str, target: &str, target_category: &str) -> bool {
         || family(&text)
         || family(&times)
         || (target_category == "S" && text.contains(&base(source).as_str()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compatible;
+
+    #[test]
+    fn type_names_compare_as_the_target_takes_them() {
+        assert!(compatible("integer", "bigint", "N"));
+        assert!(compatible(
+            "character varying(10)",
+            "character varying(20)",
+            "S"
+        ));
+        // The same type, named from another search_path or installed in another schema.
+        assert!(compatible("\"My Schema\".\"Mood\"", "\"Mood\"", "E"));
+        assert!(compatible("public.citext", "extensions.citext", "S"));
+        assert!(compatible("public.citext[]", "ext.citext[]", "A"));
+        assert!(!compatible("text", "integer", "N"));
+        assert!(!compatible("public.mood", "public.feeling", "E"));
+    }
 }

@@ -72,18 +72,20 @@ pub async fn apply(client: &mut Client) -> Result<()> {
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await
         .map_err(context)?;
-    // Created once, by a role that may: a role given rights in an existing schema need not be
-    // allowed to create one (CREATE ... IF NOT EXISTS checks that right first).
-    let exists: bool = tx
+    // Created once, by a role that may: a role given rights in an existing schema (or given
+    // the schema itself) need not be allowed to create one (CREATE ... IF NOT EXISTS checks
+    // that right first).
+    let row = tx
         .query_one(
-            "SELECT pg_catalog.to_regclass('pgapply.schema_migrations') IS NOT NULL",
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = 'pgapply'), \
+                    pg_catalog.to_regclass('pgapply.schema_migrations') IS NOT NULL",
             &[],
         )
         .await
-        .map_err(context)?
-        .get(0);
-    if !exists {
-        create_schema(&tx).await?;
+        .map_err(context)?;
+    let (schema, table): (bool, bool) = (row.get(0), row.get(1));
+    if !table {
+        create_schema(&tx, schema).await?;
     }
     let row = tx
         .query_one(
@@ -119,11 +121,20 @@ pub async fn apply(client: &mut Client) -> Result<()> {
     Ok(())
 }
 
-async fn create_schema(tx: &tokio_postgres::Transaction<'_>) -> Result<()> {
+async fn create_schema(tx: &tokio_postgres::Transaction<'_>, schema_exists: bool) -> Result<()> {
+    if !schema_exists {
+        tx.batch_execute("SET LOCAL client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS pgapply")
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    "creating schema pgapply on the target (the target role needs CREATE on the database, or create the schema for it)",
+                    e,
+                )
+            })?;
+    }
     // (SET LOCAL: without "already exists, skipping" notices when two runs race to create it.)
     tx.batch_execute(
         "SET LOCAL client_min_messages = warning;
-         CREATE SCHEMA IF NOT EXISTS pgapply;
          CREATE TABLE IF NOT EXISTS pgapply.schema_migrations (
              version    integer PRIMARY KEY,
              name       text NOT NULL,
@@ -133,7 +144,7 @@ async fn create_schema(tx: &tokio_postgres::Transaction<'_>) -> Result<()> {
     .await
     .map_err(|e| {
         Error::postgres(
-            "creating schema pgapply on the target (the target role needs CREATE on the database, or create the schema for it)",
+            "creating pgapply's tables in schema pgapply on the target (the target role needs CREATE on that schema: GRANT CREATE ON SCHEMA pgapply TO ..., or make the role its owner)",
             e,
         )
     })

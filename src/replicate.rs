@@ -1188,8 +1188,15 @@ async fn source_has_reached(
     if resume <= wal_end {
         return Ok(());
     }
+    // A standby just started reports what it has replayed, from its last restartpoint on,
+    // until it receives WAL again: wait for it.
+    if session.in_recovery().await? {
+        return Err(Error::transient(format!(
+            "the source is a standby whose WAL ends at {wal_end} for now, before {resume}, which the target has applied: waiting for it to catch up"
+        )));
+    }
     Err(Error::definite(format!(
-        "the target has applied changes from this source up to {resume}, but the source's WAL ends at {wal_end}: the source is not the server those changes came from (a standby that was behind was promoted, or the server was restored from a backup), and its transactions below {resume} would be skipped. Compare the tables (pgapply verify), then start over into a new slot with --copy-data --truncate-target"
+        "the target has applied changes from this source up to {resume}, but the source's WAL ends at {wal_end}: the source is not the server those changes came from (a standby that was behind was promoted, or the server was restored from a backup), and its transactions below {resume} would be skipped. Compare the tables (pgapply verify), then start over: under a new --slot with --copy-data --truncate-target, or, to keep this slot name, delete its row from pgapply.progress on the target first"
     )))
 }
 

@@ -23,13 +23,16 @@ pub fn qualified_name(schema: &str, table: &str) -> String {
 
 /// SQL for a type's name as `format_type` gives it, schema-qualified unless the type is
 /// pg_catalog's: `format_type` leaves out the schema of a type the session's search_path finds,
-/// and the name is used, or compared, on the other server, whose search_path may differ.
+/// and the name is compared with the other server's, whose search_path may differ. (An array is
+/// named after its element: the element's schema decides.)
 pub fn type_name_sql(type_oid: &str, typmod: &str) -> String {
     format!(
-        "(SELECT CASE WHEN tn.nspname <> 'pg_catalog' AND pg_catalog.pg_type_is_visible(ty.oid) \
+        "(SELECT CASE WHEN tn.nspname <> 'pg_catalog' AND pg_catalog.pg_type_is_visible(el.oid) \
                       THEN pg_catalog.quote_ident(tn.nspname) || '.' || pg_catalog.format_type(ty.oid, {typmod}) \
                       ELSE pg_catalog.format_type(ty.oid, {typmod}) END \
-          FROM pg_catalog.pg_type ty JOIN pg_catalog.pg_namespace tn ON tn.oid = ty.typnamespace \
+          FROM pg_catalog.pg_type ty \
+          JOIN pg_catalog.pg_type el ON el.oid = CASE WHEN ty.typlen = -1 AND ty.typelem <> 0 THEN ty.typelem ELSE ty.oid END \
+          JOIN pg_catalog.pg_namespace tn ON tn.oid = el.typnamespace \
           WHERE ty.oid = {type_oid})"
     )
 }

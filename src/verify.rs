@@ -99,16 +99,15 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
         .query(
             &format!(
                 "SELECT a.attname::text, \
-                        CASE WHEN t.typtype = 'd' THEN {base} ELSE {own} END \
+                        CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
+                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END \
                  FROM (SELECT i.indrelid, i.indkey, {key_count} AS n FROM pg_catalog.pg_index i \
                        WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
                        ORDER BY i.indisprimary DESC LIMIT 1) i \
                  CROSS JOIN generate_series(0, i.n - 1) k \
                  JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k] \
                  JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
-                 ORDER BY k",
-                base = crate::sql::type_name_sql("t.typbasetype", "t.typtypmod"),
-                own = crate::sql::type_name_sql("a.atttypid", "a.atttypmod"),
+                 ORDER BY k"
             ),
             &[&table.qualified()],
         )
@@ -124,6 +123,39 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
     } else {
         Ok(Vec::new())
     }
+}
+
+/// The key columns' types on the target, named as the target's own sessions name them: a type
+/// name travels badly between servers (search_paths differ; an extension may live in another
+/// schema there), so each side casts the bounds to its own types.
+async fn target_key_types(
+    target: &Client,
+    table: &PublishedTable,
+    keys: &[(String, String)],
+) -> Result<Vec<(String, String)>> {
+    let qualified = table.target_qualified();
+    let mut out = Vec::with_capacity(keys.len());
+    for (column, _) in keys {
+        let row = target
+            .query_opt(
+                "SELECT CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
+                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END \
+                 FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
+                 WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped",
+                &[&qualified, column],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("reading the key columns of {qualified} on the target"), e))?;
+        let Some(row) = row else {
+            return Err(Error::definite(format!(
+                "key column {} of {} is missing on the target table {qualified}",
+                quote_ident(column),
+                table.qualified()
+            )));
+        };
+        out.push((column.clone(), row.get(0)));
+    }
+    Ok(out)
 }
 
 /// Per chunk index: row count and digest (chunks without rows are left out).
@@ -196,7 +228,7 @@ async fn all_chunk_digests(
         .collect())
 }
 
-/// A key as a row's text form: `(2001)`, `("a, b",x)`. Values that would read ambiguously
+/// A key as a row's text form: `(2001)`, `("a, b", x)`. Values that would read ambiguously
 /// (empty, with a comma, a quote, a backslash, a parenthesis or a space) are double-quoted.
 fn key_text(values: &[String]) -> String {
     let field = |v: &String| {
@@ -360,6 +392,7 @@ async fn verify_table(
     let source = connect(&source_config, "source", float_digits).await?;
     let target = connect(&target_config, "target", float_digits).await?;
     let keys = key_columns(&source, &table).await?;
+    let target_keys = target_key_types(&target, &table, &keys).await?;
     let source_table = own_rows(&source, &table.qualified(), "source").await?;
     let target_table = own_rows(&target, &table.target_qualified(), "target").await?;
     let columns = table
@@ -441,7 +474,7 @@ async fn verify_table(
                 "target",
                 &target_table,
                 &columns,
-                &keys,
+                &target_keys,
                 None,
                 &starts,
             ),
@@ -491,7 +524,7 @@ async fn verify_table(
                 "target",
                 &target_table,
                 &columns,
-                &keys,
+                &target_keys,
                 None,
                 chunk,
             )

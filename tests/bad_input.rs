@@ -793,3 +793,38 @@ async fn a_slot_name_used_by_another_database_of_the_target_cluster_is_refused()
     a.sync("p").await;
     a.assert_same("t").await;
 }
+
+/// A target role given the schema pgapply (its owner), without CREATE on the database, runs:
+/// the schema is not created again (CREATE SCHEMA IF NOT EXISTS asks for that right first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_given_the_pgapply_schema_needs_no_create_on_the_database() {
+    let db = TestDb::new("schemaowner").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let role = format!("owner_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 'o'; CREATE SCHEMA pgapply AUTHORIZATION {role}; \
+         GRANT ALL ON t TO {role}; REVOKE CREATE ON DATABASE {} FROM PUBLIC;",
+        db.name
+    ))
+    .await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={role} password=o dbname={}",
+        db.target_port, db.name
+    );
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &target,
+            &db.slot(),
+            "p",
+            &["--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("t").await;
+}

@@ -1919,3 +1919,36 @@ async fn generated_columns_are_left_to_the_target_in_copy_and_stream() {
     assert!(!text.contains("generated on the target"), "{text}");
     assert!(check.status.success(), "{text}\n{}", stderr(&check));
 }
+
+/// An extension type in another schema on the target (public on the source, its own schema on
+/// the target, as managed services do): verify casts each side's bounds to that side's own type,
+/// and check takes the two names for the same type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extension_type_in_another_schema_on_the_target_is_compared() {
+    let db = TestDb::new("extschema").await;
+    let available = "SELECT count(*) FROM pg_available_extensions WHERE name = 'citext'";
+    if db.count(&db.source, available).await == 0 || db.count(&db.target, available).await == 0 {
+        common::skip("the citext extension is not installed with these servers");
+        return;
+    }
+    db.source_sql("CREATE EXTENSION citext SCHEMA public").await;
+    db.target_sql("CREATE SCHEMA ext; CREATE EXTENSION citext SCHEMA ext")
+        .await;
+    db.source_sql("CREATE TABLE c (k public.citext PRIMARY KEY, v text)")
+        .await;
+    db.target_sql("CREATE TABLE c (k ext.citext PRIMARY KEY, v text)")
+        .await;
+    db.both("INSERT INTO c SELECT 'key' || g, 'v' FROM generate_series(1, 50) g")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE c").await;
+    let out = run_with_deadline(db.on_both("verify", &["--chunk-rows", "10"]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(
+        text.contains("OK        \"public\".\"c\" (50 rows, 5 chunks)"),
+        "{text}"
+    );
+    let check = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&check.stdout).to_string();
+    assert!(!text.contains("values may not convert"), "{text}");
+}

@@ -196,18 +196,30 @@ impl ProgressStore {
             slot: slot.to_owned(),
         };
         let context = |e| Error::postgres("reading pgapply.progress on the target", e);
-        let new_row = client
-            .execute(
-                // (A new slot's row says "starting" until the run's first status update.)
-                "INSERT INTO pgapply.progress (slot_name, source_system_id, state, pid, heartbeat_at) \
-                 VALUES ($1, $2, 'starting', $3, now()) ON CONFLICT (slot_name) DO NOTHING",
-                &[&slot, &source_system_id, &(std::process::id() as i32)],
-            )
-            .await
-            .map_err(context)?
-            == 1;
-        if new_row {
-            forget_positions(client, &store.mode, &origin).await?;
+        // The row and the clearing of old positions commit together: a run stopped in between
+        // (killed, or an origin still held by a dying session) leaves no row, and the next run
+        // clears them again.
+        client.batch_execute("BEGIN").await.map_err(context)?;
+        let created = async {
+            let new_row = client
+                .execute(
+                    // (A new slot's row says "starting" until the run's first status update.)
+                    "INSERT INTO pgapply.progress (slot_name, source_system_id, state, pid, heartbeat_at) \
+                     VALUES ($1, $2, 'starting', $3, now()) ON CONFLICT (slot_name) DO NOTHING",
+                    &[&slot, &source_system_id, &(std::process::id() as i32)],
+                )
+                .await
+                .map_err(context)?
+                == 1;
+            if new_row {
+                forget_positions(client, &store.mode, &origin).await?;
+            }
+            client.batch_execute("COMMIT").await.map_err(context)
+        }
+        .await;
+        if let Err(e) = created {
+            let _ = client.batch_execute("ROLLBACK").await;
+            return Err(e);
         }
         let row = client
             .query_one(

@@ -217,6 +217,15 @@ impl ReplicationSession {
         Ok(r.first("ms").and_then(|t| t.parse().ok()).unwrap_or(0))
     }
 
+    /// Whether the source is a standby (logical decoding from a standby is 16+).
+    pub async fn in_recovery(&mut self) -> Result<bool> {
+        let r = self
+            .conn
+            .simple_query("SELECT pg_catalog.pg_is_in_recovery()::text AS recovery")
+            .await?;
+        Ok(r.first("recovery") == Some("true"))
+    }
+
     pub async fn slot_exists(&mut self, slot: &str) -> Result<bool> {
         let sql = format!(
             "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = {}",

@@ -292,7 +292,7 @@ impl TestDb {
     pub async fn assert_same(&self, table: &str) {
         let (s, t) = self.digest(table).await;
         if s != t {
-            let q = format!("SELECT r::text FROM {table} r ORDER BY 1");
+            let q = format!("SELECT (r.*)::text FROM {table} r ORDER BY 1");
             let source_rows = rows(&self.source, &q).await;
             let target_rows = rows(&self.target, &q).await;
             panic!(
