@@ -1064,3 +1064,30 @@ async fn origin_none_leaves_out_changes_that_came_from_elsewhere() {
     assert_eq!(rows, 2);
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM o").await, 2);
 }
+
+/// A column's type changed on the target while pgapply runs, to one that still takes the
+/// source's values (text to integer): the statements prepared for the old type fail once, and
+/// a fresh start, preparing them anew, applies the change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_type_changed_on_the_target_while_running_is_taken_in() {
+    let db = TestDb::new("retype").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, x text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let mut child = common::spawn(db.pgapply("p", &["--retry-min", "100ms", "--retry-max", "1s"]));
+    db.source_sql("INSERT INTO t VALUES (1, '41')").await;
+    wait_for("the first row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 1
+    })
+    .await;
+    db.target_sql("ALTER TABLE t ALTER COLUMN x TYPE int USING x::int")
+        .await;
+    db.source_sql("INSERT INTO t VALUES (2, '42')").await;
+    wait_for("the row after the type change", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t WHERE x = 42")
+            .await
+            == 1
+    })
+    .await;
+    assert!(child.try_wait().unwrap().is_none(), "pgapply still runs");
+    child.kill().await.unwrap();
+}

@@ -2865,6 +2865,22 @@ impl Applier {
                             return self.commit_failed(transactions, end_lsn, last, e);
                         }
                     }
+                    // A column's type changed on the target under a prepared statement: the
+                    // statements prepared anew by a fresh start take the new type.
+                    if let Some(about) = about
+                        .as_ref()
+                        .filter(|_| e.code().map(|c| c.code()) == Some("42804"))
+                    {
+                        if first_type_mismatch(about.relation.source.oid) {
+                            self.failure = Some(Error::transient(format!(
+                                "applying {}: {}: a column of target table {} may have changed type since pgapply prepared its statements: starting again with statements prepared anew",
+                                about.describe(),
+                                describe_postgres(&e),
+                                about.relation.target.qualified
+                            )));
+                            return;
+                        }
+                    }
                     let through = about.as_ref().and_then(|a| a.through);
                     let err = self.violation_error(kind, about.as_ref(), e);
                     match (through, &about) {
@@ -3404,6 +3420,14 @@ fn streamed_xid(message: &LogicalMessage) -> Option<Xid> {
         LogicalMessage::Message(m) => m.xid,
         _ => None,
     }
+}
+
+/// Whether this is the process's first "expression is of type x" error for a relation (one
+/// restart re-prepares its statements; a second is not about a changed table).
+fn first_type_mismatch(relation: crate::protocol::pgoutput::Oid) -> bool {
+    static SEEN: std::sync::LazyLock<std::sync::Mutex<HashSet<crate::protocol::pgoutput::Oid>>> =
+        std::sync::LazyLock::new(Default::default);
+    SEEN.lock().map(|mut s| s.insert(relation)).unwrap_or(false)
 }
 
 /// What to write to pgapply.conflicts for a conflict met by `about`.
