@@ -44,7 +44,8 @@ pub fn check_run_only(config: &RunConfig) -> Result<()> {
 
 /// A duration setting ("500ms", "10s", "5m"), at most ten years.
 pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
-    let d = humantime::parse_duration(text.trim()).map_err(|e| e.to_string())?;
+    let d = humantime::parse_duration(text.trim())
+        .map_err(|e| format!("{e} (write it like \"500ms\", \"10s\" or \"5m\")"))?;
     if d > MAX_DURATION {
         return Err(format!("{text:?} is longer than ten years"));
     }
@@ -54,11 +55,8 @@ pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
 fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Duration>, D::Error> {
     let text: Option<String> = Option::deserialize(d)?;
     text.map(|t| {
-        parse_duration(&t).map_err(|e| {
-            serde::de::Error::custom(format!(
-                "invalid duration {t:?}: {e} (write it like \"500ms\", \"10s\" or \"5m\")"
-            ))
-        })
+        parse_duration(&t)
+            .map_err(|e| serde::de::Error::custom(format!("invalid duration {t:?}: {e}")))
     })
     .transpose()
 }

@@ -24,7 +24,18 @@ const EXIT_TRANSIENT: u8 = 3;
 const EXIT_FORCED_STOP: u8 = 4;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => match env_variable_behind(&e) {
+            // clap names the flag; the value came from the environment.
+            Some(variable) => {
+                eprint!("{}", e.render());
+                eprintln!("(the value comes from the environment variable {variable})");
+                return ExitCode::from(EXIT_USAGE);
+            }
+            None => e.exit(),
+        },
+    };
     // The file may set the log level, so it is read before logging starts.
     let config_path = match &cli.command {
         Command::Run(a) | Command::Check(a) => a.servers.config.clone(),
@@ -370,4 +381,30 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
         reverse: args.reverse,
     };
     cutover::cutover(config, settings, verify::VerifySettings::default()).await
+}
+
+/// The environment variable a refused value came from, when the flag itself is not on the
+/// command line.
+fn env_variable_behind(e: &clap::Error) -> Option<String> {
+    use clap::CommandFactory;
+    let clap::error::ContextValue::String(arg) = e.get(clap::error::ContextKind::InvalidArg)?
+    else {
+        return None;
+    };
+    let long = arg.split_whitespace().next()?.strip_prefix("--")?;
+    let given =
+        std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    if given {
+        return None;
+    }
+    let command = Cli::command();
+    let args = command
+        .get_arguments()
+        .chain(command.get_subcommands().flat_map(|c| c.get_arguments()));
+    let variable = args
+        .filter(|a| a.get_long() == Some(long))
+        .filter_map(|a| a.get_env())
+        .find(|v| std::env::var_os(v).is_some())
+        .map(|v| v.to_string_lossy().into_owned());
+    variable
 }

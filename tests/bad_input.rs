@@ -609,6 +609,15 @@ async fn wrong_settings_exit_2_before_connecting() {
             ]),
             &["--timeout", "ten years"],
         ),
+        (
+            // A bad value from the environment: the variable is named, not only the flag.
+            {
+                let mut c = run(&[], "host=h");
+                c.env("PGAPPLY_STATUS_INTERVAL", "5");
+                c
+            },
+            &["environment variable PGAPPLY_STATUS_INTERVAL"],
+        ),
     ];
     for (cmd, needles) in cases {
         let out = run_with_deadline(cmd, 30).await;
