@@ -67,7 +67,15 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     let mut tables = Vec::new();
     let mut truncated = Vec::new();
     if let Some(src) = &source {
-        check_source(src, &config, &mut report, &mut tables, &mut truncated).await;
+        check_source(
+            src,
+            target.as_ref(),
+            &config,
+            &mut report,
+            &mut tables,
+            &mut truncated,
+        )
+        .await;
     }
     // A slot made by a --two-phase run makes every run on it two-phase.
     let mut two_phase = config.requested.two_phase;
@@ -178,6 +186,7 @@ async fn query_bool(
 
 async fn check_source(
     src: &Client,
+    dst: Option<&Client>,
     config: &crate::replicate::RunConfig,
     report: &mut Report,
     tables: &mut Vec<crate::copy::PublishedTable>,
@@ -261,10 +270,29 @@ async fn check_source(
                     config.slot
                 ));
             } else if let Some(pid) = active_pid {
-                report.problem(format!(
-                    "slot {:?} is in use by the source process {pid} (another pgapply, or another client): stop that one first",
-                    config.slot
-                ));
+                // The worker this check describes, running: its heartbeat on the target is fresh.
+                let running = match dst {
+                    Some(dst) => query_bool(
+                        dst,
+                        "SELECT coalesce((SELECT state = 'streaming' AND heartbeat_at > now() - $2::text::interval \
+                                          FROM pgapply.progress WHERE slot_name = $1), false)",
+                        &[&config.slot, &format!("{} seconds", 3 * crate::replicate::HEARTBEAT_MAX_EVERY.as_secs())],
+                    )
+                    .await
+                    .unwrap_or(false),
+                    None => false,
+                };
+                if running {
+                    report.ok(format!(
+                        "slot {:?} is in use by the running pgapply worker (source process {pid}); the checks below describe its setup",
+                        config.slot
+                    ));
+                } else {
+                    report.problem(format!(
+                        "slot {:?} is in use by the source process {pid} (another pgapply, or another client): stop that one first",
+                        config.slot
+                    ));
+                }
             } else if plugin.as_deref() != Some("pgoutput") {
                 report.problem(format!("slot {:?} uses plugin {:?}; pgapply needs pgoutput", config.slot, plugin));
             } else if same_db != Some(true) {

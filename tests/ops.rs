@@ -624,11 +624,44 @@ async fn check_lists_every_problem() {
     assert_eq!(code, Some(0), "{text}");
     db.target_sql("DELETE FROM good").await;
 
-    // A slot another process is using: named, with the process.
+    // The slot in use by the running worker of this target: a check of the live deployment.
     let mut worker = spawn(db.pgapply("p,ins", &["--create-slot"]));
     db.wait_slot_active().await;
+    wait_for("the worker's heartbeat", 30, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE state = 'streaming'",
+        )
+        .await
+            == 1
+    })
+    .await;
     let (code, text, log) = check("p,ins", &[]).await;
-    assert_eq!(code, Some(1), "{text}\n{log}");
+    assert_eq!(code, Some(0), "{text}\n{log}");
+    assert!(
+        text.contains(&format!(
+            "slot \"{}\" is in use by the running pgapply worker",
+            db.slot()
+        )),
+        "{text}"
+    );
+    // Seen from another target, that worker is another process using the slot: named.
+    let other = TestDb::new("check_other").await;
+    let mut cmd = pgapply();
+    cmd.args([
+        "check",
+        "--source",
+        &db.source_conninfo(),
+        "--target",
+        &other.target_conninfo(),
+        "--slot",
+        &db.slot(),
+        "--publication",
+        "p,ins",
+    ]);
+    let out = run_with_deadline(cmd, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
         text.contains(&format!(
             "slot \"{}\" is in use by the source process",
