@@ -30,14 +30,15 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
         ))
     })?;
     // A transaction already applied never comes again: its request would wait for ever.
-    let applied: Option<String> = client
+    let row = client
         .query_opt(
-            "SELECT greatest(lsn, applied_lsn)::text FROM pgapply.progress WHERE slot_name = $1",
+            "SELECT greatest(lsn, applied_lsn)::text, skip_lsn::text FROM pgapply.progress WHERE slot_name = $1",
             &[&slot],
         )
         .await
-        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
-        .and_then(|r| r.get(0));
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
+    let applied: Option<String> = row.as_ref().and_then(|r| r.get(0));
+    let pending: Option<String> = row.as_ref().and_then(|r| r.get(1));
     if let Some(applied) = applied.and_then(|a| a.parse::<Lsn>().ok()) {
         if lsn < applied {
             return Err(Error::definite(format!(
@@ -56,6 +57,9 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
         return Err(Error::definite(format!(
             "the target has no pgapply progress for slot {slot:?}: check --slot (see `pgapply status`)"
         )));
+    }
+    if let Some(pending) = pending.filter(|p| *p != lsn.to_string()) {
+        crate::out!("(this replaces the request to skip the transaction committed at {pending}, which is no longer skipped)");
     }
     crate::out!(
         "the source transaction committed at {lsn} will be skipped when pgapply next starts for slot {slot}; it is recorded in pgapply.conflicts"

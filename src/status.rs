@@ -27,6 +27,8 @@ pub struct SlotStatus {
     pub copy: Vec<CopyTableStatus>,
     /// Where `pgapply cutover` stopped this slot's worker (it stays stopped there).
     pub stop_lsn: Option<String>,
+    /// The commit LSN of a source transaction `pgapply skip` asked to skip, not reached yet.
+    pub skip_lsn: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -65,7 +67,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                     to_char(last_commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
                     extract(epoch FROM now() - heartbeat_at)::float8, lag_seconds, \
                     transactions, inserts, updates, deletes, truncates, conflicts::text, \
-                    to_jsonb(p) ->> 'stop_lsn' \
+                    to_jsonb(p) ->> 'stop_lsn', skip_lsn::text \
              FROM pgapply.progress p WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
             &[&args.slot.clone().or_else(|| file.slot.clone())],
         )
@@ -140,6 +142,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                 })
                 .collect(),
             stop_lsn: row.get(13),
+            skip_lsn: row.get(14),
         });
     }
     Ok(out)
@@ -194,6 +197,9 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             crate::out!(
                 "  stopped at {stop} by `pgapply cutover`: nothing after it is applied (clear pgapply.progress.stop_lsn to replicate again)"
             );
+        }
+        if let Some(skip) = &s.skip_lsn {
+            crate::out!("  will skip the source transaction committed at {skip} (`pgapply skip`)");
         }
         for c in &s.copy {
             crate::out!(

@@ -908,6 +908,20 @@ async fn status_and_skip_take_the_config_file() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+    // The pending request shows in status; another one says what it replaces.
+    let out = run_with_deadline(cmd(&["status"]), 30).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("will skip the source transaction committed at FF/0"),
+        "{text}"
+    );
+    let out = run_with_deadline(cmd(&["skip", "--lsn", "FF/1"]), 30).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        text.contains("replaces the request to skip the transaction committed at FF/0"),
+        "{text}"
+    );
     // The password file named there is read (here: it is missing, and the error says so).
     write("target_password_file = \"/nonexistent/pgapply-password\"");
     let out = run_with_deadline(cmd(&["status"]), 30).await;
