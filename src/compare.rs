@@ -12,15 +12,25 @@ pub struct TableDigest {
 
 /// Count and md5 of the rows' text form, ordered by every column (so tables without a key
 /// compare too, duplicates included). `table` must already be quoted. (`r.*`: a column named `r`
-/// would stand for the whole row.)
+/// would stand for the whole row.) The text is printed with the same settings on both servers,
+/// whatever their sessions say: times in UTC, floats to 15 digits (as PostgreSQL 11 and older
+/// print them; 12 and later print the shortest exact form), money in the C locale's form.
 pub async fn table_digest(client: &Client, table: &str) -> Result<TableDigest> {
+    let context = |e| Error::postgres(format!("reading {table}"), e);
+    client
+        .batch_execute(
+            "BEGIN; SET LOCAL timezone = 'UTC'; SET LOCAL datestyle = ISO; \
+             SET LOCAL intervalstyle = postgres; SET LOCAL extra_float_digits = 0; \
+             SET LOCAL bytea_output = hex; SET LOCAL lc_monetary = 'C'",
+        )
+        .await
+        .map_err(context)?;
     let sql = format!(
         "SELECT count(*), coalesce(md5(string_agg((r.*)::text, E'\\n' ORDER BY (r.*)::text)), '') FROM {table} AS r"
     );
-    let row = client
-        .query_one(&sql, &[])
-        .await
-        .map_err(|e| Error::postgres(format!("reading {table}"), e))?;
+    let row = client.query_one(&sql, &[]).await;
+    let _ = client.batch_execute("COMMIT").await;
+    let row = row.map_err(context)?;
     Ok(TableDigest {
         rows: row.get(0),
         md5: row.get(1),
