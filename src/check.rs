@@ -100,6 +100,31 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             .is_ok_and(|r| r.is_some());
     }
     if let Some(dst) = &target {
+        // Origins are the cluster's: a slot name another database of it claimed is refused.
+        let claimed = dst
+            .query_opt(
+                "SELECT d.datname::text FROM pg_catalog.pg_replication_origin c \
+                 JOIN pg_catalog.pg_database d ON 'db' || d.oid::text = substr(c.roname, length($1) + 2) \
+                 WHERE left(c.roname, length($1) + 3) = $1 || '.db' ORDER BY c.roident LIMIT 1",
+                &[&format!("pgapply_{}", config.slot)],
+            )
+            .await
+            .ok()
+            .flatten()
+            .map(|r| r.get::<_, String>(0));
+        let here = dst
+            .query_one("SELECT current_database()::text", &[])
+            .await
+            .map(|r| r.get::<_, String>(0))
+            .ok();
+        if let (Some(database), Some(here)) = (claimed, here) {
+            if database != here {
+                report.problem(format!(
+                    "slot name {:?} is already used by pgapply in database {database:?} of the target cluster (replication origins are shared by its databases): give this run another --slot",
+                    config.slot
+                ));
+            }
+        }
         // Whatever the source said: the role's rights for pgapply's own state.
         // As `run` decides: --copy-data with a copy still to make (none yet, an interrupted one,
         // or a finished one whose slot is gone) wants empty tables, or --truncate-target; an
@@ -172,6 +197,17 @@ fn finish(report: Report) -> Result<()> {
 }
 
 /// A yes/no query; a failure is the server's own message (not taken for a "no").
+/// The source's system identifier, as pgapply.progress records it ("" if unreadable).
+async fn source_system_id(src: &Client) -> String {
+    src.query_one(
+        "SELECT system_identifier::text FROM pg_catalog.pg_control_system()",
+        &[],
+    )
+    .await
+    .map(|r| r.get(0))
+    .unwrap_or_default()
+}
+
 async fn query_bool(
     client: &Client,
     sql: &str,
@@ -269,14 +305,25 @@ async fn check_source(
                     "slot {:?} was invalidated (the source removed WAL it needed): drop it and start over with --copy-data --truncate-target",
                     config.slot
                 ));
+            } else if plugin.as_deref() != Some("pgoutput") {
+                report.problem(format!("slot {:?} uses plugin {:?}; pgapply needs pgoutput", config.slot, plugin));
+            } else if same_db != Some(true) {
+                report.problem(format!("slot {:?} belongs to another database than the source connection", config.slot));
             } else if let Some(pid) = active_pid {
-                // The worker this check describes, running: its heartbeat on the target is fresh.
+                // The worker this check describes, running: its heartbeat on the target is
+                // fresh, and the target's progress is from this source.
                 let running = match dst {
                     Some(dst) => query_bool(
                         dst,
-                        "SELECT coalesce((SELECT state = 'streaming' AND heartbeat_at > now() - $2::text::interval \
+                        "SELECT coalesce((SELECT state IN ('streaming', 'copying') \
+                                                 AND heartbeat_at > now() - $2::text::interval \
+                                                 AND source_system_id = $3 \
                                           FROM pgapply.progress WHERE slot_name = $1), false)",
-                        &[&config.slot, &format!("{} seconds", 3 * crate::replicate::HEARTBEAT_MAX_EVERY.as_secs())],
+                        &[
+                            &config.slot,
+                            &format!("{} seconds", 3 * crate::replicate::HEARTBEAT_MAX_EVERY.as_secs()),
+                            &source_system_id(src).await,
+                        ],
                     )
                     .await
                     .unwrap_or(false),
@@ -284,7 +331,7 @@ async fn check_source(
                 };
                 if running {
                     report.ok(format!(
-                        "slot {:?} is in use by the running pgapply worker (source process {pid}); the checks below describe its setup",
+                        "slot {:?} is in use by the running pgapply worker (pgoutput, source process {pid}); the checks below describe its setup",
                         config.slot
                     ));
                 } else {
@@ -293,10 +340,6 @@ async fn check_source(
                         config.slot
                     ));
                 }
-            } else if plugin.as_deref() != Some("pgoutput") {
-                report.problem(format!("slot {:?} uses plugin {:?}; pgapply needs pgoutput", config.slot, plugin));
-            } else if same_db != Some(true) {
-                report.problem(format!("slot {:?} belongs to another database than the source connection", config.slot));
             } else {
                 report.ok(format!("slot {:?} exists (pgoutput)", config.slot));
             }

@@ -11,18 +11,39 @@ pub struct TableDigest {
 }
 
 /// Count and md5 of the rows' text form, ordered by every column (so tables without a key
-/// compare too, duplicates included). `table` must already be quoted. (`r.*`: a column named `r`
-/// would stand for the whole row.) The text is printed with the same settings on both servers,
-/// whatever their sessions say: times in UTC, floats to 15 digits (as PostgreSQL 11 and older
-/// print them; 12 and later print the shortest exact form), money in the C locale's form.
-pub async fn table_digest(client: &Client, table: &str) -> Result<TableDigest> {
+/// compare too, duplicates included), on both servers. `table` must already be quoted. (`r.*`: a
+/// column named `r` would stand for the whole row.) The text is printed with the same settings
+/// on both servers, whatever their sessions say: times in UTC, money in the C locale's form,
+/// floats as verify prints them (exact, or to 15 digits when one side runs PostgreSQL 11 or
+/// older, which prints floats differently).
+pub async fn table_digests(
+    source: &Client,
+    target: &Client,
+    table: &str,
+) -> Result<(TableDigest, TableDigest)> {
+    let (s, t) = (
+        crate::sql::server_version(source)
+            .await
+            .map_err(|e| Error::postgres("reading the source's version", e))?,
+        crate::sql::server_version(target)
+            .await
+            .map_err(|e| Error::postgres("reading the target's version", e))?,
+    );
+    let digits = crate::verify::float_digits(s, t);
+    Ok((
+        table_digest(source, table, digits).await?,
+        table_digest(target, table, digits).await?,
+    ))
+}
+
+async fn table_digest(client: &Client, table: &str, float_digits: i32) -> Result<TableDigest> {
     let context = |e| Error::postgres(format!("reading {table}"), e);
     client
-        .batch_execute(
+        .batch_execute(&format!(
             "BEGIN; SET LOCAL timezone = 'UTC'; SET LOCAL datestyle = ISO; \
-             SET LOCAL intervalstyle = postgres; SET LOCAL extra_float_digits = 0; \
-             SET LOCAL bytea_output = hex; SET LOCAL lc_monetary = 'C'",
-        )
+             SET LOCAL intervalstyle = postgres; SET LOCAL extra_float_digits = {float_digits}; \
+             SET LOCAL bytea_output = hex; SET LOCAL lc_monetary = 'C'"
+        ))
         .await
         .map_err(context)?;
     let sql = format!(

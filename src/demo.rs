@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::cluster::{find_pg_bin, LocalCluster};
-use crate::compare::table_digest;
+use crate::compare::table_digests;
 use crate::conninfo;
 use crate::error::{Error, Result};
 use crate::protocol::Lsn;
@@ -167,8 +167,7 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
         .await
         .map_err(|e| Error::definite(format!("the replication task failed: {e}")))??;
 
-    let s = table_digest(&src, "public.orders").await?;
-    let t = table_digest(&dst, "public.orders").await?;
+    let (s, t) = table_digests(&src, &dst, "public.orders").await?;
     crate::out!(
         "applied {} transactions ({} inserts, {} updates, {} deletes); flushed up to {}",
         outcome.stats.transactions,

@@ -386,14 +386,23 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
 /// The environment variable a refused value came from, when the flag itself is not on the
 /// command line.
 fn env_variable_behind(e: &clap::Error) -> Option<String> {
+    use clap::error::ErrorKind;
     use clap::CommandFactory;
+    if !matches!(
+        e.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return None;
+    }
     let clap::error::ContextValue::String(arg) = e.get(clap::error::ContextKind::InvalidArg)?
     else {
         return None;
     };
     let long = arg.split_whitespace().next()?.strip_prefix("--")?;
-    let given =
-        std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    let given = std::env::args_os().any(|a| {
+        let a = a.to_string_lossy();
+        a == format!("--{long}") || a.starts_with(&format!("--{long}="))
+    });
     if given {
         return None;
     }

@@ -1063,7 +1063,7 @@ async fn target_tables_exist(config: &RunConfig, target: &tokio_postgres::Client
     match missing.as_slice() {
         [] => Ok(()),
         [one] => Err(Error::definite(format!(
-            "table {one} is published by the source but does not exist on the target: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name); otherwise create it on the target (`pgapply schema` copies the published tables' definitions), or take it out of the publication; then start pgapply again"
+            "table {one} is published by the source but does not exist on the target: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; otherwise create it on the target (`pgapply schema` copies the published tables' definitions), or take it out of the publication; then start pgapply again"
         ))),
         many => Err(Error::definite(format!(
             "{} published tables do not exist on the target: {}: if they were renamed on the source, rename them on the target too (ALTER TABLE ... RENAME TO ...); otherwise create them on the target (`pgapply schema` copies the published tables' definitions), or take them out of the publication; then start pgapply again",

@@ -59,7 +59,7 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
         )));
     }
     if let Some(pending) = pending.filter(|p| *p != lsn.to_string()) {
-        crate::out!("(this replaces the request to skip the transaction committed at {pending}, which is no longer skipped)");
+        crate::out!("(this replaces the request to skip the transaction committed at {pending}, which a worker started from now on no longer skips; a running worker read it when it started)");
     }
     crate::out!(
         "the source transaction committed at {lsn} will be skipped when pgapply next starts for slot {slot}; it is recorded in pgapply.conflicts"

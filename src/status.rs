@@ -67,7 +67,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                     to_char(last_commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
                     extract(epoch FROM now() - heartbeat_at)::float8, lag_seconds, \
                     transactions, inserts, updates, deletes, truncates, conflicts::text, \
-                    to_jsonb(p) ->> 'stop_lsn', skip_lsn::text \
+                    to_jsonb(p) ->> 'stop_lsn', to_jsonb(p) ->> 'skip_lsn' \
              FROM pgapply.progress p WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
             &[&args.slot.clone().or_else(|| file.slot.clone())],
         )

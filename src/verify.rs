@@ -56,7 +56,7 @@ pub struct TableResult {
 /// 0.1 reads `0.1` on one side and `0.100000000000000006` on the other. When one side runs 11 or
 /// older, both print 15 significant digits (`extra_float_digits = 0`), as both versions do alike;
 /// otherwise the exact form.
-fn float_digits(source_version: i32, target_version: i32) -> i32 {
+pub fn float_digits(source_version: i32, target_version: i32) -> i32 {
     if source_version.min(target_version) < 120000 {
         0
     } else {

@@ -797,6 +797,28 @@ async fn a_slot_name_used_by_another_database_of_the_target_cluster_is_refused()
     )
     .await;
     assert!(!last.contains("panicked"), "{last}");
+    // check says so too.
+    let check = common::pgapply_command(&[
+        "check",
+        "--source",
+        &a.source_conninfo(),
+        "--target",
+        &b.target_conninfo(),
+        "--slot",
+        &a.slot(),
+        "--publication",
+        "p",
+    ]);
+    let out = run_with_deadline(check, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "is already used by pgapply in database \"{}\"",
+            a.name
+        )),
+        "{text}"
+    );
     // The first database's own runs go on.
     a.source_sql("INSERT INTO t VALUES (2)").await;
     a.sync("p").await;

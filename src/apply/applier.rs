@@ -3159,7 +3159,8 @@ impl Applier {
             let clear = match self
                 .client
                 .prepare(
-                    "WITH cleared AS (UPDATE pgapply.progress SET skip_lsn = NULL WHERE slot_name = $1) \
+                    // (Only this request: `pgapply skip` may have asked for another since.)
+                    "WITH cleared AS (UPDATE pgapply.progress SET skip_lsn = NULL WHERE slot_name = $1 AND skip_lsn = $3::text::pg_lsn) \
                      INSERT INTO pgapply.conflicts (slot_name, conflict_type, key, source_lsn, source_commit_time, policy) \
                      VALUES ($1, 'skipped_transaction', $2, $3::text::pg_lsn, $4::text::timestamptz, 'skip')",
                 )
@@ -3422,12 +3423,23 @@ fn streamed_xid(message: &LogicalMessage) -> Option<Xid> {
     }
 }
 
-/// Whether this is the process's first "expression is of type x" error for a relation (one
-/// restart re-prepares its statements; a second is not about a changed table).
+/// Whether an "expression is of type x" error for a relation may start the run again: not if
+/// one did in the last ten minutes (then the statements were prepared anew and the error is
+/// not about a changed table).
 fn first_type_mismatch(relation: crate::protocol::pgoutput::Oid) -> bool {
-    static SEEN: std::sync::LazyLock<std::sync::Mutex<HashSet<crate::protocol::pgoutput::Oid>>> =
-        std::sync::LazyLock::new(Default::default);
-    SEEN.lock().map(|mut s| s.insert(relation)).unwrap_or(false)
+    static SEEN: std::sync::LazyLock<
+        std::sync::Mutex<HashMap<crate::protocol::pgoutput::Oid, Instant>>,
+    > = std::sync::LazyLock::new(Default::default);
+    let Ok(mut seen) = SEEN.lock() else {
+        return false;
+    };
+    match seen.get(&relation) {
+        Some(at) if at.elapsed() < Duration::from_secs(600) => false,
+        _ => {
+            seen.insert(relation, Instant::now());
+            true
+        }
+    }
 }
 
 /// What to write to pgapply.conflicts for a conflict met by `about`.

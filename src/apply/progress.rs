@@ -52,48 +52,81 @@ async fn claim_slot_name(client: &Client, slot: &str, origin: &str) -> Result<()
             e,
         )
     };
-    // Each claim, with its database's name and whether it is this one (NULLs: dropped since).
+    // Claim first, then look: of two databases starting together, both see both claims, and
+    // the earlier claim wins. (Another process of this database may create the same claim at
+    // the same moment: a unique violation is then this claim, made.)
+    let created = client
+        .execute(
+            "SELECT pg_catalog.pg_replication_origin_create(n) \
+             FROM (SELECT $1 || '.db' || oid::text AS n FROM pg_catalog.pg_database WHERE datname = current_database()) c \
+             WHERE pg_catalog.pg_replication_origin_oid(n) IS NULL",
+            &[&origin],
+        )
+        .await;
+    if let Err(e) = created {
+        if e.code() != Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
+            return Err(context(e));
+        }
+    }
+    // Each claim in the order made, with its database's name and whether it is this one
+    // (NULLs: a database dropped since).
     let claims = client
         .query(
             "SELECT c.roname::text, d.datname::text, d.datname = current_database() \
              FROM pg_catalog.pg_replication_origin c \
              LEFT JOIN pg_catalog.pg_database d ON 'db' || d.oid::text = substr(c.roname, length($1) + 2) \
-             WHERE left(c.roname, length($1) + 3) = $1 || '.db'",
+             WHERE left(c.roname, length($1) + 3) = $1 || '.db' \
+             ORDER BY c.roident",
             &[&origin],
         )
         .await
         .map_err(context)?;
-    let mut mine = false;
+    let mut first: Option<(String, bool, String)> = None;
+    let mut mine: Option<String> = None;
     for row in claims {
         let claim: String = row.get(0);
-        match (row.get::<_, Option<String>>(1), row.get::<_, Option<bool>>(2)) {
-            (_, Some(true)) => mine = true,
-            (Some(database), _) => {
-                return Err(Error::definite(format!(
-                    "slot name {slot:?} is already used by pgapply in database {database:?} of this target cluster: the position is kept in replication origins, which all databases of a cluster share, so give this run another --slot (and make that slot on the source). If nothing replicates into {database:?} under this name any more, drop its claim: SELECT pg_replication_origin_drop({})",
-                    crate::sql::quote_literal(&claim)
-                )))
+        match (
+            row.get::<_, Option<String>>(1),
+            row.get::<_, Option<bool>>(2),
+        ) {
+            (Some(database), is_mine) => {
+                let is_mine = is_mine == Some(true);
+                if is_mine {
+                    mine = Some(claim.clone());
+                }
+                if first.is_none() {
+                    first = Some((database, is_mine, claim));
+                }
             }
-            // The claim of a database dropped since.
             (None, _) => {
-                client
-                    .execute("SELECT pg_catalog.pg_replication_origin_drop($1)", &[&claim])
-                    .await
-                    .map_err(context)?;
+                // A dropped database's claim (another run may have dropped it already).
+                let _ = client
+                    .execute(
+                        "SELECT pg_catalog.pg_replication_origin_drop($1)",
+                        &[&claim],
+                    )
+                    .await;
             }
         }
     }
-    if !mine {
-        client
-            .execute(
-                "SELECT pg_catalog.pg_replication_origin_create($1 || '.db' || oid::text) \
-                 FROM pg_catalog.pg_database WHERE datname = current_database()",
-                &[&origin],
-            )
-            .await
-            .map_err(context)?;
+    match first {
+        Some((database, false, claim)) => {
+            // The name is another database's: this one's claim goes.
+            if let Some(claim) = mine {
+                let _ = client
+                    .execute(
+                        "SELECT pg_catalog.pg_replication_origin_drop($1)",
+                        &[&claim],
+                    )
+                    .await;
+            }
+            Err(Error::definite(format!(
+                "slot name {slot:?} is already used by pgapply in database {database:?} of this target cluster: the position is kept in replication origins, which all databases of a cluster share, so give this run another --slot (and make that slot on the source). If nothing replicates into {database:?} under this name any more, drop its claim: SELECT pg_replication_origin_drop({})",
+                crate::sql::quote_literal(&claim)
+            )))
+        }
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// A slot without a row in pgapply.progress has applied nothing here (every run writes the row

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use pgapply::cluster::{find_pg_bin, LocalCluster};
-use pgapply::compare::{table_digest, TableDigest};
+use pgapply::compare::{table_digests, TableDigest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 use tokio_postgres::{Client, NoTls};
@@ -282,10 +282,9 @@ impl TestDb {
     }
 
     pub async fn digest(&self, table: &str) -> (TableDigest, TableDigest) {
-        (
-            table_digest(&self.source, table).await.unwrap(),
-            table_digest(&self.target, table).await.unwrap(),
-        )
+        table_digests(&self.source, &self.target, table)
+            .await
+            .unwrap()
     }
 
     /// Source and target tables hold exactly the same rows.
