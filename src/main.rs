@@ -285,7 +285,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
         let started = std::time::Instant::now();
         match run(config.clone(), shutdown.clone(), Some(progress_tx.clone())).await {
             Ok(outcome) => {
-                tracing::info!(reason = ?outcome.reason, flushed_lsn = %outcome.flushed, "done");
+                tracing::info!(slot = %config.slot, reason = ?outcome.reason, flushed_lsn = %outcome.flushed, "done");
                 return Ok(());
             }
             Err(e) if e.is_transient() && !*shutdown.borrow() => {
