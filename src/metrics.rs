@@ -99,6 +99,9 @@ pub struct Metrics {
     /// 1 while a run streams from the source into the target, 0 otherwise (waiting to retry
     /// after an error, copying, stopped): the lag figures are only current while it is 1.
     pub streaming: Gauge,
+    /// 1 while the worker's last word with the target (its heartbeat) went through: an idle
+    /// worker learns of a target gone down only there.
+    pub target_ok: Gauge,
     /// Commit time of the last applied source transaction: µs since 2000-01-01.
     pub last_commit_time: Gauge,
     pub transactions: Counter,
@@ -116,6 +119,11 @@ pub struct Metrics {
 pub static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(Metrics::default);
 
 impl Metrics {
+    /// Streaming, and the target answering.
+    pub fn ready(&self) -> bool {
+        self.streaming.get() == 1 && self.target_ok.get() == 1
+    }
+
     pub fn conflict(&self, kind: &'static str, count: u64) {
         if let Ok(mut c) = self.conflicts.lock() {
             *c.entry(kind).or_default() += count;
@@ -183,8 +191,8 @@ impl Metrics {
         );
         gauge(
             STREAMING,
-            "1 while a run streams from the source into the target; 0 while it waits to retry after an error (the lag figures are then those last known), copies, or has stopped.",
-            self.streaming.get() as f64,
+            "1 while a run streams from the source into the target; 0 while it waits to retry after an error or the target does not answer its heartbeat (the lag figures are then those last known), copies, or has stopped.",
+            f64::from(u8::from(self.ready())),
         );
         gauge(
             QUEUE_BYTES,
@@ -339,13 +347,13 @@ pub async fn serve(addr: &str) -> Result<()> {
                     "/metrics" => ("200 OK", "text/plain; version=0.0.4", METRICS.render()),
                     "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),
                     // Readiness: streaming now, not waiting to retry after an error.
-                    "/readyz" if METRICS.streaming.get() == 1 => {
+                    "/readyz" if METRICS.ready() => {
                         ("200 OK", "text/plain", "streaming\n".to_owned())
                     }
                     "/readyz" => (
                         "503 Service Unavailable",
                         "text/plain",
-                        "not streaming (waiting to retry, copying, or stopped: see the log)\n"
+                        "not streaming (waiting to retry, the target not answering, copying, or stopped: see the log)\n"
                             .to_owned(),
                     ),
                     _ => ("404 Not Found", "text/plain", "not found\n".to_owned()),

@@ -753,6 +753,7 @@ async fn run_in_span(
             .and_then(|v| v.parse().ok())
             .unwrap_or(PACE_WHEN_QUEUED),
     };
+    METRICS.target_ok.set(1);
     METRICS.streaming.set(1);
     let read_result = reader.run(&mut shutdown).await;
     METRICS.streaming.set(0);
@@ -1333,9 +1334,11 @@ async fn heartbeat(
                     tracing::info!(
                         "the heartbeat's connection to the target was lost: connected again"
                     );
+                    METRICS.target_ok.set(1);
                     client = fresh;
                 }
                 Err(e) => {
+                    METRICS.target_ok.set(0);
                     if beaten.is_none_or(|at| at.elapsed() >= every) {
                         beaten = Some(Instant::now());
                         tracing::warn!(error = %e, "could not record the heartbeat on the target");
@@ -1347,8 +1350,12 @@ async fn heartbeat(
         if beaten.is_none_or(|at| at.elapsed() >= every) {
             beaten = Some(Instant::now());
             let mut last = reported.lock().await;
-            if let Err(e) = write_heartbeat(&client, &slot, "streaming", &mut last).await {
-                tracing::warn!(error = %e, "could not record the heartbeat on the target");
+            match write_heartbeat(&client, &slot, "streaming", &mut last).await {
+                Ok(()) => METRICS.target_ok.set(1),
+                Err(e) => {
+                    METRICS.target_ok.set(0);
+                    tracing::warn!(error = %e, "could not record the heartbeat on the target");
+                }
             }
         }
         match stop_position(&client, &slot).await {

@@ -378,6 +378,39 @@ async fn status_and_metrics_move_with_the_workload() {
         http_get(port, "/readyz").await.starts_with("HTTP/1.1 200")
     })
     .await;
+    // The target gone while the source is idle: only the heartbeat notices, and readiness
+    // follows it.
+    // (From another database: a session cannot close its own.)
+    let admin = common::connect(db.target_port, "postgres").await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS false",
+            db.name
+        ))
+        .await
+        .unwrap();
+    db.target_sql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+    )
+    .await;
+    wait_for("/readyz to say the target does not answer", 30, || async {
+        http_get(port, "/readyz").await.starts_with("HTTP/1.1 503")
+    })
+    .await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS true",
+            db.name
+        ))
+        .await
+        .unwrap();
+    wait_for(
+        "/readyz to say streaming once the target answers",
+        60,
+        || async { http_get(port, "/readyz").await.starts_with("HTTP/1.1 200") },
+    )
+    .await;
     let pid = child.id().unwrap() as i32;
     // SAFETY: signalling our own child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
