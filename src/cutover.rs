@@ -890,18 +890,46 @@ async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
         .map_err(|e| Error::postgres("step 6: reading slots on the target", e))?
         .get(0);
     if !exists {
-        target
-            .execute(
-                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-                &[&slot],
-            )
-            .await
-            .map_err(|e| {
-                Error::postgres(
-                    "step 6: creating the reverse slot on the target (wal_level = logical?)",
-                    e,
-                )
-            })?;
+        // A logical slot is ready only once every transaction open on the cluster (prepared
+        // ones included, in any database) has ended: after a minute, say which, rather than
+        // wait in silence.
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&slot];
+        let create = target.execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &params,
+        );
+        match tokio::time::timeout(Duration::from_secs(60), create).await {
+            Ok(result) => {
+                result.map_err(|e| {
+                    Error::postgres(
+                        "step 6: creating the reverse slot on the target (wal_level = logical?)",
+                        e,
+                    )
+                })?;
+            }
+            Err(_) => {
+                let _ = target
+                    .cancel_token()
+                    .cancel_query(tokio_postgres::NoTls)
+                    .await;
+                let prepared: Vec<String> = target
+                    .query("SELECT gid FROM pg_catalog.pg_prepared_xacts", &[])
+                    .await
+                    .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+                    .unwrap_or_default();
+                let prepared = if prepared.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (prepared there: {}; COMMIT PREPARED or ROLLBACK PREPARED them)",
+                        prepared.join(", ")
+                    )
+                };
+                return Err(Error::definite(format!(
+                    "step 6: creating the reverse slot on the target waited a minute for transactions open on the target cluster to end{prepared}; any database counts: see pg_stat_activity for sessions idle in transaction or long queries. End them, then run the cutover again"
+                )));
+            }
+        }
     }
     // Loop prevention: the reverse slot starts after everything pgapply applied, and the forward
     // worker is fenced, so nothing comes back; `--origin none` (a 16+ source, here the new
