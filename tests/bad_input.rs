@@ -841,18 +841,8 @@ async fn a_role_given_the_pgapply_schema_needs_no_create_on_the_database() {
     .await;
     db.source_sql("INSERT INTO t VALUES (1)").await;
     let endpos = db.source_wal().await;
-    let target = format!(
-        "host=127.0.0.1 port={} user={role} password=o dbname={}",
-        db.target_port, db.name
-    );
     let out = run_with_deadline(
-        db.pgapply_via(
-            &db.source_conninfo(),
-            &target,
-            &db.slot(),
-            "p",
-            &["--endpos", &endpos],
-        ),
+        db.pgapply_as_target_user(&role, "o", &["--endpos", &endpos]),
         60,
     )
     .await;

@@ -379,18 +379,8 @@ async fn a_run_without_origin_rights_resumes_after_what_origin_mode_applied() {
     .await;
     db.source_sql("INSERT INTO t VALUES (3, 'c')").await;
     let endpos = db.source_wal().await;
-    let target = format!(
-        "host=127.0.0.1 port={} user={writer} password=w dbname={}",
-        db.target_port, db.name
-    );
     let out = run_with_deadline(
-        db.pgapply_via(
-            &db.source_conninfo(),
-            &target,
-            &db.slot(),
-            "p",
-            &["--endpos", &endpos, "--max-retries", "1"],
-        ),
+        db.pgapply_as_target_user(&writer, "w", &["--endpos", &endpos, "--max-retries", "1"]),
         60,
     )
     .await;

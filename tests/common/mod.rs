@@ -135,6 +135,15 @@ impl TestDb {
         )
     }
 
+    /// `pgapply run` of this database pair and slot with the target reached as `user`.
+    pub fn pgapply_as_target_user(&self, user: &str, password: &str, extra: &[&str]) -> Command {
+        let target = format!(
+            "host=127.0.0.1 port={} user={user} password={password} dbname={}",
+            self.target_port, self.name
+        );
+        self.pgapply_via(&self.source_conninfo(), &target, &self.slot(), "p", extra)
+    }
+
     /// The same DDL on both sides.
     pub async fn both(&self, sql: &str) {
         self.source
