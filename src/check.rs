@@ -101,29 +101,17 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     }
     if let Some(dst) = &target {
         // Origins are the cluster's: a slot name another database of it claimed is refused.
-        let claimed = dst
-            .query_opt(
-                "SELECT d.datname::text FROM pg_catalog.pg_replication_origin c \
-                 JOIN pg_catalog.pg_database d ON 'db' || d.oid::text = substr(c.roname, length($1) + 2) \
-                 WHERE left(c.roname, length($1) + 3) = $1 || '.db' ORDER BY c.roident LIMIT 1",
-                &[&format!("pgapply_{}", config.slot)],
-            )
+        let origin = format!("pgapply_{}", config.slot);
+        let first = crate::apply::progress::slot_name_claims(dst, &origin)
             .await
             .ok()
-            .flatten()
-            .map(|r| r.get::<_, String>(0));
-        let here = dst
-            .query_one("SELECT current_database()::text", &[])
-            .await
-            .map(|r| r.get::<_, String>(0))
-            .ok();
-        if let (Some(database), Some(here)) = (claimed, here) {
-            if database != here {
-                report.problem(format!(
-                    "slot name {:?} is already used by pgapply in database {database:?} of the target cluster (replication origins are shared by its databases): give this run another --slot",
-                    config.slot
-                ));
-            }
+            .and_then(|claims| claims.into_iter().find(|c| c.database.is_some()));
+        if let Some(claim) = first.filter(|c| !c.mine) {
+            report.problem(format!(
+                "slot name {:?} is already used by pgapply in database {:?} of the target cluster (replication origins are shared by its databases): give this run another --slot",
+                config.slot,
+                claim.database.unwrap_or_default()
+            ));
         }
         // Whatever the source said: the role's rights for pgapply's own state.
         // As `run` decides: --copy-data with a copy still to make (none yet, an interrupted one,

@@ -326,15 +326,7 @@ async fn non_empty_target_is_refused_unless_truncate_target() {
         "{err}"
     );
     // Refused before the slot was made: none is left to hold WAL, or to stream from later.
-    let slots = db
-        .count(
-            &db.source,
-            &format!(
-                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
-                db.slot()
-            ),
-        )
-        .await;
+    let slots = db.slot_count().await;
     assert_eq!(slots, 0, "a refused copy leaves no slot behind");
     let out = run_with_deadline(
         db.pgapply(
@@ -1496,15 +1488,7 @@ async fn row_level_security_fails_the_copy_instead_of_hiding_rows() {
         "{err}"
     );
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM secret").await, 0);
-    let slots = db
-        .count(
-            &db.source,
-            &format!(
-                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
-                db.slot()
-            ),
-        )
-        .await;
+    let slots = db.slot_count().await;
     assert_eq!(slots, 0, "the failed copy's slot is dropped");
 
     db.source_sql(&format!("ALTER ROLE {user} BYPASSRLS")).await;
@@ -1689,15 +1673,7 @@ async fn copy_data_leaves_a_slot_it_did_not_make() {
         err.contains("already exists on the source") && err.contains("pg_drop_replication_slot"),
         "{err}"
     );
-    let slots = db
-        .count(
-            &db.source,
-            &format!(
-                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
-                db.slot()
-            ),
-        )
-        .await;
+    let slots = db.slot_count().await;
     assert_eq!(slots, 1, "the slot is kept");
     // Without --copy-data it streams what it holds.
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;

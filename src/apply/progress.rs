@@ -68,29 +68,17 @@ async fn claim_slot_name(client: &Client, slot: &str, origin: &str) -> Result<()
             return Err(context(e));
         }
     }
-    // Each claim in the order made, with its database's name and whether it is this one
-    // (NULLs: a database dropped since).
-    let claims = client
-        .query(
-            "SELECT c.roname::text, d.datname::text, d.datname = current_database() \
-             FROM pg_catalog.pg_replication_origin c \
-             LEFT JOIN pg_catalog.pg_database d ON 'db' || d.oid::text = substr(c.roname, length($1) + 2) \
-             WHERE left(c.roname, length($1) + 3) = $1 || '.db' \
-             ORDER BY c.roident",
-            &[&origin],
-        )
-        .await
-        .map_err(context)?;
+    let claims = slot_name_claims(client, origin).await.map_err(context)?;
     let mut first: Option<(String, bool, String)> = None;
     let mut mine: Option<String> = None;
-    for row in claims {
-        let claim: String = row.get(0);
-        match (
-            row.get::<_, Option<String>>(1),
-            row.get::<_, Option<bool>>(2),
-        ) {
-            (Some(database), is_mine) => {
-                let is_mine = is_mine == Some(true);
+    for SlotNameClaim {
+        claim,
+        database,
+        mine: is_mine,
+    } in claims
+    {
+        match database {
+            Some(database) => {
                 if is_mine {
                     mine = Some(claim.clone());
                 }
@@ -98,7 +86,7 @@ async fn claim_slot_name(client: &Client, slot: &str, origin: &str) -> Result<()
                     first = Some((database, is_mine, claim));
                 }
             }
-            (None, _) => {
+            None => {
                 // A dropped database's claim (another run may have dropped it already).
                 let _ = client
                     .execute(
@@ -127,6 +115,41 @@ async fn claim_slot_name(client: &Client, slot: &str, origin: &str) -> Result<()
         }
         _ => Ok(()),
     }
+}
+
+/// A database's claim on a slot name (`claim_slot_name`).
+pub struct SlotNameClaim {
+    /// The claim's origin, `pgapply_<slot>.db<oid>`.
+    pub claim: String,
+    /// None: the database was dropped since.
+    pub database: Option<String>,
+    /// The claim of the database this session is connected to.
+    pub mine: bool,
+}
+
+/// The claims on the slot whose origin is `origin`, earliest first.
+pub async fn slot_name_claims(
+    client: &Client,
+    origin: &str,
+) -> Result<Vec<SlotNameClaim>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT c.roname::text, d.datname::text, coalesce(d.datname = current_database(), false) \
+             FROM pg_catalog.pg_replication_origin c \
+             LEFT JOIN pg_catalog.pg_database d ON 'db' || d.oid::text = substr(c.roname, length($1) + 2) \
+             WHERE left(c.roname, length($1) + 3) = $1 || '.db' \
+             ORDER BY c.roident",
+            &[&origin],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| SlotNameClaim {
+            claim: r.get(0),
+            database: r.get(1),
+            mine: r.get(2),
+        })
+        .collect())
 }
 
 /// A slot without a row in pgapply.progress has applied nothing here (every run writes the row

@@ -135,6 +135,18 @@ impl TestDb {
         )
     }
 
+    /// How many slots of this database's slot name the source has (0 or 1).
+    pub async fn slot_count(&self) -> i64 {
+        self.count(
+            &self.source,
+            &format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                self.slot()
+            ),
+        )
+        .await
+    }
+
     /// `pgapply run` of this database pair and slot with the target reached as `user`.
     pub fn pgapply_as_target_user(&self, user: &str, password: &str, extra: &[&str]) -> Command {
         let target = format!(
