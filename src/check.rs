@@ -90,7 +90,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             .await
             .ok()
             .map(|r| r.is_some());
-        two_phase |= src
+        let slot_two_phase = src
             .query_opt(
                 "SELECT 1 FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1 \
                  AND coalesce(to_jsonb(s) ->> 'two_phase', 'false') = 'true'",
@@ -98,6 +98,22 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             )
             .await
             .is_ok_and(|r| r.is_some());
+        // As the run decides (before 15, --two-phase is negotiated off and the slot not judged).
+        let version = src.query_one("SHOW server_version_num", &[]).await.ok();
+        let version: i32 = version
+            .and_then(|r| r.get::<_, String>(0).parse().ok())
+            .unwrap_or(0);
+        if slot_exists == Some(true) && version >= 150000 {
+            if let Some(problem) = crate::source::two_phase_slot_problem(
+                &config.slot,
+                slot_two_phase,
+                config.requested.two_phase,
+                config.apply_workers > 1,
+            ) {
+                report.problem(problem);
+            }
+        }
+        two_phase |= slot_two_phase;
     }
     if let Some(dst) = &target {
         // Origins are the cluster's: a slot name another database of it claimed is refused.

@@ -849,3 +849,60 @@ async fn a_role_given_the_pgapply_schema_needs_no_create_on_the_database() {
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("t").await;
 }
+
+/// A slot that cannot serve the run's two-phase or worker settings is named by `check` as by
+/// `run`: one made without two-phase support for --two-phase, and a two-phase one for
+/// --apply-workers above 1 (it sends prepared transactions, which one connection applies).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_a_slot_that_does_not_fit_two_phase_or_several_workers() {
+    let db = TestDb::new("slotfit").await;
+    if common::source_version(&db).await < 150000 {
+        common::skip("--two-phase needs a PostgreSQL 15 source");
+        return;
+    }
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let slot = db.slot();
+    let db = &db;
+    let check = |extra: &'static [&'static str]| {
+        let slot = slot.clone();
+        async move {
+            let mut args = vec!["--slot", slot.as_str()];
+            args.extend_from_slice(extra);
+            let out = run_with_deadline(db.on_both("check", &args), 60).await;
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            (out.status.code(), text)
+        }
+    };
+    // Without two-phase support (as `publish` made it).
+    let (code, text) = check(&["--two-phase"]).await;
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("was created without two-phase support, which --two-phase needs"),
+        "{text}"
+    );
+    expect_failure(
+        db.pgapply("p", &["--two-phase"]),
+        &["was created without two-phase support"],
+    )
+    .await;
+    let (code, text) = check(&["--apply-workers", "2"]).await;
+    assert!(!text.contains("two-phase support"), "{text}");
+    assert_eq!(code, Some(0), "{text}");
+    // With it.
+    db.source_sql(&format!("SELECT pg_drop_replication_slot('{slot}')"))
+        .await;
+    db.source_sql(&format!(
+        "SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput', false, true)"
+    ))
+    .await;
+    let (code, text) = check(&["--apply-workers", "2"]).await;
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("was created with two-phase support")
+            && text.contains("use --apply-workers 1"),
+        "{text}"
+    );
+    db.source_sql(&format!("SELECT pg_drop_replication_slot('{slot}')"))
+        .await;
+}

@@ -148,18 +148,13 @@ impl ReplicationSession {
                 slot.replace('\'', "''")
             )));
         }
-        // A two-phase slot goes on sending prepared transactions whatever is asked at start
-        // (PostgreSQL keeps a slot's two-phase decoding once enabled), and those are applied by
-        // one connection only.
-        if parallel && r.first("two_phase") == Some("true") {
-            return Err(Error::definite(format!(
-                "replication slot {slot:?} was created with two-phase support (by an earlier --two-phase run), so the source sends prepared transactions through it, which --apply-workers above 1 cannot apply in order: use --apply-workers 1, or drop the slot and start over with a new one (--copy-data --truncate-target)"
-            )));
-        }
-        if two_phase && r.first("two_phase") != Some("true") {
-            return Err(Error::definite(format!(
-                "replication slot {slot:?} was created without two-phase support, which --two-phase needs: drop it and let pgapply create it (--create-slot), or run without --two-phase"
-            )));
+        if let Some(problem) = two_phase_slot_problem(
+            slot,
+            r.first("two_phase") == Some("true"),
+            two_phase,
+            parallel,
+        ) {
+            return Err(Error::definite(problem));
         }
         if failover && r.first("failover") != Some("true") {
             self.check_failover(failover, r.first("two_phase") == Some("true"))?;
@@ -439,6 +434,31 @@ impl ReplicationStream {
 /// CREATE_REPLICATION_SLOT for pgoutput with `snapshot` ("export" or "nothing"). The options
 /// list is PostgreSQL 15's syntax; older servers know only the keywords, and need them for
 /// neither option (both are refused before this on them).
+/// Why an existing slot (`slot_two_phase`: it decodes two-phase transactions) cannot serve a run
+/// with `two_phase` asked and several apply workers (`parallel`), if it cannot. Shared by the run
+/// and `pgapply check`, so both say the same.
+pub fn two_phase_slot_problem(
+    slot: &str,
+    slot_two_phase: bool,
+    two_phase: bool,
+    parallel: bool,
+) -> Option<String> {
+    // A two-phase slot goes on sending prepared transactions whatever is asked at start
+    // (PostgreSQL keeps a slot's two-phase decoding once enabled), and those are applied by
+    // one connection only.
+    if parallel && slot_two_phase {
+        return Some(format!(
+            "replication slot {slot:?} was created with two-phase support (by an earlier --two-phase run), so the source sends prepared transactions through it, which --apply-workers above 1 cannot apply in order: use --apply-workers 1, or drop the slot and start over with a new one (--copy-data --truncate-target)"
+        ));
+    }
+    if two_phase && !slot_two_phase {
+        return Some(format!(
+            "replication slot {slot:?} was created without two-phase support, which --two-phase needs: drop it and let pgapply create it (--create-slot), or run without --two-phase"
+        ));
+    }
+    None
+}
+
 fn create_slot_sql(slot: &str, snapshot: &str, two_phase: bool, failover: bool) -> String {
     if !two_phase && !failover {
         let keyword = if snapshot == "export" {
