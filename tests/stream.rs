@@ -1040,3 +1040,90 @@ async fn conflicts_of_a_prepared_transaction_count_only_if_it_commits() {
         "only the committed prepared transaction's conflict is recorded"
     );
 }
+
+/// `--streaming parallel`: the target's sessions are ended while the helper holds a streamed
+/// transaction. That is no reason to spool from then on: the retried run applies the next
+/// streamed transaction as it arrives again, and every row lands once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_outage_keeps_streamed_transactions_applied_as_they_arrive() {
+    if !pgapply_version_or_skip("--streaming parallel", 160000).await {
+        return;
+    }
+    let db = TestDb::new("streamoutage").await;
+    db.both("CREATE TABLE o (id int PRIMARY KEY, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE o").await;
+    let dir = spool_dir(&db);
+    let (mut child, log_path) = spawn_live(&db);
+    let big = connect(db.source_port, &db.name).await;
+    db.source_sql("INSERT INTO o VALUES (-1, 'before')").await;
+    wait_for("the first row", 30, || async {
+        db.count(&db.target, "SELECT count(*) FROM o").await == 1
+    })
+    .await;
+    // The helper holds an open streamed transaction on the target.
+    let helper_open = || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND state = 'idle in transaction' AND backend_xid IS NOT NULL",
+        )
+        .await
+            > 0
+    };
+    big.batch_execute(
+        "BEGIN; INSERT INTO o SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 5000) g;",
+    )
+    .await
+    .unwrap();
+    wait_for(
+        "the helper to apply part of the first open transaction",
+        60,
+        helper_open,
+    )
+    .await;
+    // The outage: every pgapply session of the target database ends.
+    db.target_sql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+    )
+    .await;
+    big.batch_execute("INSERT INTO o SELECT g, 'tail' FROM generate_series(5001, 6000) g; COMMIT;")
+        .await
+        .unwrap();
+    wait_for("the first transaction, after the retry", 120, || async {
+        db.count(&db.target, "SELECT count(*) FROM o").await == 6001
+    })
+    .await;
+    // The next one is applied as it arrives, not spooled.
+    big.batch_execute(
+        "BEGIN; INSERT INTO o SELECT g, repeat(md5(g::text), 8) FROM generate_series(10001, 15000) g;",
+    )
+    .await
+    .unwrap();
+    wait_for(
+        "the helper to apply part of the second open transaction",
+        60,
+        helper_open,
+    )
+    .await;
+    assert_eq!(spool_files(&dir), 0, "applied as it arrives, not spooled");
+    big.batch_execute("COMMIT").await.unwrap();
+    wait_for("the second transaction", 120, || async {
+        db.count(&db.target, "SELECT count(*) FROM o").await == 11001
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        !log.contains("retrying with streamed transactions spooled"),
+        "an outage is no reason to spool: {log}"
+    );
+    // Retried on its own: nothing to skip, and no made-up commit position.
+    assert!(
+        !log.contains("pgapply skip") && !log.contains("FFFFFFFF"),
+        "{log}"
+    );
+    db.assert_same("o").await;
+}

@@ -299,9 +299,15 @@ struct Signal {
 
 impl ChangeInfo {
     fn describe(&self) -> String {
+        // A streamed transaction applied as it arrives has no commit yet.
+        let commit = if self.commit_lsn == Lsn(u64::MAX) {
+            "not committed yet".to_owned()
+        } else {
+            format!("commit {}", self.commit_lsn)
+        };
         format!(
-            "{} on table {} (source transaction {}, commit {})",
-            self.operation, self.relation.target.qualified, self.xid, self.commit_lsn
+            "{} on table {} (source transaction {}, {commit})",
+            self.operation, self.relation.target.qualified, self.xid
         )
     }
 
@@ -2946,8 +2952,12 @@ impl Applier {
         };
         // A statement with several transactions' changes is retried one change at a time; the
         // hint comes with that retry's error.
+        // A lost connection or a restarting target is retried: nothing to fix, nothing to skip.
+        let transient = e
+            .as_db_error()
+            .is_none_or(|db| crate::error::is_transient_sqlstate(db.code().code()));
         let hint = about
-            .filter(|a| a.through.is_none())
+            .filter(|a| a.through.is_none() && !transient)
             .map(|about| self.change_hint(about, &e));
         let err = Error::postgres(format!("{kind}applying {what}"), e);
         match hint {

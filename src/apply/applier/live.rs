@@ -25,7 +25,9 @@
 //! everything and holds no lock.
 //! Whenever applying fails while the helper holds a transaction, the error is retried with
 //! streamed transactions spooled for the rest of the process (`ApplySettings::live_streaming_off`),
-//! so a transaction that cannot be applied this way is applied the proven way.
+//! so a transaction that cannot be applied this way is applied the proven way. A lost target
+//! connection (the target restarted, its sessions ended) is not such a failure: the run is
+//! retried still applying streamed transactions as they arrive.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -500,6 +502,13 @@ impl Applier {
             (None, true) => "(already ended)".to_owned(),
             (None, false) => return e,
         };
+        // The target went away (restarted, sessions ended): nothing this way of applying did.
+        // The run is retried as it would be anyway, still applying streamed transactions as
+        // they arrive.
+        if !fired && (e.is_connection_lost() || e.sqlstate().is_some_and(|c| c.starts_with("57P")))
+        {
+            return e;
+        }
         live.off.store(true, Ordering::SeqCst);
         let why = if fired {
             format!("a change waited for rows that streamed transaction {xid} held on the target, and that transaction could only commit after it (the target has a trigger, unique index or constraint the source does not)")
