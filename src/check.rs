@@ -434,6 +434,10 @@ async fn check_apply_session(
     tables: &[crate::copy::PublishedTable],
     two_phase: bool,
 ) {
+    match crate::migrations::refuse_read_only(dst).await {
+        Ok(()) => report.ok("the target takes writes"),
+        Err(e) => report.problem(e.to_string()),
+    }
     match crate::copy::loud_trigger_tables(dst, tables).await {
         Ok(loud) if loud.is_empty() => {}
         Ok(loud) => report.problem(format!(

@@ -864,26 +864,25 @@ async fn report_progress(
                 (bytes as f64 / estimate).min(0.99)
             };
             let rate = bytes as f64 / 1e6 / secs;
+            // Seconds left, as a log field (`eta=6s`); the bar says "eta 6s".
             let eta = if left == 0 {
                 "done".to_owned()
             } else if bytes > 0 && (bytes as f64) < estimate {
-                format!(
-                    "eta {:.0}s",
-                    (estimate - bytes as f64) / (bytes as f64 / secs)
-                )
+                format!("{:.0}s", (estimate - bytes as f64) / (bytes as f64 / secs))
             } else {
-                "eta ?".to_owned()
+                "?".to_owned()
             };
             if terminal {
                 let filled = (fraction * 30.0) as usize;
                 lines.push(format!(
-                    "{:<40} [{}{}] {:>10} rows {:>8.1} MB {:>6.1} MB/s {eta}",
+                    "{:<40} [{}{}] {:>10} rows {:>8.1} MB {:>6.1} MB/s {}",
                     table.qualified(),
                     "#".repeat(filled),
                     " ".repeat(30 - filled),
                     rows,
                     bytes as f64 / 1e6,
-                    rate
+                    rate,
+                    if left == 0 { eta } else { format!("eta {eta}") }
                 ));
             } else if left > 0 && bytes > 0 {
                 tracing::info!(

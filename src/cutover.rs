@@ -155,6 +155,7 @@ pub async fn cutover(
             problems.join("; ")
         )));
     }
+    again(&source, &target, &slot).await?;
 
     // 1. Lag. A worker still making the initial copy leaves the slot inactive (it streams once
     // the copy is done): wait for it, rather than take over a slot it is about to stream from.
@@ -539,6 +540,40 @@ async fn drain(
     Ok(end)
 }
 
+/// A cutover of a slot that an earlier one stopped: said, and refused once replication back
+/// into the source (`--reverse`) has run, whose changes draining again would bring to the target
+/// a second time.
+async fn again(source: &Client, target: &Client, slot: &str) -> Result<()> {
+    let previous: Option<String> = target
+        .query_opt(
+            "SELECT stop_lsn::text FROM pgapply.progress WHERE slot_name = $1 AND stop_lsn IS NOT NULL",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+        .map(|r| r.get(0));
+    let Some(previous) = previous else {
+        return Ok(());
+    };
+    let reverse = format!("{slot}_reverse");
+    // (A role that may not read the source's pgapply schema: not known, so not refused.)
+    let reversed = source
+        .query_one(
+            "SELECT to_regclass('pgapply.progress') IS NOT NULL \
+                    AND EXISTS (SELECT 1 FROM pgapply.progress WHERE slot_name = $1)",
+            &[&reverse],
+        )
+        .await
+        .is_ok_and(|r| r.get::<_, bool>(0));
+    if reversed {
+        return Err(Error::definite(format!(
+            "a cutover already stopped slot {slot:?} at {previous}, and replication back from the target into the source has run since (slot {reverse:?}): draining the source again would apply those changes to the target a second time. To go back to the old primary, cut over in the other direction (pgapply cutover --source <the target> --target <the source> --slot {reverse} ...)"
+        )));
+    }
+    crate::out!("a cutover already stopped slot {slot:?} at {previous}: this one drains it again, applying what the source committed since");
+    Ok(())
+}
+
 /// Applies up to `config.endpos` here, in this process; past `deadline` (`--timeout`) the run is
 /// stopped (what it committed stays, as after any stop) and the step fails. Transient errors are
 /// retried until then, as `pgapply run` does (a worker that just stopped may still hold the
@@ -555,7 +590,12 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
     }
 }
 
-async fn run_once_until(config: RunConfig, deadline: Instant, step: &str) -> Result<RunOutcome> {
+async fn run_once_until(
+    mut config: RunConfig,
+    deadline: Instant,
+    step: &str,
+) -> Result<RunOutcome> {
+    config.by_cutover = true;
     let endpos = config.endpos;
     let (stop, stop_rx) = watch::channel(false);
     let applying = run(config, stop_rx, None);
@@ -724,7 +764,7 @@ pub async fn plan_sequences(
              LEFT JOIN pg_class t ON t.oid = d.refobjid \
              LEFT JOIN pg_namespace tn ON tn.oid = t.relnamespace \
              LEFT JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid \
-             WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema') \
+             WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgapply') \
                AND n.nspname NOT LIKE 'pg_toast%' AND n.nspname NOT LIKE 'pg_temp%' \
              ORDER BY 1, 2",
             &[&tables],
@@ -874,7 +914,7 @@ async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
         .join(", ");
     target
         .batch_execute(&format!(
-            "DROP PUBLICATION IF EXISTS {p}; CREATE PUBLICATION {p} FOR TABLE {list}",
+            "BEGIN; SET LOCAL client_min_messages = warning; DROP PUBLICATION IF EXISTS {p}; CREATE PUBLICATION {p} FOR TABLE {list}; COMMIT",
             p = quote_ident(&publication)
         ))
         .await

@@ -147,9 +147,13 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %e, "stopped");
-            // In JSON every line is an object (the one above); as text, the error ends the log
-            // on a line of its own.
+            // In JSON every line is an object (the log line); as text, the error ends the output
+            // on a line of its own, and on a terminal that line alone (the same error twice on a
+            // screen is noise; a log file keeps the timestamped line too).
+            use std::io::IsTerminal;
+            if format == LogFormat::Json || !std::io::stderr().is_terminal() {
+                tracing::error!(error = %e, "stopped");
+            }
             if format == LogFormat::Text {
                 eprintln!("pgapply: error: {e}");
             }

@@ -68,6 +68,7 @@ const LOCK_KEY: i64 = 0x0070_6761_7070_6c79;
 
 pub async fn apply(client: &mut Client) -> Result<()> {
     let context = |e| Error::postgres("setting up pgapply's schema on the target", e);
+    refuse_read_only(client).await?;
     let tx = client.transaction().await.map_err(context)?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await
@@ -118,6 +119,36 @@ pub async fn apply(client: &mut Client) -> Result<()> {
         );
     }
     tx.commit().await.map_err(context)?;
+    Ok(())
+}
+
+/// A target that cannot take writes, named with its cause before any write fails with a bare
+/// "read-only transaction": a standby, or sessions read-only by default (as `pgapply cutover
+/// --freeze-writes` leaves the roles it froze, on the old primary a reverse run writes into).
+pub async fn refuse_read_only(client: &Client) -> Result<()> {
+    let row = client
+        .query_one(
+            "SELECT pg_catalog.pg_is_in_recovery(), \
+                    pg_catalog.current_setting('default_transaction_read_only') = 'on', \
+                    current_user::text, current_database()::text",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading whether the target takes writes", e))?;
+    let (standby, read_only, role, database): (bool, bool, String, String) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if standby {
+        return Err(Error::definite(
+            "the target is a standby in recovery, which takes no writes: point --target at the primary",
+        ));
+    }
+    if read_only {
+        let role = crate::sql::quote_ident(&role);
+        let database = crate::sql::quote_ident(&database);
+        return Err(Error::definite(format!(
+            "the target's sessions are read-only by default (default_transaction_read_only = on, set for role {role}, database {database} or the server; pgapply cutover --freeze-writes sets it for the roles it freezes): connect as a role that writes, or undo it, e.g. BEGIN READ WRITE; ALTER ROLE {role} RESET default_transaction_read_only; COMMIT; (or ALTER DATABASE {database} RESET default_transaction_read_only), then start pgapply again"
+        )));
+    }
     Ok(())
 }
 

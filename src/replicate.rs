@@ -68,6 +68,9 @@ pub struct RunConfig {
     pub policy_updates: Option<watch::Receiver<Arc<crate::apply::conflict::PolicyMap>>>,
     /// Target connections applying in parallel (`apply::parallel`); 1: one, in order.
     pub apply_workers: usize,
+    /// Run by `pgapply cutover`, which says itself where the slot stopped (no warning about the
+    /// stop position it set).
+    pub by_cutover: bool,
 }
 
 impl RunConfig {
@@ -98,6 +101,7 @@ impl RunConfig {
             policy_updates: None,
             apply_workers: 1,
             failover_slot: false,
+            by_cutover: false,
         }
     }
 }
@@ -385,7 +389,9 @@ async fn run_in_span(
         let reached =
             (resume.is_valid() && resume >= fence) || confirmed.is_some_and(|c| c >= fence);
         if reached || confirmed.is_none() {
-            fenced_warning(&config.slot, fence);
+            if !config.by_cutover {
+                fenced_warning(&config.slot, fence);
+            }
             return Ok(RunOutcome {
                 reason: StopReason::EndPosition,
                 flushed: resume,
@@ -814,7 +820,9 @@ async fn run_in_span(
     }
     if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
         // The request stays: a run started again stops there too (see `stop_position`).
-        fenced_warning(&config.slot, stop);
+        if !config.by_cutover {
+            fenced_warning(&config.slot, stop);
+        }
     }
 
     apply_result?;
@@ -1148,7 +1156,7 @@ struct HeartbeatCounts {
     conflicts: std::collections::BTreeMap<&'static str, u64>,
 }
 
-/// Records state and counters for `pgapply status`, every status interval.
+/// Tells a worker's operator that `pgapply cutover` stopped the slot, and how to undo that.
 fn fenced_warning(slot: &str, fence: Lsn) {
     tracing::warn!(
         slot,

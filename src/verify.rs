@@ -650,17 +650,17 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
                 crate::out!("FAILED    {}: not compared: {error}", r.table);
             } else if r.ok {
                 crate::out!(
-                    "OK        {} ({} rows, {} chunks)",
+                    "OK        {} ({}, {})",
                     r.table,
-                    r.source_rows,
-                    r.chunks
+                    counted(r.source_rows as u64, "row"),
+                    counted(r.chunks as u64, "chunk")
                 );
             } else {
                 crate::out!(
-                    "MISMATCH  {}: source {} rows, target {} rows",
+                    "MISMATCH  {}: source {}, target {}",
                     r.table,
-                    r.source_rows,
-                    r.target_rows
+                    counted(r.source_rows as u64, "row"),
+                    counted(r.target_rows as u64, "row")
                 );
                 for (from, to) in &r.mismatches {
                     crate::out!(
@@ -715,5 +715,14 @@ mod tests {
         assert_eq!(key(&["2001"]), "(2001)");
         assert_eq!(key(&["a, b", "x"]), r#"("a, b", x)"#);
         assert_eq!(key(&["", r#"q"\"#]), r#"("", "q""\\")"#);
+    }
+}
+
+/// "1 row", "2 rows".
+fn counted(n: u64, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
     }
 }

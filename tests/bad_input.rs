@@ -906,3 +906,29 @@ async fn check_names_a_slot_that_does_not_fit_two_phase_or_several_workers() {
     db.source_sql(&format!("SELECT pg_drop_replication_slot('{slot}')"))
         .await;
 }
+
+/// A target role whose sessions are read-only by default (as `cutover --freeze-writes` leaves the
+/// roles it froze) is named with the way to undo it, not "cannot execute CREATE SCHEMA in a
+/// read-only transaction" with advice about rights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_target_role_is_named_with_the_way_back() {
+    let db = TestDb::new("readonly").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let role = format!("frozen_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN SUPERUSER PASSWORD 'f'; \
+         ALTER ROLE {role} SET default_transaction_read_only = on;"
+    ))
+    .await;
+    let out = expect_failure(
+        db.pgapply_as_target_user(&role, "f", &[]),
+        &[
+            "read-only by default",
+            &format!("ALTER ROLE \"{role}\" RESET default_transaction_read_only"),
+        ],
+    )
+    .await;
+    assert!(!out.contains("needs CREATE"), "{out}");
+    db.target_sql(&format!("DROP ROLE {role}")).await;
+}

@@ -577,6 +577,9 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     // A role that does not exist (a typo), a sequence the target lacks: both named before
     // anything is done, so no role is frozen.
     db.source_sql("CREATE SEQUENCE only_here").await;
+    // pgapply's own, on a source replicated back into (`--reverse`): never copied.
+    db.source_sql("CREATE SCHEMA pgapply; CREATE SEQUENCE pgapply.conflicts_id_seq")
+        .await;
     let slot = db.slot();
     let roles = format!("{role}, nosuch_{}", db.name);
     let out = run_with_deadline(
@@ -601,7 +604,8 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
         err.contains("nothing was done")
             && err.contains(&format!("role \"nosuch_{}\"", db.name))
             && err.contains("sequence \"public\".\"only_here\" does not exist on the target")
-            && err.contains("or leave --all-sequences out"),
+            && err.contains("or leave --all-sequences out")
+            && !err.contains("conflicts_id_seq"),
         "{err}"
     );
     let frozen = format!(
@@ -720,12 +724,34 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
     )
     .await;
     copy_up_to_now(&db).await;
-    let text = db.cutover(&["--reverse"]).await;
+    let slot = db.slot();
+    let cutover = |extra: &'static [&'static str]| {
+        let mut args = vec!["--slot", slot.as_str(), "--timeout", "60s"];
+        args.extend_from_slice(extra);
+        run_with_deadline(db.on_both("cutover", &args), 120)
+    };
+    let out = cutover(&["--reverse"]).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    // Without a worker's warning about the stop the cutover itself set, nor server notices.
+    assert!(
+        !stderr(&out).contains("To replicate from it again") && !stderr(&out).contains("NOTICE"),
+        "{}",
+        stderr(&out)
+    );
     // The reverse slot holds the new primary's WAL until used: how to drop it is printed.
     assert!(
         text.contains("on the target (the new primary) holds its WAL")
             && text.contains("pg_drop_replication_slot("),
         "{text}"
+    );
+    // Once more before anything replicates back: said, and done again.
+    let again = cutover(&[]).await;
+    let again_text = String::from_utf8_lossy(&again.stdout).to_string();
+    assert!(again.status.success(), "{again_text}\n{}", stderr(&again));
+    assert!(
+        again_text.contains("a cutover already stopped slot"),
+        "{again_text}"
     );
     // The printed command, with the two servers filled in.
     let printed = text
@@ -767,6 +793,17 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
         )
         .await,
         1
+    );
+    db.assert_same("t").await;
+    // The same cutover again would drain the old primary once more, changes from the new one
+    // included: refused, with the way back.
+    let out = cutover(&[]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("replication back from the target into the source has run since")
+            && stderr(&out).contains("cut over in the other direction"),
+        "{}",
+        stderr(&out)
     );
     db.assert_same("t").await;
 }
