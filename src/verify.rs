@@ -705,6 +705,15 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
     }
 }
 
+/// "1 row", "2 rows".
+fn counted(n: u64, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::key_text;
@@ -715,14 +724,5 @@ mod tests {
         assert_eq!(key(&["2001"]), "(2001)");
         assert_eq!(key(&["a, b", "x"]), r#"("a, b", x)"#);
         assert_eq!(key(&["", r#"q"\"#]), r#"("", "q""\\")"#);
-    }
-}
-
-/// "1 row", "2 rows".
-fn counted(n: u64, what: &str) -> String {
-    if n == 1 {
-        format!("1 {what}")
-    } else {
-        format!("{n} {what}s")
     }
 }
