@@ -61,6 +61,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "conflict_occurrences",
         include_str!("../migrations/0011_conflict_occurrences.sql"),
     ),
+    (
+        12,
+        "batching_guard",
+        include_str!("../migrations/0012_batching_guard.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

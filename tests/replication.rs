@@ -1091,3 +1091,78 @@ async fn a_column_type_changed_on_the_target_while_running_is_taken_in() {
     assert!(child.try_wait().unwrap().is_none(), "pgapply still runs");
     child.kill().await.unwrap();
 }
+
+/// A trigger added on the target while pgapply runs (an audit trail, enabled ALWAYS so that it
+/// fires for replicated rows) sees every update, although pgapply had found the table's updates
+/// batchable (collapsed within a group) before it existed: the group checks that on the target,
+/// and is applied again one change at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_added_on_the_target_while_running_sees_every_update() {
+    let db = TestDb::new("newtrigger").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+        .await;
+    db.target_sql(
+        "CREATE TABLE audit (id bigserial PRIMARY KEY, v int); \
+         CREATE FUNCTION audit() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN INSERT INTO audit (v) VALUES (NEW.v); RETURN NULL; END$$;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let mut child = common::spawn(db.pgapply("p", &["--retry-min", "100ms", "--retry-max", "1s"]));
+    db.source_sql("INSERT INTO t VALUES (1, 0); UPDATE t SET v = 0 WHERE id = 1")
+        .await;
+    wait_for("the first row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 1
+    })
+    .await;
+    // The trigger comes while the table is locked, and the source's updates queue up behind
+    // the lock, to be applied together once it is released.
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute(
+            "BEGIN; LOCK t IN ACCESS EXCLUSIVE MODE; \
+             CREATE TRIGGER audit AFTER UPDATE ON t FOR EACH ROW EXECUTE FUNCTION audit(); \
+             ALTER TABLE t ENABLE ALWAYS TRIGGER audit;",
+        )
+        .await
+        .unwrap();
+    for v in 1..=200 {
+        db.source_sql(&format!("UPDATE t SET v = {v} WHERE id = 1"))
+            .await;
+    }
+    let end = db.source_wal().await;
+    wait_for("the source to send every update", 60, || async {
+        db.count(
+            &db.source,
+            &format!(
+                "SELECT count(*) FROM pg_stat_replication WHERE application_name <> 'walreceiver' AND sent_lsn >= '{end}'"
+            ),
+        )
+        .await
+            > 0
+    })
+    .await;
+    locker.batch_execute("COMMIT").await.unwrap();
+    wait_for("the last update", 60, || async {
+        db.count(&db.target, "SELECT v::bigint FROM t WHERE id = 1")
+            .await
+            == 200
+    })
+    .await;
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM audit WHERE v > 0")
+            .await,
+        200,
+        "each update fired the trigger once"
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(DISTINCT v) FROM audit WHERE v > 0"
+        )
+        .await,
+        200
+    );
+    assert!(child.try_wait().unwrap().is_none(), "pgapply still runs");
+    child.kill().await.unwrap();
+}

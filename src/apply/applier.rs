@@ -142,6 +142,8 @@ struct Group {
     transactions: u64,
     /// Its place in the commit order, on a parallel worker.
     turn: Option<Turn>,
+    /// Target tables whose batching this group checked (`pgapply.check_batching`).
+    batching_checked: Vec<Oid>,
 }
 
 /// Statements queued before they are handed to the connection together.
@@ -460,7 +462,11 @@ pub struct Applier {
     /// Conflict policies by (source OID, generation).
     policy_cache: HashMap<(Oid, u64), super::conflict::Policies>,
     /// Whether a relation's updates may be batched, by (source OID, generation).
-    batchable: HashMap<(Oid, u64), bool>,
+    /// Per relation: whether its updates are batched, and if so, what that was read from
+    /// (`apply::batch::independent`).
+    batchable: HashMap<(Oid, u64), Option<Arc<str>>>,
+    /// `pgapply.check_batching`, run once per group for each table it batches updates of.
+    check_batching: Statement,
     /// Set on a parallel apply worker (`apply::parallel`).
     worker: Option<WorkerRole>,
     turn_statements: Option<TurnStatements>,
@@ -641,6 +647,8 @@ impl Applier {
         // Bound to the origin now: no other session moves it while its row starts where it is.
         progress.start_commit_row(&client, commit_row).await?;
         let immediate = prepare("SET CONSTRAINTS ALL IMMEDIATE".into()).await?;
+        let check_batching =
+            prepare("SELECT pgapply.check_batching($1::text::oid, $2::text)".into()).await?;
         let check_committed = match commit_row && options.worker.is_none() {
             true => Some(
                 prepare("SELECT pgapply.check_committed($1::text, $2::text::pg_lsn)".into())
@@ -708,6 +716,7 @@ impl Applier {
             held_updates: HashMap::new(),
             held_rows: 0,
             batchable: HashMap::new(),
+            check_batching,
             policy_cache: HashMap::new(),
             worker: options.worker,
             turn_statements,
@@ -1471,6 +1480,7 @@ impl Applier {
                 last_transaction: None,
                 transactions: 0,
                 turn: turn.clone(),
+                batching_checked: Vec::new(),
             });
             let begin = self.begin.clone();
             self.pending.push(Pending::plain(begin));
@@ -1550,6 +1560,7 @@ impl Applier {
                 last_transaction: None,
                 transactions: 0,
                 turn: None,
+                batching_checked: Vec::new(),
             });
             self.pending.push(Pending::plain(self.begin.clone()));
         }
@@ -2076,12 +2087,15 @@ impl Applier {
             return Ok(false);
         }
         let key = (entry.source.oid, entry.generation);
-        if let Some(&known) = self.batchable.get(&key) {
-            return Ok(known);
+        if let Some(known) = self.batchable.get(&key) {
+            return Ok(known.is_some());
         }
-        let batchable = super::batch::independent(&self.catalog, entry).await?;
+        let fingerprint = super::batch::independent(&self.catalog, entry)
+            .await?
+            .map(Arc::from);
+        let batchable = fingerprint.is_some();
         tracing::debug!(table = %entry.target.qualified, batchable, "updates batched within a group");
-        self.batchable.insert(key, batchable);
+        self.batchable.insert(key, fingerprint);
         Ok(batchable)
     }
 
@@ -2147,6 +2161,7 @@ impl Applier {
         for batch in batches {
             self.held_rows -= batch.len().min(self.held_rows);
             let entry = batch.entry.clone();
+            self.check_batching(&entry);
             for chunk in batch.into_chunks() {
                 let statement = self
                     .batch_statement(&entry, chunk.unchanged, chunk.about.len())
@@ -2162,6 +2177,33 @@ impl Applier {
             }
         }
         Ok(())
+    }
+
+    /// Has the target check, once per group and table, that what made the table's updates
+    /// batchable still holds (`apply::batch`): else the group fails and is applied again one
+    /// change at a time.
+    fn check_batching(&mut self, entry: &RelationEntry) {
+        let Some(Some(fingerprint)) = self
+            .batchable
+            .get(&(entry.source.oid, entry.generation))
+            .cloned()
+        else {
+            return;
+        };
+        let Some(group) = &mut self.group else {
+            return;
+        };
+        if group.batching_checked.contains(&entry.target.oid) {
+            return;
+        }
+        group.batching_checked.push(entry.target.oid);
+        self.pending.push(Pending::with_params(
+            self.check_batching.clone(),
+            vec![
+                WireValue::Text(entry.target.oid.to_string().into()),
+                WireValue::Text(fingerprint.to_string().into()),
+            ],
+        ));
     }
 
     /// The prepared statement for a batch of `rows` UPDATEs, preparing it the first time.
@@ -2789,6 +2831,16 @@ impl Applier {
     /// one change at a time (after a reconnect), so that the error names the transaction that
     /// causes it.
     fn retry_unbatched(&mut self, err: Error, through: Option<Lsn>) {
+        let through = self.unbatch(through);
+        self.failure = Some(Error::transient(format!(
+            "{}; applying the source transactions up to commit {through} again one change at a time to find the one that fails",
+            err.message()
+        )));
+    }
+
+    /// Makes the source transactions up to `through` (and the open group's, and the current
+    /// one) be applied one change at a time after the restart that follows; returns up to where.
+    fn unbatch(&mut self, through: Option<Lsn>) -> Lsn {
         let through = self
             .current
             .as_ref()
@@ -2801,10 +2853,7 @@ impl Applier {
         self.settings
             .unbatched_through
             .fetch_max(through.0, std::sync::atomic::Ordering::Relaxed);
-        self.failure = Some(Error::transient(format!(
-            "{}; applying the source transactions up to commit {through} again one change at a time to find the one that fails",
-            err.message()
-        )));
+        through
     }
 
     /// Notes what one statement's result means: a conflict, a failure, or nothing.
@@ -2834,6 +2883,16 @@ impl Applier {
                     return;
                 }
                 self.conflicts.push(conflict_record(about, signal));
+            }
+            Err(e) if e.code().map(|c| c.code()) == Some("PGA01") => {
+                // A table whose updates this group batched got a trigger (say) meanwhile.
+                if self.failure.is_none() {
+                    let through = self.unbatch(None);
+                    self.failure = Some(Error::transient(format!(
+                        "{}: applying the source transactions up to commit {through} again one change at a time, then batching only the updates of tables that still allow it",
+                        describe_postgres(&e)
+                    )));
+                }
             }
             Err(e) => {
                 if self.failure.is_none() {

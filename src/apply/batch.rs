@@ -11,8 +11,11 @@
 //! observed. So a table qualifies only when, on the target, it is a plain table without
 //! inheritance children, its unique indexes are all on exactly the replica identity key's columns
 //! (and there is one), and it has no exclusion constraint, no foreign key to or from it, no enabled
-//! trigger and no rule. That is read once per relation (again after a Relation message): a
-//! trigger or constraint added on the target while pgapply runs is seen after a restart. Updates
+//! trigger and no rule. That is read once per relation (again after a Relation message), and each
+//! group that batches a table's updates first has the target check, under the UPDATE's own lock,
+//! that none of it changed since (`pgapply.check_batching`): if a trigger, say, was added
+//! meanwhile, the group is rolled back and applied again one change at a time, and the table is
+//! read anew. Updates
 //! qualify only when they keep the key and find their row by it, and when the conflict policies
 //! are the defaults for updates (update_missing `skip`: a missing row is still found, warned about
 //! and recorded, once per collapsed row). Any other change to the same target table sends its held
@@ -37,10 +40,13 @@ use crate::relation::RelationEntry;
 /// a table needs at most a handful of prepared statements).
 pub const MAX_BATCH_ROWS: usize = 128;
 
-/// Whether the target table's updates may be collapsed and reordered (see the module docs).
-pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool> {
+/// Whether the target table's updates may be collapsed and reordered (see the module docs): if
+/// so, what that was read from (`pgapply.batching_fingerprint`), which each group that batches the
+/// table's updates checks on the server (`pgapply.check_batching`), so that a trigger added while
+/// pgapply runs is not missed.
+pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<Option<String>> {
     if entry.target.partitioned || entry.key_columns.is_empty() {
-        return Ok(false);
+        return Ok(None);
     }
     let failed = |e| {
         Error::postgres(
@@ -59,7 +65,8 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool>
                     EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t \
                             WHERE t.tgrelid = c.oid AND t.tgenabled <> 'D'), \
                     EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k \
-                            WHERE (k.conrelid = c.oid OR k.confrelid = c.oid) AND k.contype IN ('f', 'x')) \
+                            WHERE (k.conrelid = c.oid OR k.confrelid = c.oid) AND k.contype IN ('f', 'x')), \
+                    pgapply.batching_fingerprint(c.oid) \
              FROM pg_catalog.pg_class c WHERE c.oid = $1",
             &[&entry.target.oid],
         )
@@ -68,8 +75,9 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool>
     let relkind: String = row.get(0);
     let plain = relkind == "r" && !row.get::<_, bool>(1) && !row.get::<_, bool>(2);
     if !plain || row.get::<_, bool>(3) || row.get::<_, bool>(4) {
-        return Ok(false);
+        return Ok(None);
     }
+    let fingerprint: String = row.get(5);
     let indexes = super::unique::unique_indexes(client, entry).await?;
     let mut key: Vec<&str> = entry
         .key_columns
@@ -84,7 +92,7 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<bool>
         columns.sort_unstable();
         index.simple && columns == key
     };
-    Ok(!indexes.is_empty() && indexes.iter().all(is_key))
+    Ok((!indexes.is_empty() && indexes.iter().all(is_key)).then_some(fingerprint))
 }
 
 /// Most rows in one batched statement of a table with `columns` columns: a power of two, under

@@ -323,7 +323,7 @@ impl Dispatcher {
                 if keyed
                     && super::batch::independent(&self.catalog, &entry)
                         .await
-                        .unwrap_or(false) =>
+                        .is_ok_and(|f| f.is_some()) =>
             {
                 // In the target's column order: two source tables mapped onto one agree.
                 let mut columns = entry.key_columns.clone();
