@@ -23,6 +23,10 @@ impl Report {
         crate::out!("PROBLEM  {text}");
         self.problems.push(text);
     }
+    /// Works, but may fail or change values later: said, not counted as a problem.
+    fn warning(&self, text: impl AsRef<str>) {
+        crate::out!("WARNING  {}", text.as_ref());
+    }
 }
 
 pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
@@ -175,6 +179,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         let must_be_empty = copy_pending && !config.copy.truncate_target;
         check_target(
             dst,
+            source.as_ref(),
             &mut report,
             &tables,
             &truncated,
@@ -463,6 +468,7 @@ async fn check_apply_session(
 
 async fn check_target(
     dst: &Client,
+    source: Option<&Client>,
     report: &mut Report,
     tables: &[crate::copy::PublishedTable],
     truncated: &[bool],
@@ -500,7 +506,8 @@ async fn check_target(
             Ok(r) if !r.is_empty() => r,
             Ok(_) => {
                 report.problem(format!(
-                    "table {qualified} does not exist on the target: create it with the published columns"
+                    "table {qualified} does not exist on the target: if the source renamed it, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); otherwise create it with the published columns (pg_dump --schema-only --table={} from the source)",
+                    table.qualified()
                 ));
                 continue;
             }
@@ -555,8 +562,43 @@ async fn check_target(
             match rows.iter().find(|r| r.get::<_, String>(0) == *column) {
                 None => {
                     fine = false;
+                    // Target columns of that type the source no longer sends: one may be the
+                    // column under its old name, whose values an added column would not have.
+                    let candidates: Vec<String> = rows
+                        .iter()
+                        .filter(|r| {
+                            r.get::<_, String>(1) == *source_type
+                                && !r.get::<_, bool>(3)
+                                && !table
+                                    .columns
+                                    .iter()
+                                    .any(|(c, _)| *c == r.get::<_, String>(0))
+                        })
+                        .map(|r| quote_ident(&r.get::<_, String>(0)))
+                        .collect();
+                    let renamed = match candidates.as_slice() {
+                        [] => String::new(),
+                        [one] => format!(
+                            "; or, if the source renamed {one} to {new}, rename it on the target instead (ALTER TABLE {qualified} RENAME COLUMN {one} TO {new})",
+                            new = quote_ident(column)
+                        ),
+                        more => format!(
+                            "; or, if the source renamed one of {} to {}, rename that one on the target instead",
+                            more.join(", "),
+                            quote_ident(column)
+                        ),
+                    };
+                    let definition = match source {
+                        Some(src) => source_column_definition(src, table, column).await,
+                        None => String::new(),
+                    };
+                    let note = if definition.contains(" DEFAULT ") {
+                        " (as on the source, the default fills the rows already there)"
+                    } else {
+                        ""
+                    };
                     report.problem(format!(
-                        "column {} of {qualified} is published but missing on the target: ALTER TABLE {qualified} ADD COLUMN {} {source_type}",
+                        "column {} of {qualified} is published but missing on the target: ALTER TABLE {qualified} ADD COLUMN {} {source_type}{definition}{note}{renamed}",
                         quote_ident(column),
                         quote_ident(column)
                     ));
@@ -578,6 +620,13 @@ async fn check_target(
                             "column {} of {qualified} is {source_type} on the source but {target_type} on the target: values may not convert",
                             quote_ident(column)
                         ));
+                    } else if let Some(how) = narrower(source_type, &target_type) {
+                        fine = false;
+                        report.warning(format!(
+                            "column {} of {qualified} is {source_type} on the source but {target_type} on the target, which {how}: make it {source_type} on the target (ALTER TABLE {qualified} ALTER COLUMN {} TYPE {source_type})",
+                            quote_ident(column),
+                            quote_ident(column)
+                        ));
                     }
                 }
             }
@@ -586,6 +635,102 @@ async fn check_target(
             report.ok(format!("table {qualified} matches on the target"));
         }
     }
+}
+
+/// The rest of a source column's definition for ADD COLUMN on the target: its default and NOT
+/// NULL (` DEFAULT 5 NOT NULL`), so that the rows already there get the source's values. Empty
+/// if it has neither, or cannot be read.
+async fn source_column_definition(
+    src: &Client,
+    table: &crate::copy::PublishedTable,
+    column: &str,
+) -> String {
+    let row = src
+        .query_opt(
+            "SELECT pg_catalog.pg_get_expr(d.adbin, d.adrelid), a.attnotnull \
+             FROM pg_catalog.pg_attribute a \
+             LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum \
+             WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 \
+               AND coalesce(to_jsonb(a) ->> 'attgenerated', '') = ''",
+            &[&table.qualified(), &column],
+        )
+        .await;
+    let Ok(Some(row)) = row else {
+        return String::new();
+    };
+    let (default, not_null): (Option<String>, bool) = (row.get(0), row.get(1));
+    let mut definition = String::new();
+    if let Some(default) = default {
+        definition.push_str(&format!(" DEFAULT {default}"));
+    }
+    if not_null {
+        definition.push_str(" NOT NULL");
+    }
+    definition
+}
+
+/// How a target type of the same family holds less than the source's, if it does: what then
+/// happens to the values that do not fit (refused, or rounded without a word).
+fn narrower(source: &str, target: &str) -> Option<&'static str> {
+    // "numeric(10,2)" -> ("numeric", [10, 2]); "character varying" -> (.., []).
+    let parse = |t: &str| -> (String, Vec<u32>) {
+        let (base, rest) = t.split_once('(').unwrap_or((t, ""));
+        let modifiers = rest
+            .trim_end_matches(')')
+            .split(',')
+            .filter_map(|m| m.trim().parse().ok())
+            .collect();
+        (base.trim().to_owned(), modifiers)
+    };
+    let ((s, s_mod), (t, t_mod)) = (parse(source), parse(target));
+    let integer_rank = |t: &str| match t {
+        "smallint" => Some(1),
+        "integer" => Some(2),
+        "bigint" => Some(3),
+        _ => None,
+    };
+    let refused = Some("refuses the source's values that do not fit");
+    let rounded = Some("rounds the source's values without a word");
+    match (integer_rank(&s), integer_rank(&t)) {
+        (Some(a), Some(b)) if b < a => return refused,
+        (None, Some(_)) if ["numeric", "real", "double precision"].contains(&s.as_str()) => {
+            return Some("refuses the source's values with a fraction, and those too large")
+        }
+        _ => {}
+    }
+    match (s.as_str(), t.as_str()) {
+        ("double precision", "real") => return rounded,
+        ("numeric", "real" | "double precision") => return rounded,
+        // numeric(precision, scale): fewer decimals round, fewer digits refuse.
+        ("numeric", "numeric") => {
+            let scale = |m: &[u32]| m.get(1).copied().unwrap_or(0);
+            return match (s_mod.first(), t_mod.first()) {
+                (_, None) => None,
+                (None, Some(_)) => rounded,
+                (Some(_), Some(_)) if scale(&t_mod) < scale(&s_mod) => rounded,
+                (Some(a), Some(b)) if b - scale(&t_mod).min(*b) < a - scale(&s_mod).min(*a) => {
+                    refused
+                }
+                _ => None,
+            };
+        }
+        _ => {}
+    }
+    let text = ["text", "character varying", "character"];
+    if text.contains(&s.as_str()) && text.contains(&t.as_str()) {
+        // A length: the longest value the type holds (text, and varchar without one: unbounded).
+        let length = |base: &str, m: &[u32]| match base {
+            "text" => None,
+            "character" => Some(m.first().copied().unwrap_or(1)),
+            _ => m.first().copied(),
+        };
+        return match (length(&s, &s_mod), length(&t, &t_mod)) {
+            (None, Some(_)) => refused,
+            (Some(a), Some(b)) if b < a => refused,
+            _ => None,
+        };
+    }
+    None
 }
 
 /// Different type names that still take each other's text form: same family of numbers, text or
@@ -628,7 +773,7 @@ fn compatible(source: &str, target: &str, target_category: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::compatible;
+    use super::{compatible, narrower};
 
     #[test]
     fn type_names_compare_as_the_target_takes_them() {
@@ -643,6 +788,18 @@ mod tests {
         assert!(compatible("public.citext", "extensions.citext", "S"));
         assert!(compatible("public.citext[]", "ext.citext[]", "A"));
         assert!(!compatible("text", "integer", "N"));
+        assert!(narrower("bigint", "integer").is_some());
+        assert!(narrower("integer", "bigint").is_none());
+        assert!(narrower("numeric", "integer").is_some());
+        assert!(narrower("numeric(10,4)", "numeric(10,2)").is_some());
+        assert!(narrower("numeric(10,2)", "numeric(8,2)").is_some());
+        assert!(narrower("numeric(8,2)", "numeric(12,4)").is_none());
+        assert!(narrower("numeric(8,2)", "numeric").is_none());
+        assert!(narrower("numeric", "double precision").is_some());
+        assert!(narrower("character varying(20)", "character varying(10)").is_some());
+        assert!(narrower("text", "character varying(10)").is_some());
+        assert!(narrower("character varying(10)", "text").is_none());
+        assert!(narrower("character(3)", "character varying(5)").is_none());
         assert!(!compatible("public.mood", "public.feeling", "E"));
     }
 }

@@ -205,17 +205,17 @@ impl RelationCache {
             None => match &known {
                 Some(k) if k.display_name() != shown => {
                     return Err(Error::definite(format!(
-                        "table {} was renamed to {shown} on the source: rename {} on the target too (ALTER TABLE {} RENAME TO {}, and SET SCHEMA if the schema changed), then start pgapply again",
+                        "table {} was renamed to {shown} on the source: rename {} on the target too ({}), then start pgapply again",
                         k.display_name(),
                         k.target.qualified,
-                        k.target.qualified,
-                        quote_ident(&target_name)
+                        rename_table_sql(&k.target, &target_schema, &target_name)
                     )))
                 }
                 _ => {
                     return Err(Error::definite(format!(
-                        "table {shown} is published by the source but target table {} does not exist: create it on the target with the same columns (for example with `pgapply schema` or pg_dump --schema-only)",
-                        qualified_name(&target_schema, &target_name)
+                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); otherwise create it on the target with the same columns (pg_dump --schema-only --table={} from the source), then start pgapply again",
+                        qualified_name(&target_schema, &target_name),
+                        shown
                     )))
                 }
             },
@@ -454,9 +454,54 @@ pub async fn target_changed(catalog: &Client, entry: &RelationEntry) -> Result<O
     Ok(None)
 }
 
+/// The statements that give target table `from` the name `schema`.`name`: SET SCHEMA when the
+/// schema changed, RENAME TO when the name did (in that order, so the rename finds it).
+fn rename_table_sql(from: &TargetTable, schema: &str, name: &str) -> String {
+    let mut steps = Vec::new();
+    let mut current = from.qualified.clone();
+    if from.schema != schema {
+        steps.push(format!(
+            "ALTER TABLE {current} SET SCHEMA {}",
+            quote_ident(schema)
+        ));
+        current = qualified_name(schema, &from.name);
+    }
+    if from.name != name {
+        steps.push(format!(
+            "ALTER TABLE {current} RENAME TO {}",
+            quote_ident(name)
+        ));
+    }
+    steps.join("; ")
+}
+
 #[cfg(test)]
 mod tests {
-    use super::binary_forms_differ;
+    use super::{binary_forms_differ, rename_table_sql, TargetTable};
+
+    #[test]
+    fn a_rename_sets_the_schema_then_the_name() {
+        let from = TargetTable {
+            oid: 1,
+            schema: "public".into(),
+            name: "u3".into(),
+            qualified: "\"public\".\"u3\"".into(),
+            partitioned: false,
+            columns: Vec::new(),
+        };
+        assert_eq!(
+            rename_table_sql(&from, "s2", "u3"),
+            "ALTER TABLE \"public\".\"u3\" SET SCHEMA \"s2\""
+        );
+        assert_eq!(
+            rename_table_sql(&from, "public", "u4"),
+            "ALTER TABLE \"public\".\"u3\" RENAME TO \"u4\""
+        );
+        assert_eq!(
+            rename_table_sql(&from, "s2", "u4"),
+            "ALTER TABLE \"public\".\"u3\" SET SCHEMA \"s2\"; ALTER TABLE \"s2\".\"u3\" RENAME TO \"u4\""
+        );
+    }
 
     #[test]
     fn binary_forms() {

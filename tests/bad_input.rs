@@ -932,3 +932,32 @@ async fn a_read_only_target_role_is_named_with_the_way_back() {
     assert!(!out.contains("needs CREATE"), "{out}");
     db.target_sql(&format!("DROP ROLE {role}")).await;
 }
+
+/// `check` on tables that changed on the source: a new column is to be added with the source's
+/// default and NOT NULL (or the rows already there differ), a renamed column or table is to be
+/// renamed (an added one would be empty), and a narrower type on the target is a warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_gives_the_fix_that_keeps_the_rows() {
+    let db = TestDb::new("checkfix").await;
+    db.source_sql(
+        "CREATE TABLE t (id int PRIMARY KEY, g int NOT NULL DEFAULT 5, n bigint, d2 text); \
+         CREATE TABLE u2 (id int PRIMARY KEY);",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE t (id int PRIMARY KEY, n int, d text); CREATE TABLE u (id int PRIMARY KEY);",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t, u2").await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    for expected in [
+        "ALTER TABLE \"public\".\"t\" ADD COLUMN \"g\" integer DEFAULT 5 NOT NULL (as on the source, the default fills the rows already there)",
+        "rename it on the target instead (ALTER TABLE \"public\".\"t\" RENAME COLUMN \"d\" TO \"d2\")",
+        "WARNING  column \"n\" of \"public\".\"t\" is bigint on the source but integer on the target, which refuses the source's values that do not fit",
+        "table \"public\".\"u2\" does not exist on the target: if the source renamed it, rename it on the target too",
+    ] {
+        assert!(text.contains(expected), "{expected:?} not in:\n{text}");
+    }
+}
