@@ -150,8 +150,12 @@ pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool>
             ),
         },
     );
+    // A server that accepts the connection and then says nothing would keep a new session
+    // waiting for ever (tokio-postgres times the TCP connect only).
     Pool::builder(manager)
         .max_size(size)
+        .create_timeout(Some(crate::tls::handshake_timeout(target)))
+        .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .map_err(|e| Error::definite(format!("building the target connection pool: {e}")))
 }
@@ -171,6 +175,11 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
                 err
             }
         }
+        deadpool_postgres::PoolError::Timeout(_) => Error::transient(format!(
+            "connecting to target {}: {}",
+            conninfo::describe(target),
+            crate::tls::handshake_timed_out(target)
+        )),
         other => Error::transient(format!(
             "connecting to target {}: {other}",
             conninfo::describe(target)
@@ -196,6 +205,23 @@ pub async fn run(
         record_failure(&target, &slot).instrument(span).await;
     }
     result
+}
+
+/// `work`'s result, or `None` if a stop is asked first (`work` is dropped then).
+async fn unless_stopped<T>(
+    shutdown: &mut watch::Receiver<bool>,
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    let asked = async {
+        // A sender gone asks nothing.
+        if shutdown.wait_for(|stop| *stop).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        result = work => Some(result),
+        () = asked => None,
+    }
 }
 
 /// A target session holding the slot's copy lock (a session-level advisory lock), or a transient
@@ -338,12 +364,26 @@ async fn run_in_span(
     // recorder of its progress.
     let sessions = (5 + 2 * config.apply_workers.max(1)).max(config.copy.jobs + 4);
     let pool = target_pool(&config.target, sessions)?;
-    let mut setup = target_connection(&pool, &config.target).await?;
+    // Connecting may take up to connect_timeout: a stop asked meanwhile ends the run at once
+    // (nothing has started that needs a graceful end).
+    let stopped = || RunOutcome {
+        reason: StopReason::Shutdown,
+        flushed: Lsn::INVALID,
+        stats: ApplyStats::default(),
+    };
+    let Some(setup) = unless_stopped(&mut shutdown, target_connection(&pool, &config.target)).await
+    else {
+        return Ok(stopped());
+    };
+    let mut setup = setup?;
     crate::migrations::apply(&mut setup).await?;
 
-    let mut session = ReplicationSession::connect(&config.source, config.max_message_bytes)
-        .await
-        .map_err(|e| e.context(format!("source {}", conninfo::describe(&config.source))))?;
+    let connecting = ReplicationSession::connect(&config.source, config.max_message_bytes);
+    let Some(session) = unless_stopped(&mut shutdown, connecting).await else {
+        return Ok(stopped());
+    };
+    let mut session =
+        session.map_err(|e| e.context(format!("source {}", conninfo::describe(&config.source))))?;
     let identity = session.identify_system().await?;
     session.check_publications(&config.publications).await?;
     let wal_sender_timeout_ms = session.wal_sender_timeout_ms().await?;

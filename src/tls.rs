@@ -270,13 +270,34 @@ pub async fn connect(
     config: &tokio_postgres::Config,
 ) -> std::result::Result<tokio_postgres::Client, ConnectError> {
     let tls = make_tls(config).map_err(ConnectError::Setup)?;
-    let (client, connection) = config.connect(tls).await.map_err(ConnectError::Postgres)?;
+    // The whole handshake, not only the TCP connect that tokio-postgres times: a server that
+    // accepts the connection and then says nothing would keep this waiting for ever.
+    let (client, connection) = tokio::time::timeout(handshake_timeout(config), config.connect(tls))
+        .await
+        .map_err(|_| ConnectError::Setup(Error::transient(handshake_timed_out(config))))?
+        .map_err(ConnectError::Postgres)?;
     tokio::spawn(tracing::Instrument::in_current_span(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "connection ended");
         }
     }));
     Ok(client)
+}
+
+/// How long connecting may take, handshake included: `connect_timeout`, or 30 s.
+pub fn handshake_timeout(config: &tokio_postgres::Config) -> std::time::Duration {
+    config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(std::time::Duration::from_secs(30))
+}
+
+/// Why a connection that took longer than `handshake_timeout` was given up.
+pub fn handshake_timed_out(config: &tokio_postgres::Config) -> String {
+    format!(
+        "the server did not complete the PostgreSQL handshake within {} (connect_timeout): is it overloaded or stopped, and is that port PostgreSQL's?",
+        humantime::format_duration(handshake_timeout(config))
+    )
 }
 
 /// `connect`, with an error that names the server (`role` is "source" or "target").

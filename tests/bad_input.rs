@@ -961,3 +961,106 @@ async fn check_gives_the_fix_that_keeps_the_rows() {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }
 }
+
+/// A listener on 127.0.0.1 that accepts connections and, if given, writes `answer` on each: then
+/// keeps them open, saying nothing more.
+async fn fake_server(answer: Option<&'static [u8]>) -> u16 {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut socket, _)) = listener.accept().await {
+            if let Some(answer) = answer {
+                let _ = socket.write_all(answer).await;
+            }
+            held.push(socket);
+        }
+    });
+    port
+}
+
+/// A source or target that accepts the connection and then says nothing (a stopped server, say)
+/// is given up after connect_timeout, not waited for without a word; one that is not PostgreSQL
+/// is named as such; and a stop asked while connecting ends the run at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_or_is_not_postgresql_is_named() {
+    let db = TestDb::new("silentpeer").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let silent = fake_server(None).await;
+    let peer =
+        |port: u16| format!("host=127.0.0.1 port={port} user=postgres dbname=x connect_timeout=2");
+    let retries = ["--max-retries", "1", "--retry-min", "100ms"];
+    let err = expect_failure(
+        db.pgapply_via(
+            &peer(silent),
+            &db.target_conninfo(),
+            &db.slot(),
+            "p",
+            &retries,
+        ),
+        &[
+            "source",
+            "did not complete the PostgreSQL handshake within 2s",
+        ],
+    )
+    .await;
+    assert!(!err.contains("panicked"), "{err}");
+    expect_failure(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &peer(silent),
+            &db.slot(),
+            "p",
+            &retries,
+        ),
+        &[
+            "target",
+            "did not complete the PostgreSQL handshake within 2s",
+        ],
+    )
+    .await;
+    let http = fake_server(Some(b"HTTP/1.1 400 Bad Request\r\n\r\n")).await;
+    for sslmode in ["prefer", "disable"] {
+        let source = format!("{} sslmode={sslmode}", peer(http));
+        expect_failure(
+            db.pgapply_via(&source, &db.target_conninfo(), &db.slot(), "p", &retries),
+            &[
+                "does not answer as a PostgreSQL server does",
+                "check the host and port",
+            ],
+        )
+        .await;
+    }
+    // SIGTERM while connecting (for up to a minute) stops at once, cleanly.
+    let slow = format!("host=127.0.0.1 port={silent} user=postgres dbname=x connect_timeout=60");
+    let mut child =
+        common::spawn(db.pgapply_via(&slow, &db.target_conninfo(), &db.slot(), "p", &[]));
+    // Connected to the target and waiting for the source: pgapply's schema is there.
+    common::wait_for("pgapply to reach the source", 30, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_namespace WHERE nspname = 'pgapply'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let pid = child.id().unwrap();
+    let started = Instant::now();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait())
+        .await
+        .expect("pgapply stopped")
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "a clean stop");
+    assert!(
+        started.elapsed().as_secs() < 10,
+        "took {:?}",
+        started.elapsed()
+    );
+}

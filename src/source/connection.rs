@@ -85,6 +85,12 @@ async fn negotiate_tls(
     tcp.read_exact(&mut answer)
         .await
         .map_err(|e| Error::io(format!("reading from source {endpoint}"), e))?;
+    if answer[0] != b'S' && answer[0] != b'N' {
+        return Err(Error::definite(format!(
+            "source {endpoint} does not answer as a PostgreSQL server does (it answered the TLS request with {:?}): check the host and port of --source",
+            answer[0] as char
+        )));
+    }
     if answer[0] != b'S' {
         if settings.mode == SslMode::Prefer {
             return Ok(Stream::Tcp(tcp));
@@ -194,6 +200,9 @@ pub struct ReplicationConnection {
     last_read_short: bool,
     /// Whether to pause now: only while the consumer has work queued (see `set_pacing`).
     pacing: bool,
+    /// Until the server is ready for queries: only the handful of message kinds a PostgreSQL
+    /// server sends then are taken, so another kind of server is named as such.
+    in_handshake: bool,
 }
 
 /// A read smaller than this means the source is keeping up with us message by message.
@@ -211,12 +220,31 @@ impl ReplicationConnection {
                 Error::definite("source connection: no user given (set user= or PGUSER)")
             })?
             .to_owned();
-        let dbname = config.get_dbname().unwrap_or(&user).to_owned();
-        let timeout = config
-            .get_connect_timeout()
-            .copied()
-            .unwrap_or(Duration::from_secs(30));
+        let timeout = crate::tls::handshake_timeout(config);
         let (stream, endpoint, host) = open_stream(config, timeout).await?;
+        // The whole handshake within the connect timeout: a server that accepts the connection
+        // and then says nothing (stopped, overloaded, not PostgreSQL) would hang here for ever.
+        let shown = endpoint.clone();
+        let handshake = Self::handshake(stream, endpoint, host, config, max_message_bytes, user);
+        match tokio::time::timeout(timeout, handshake).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::transient(format!(
+                "source {shown}: {}",
+                crate::tls::handshake_timed_out(config)
+            ))),
+        }
+    }
+
+    /// TLS, startup and authentication on an open connection.
+    async fn handshake(
+        stream: Stream,
+        endpoint: String,
+        host: String,
+        config: &tokio_postgres::Config,
+        max_message_bytes: usize,
+        user: String,
+    ) -> Result<Self> {
+        let dbname = config.get_dbname().unwrap_or(&user).to_owned();
         let stream = negotiate_tls(stream, &host, &endpoint, config).await?;
         let mut conn = ReplicationConnection {
             stream,
@@ -228,6 +256,7 @@ impl ReplicationConnection {
             read_pause: None,
             last_read_short: false,
             pacing: true,
+            in_handshake: true,
         };
         // The user's own `options` (say `-c work_mem=..`) come first: the later of two
         // settings wins, and the text form of the values pgoutput sends depends on pgapply's.
@@ -292,6 +321,14 @@ impl ReplicationConnection {
                     return Err(Error::definite(format!(
                         "source {} sent a protocol message with invalid length {len}",
                         self.endpoint
+                    )));
+                }
+                // Authentication, errors, notices, parameters, protocol negotiation, key, ready.
+                if self.in_handshake && !b"RENSvKZ".contains(&tag) {
+                    return Err(Error::definite(format!(
+                        "source {} does not answer as a PostgreSQL server does (its first bytes: {:?}): check the host and port of --source",
+                        self.endpoint,
+                        String::from_utf8_lossy(&self.read[..self.read.len().min(16)])
                     )));
                 }
                 if len > self.max_message_bytes {
@@ -438,7 +475,10 @@ impl ReplicationConnection {
                     }
                 }
                 backend::Message::BackendKeyData(_) | backend::Message::NoticeResponse(_) => {}
-                backend::Message::ReadyForQuery(_) => return Ok(()),
+                backend::Message::ReadyForQuery(_) => {
+                    self.in_handshake = false;
+                    return Ok(());
+                }
                 backend::Message::ErrorResponse(e) => {
                     let e = server_error(e.fields());
                     return Err(e.into_error(&format!("connecting to source {} as {user:?}", self.endpoint)));
