@@ -70,7 +70,10 @@ fn main() -> ExitCode {
     let filter = match filter {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("pgapply: error: invalid log level {level:?}: {e}");
+            eprintln!(
+                "pgapply: error: invalid log level {}: {e}",
+                level.as_deref().unwrap_or("info")
+            );
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -239,7 +242,11 @@ fn reload_on_sighup(
                 }
             }
             // Said before the level changes, so that it is seen whatever the new level.
-            tracing::info!("SIGHUP: reloaded log level and conflict policies");
+            if reload.level_from_file {
+                tracing::info!("SIGHUP: reloaded log level and conflict policies");
+            } else {
+                tracing::info!("SIGHUP: reloaded conflict policies (the log level stays as --log-level, PGAPPLY_LOG_LEVEL or RUST_LOG set it)");
+            }
             if reload.level_from_file {
                 if let Some(level) = &file.log_level {
                     match log_filter(level) {
@@ -259,12 +266,27 @@ fn reload_on_sighup(
 /// The log filter for a level setting. The connection pool's own warnings ("Connection error:
 /// db error", without the server or the reason) repeat what pgapply says about the same failure
 /// with both: left out unless the setting names the pool.
-fn log_filter(level: &str) -> Result<EnvFilter, tracing_subscriber::filter::ParseError> {
-    if level.contains("deadpool") {
-        EnvFilter::try_new(level)
-    } else {
-        EnvFilter::try_new(format!("{level},deadpool=error"))
+/// The filter for a log level (`info`) or RUST_LOG-style directives (`info,pgapply=debug`).
+fn log_filter(level: &str) -> Result<EnvFilter, String> {
+    // A bare word is taken by the filter as a module whose every line is shown, and then nothing
+    // else is: a misspelt level ("warning") would silence the log, errors included.
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    for directive in level.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let bare =
+            !directive.contains('=') && !directive.contains("::") && !directive.contains('[');
+        if bare && !LEVELS.contains(&directive.to_ascii_lowercase().as_str()) {
+            return Err(format!(
+                "{directive:?} is not a log level: use one of {}, or directives such as info,pgapply=debug",
+                LEVELS.join(", ")
+            ));
+        }
     }
+    let directives = if level.contains("deadpool") {
+        level.to_owned()
+    } else {
+        format!("{level},deadpool=error")
+    };
+    EnvFilter::try_new(directives).map_err(|e| e.to_string())
 }
 
 async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<(), Error> {

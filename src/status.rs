@@ -18,6 +18,9 @@ pub struct SlotStatus {
     pub lag_seconds: Option<f64>,
     /// With --source: the source's WAL position minus the applied position.
     pub lag_bytes: Option<i64>,
+    /// With --source, when it could not be reached: why (the rest comes from the target).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_error: Option<String>,
     pub transactions: i64,
     pub inserts: i64,
     pub updates: i64,
@@ -73,9 +76,14 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
         )
         .await
         .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
-    let source = match &source_config {
-        Some(s) => Some(connect("source", s).await?),
-        None => None,
+    // A source that is down is when status is wanted most: what the target knows is shown,
+    // the lag in bytes is not.
+    let (source, source_error) = match &source_config {
+        Some(s) => match connect("source", s).await {
+            Ok(client) => (Some(client), None),
+            Err(e) => (None, Some(e.to_string())),
+        },
+        None => (None, None),
     };
     let mut out = Vec::new();
     for row in rows {
@@ -124,6 +132,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             heartbeat_age_seconds: row.get(5),
             lag_seconds: row.get(6),
             lag_bytes,
+            source_error: source_error.clone(),
             transactions: row.get(7),
             inserts: row.get(8),
             updates: row.get(9),
@@ -179,11 +188,18 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             s.applied_lsn.as_deref().unwrap_or("-"),
             s.last_commit_time.as_deref().unwrap_or("-")
         );
-        let bytes = s
-            .lag_bytes
-            .map(|b| format!("{b} bytes"))
-            .unwrap_or_else(|| "? bytes (give --source)".into());
-        crate::out!("  lag {bytes}, {:.1} s", s.lag_seconds.unwrap_or(0.0));
+        let bytes = match (&s.lag_bytes, &s.source_error) {
+            (Some(b), _) => format!("{b} bytes"),
+            (None, Some(e)) => format!("? bytes (the source cannot be reached: {e})"),
+            (None, None) => "? bytes (give --source)".into(),
+        };
+        // The seconds are the worker's own figure, as of its last heartbeat.
+        let seconds = match s.lag_seconds {
+            Some(l) if s.state == "streaming" => format!("{l:.1} s"),
+            Some(l) => format!("{l:.1} s when last recorded"),
+            None => "? s".into(),
+        };
+        crate::out!("  lag {bytes}, {seconds}");
         crate::out!(
             "  applied {} transactions: {} inserts, {} updates, {} deletes, {} truncates",
             s.transactions,

@@ -1064,3 +1064,27 @@ async fn a_server_that_never_answers_or_is_not_postgresql_is_named() {
         started.elapsed()
     );
 }
+
+/// A misspelt log level is refused, not taken as a module name that would silence every line,
+/// errors included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misspelt_log_level_is_refused() {
+    for (args, env) in [
+        (vec!["--log-level", "warning", "status"], None),
+        (vec!["status"], Some("verbose")),
+    ] {
+        let mut cmd = common::pgapply_command(&args);
+        cmd.env_remove("PGAPPLY_LOG_LEVEL");
+        match env {
+            Some(v) => cmd.env("RUST_LOG", v),
+            None => cmd.env_remove("RUST_LOG"),
+        };
+        let out = run_with_deadline(cmd, 30).await;
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("is not a log level: use one of trace, debug, info, warn"),
+            "{}",
+            stderr(&out)
+        );
+    }
+}

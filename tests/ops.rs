@@ -448,6 +448,29 @@ async fn status_and_metrics_move_with_the_workload() {
         "{}",
         stderr(&out)
     );
+    // A source that cannot be reached: what the target knows is still shown.
+    let out = run_with_deadline(
+        {
+            let mut c = pgapply();
+            c.args([
+                "status",
+                "--target",
+                &db.target_conninfo(),
+                "--source",
+                "host=127.0.0.1 port=1 user=postgres dbname=x connect_timeout=2",
+            ]);
+            c
+        },
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains(&format!("slot {}: stopped", db.slot()))
+            && text.contains("? bytes (the source cannot be reached: connecting to source"),
+        "{text}"
+    );
     // Its output cut short (`pgapply status | head -1`): no panic on the closed pipe.
     {
         let mut c = pgapply();
