@@ -153,14 +153,34 @@ impl FileConfig {
 
     pub fn parse(text: &str) -> Result<FileConfig> {
         toml::from_str(text).map_err(|e| {
-            // toml's message names the key and shows the line; keep it on one line.
-            let message = e.message().to_owned();
+            // On one line: where, the key (a type error's message does not name it), and what
+            // to write, in the file's terms rather than Rust's.
+            let mut message = e.message().to_owned();
+            for (rust, file) in [
+                ("expected usize", "expected a whole number"),
+                ("expected u64", "expected a whole number"),
+                ("expected u32", "expected a whole number"),
+                ("expected u16", "expected a whole number"),
+                ("expected i64", "expected a whole number"),
+                (
+                    "expected a string",
+                    "expected a string in quotes (a size like \"64MB\", a duration like \"10s\")",
+                ),
+            ] {
+                message = message.replace(rust, file);
+            }
             let position = e
                 .span()
                 .map(|span| {
-                    let before = &text[..span.start.min(text.len())];
-                    let line = before.matches('\n').count() + 1;
-                    format!("line {line}: ")
+                    let start = span.start.min(text.len());
+                    let line = text[..start].matches('\n').count() + 1;
+                    let line_text = text.lines().nth(line - 1).unwrap_or_default();
+                    match line_text.split_once('=') {
+                        Some((key, _)) if !message.contains(key.trim()) => {
+                            format!("line {line}, {}: ", key.trim())
+                        }
+                        _ => format!("line {line}: "),
+                    }
                 })
                 .unwrap_or_default();
             Error::usage(format!("{position}{message}"))
@@ -498,6 +518,20 @@ mod tests {
         assert!(
             text.contains("line 2") && text.contains("status_intervall"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_type_names_its_key_and_what_to_write() {
+        let err = FileConfig::parse("slot = \"s\"\nqueue_size = 1000000\n").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "line 2, queue_size: invalid type: integer `1000000`, expected a string in quotes (a size like \"64MB\", a duration like \"10s\")"
+        );
+        let err = FileConfig::parse("copy_jobs = \"4\"").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "line 1, copy_jobs: invalid type: string \"4\", expected a whole number"
         );
     }
 

@@ -11,12 +11,26 @@ use crate::error::{Error, Result};
 
 /// Parses `conninfo` for the connection called `role` ("source" or "target").
 pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
+    if let Some(problem) = unencoded_url(conninfo) {
+        return Err(Error::usage(format!(
+            "--{role}: invalid connection string: {problem}"
+        )));
+    }
     let (rest, tls, mode_given) = take_tls_settings(conninfo)
         .map_err(|e| e.context(format!("--{role}: invalid connection string")))?;
     let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
         // The cause (tokio-postgres' error source) names the bad key, never a value; but an
         // unquoted password with a space in it reads as more keys, named from the password.
         let detail = crate::error::describe_postgres(&e);
+        let detail = detail
+            .strip_prefix("invalid connection string: ")
+            .unwrap_or(&detail)
+            .to_owned();
+        if !rest.contains('=') && !rest.contains("://") {
+            return Error::usage(format!(
+                "--{role}: invalid connection string: write key=value pairs (host=... port=... user=... dbname=...) or a postgres:// URL"
+            ));
+        }
         if named_from_password(&rest, &detail) {
             return Error::usage(format!(
                 "--{role}: invalid connection string: the password seems to contain a space: put it in single quotes (password='...'), or give it with --{role}-password-file"
@@ -42,6 +56,20 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     config.ssl_mode(tls.mode.for_tokio_postgres());
     crate::tls::register(&config, tls);
     Ok(config)
+}
+
+/// A postgres:// URL whose user or password holds `@`, `/` or `:` unencoded splits in the wrong
+/// places (part of the password becomes the host or the database, and would be shown in every
+/// message about the connection): said, without the URL.
+fn unencoded_url(conninfo: &str) -> Option<String> {
+    let rest = conninfo
+        .strip_prefix("postgresql://")
+        .or_else(|| conninfo.strip_prefix("postgres://"))?;
+    let rest = rest.split('?').next().unwrap_or(rest);
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    (authority.matches('@').count() > 1 || path.contains('@')).then(|| {
+        "the URL has an @ where the server or database should be: a user or password with @, / or : in it must be percent-encoded in a URL (@ as %40, / as %2F, : as %3A), or give the password with PGPASSWORD or a password file".to_owned()
+    })
 }
 
 /// TCP keepalives of about a minute unless the connection string sets its own: a server that
@@ -488,6 +516,29 @@ mod tests {
         assert!(!d.contains("hunter2"));
         let c = parse("target", "postgres://app:hunter2@h:1/d").unwrap();
         assert!(!describe(&c).contains("hunter2"));
+    }
+
+    #[test]
+    fn a_url_with_an_unencoded_password_is_refused_without_showing_it() {
+        for url in [
+            "postgres://postgres:Sup3r:P@ss/w0rd@127.0.0.1:5521/app",
+            "postgresql://u:pa/ss@host/db",
+        ] {
+            let err = parse("source", url).unwrap_err().to_string();
+            assert!(err.contains("must be percent-encoded"), "{err}");
+            assert!(!err.contains("w0rd") && !err.contains("ss@"), "{err}");
+        }
+        assert!(parse(
+            "source",
+            "postgres://u:P%40ss%2Fw0rd@h:1/db?sslmode=disable"
+        )
+        .is_ok());
+        let err = parse("target", "x").unwrap_err().to_string();
+        assert!(
+            err.contains("write key=value pairs")
+                && !err.contains("string: invalid connection string"),
+            "{err}"
+        );
     }
 
     #[test]
