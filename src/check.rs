@@ -33,7 +33,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     let mut report = Report {
         problems: Vec::new(),
     };
-    let (config, _) =
+    let (config, service) =
         match config::resolve(args, file).and_then(|c| config::check_run_only(&c.0).map(|()| c)) {
             Ok(c) => c,
             Err(e) => {
@@ -41,6 +41,15 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
                 return finish(report);
             }
         };
+    // Where `run` would listen (not listened on here: a running worker may hold it).
+    if let Some(addr) = &service.metrics_addr {
+        if let Err(e) = tokio::net::lookup_host(addr.as_str()).await {
+            report.problem(format!(
+                "--metrics-addr {addr}: {e}; give HOST:PORT, for example 127.0.0.1:9187"
+            ));
+            return finish(report);
+        }
+    }
     report.ok("settings");
     let source = match crate::tls::connect_to(&config.source, "source").await {
         Ok(c) => {

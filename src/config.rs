@@ -148,7 +148,23 @@ impl FileConfig {
     pub fn load(path: &Path) -> Result<FileConfig> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::usage(format!("--config: cannot read {}: {e}", path.display())))?;
-        Self::parse(&text).map_err(|e| e.context(format!("--config {}", path.display())))
+        let mut file =
+            Self::parse(&text).map_err(|e| e.context(format!("--config {}", path.display())))?;
+        // Paths in the file are relative to the file, not to wherever pgapply was started.
+        let dir = path.parent().unwrap_or(Path::new("."));
+        for p in [
+            &mut file.source_password_file,
+            &mut file.target_password_file,
+            &mut file.spool_dir,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if p.is_relative() {
+                *p = dir.join(&*p);
+            }
+        }
+        Ok(file)
     }
 
     pub fn parse(text: &str) -> Result<FileConfig> {

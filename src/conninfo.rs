@@ -343,7 +343,22 @@ fn pgpass_path() -> Option<PathBuf> {
 }
 
 fn password_from_pgpass(config: &tokio_postgres::Config) -> Option<String> {
-    let path = pgpass_path()?;
+    password_in_file(&pgpass_path()?, config)
+}
+
+fn password_in_file(path: &std::path::Path, config: &tokio_postgres::Config) -> Option<String> {
+    // As libpq: a password file others may read is not used (its passwords may be known).
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(path).ok()?.permissions().mode();
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                "password file {} has group or world access, so it is not used (as libpq does): chmod 0600 it",
+                path.display()
+            );
+            return None;
+        }
+    }
     let text = std::fs::read_to_string(path).ok()?;
     // (libpq looks a password up by host, or by hostaddr when no host is given.)
     let host = match (config.get_hosts().first(), config.get_hostaddrs().first()) {
@@ -516,6 +531,19 @@ mod tests {
         assert!(!d.contains("hunter2"));
         let c = parse("target", "postgres://app:hunter2@h:1/d").unwrap();
         assert!(!describe(&c).contains("hunter2"));
+    }
+
+    #[test]
+    fn a_password_file_others_may_read_is_not_used() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::env::temp_dir().join(format!("pgapply-pgpass-{}", std::process::id()));
+        std::fs::write(&path, "h:5432:d:u:secret\n").unwrap();
+        let config = tokio_postgres::Config::from_str("host=h user=u dbname=d").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(password_in_file(&path, &config).as_deref(), Some("secret"));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(password_in_file(&path, &config), None);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

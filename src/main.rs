@@ -155,7 +155,10 @@ fn main() -> ExitCode {
             // screen is noise; a log file keeps the timestamped line too).
             use std::io::IsTerminal;
             if format == LogFormat::Json || !std::io::stderr().is_terminal() {
-                tracing::error!(error = %e, "stopped");
+                match RUN_SLOT.get() {
+                    Some(slot) => tracing::error!(slot = %slot, error = %e, "stopped"),
+                    None => tracing::error!(error = %e, "stopped"),
+                }
             }
             if format == LogFormat::Text {
                 eprintln!("pgapply: error: {e}");
@@ -289,9 +292,13 @@ fn log_filter(level: &str) -> Result<EnvFilter, String> {
     EnvFilter::try_new(directives).map_err(|e| e.to_string())
 }
 
+/// The slot `pgapply run` replicates, once known: named on its last log line too.
+static RUN_SLOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<(), Error> {
     let (mut config, service) = config::resolve(&args, &file)?;
     config::check_run_only(&config)?;
+    let _ = RUN_SLOT.set(config.slot.clone());
     let (policy_tx, policy_rx) = watch::channel(std::sync::Arc::new(config.policies.clone()));
     config.policy_updates = Some(policy_rx);
     if let Some(addr) = &service.metrics_addr {
@@ -328,6 +335,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
                 metrics::METRICS.reconnects.inc();
                 let delay = backoff.next_delay();
                 tracing::warn!(
+                    slot = %config.slot,
                     error = %e,
                     attempt = backoff.attempts,
                     retry_in = %humantime::format_duration(Duration::from_millis(delay.as_millis() as u64)),
