@@ -72,7 +72,8 @@ fn unencoded_url(conninfo: &str) -> Option<String> {
     })
 }
 
-/// TCP keepalives of about a minute unless the connection string sets its own: a server that
+/// TCP keepalives of about a minute (and unacknowledged data given up after two) unless the
+/// connection string sets its own: a server that
 /// went away without a word (host down, network cut) is noticed while pgapply waits for an
 /// answer, and the retry takes over, instead of waiting for the system default of two hours.
 /// Keepalives are answered by the peer's kernel, so a slow statement is never cut short.
@@ -85,6 +86,11 @@ fn detect_dead_peers(config: &mut tokio_postgres::Config) {
     }
     if config.get_keepalives_retries().is_none() {
         config.keepalives_retries(3);
+    }
+    // Keepalives are not sent while data waits to be acknowledged (statements on their way to a
+    // server that went away): then the retransmissions would last about a quarter of an hour.
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(std::time::Duration::from_secs(120));
     }
 }
 

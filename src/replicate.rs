@@ -155,6 +155,7 @@ pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool>
     Pool::builder(manager)
         .max_size(size)
         .create_timeout(Some(crate::tls::handshake_timeout(target)))
+        .recycle_timeout(Some(crate::tls::handshake_timeout(target)))
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .map_err(|e| Error::definite(format!("building the target connection pool: {e}")))
@@ -174,6 +175,13 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
             } else {
                 err
             }
+        }
+        deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Recycle) => {
+            Error::transient(format!(
+                "target {} did not answer a check of an idle session within {} (connect_timeout): is it overloaded or cut off?",
+                conninfo::describe(target),
+                humantime::format_duration(crate::tls::handshake_timeout(target))
+            ))
         }
         deadpool_postgres::PoolError::Timeout(_) => Error::transient(format!(
             "connecting to target {}: {}",
@@ -803,6 +811,14 @@ async fn run_in_span(
     METRICS.streaming.set(1);
     let read_result = reader.run(&mut shutdown).await;
     METRICS.streaming.set(0);
+    // Said now: with a full queue and a slow target, the applier may take minutes to finish, and
+    // the run's error (which would say it) only comes after that.
+    if let Err(e) = &read_result {
+        tracing::warn!(
+            error = %e,
+            "the source connection ended: applying what was already received, then reconnecting"
+        );
+    }
     // Closing the queue lets the applier finish what it has and stop.
     reader.tx = None;
     // The applier may take a while to finish a full queue against a slow target: status updates
@@ -1355,10 +1371,13 @@ static REPORTED: std::sync::LazyLock<Arc<tokio::sync::Mutex<HeartbeatCounts>>> =
 /// whose heartbeat is three times older "not responding".
 pub const HEARTBEAT_MAX_EVERY: Duration = Duration::from_secs(10);
 
+/// How long the heartbeat waits for the target's answer before it calls the target not ready.
+const HEARTBEAT_ANSWER_WITHIN: Duration = Duration::from_secs(30);
+
 /// Records the worker's state on the target every status interval (at most 10 s), and every
 /// second reads whether `pgapply cutover` asked it to stop at a position.
 async fn heartbeat(
-    mut client: Object,
+    client: Object,
     (pool, target): (Pool, tokio_postgres::Config),
     slot: String,
     every: Duration,
@@ -1369,6 +1388,15 @@ async fn heartbeat(
     let every = every.min(HEARTBEAT_MAX_EVERY);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut beaten: Option<Instant> = None;
+    // None after the target stopped answering on it: a new one at the next tick.
+    let mut session = Some(client);
+    let said = |beaten: &mut Option<Instant>, e: &dyn std::fmt::Display| {
+        METRICS.target_ok.set(0);
+        if beaten.is_none_or(|at| at.elapsed() >= every) {
+            *beaten = Some(Instant::now());
+            tracing::warn!(error = %e, "could not record the heartbeat on the target");
+        }
+    };
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -1376,45 +1404,61 @@ async fn heartbeat(
         }
         // A target restarted under an idle worker: nothing else notices until a change comes,
         // and `pgapply cutover`'s stop request, read here, must still get through.
-        if client.is_closed() {
-            match target_connection(&pool, &target).await {
-                Ok(fresh) => {
-                    tracing::info!(
-                        "the heartbeat's connection to the target was lost: connected again"
-                    );
-                    METRICS.target_ok.set(1);
-                    client = fresh;
-                }
+        let client = match session.take().filter(|c| !c.is_closed()) {
+            Some(c) => c,
+            // (Ready again once a heartbeat is recorded, not on connecting.)
+            None => match target_connection(&pool, &target).await {
+                Ok(fresh) => fresh,
                 Err(e) => {
-                    METRICS.target_ok.set(0);
-                    if beaten.is_none_or(|at| at.elapsed() >= every) {
-                        beaten = Some(Instant::now());
-                        tracing::warn!(error = %e, "could not record the heartbeat on the target");
-                    }
+                    said(&mut beaten, &e);
                     continue;
                 }
-            }
-        }
-        if beaten.is_none_or(|at| at.elapsed() >= every) {
-            beaten = Some(Instant::now());
-            let mut last = reported.lock().await;
-            match write_heartbeat(&client, &slot, "streaming", &mut last).await {
-                Ok(()) => METRICS.target_ok.set(1),
-                Err(e) => {
-                    METRICS.target_ok.set(0);
-                    tracing::warn!(error = %e, "could not record the heartbeat on the target");
+            },
+        };
+        // A target that holds the connection open and answers nothing (hung, or a proxy in
+        // front of a dead server) is not ready, and said so; the session is dropped (not handed
+        // back to the pool, where its unanswered query would hold up the next user).
+        let answered = tokio::time::timeout(HEARTBEAT_ANSWER_WITHIN, async {
+            if beaten.is_none_or(|at| at.elapsed() >= every) {
+                beaten = Some(Instant::now());
+                let mut last = reported.lock().await;
+                match write_heartbeat(&client, &slot, "streaming", &mut last).await {
+                    Ok(()) => {
+                        if METRICS.target_ok.get() == 0 {
+                            tracing::info!("the target answers the heartbeat again");
+                        }
+                        METRICS.target_ok.set(1);
+                    }
+                    Err(e) => {
+                        METRICS.target_ok.set(0);
+                        tracing::warn!(error = %e, "could not record the heartbeat on the target");
+                    }
                 }
             }
-        }
-        match stop_position(&client, &slot).await {
-            Ok(lsn) => {
-                stop.send_if_modified(|current| {
-                    let changed = *current != lsn;
-                    *current = lsn;
-                    changed
-                });
+            match stop_position(&client, &slot).await {
+                Ok(lsn) => {
+                    stop.send_if_modified(|current| {
+                        let changed = *current != lsn;
+                        *current = lsn;
+                        changed
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not read the stop request on the target")
+                }
             }
-            Err(e) => tracing::debug!(error = %e, "could not read the stop request on the target"),
+        })
+        .await;
+        match answered {
+            Ok(()) => session = Some(client),
+            Err(_) => {
+                METRICS.target_ok.set(0);
+                tracing::warn!(
+                    "the target did not answer the heartbeat within {}: it may be overloaded or cut off (applying waits for its answers)",
+                    humantime::format_duration(HEARTBEAT_ANSWER_WITHIN)
+                );
+                drop(Object::take(client));
+            }
         }
     }
 }

@@ -411,6 +411,26 @@ async fn status_and_metrics_move_with_the_workload() {
         || async { http_get(port, "/readyz").await.starts_with("HTTP/1.1 200") },
     )
     .await;
+    // The target holds the connection open but does not answer the heartbeat (here a lock it
+    // waits for; a hung server or a proxy in front of a dead one looks the same): not ready.
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute("BEGIN; LOCK pgapply.progress IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    wait_for(
+        "/readyz to say the target does not answer the heartbeat",
+        90,
+        || async { http_get(port, "/readyz").await.starts_with("HTTP/1.1 503") },
+    )
+    .await;
+    locker.batch_execute("COMMIT").await.unwrap();
+    wait_for(
+        "/readyz to say streaming once the heartbeat is answered",
+        60,
+        || async { http_get(port, "/readyz").await.starts_with("HTTP/1.1 200") },
+    )
+    .await;
     let pid = child.id().unwrap() as i32;
     // SAFETY: signalling our own child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
