@@ -520,6 +520,13 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
             .clone()
             .or_else(|| file.metrics_addr.clone()),
     };
+    if service.retry_min > service.retry_max {
+        return Err(Error::usage(format!(
+            "retry_min ({}) is longer than retry_max ({}): the shortest wait between retries must not exceed the longest",
+            humantime::format_duration(service.retry_min),
+            humantime::format_duration(service.retry_max)
+        )));
+    }
     Ok((config, service))
 }
 

@@ -342,7 +342,9 @@ pub async fn serve(addr: &str) -> Result<()> {
                     return;
                 }
                 let line = String::from_utf8_lossy(&request);
-                let path = line.split_whitespace().nth(1).unwrap_or("/");
+                // (A query string, as a scraper's `params` add, does not change the page.)
+                let target = line.split_whitespace().nth(1).unwrap_or("/");
+                let path = target.split('?').next().unwrap_or(target);
                 let (status, content_type, body) = match path {
                     "/metrics" => ("200 OK", "text/plain; version=0.0.4", METRICS.render()),
                     "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),

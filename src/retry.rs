@@ -22,7 +22,7 @@ impl Backoff {
     }
 
     /// The delay before the next attempt: doubles each time up to `max`, with the lower half
-    /// randomised so that many workers do not reconnect in step.
+    /// randomised so that many workers do not reconnect in step; never below `min`.
     pub fn next_delay(&mut self) -> Duration {
         self.attempts += 1;
         let base = self.next;
@@ -32,7 +32,7 @@ impl Backoff {
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
         let fraction = 0.5 + f64::from(nanos % 1000) / 2000.0;
-        base.mul_f64(fraction)
+        base.mul_f64(fraction).max(self.min)
     }
 
     /// After a run that went well for a while, start again from `min`.
@@ -53,7 +53,10 @@ mod tests {
         let bases = [1, 2, 4, 8, 8, 8];
         for (d, base) in delays.iter().zip(bases) {
             let base = Duration::from_secs(base);
-            assert!(*d >= base / 2 && *d <= base, "{d:?} vs {base:?}");
+            assert!(
+                *d >= (base / 2).max(Duration::from_secs(1)) && *d <= base,
+                "{d:?} vs {base:?}"
+            );
         }
         b.reset();
         assert!(b.next_delay() <= Duration::from_secs(1));

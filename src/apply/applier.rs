@@ -3003,7 +3003,10 @@ impl Applier {
         about: Option<&ChangeInfo>,
         e: tokio_postgres::Error,
     ) -> Error {
-        let what = about.map_or_else(|| "a statement on the target".to_owned(), ChangeInfo::describe);
+        let what = about.map_or_else(
+            || "a statement on the target".to_owned(),
+            ChangeInfo::describe,
+        );
         let kind = if kind.is_empty() {
             String::new()
         } else {
