@@ -588,7 +588,7 @@ async fn check_lists_every_problem() {
     db.target_sql(
         "CREATE TABLE keyless (a int, b text); CREATE TABLE cols (id int PRIMARY KEY, n point); \
          CREATE TABLE strict (id int PRIMARY KEY, must text NOT NULL); \
-         CREATE TABLE good (id int PRIMARY KEY, v varchar(20));",
+         CREATE TABLE good (id int PRIMARY KEY, v varchar);",
     )
     .await;
     db.source_sql("CREATE PUBLICATION p FOR TABLE keyless, only_source, cols, strict, good")
