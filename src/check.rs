@@ -515,7 +515,7 @@ async fn check_target(
             Ok(r) if !r.is_empty() => r,
             Ok(_) => {
                 report.problem(format!(
-                    "table {qualified} does not exist on the target: if the source renamed it, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); otherwise create it with the published columns (pg_dump --schema-only --table={} from the source)",
+                    "table {qualified} does not exist on the target: if the source renamed it, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); otherwise create it with the published columns (pg_dump --schema-only --table='{}' from the source)",
                     table.qualified()
                 ));
                 continue;
@@ -601,7 +601,7 @@ async fn check_target(
                         Some(src) => source_column_definition(src, table, column).await,
                         None => String::new(),
                     };
-                    let note = if definition.contains(" DEFAULT ") {
+                    let note = if definition.starts_with(" DEFAULT ") {
                         " (as on the source, the default fills the rows already there)"
                     } else {
                         ""
@@ -668,14 +668,22 @@ async fn source_column_definition(
         return String::new();
     };
     let (default, not_null): (Option<String>, bool) = (row.get(0), row.get(1));
-    let mut definition = String::new();
-    if let Some(default) = default {
-        definition.push_str(&format!(" DEFAULT {default}"));
+    // A constant (`5`, `'x'::text`) fills the rows already there as on the source; a function
+    // call (`now()`, `nextval(..)`) gives them other values than the source's, and NOT NULL
+    // without a default fails on a table with rows: then the values are to be copied.
+    match default {
+        Some(default) if !default.contains('(') => {
+            format!(" DEFAULT {default}{}", if not_null { " NOT NULL" } else { "" })
+        }
+        Some(default) => format!(
+            " (the source's default, {default}, computes each row's value: the rows already on the target would get other values than the source's, so copy them from the source, then SET DEFAULT{})",
+            if not_null { " and SET NOT NULL" } else { "" }
+        ),
+        None if not_null => {
+            " (NOT NULL on the source: copy the values of the rows already there from the source, then SET NOT NULL)".to_owned()
+        }
+        None => String::new(),
     }
-    if not_null {
-        definition.push_str(" NOT NULL");
-    }
-    definition
 }
 
 /// How a target type of the same family holds less than the source's, if it does: what then

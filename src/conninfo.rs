@@ -72,8 +72,8 @@ fn unencoded_url(conninfo: &str) -> Option<String> {
     })
 }
 
-/// TCP keepalives of about a minute (and unacknowledged data given up after two) unless the
-/// connection string sets its own: a server that
+/// TCP keepalives of about a minute, and a connect timeout, unless the connection string sets
+/// its own: a server that
 /// went away without a word (host down, network cut) is noticed while pgapply waits for an
 /// answer, and the retry takes over, instead of waiting for the system default of two hours.
 /// Keepalives are answered by the peer's kernel, so a slow statement is never cut short.
@@ -87,12 +87,16 @@ fn detect_dead_peers(config: &mut tokio_postgres::Config) {
     if config.get_keepalives_retries().is_none() {
         config.keepalives_retries(3);
     }
-    // Keepalives are not sent while data waits to be acknowledged (statements on their way to a
-    // server that went away): then the retransmissions would last about a quarter of an hour.
-    if config.get_tcp_user_timeout().is_none() {
-        config.tcp_user_timeout(std::time::Duration::from_secs(120));
+    // Each attempt (each host, each address) bounded, as the whole handshake is
+    // (`tls::handshake_timeout`): without it an unreachable address waits for the system's
+    // TCP timeout, about two minutes.
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(CONNECT_TIMEOUT);
     }
 }
+
+/// `connect_timeout` unless the connection string sets it.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Takes `sslmode` and `sslrootcert` out of a connection string (key=value or URL): pgapply
 /// handles them itself (tokio-postgres knows neither verify-ca/verify-full nor sslrootcert).

@@ -556,18 +556,31 @@ async fn again(source: &Client, target: &Client, slot: &str) -> Result<()> {
         return Ok(());
     };
     let reverse = format!("{slot}_reverse");
-    // (A role that may not read the source's pgapply schema: not known, so not refused.)
-    let reversed = source
+    // Known from the source's pgapply schema (the reverse run's progress), or from the reverse
+    // slot on the target: in use now, or, when the source's schema cannot be read, there at all.
+    let read = source
         .query_one(
             "SELECT to_regclass('pgapply.progress') IS NOT NULL \
                     AND EXISTS (SELECT 1 FROM pgapply.progress WHERE slot_name = $1)",
             &[&reverse],
         )
         .await
-        .is_ok_and(|r| r.get::<_, bool>(0));
+        .map(|r| r.get::<_, bool>(0));
+    let reverse_slot: Option<bool> = target
+        .query_opt(
+            "SELECT active FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            &[&reverse],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the reverse slot on the target", e))?
+        .map(|r| r.get(0));
+    let reversed = match read {
+        Ok(ran) => ran || reverse_slot == Some(true),
+        Err(_) => reverse_slot.is_some(),
+    };
     if reversed {
         return Err(Error::definite(format!(
-            "a cutover already stopped slot {slot:?} at {previous}, and replication back from the target into the source has run since (slot {reverse:?}): draining the source again would apply those changes to the target a second time. To go back to the old primary, cut over in the other direction (pgapply cutover --source <the target> --target <the source> --slot {reverse} ...)"
+            "a cutover already stopped slot {slot:?} at {previous}, and replication back from the target into the source has run since (slot {reverse:?}): draining the source again would apply those changes to the target a second time. To go back to the old primary, cut over in the other direction (pgapply cutover --source <the target> --target <the source> --slot {reverse} ...); if nothing was replicated back, drop slot {reverse:?} on the target and run this cutover again"
         )));
     }
     crate::out!("a cutover already stopped slot {slot:?} at {previous}: this one drains it again, applying what the source committed since");

@@ -272,12 +272,32 @@ fn reload_on_sighup(
 /// The filter for a log level (`info`) or RUST_LOG-style directives (`info,pgapply=debug`).
 fn log_filter(level: &str) -> Result<EnvFilter, String> {
     // A bare word is taken by the filter as a module whose every line is shown, and then nothing
-    // else is: a misspelt level ("warning") would silence the log, errors included.
+    // else is: a misspelt level ("warning") would silence the log, errors included. (A module
+    // name alone, `pgapply` or `tokio_postgres`, is a valid directive and stays one.)
     const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    const LEVEL_LIKE: [&str; 16] = [
+        "warning",
+        "warnings",
+        "err",
+        "errors",
+        "information",
+        "informational",
+        "verbose",
+        "notice",
+        "fatal",
+        "critical",
+        "crit",
+        "panic",
+        "log",
+        "none",
+        "all",
+        "quiet",
+    ];
     for directive in level.split(',').map(str::trim).filter(|d| !d.is_empty()) {
-        let bare =
-            !directive.contains('=') && !directive.contains("::") && !directive.contains('[');
-        if bare && !LEVELS.contains(&directive.to_ascii_lowercase().as_str()) {
+        let word = directive.to_ascii_lowercase();
+        // PostgreSQL's debug1 .. debug5.
+        let numbered_debug = word.len() == 6 && word.starts_with("debug");
+        if LEVEL_LIKE.contains(&word.as_str()) || numbered_debug {
             return Err(format!(
                 "{directive:?} is not a log level: use one of {}, or directives such as info,pgapply=debug",
                 LEVELS.join(", ")

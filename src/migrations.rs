@@ -151,7 +151,7 @@ pub async fn refuse_read_only(client: &Client) -> Result<()> {
         let role = crate::sql::quote_ident(&role);
         let database = crate::sql::quote_ident(&database);
         return Err(Error::definite(format!(
-            "the target's sessions are read-only by default (default_transaction_read_only = on, set for role {role}, database {database} or the server; pgapply cutover --freeze-writes sets it for the roles it freezes): connect as a role that writes, or undo it, e.g. BEGIN READ WRITE; ALTER ROLE {role} RESET default_transaction_read_only; COMMIT; (or ALTER DATABASE {database} RESET default_transaction_read_only), then start pgapply again"
+            "the target's sessions are read-only by default (default_transaction_read_only = on, set for role {role} in database {database}, as pgapply cutover --freeze-writes does, or for the role, the database or the server): connect as a role that writes, or undo it where it was set, e.g. BEGIN READ WRITE; ALTER ROLE {role} IN DATABASE {database} RESET default_transaction_read_only; COMMIT; (or ALTER ROLE {role} RESET default_transaction_read_only, or ALTER DATABASE {database} RESET default_transaction_read_only), then start pgapply again"
         )));
     }
     Ok(())

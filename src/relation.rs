@@ -213,7 +213,7 @@ impl RelationCache {
                 }
                 _ => {
                     return Err(Error::definite(format!(
-                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); otherwise create it on the target with the same columns (pg_dump --schema-only --table={} from the source), then start pgapply again",
+                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); otherwise create it on the target with the same columns (pg_dump --schema-only --table='{}' from the source), then start pgapply again",
                         qualified_name(&target_schema, &target_name),
                         shown
                     )))

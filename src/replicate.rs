@@ -1415,10 +1415,11 @@ async fn heartbeat(
                 }
             },
         };
-        // A target that holds the connection open and answers nothing (hung, or a proxy in
-        // front of a dead server) is not ready, and said so; the session is dropped (not handed
-        // back to the pool, where its unanswered query would hold up the next user).
-        let answered = tokio::time::timeout(HEARTBEAT_ANSWER_WITHIN, async {
+        // A target that holds the connection open and answers nothing (hung, a lock on the
+        // progress row, a proxy in front of a dead server) is not ready, and said so; its
+        // answer is still waited for on the same session (a new one would leave this one's
+        // statement behind, to run later and count the same deltas twice).
+        let work = async {
             if beaten.is_none_or(|at| at.elapsed() >= every) {
                 beaten = Some(Instant::now());
                 let mut last = reported.lock().await;
@@ -1447,19 +1448,26 @@ async fn heartbeat(
                     tracing::debug!(error = %e, "could not read the stop request on the target")
                 }
             }
-        })
-        .await;
-        match answered {
-            Ok(()) => session = Some(client),
-            Err(_) => {
-                METRICS.target_ok.set(0);
-                tracing::warn!(
-                    "the target did not answer the heartbeat within {}: it may be overloaded or cut off (applying waits for its answers)",
-                    humantime::format_duration(HEARTBEAT_ANSWER_WITHIN)
-                );
-                drop(Object::take(client));
+        };
+        {
+            tokio::pin!(work);
+            let mut said_late = false;
+            loop {
+                tokio::select! {
+                    () = &mut work => break,
+                    _ = tokio::time::sleep(HEARTBEAT_ANSWER_WITHIN), if !said_late => {
+                        said_late = true;
+                        METRICS.target_ok.set(0);
+                        tracing::warn!(
+                            "the target has not answered the heartbeat for {}: it may be overloaded, locked (pgapply.progress) or cut off; applying waits for its answers too",
+                            humantime::format_duration(HEARTBEAT_ANSWER_WITHIN)
+                        );
+                    }
+                    _ = quit.changed() => return,
+                }
             }
         }
+        session = Some(client);
     }
 }
 

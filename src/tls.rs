@@ -284,19 +284,29 @@ pub async fn connect(
     Ok(client)
 }
 
-/// How long connecting may take, handshake included: `connect_timeout`, or 30 s.
+/// How long one connection attempt may take, handshake included: `connect_timeout` (as libpq:
+/// per host, here per host and per address of a name with two, IPv6 and IPv4), 10 s each unless
+/// the connection string sets it (`conninfo::parse` sets that default on the config).
 pub fn handshake_timeout(config: &tokio_postgres::Config) -> std::time::Duration {
-    config
+    let each = config
         .get_connect_timeout()
         .copied()
-        .unwrap_or(std::time::Duration::from_secs(30))
+        .unwrap_or(crate::conninfo::CONNECT_TIMEOUT);
+    let hosts = config.get_hosts().len().max(1) as u32;
+    each * 2 * hosts
 }
 
 /// Why a connection that took longer than `handshake_timeout` was given up.
 pub fn handshake_timed_out(config: &tokio_postgres::Config) -> String {
     format!(
-        "the server did not complete the PostgreSQL handshake within {} (connect_timeout): is it overloaded or stopped, and is that port PostgreSQL's?",
-        humantime::format_duration(handshake_timeout(config))
+        "the server did not complete the PostgreSQL handshake within {} (connect_timeout {} per host and address): is it overloaded or stopped, and is that port PostgreSQL's?",
+        humantime::format_duration(handshake_timeout(config)),
+        humantime::format_duration(
+            config
+                .get_connect_timeout()
+                .copied()
+                .unwrap_or(crate::conninfo::CONNECT_TIMEOUT)
+        )
     )
 }
 

@@ -1022,7 +1022,7 @@ async fn a_server_that_never_answers_or_is_not_postgresql_is_named() {
         ),
         &[
             "target",
-            "did not complete the PostgreSQL handshake within 2s",
+            "did not complete the PostgreSQL handshake within 4s (connect_timeout 2s per host and address)",
         ],
     )
     .await;
@@ -1088,4 +1088,14 @@ async fn a_misspelt_log_level_is_refused() {
             stderr(&out)
         );
     }
+    // A module name alone is a directive, as in RUST_LOG elsewhere.
+    let mut cmd = common::pgapply_command(&["status", "--target", "host=127.0.0.1 port=1 user=x"]);
+    cmd.env_remove("PGAPPLY_LOG_LEVEL")
+        .env("RUST_LOG", "pgapply");
+    let out = run_with_deadline(cmd, 30).await;
+    assert!(
+        !stderr(&out).contains("not a log level"),
+        "{}",
+        stderr(&out)
+    );
 }

@@ -85,6 +85,13 @@ async fn negotiate_tls(
     tcp.read_exact(&mut answer)
         .await
         .map_err(|e| Error::io(format!("reading from source {endpoint}"), e))?;
+    // 'E': the server could not start a session (out of processes or memory), and says so
+    // instead of answering.
+    if answer[0] == b'E' {
+        return Err(Error::transient(format!(
+            "source {endpoint} could not start a session (it answered the TLS request with an error: short of memory or processes?)"
+        )));
+    }
     if answer[0] != b'S' && answer[0] != b'N' {
         return Err(Error::definite(format!(
             "source {endpoint} does not answer as a PostgreSQL server does (it answered the TLS request with {:?}): check the host and port of --source",
@@ -220,17 +227,21 @@ impl ReplicationConnection {
                 Error::definite("source connection: no user given (set user= or PGUSER)")
             })?
             .to_owned();
-        let timeout = crate::tls::handshake_timeout(config);
-        let (stream, endpoint, host) = open_stream(config, timeout).await?;
-        // The whole handshake within the connect timeout: a server that accepts the connection
-        // and then says nothing (stopped, overloaded, not PostgreSQL) would hang here for ever.
+        // connect_timeout per host, for its addresses (two: IPv6 and IPv4) and then the
+        // handshake: a server that accepts the connection and then says nothing (stopped,
+        // overloaded, not PostgreSQL) would keep it waiting for ever.
+        let each = config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(crate::conninfo::CONNECT_TIMEOUT);
+        let (stream, endpoint, host) = open_stream(config, each * 2).await?;
         let shown = endpoint.clone();
         let handshake = Self::handshake(stream, endpoint, host, config, max_message_bytes, user);
-        match tokio::time::timeout(timeout, handshake).await {
+        match tokio::time::timeout(each, handshake).await {
             Ok(result) => result,
             Err(_) => Err(Error::transient(format!(
-                "source {shown}: {}",
-                crate::tls::handshake_timed_out(config)
+                "source {shown} accepted the connection but did not complete the PostgreSQL handshake within {} (connect_timeout): is it overloaded or stopped, and is that port PostgreSQL's?",
+                humantime::format_duration(each)
             ))),
         }
     }
