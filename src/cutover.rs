@@ -453,6 +453,21 @@ async fn drain(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // From reading the end until it is recorded on the target, no group of the running worker
+    // commits (each takes this lock, shared, to check the stop position: migration 0013): a
+    // writer that was not frozen cannot slip a transaction committed after the end through a
+    // group sent before the worker read the request.
+    target
+        .batch_execute("BEGIN")
+        .await
+        .map_err(|e| Error::postgres("step 3: starting the stop on the target", e))?;
+    target
+        .execute(
+            "SELECT pg_catalog.pg_advisory_xact_lock(1885827956, pg_catalog.hashtext('pgapply stop ' || $1))",
+            &[slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("step 3: taking the slot's stop lock on the target", e))?;
     // The flushed position, once it covers every commit made so far. Commits made with
     // synchronous_commit = off are visible before their WAL is even written; WAL is flushed in
     // order, so a synchronous commit of our own (an xid, nothing else; `local`: not waiting for
@@ -486,6 +501,10 @@ async fn drain(
             .map_err(|e| Error::postgres("step 3: asking the worker to stop at the end", e))
     };
     let marked = fence().await?;
+    target
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| Error::postgres("step 3: recording the end position on the target", e))?;
     let (active, _, _) = slot_state(source, slot).await?;
     if active && marked == 0 {
         return Err(Error::definite(format!(
@@ -558,14 +577,21 @@ async fn again(source: &Client, target: &Client, slot: &str) -> Result<()> {
     let reverse = format!("{slot}_reverse");
     // Known from the source's pgapply schema (the reverse run's progress), or from the reverse
     // slot on the target: in use now, or, when the source's schema cannot be read, there at all.
-    let read = source
-        .query_one(
-            "SELECT to_regclass('pgapply.progress') IS NOT NULL \
-                    AND EXISTS (SELECT 1 FROM pgapply.progress WHERE slot_name = $1)",
-            &[&reverse],
-        )
+    // (Two queries: a query naming the table fails where it does not exist.)
+    let has_schema = source
+        .query_one("SELECT to_regclass('pgapply.progress') IS NOT NULL", &[])
         .await
         .map(|r| r.get::<_, bool>(0));
+    let read = match has_schema {
+        Ok(true) => source
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pgapply.progress WHERE slot_name = $1)",
+                &[&reverse],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0)),
+        other => other,
+    };
     let reverse_slot: Option<bool> = target
         .query_opt(
             "SELECT active FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",

@@ -66,6 +66,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "batching_guard",
         include_str!("../migrations/0012_batching_guard.sql"),
     ),
+    (
+        13,
+        "stop_check",
+        include_str!("../migrations/0013_stop_check.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

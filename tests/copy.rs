@@ -1972,3 +1972,65 @@ async fn an_extension_type_in_another_schema_on_the_target_is_compared() {
     let text = String::from_utf8_lossy(&check.stdout).to_string();
     assert!(!text.contains("values may not convert"), "{text}");
 }
+
+/// A writer the cutover did not freeze keeps committing while a worker runs: nothing it
+/// committed at or after the cutover's end position reaches the target, although the worker
+/// reads the stop request only every second (each group checks it on the target before it
+/// commits, and the cutover holds the groups back while it takes the end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_committed_after_the_end_position_reaches_the_target() {
+    let db = TestDb::new("cutend").await;
+    db.both("CREATE TABLE w (id bigserial PRIMARY KEY, lsn pg_lsn NOT NULL)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE w").await;
+    let mut worker = spawn(db.pgapply("p", &[]));
+    let writing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let writer = {
+        let writing = writing.clone();
+        let client = common::connect(db.source_port, &db.name).await;
+        tokio::spawn(async move {
+            while writing.load(std::sync::atomic::Ordering::SeqCst) {
+                client
+                    .batch_execute("INSERT INTO w (lsn) VALUES (pg_current_wal_insert_lsn())")
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    wait_for("rows on the target", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM w").await > 100
+    })
+    .await;
+    // The cutover's verify finds the rows written since: it fails, after the stop.
+    let slot = db.slot();
+    let out = run_with_deadline(
+        db.on_both("cutover", &["--slot", &slot, "--timeout", "60s"]),
+        120,
+    )
+    .await;
+    writing.store(false, std::sync::atomic::Ordering::SeqCst);
+    writer.await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let end = text
+        .lines()
+        .find_map(|l| l.strip_prefix("step 3: draining replication to "))
+        .unwrap_or_else(|| panic!("no end position in:\n{text}\n{}", stderr(&out)))
+        .trim()
+        .to_owned();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(30), worker.wait()).await;
+    let _ = worker.start_kill();
+    assert_eq!(
+        db.count(
+            &db.target,
+            &format!("SELECT count(*) FROM w WHERE lsn >= '{end}'")
+        )
+        .await,
+        0,
+        "rows committed after the end {end} reached the target:\n{text}"
+    );
+    // Everything committed before it did.
+    assert!(
+        db.count(&db.target, "SELECT count(*) FROM w").await > 100,
+        "{text}"
+    );
+}

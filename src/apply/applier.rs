@@ -467,6 +467,8 @@ pub struct Applier {
     batchable: HashMap<(Oid, u64), Option<Arc<str>>>,
     /// `pgapply.check_batching`, run once per group for each table it batches updates of.
     check_batching: Statement,
+    /// `pgapply.check_stop`, run by each group before it commits (migration 0013).
+    check_stop: Statement,
     /// Set on a parallel apply worker (`apply::parallel`).
     worker: Option<WorkerRole>,
     turn_statements: Option<TurnStatements>,
@@ -649,6 +651,8 @@ impl Applier {
         let immediate = prepare("SET CONSTRAINTS ALL IMMEDIATE".into()).await?;
         let check_batching =
             prepare("SELECT pgapply.check_batching($1::text::oid, $2::text)".into()).await?;
+        let check_stop =
+            prepare("SELECT pgapply.check_stop($1::text, $2::text::pg_lsn)".into()).await?;
         let check_committed = match commit_row && options.worker.is_none() {
             true => Some(
                 prepare("SELECT pgapply.check_committed($1::text, $2::text::pg_lsn)".into())
@@ -717,6 +721,7 @@ impl Applier {
             held_rows: 0,
             batchable: HashMap::new(),
             check_batching,
+            check_stop,
             policy_cache: HashMap::new(),
             worker: options.worker,
             turn_statements,
@@ -2884,6 +2889,16 @@ impl Applier {
                 }
                 self.conflicts.push(conflict_record(about, signal));
             }
+            Err(e) if e.code().map(|c| c.code()) == Some("PGA02") => {
+                // `pgapply cutover` set a stop position this group's transactions pass: the run
+                // starts again, and applies what comes before it, then stops.
+                if self.failure.is_none() {
+                    self.failure = Some(Error::transient(format!(
+                        "{}: starting again to apply what comes before it, then stop",
+                        describe_postgres(&e)
+                    )));
+                }
+            }
             Err(e) if e.code().map(|c| c.code()) == Some("PGA01") => {
                 // A table whose updates this group batched got a trigger (say) meanwhile.
                 if self.failure.is_none() {
@@ -3252,6 +3267,17 @@ impl Applier {
                     WireValue::Text(format!("xid {xid}").into()),
                     WireValue::Text(lsn.to_string().into()),
                     WireValue::Text(time.to_rfc3339().into()),
+                ],
+            ));
+        }
+        // A stop position `pgapply cutover` set meanwhile, at or before this group's last source
+        // commit: the group must not commit (migration 0013).
+        if let Some((_, commit_lsn)) = group.last_transaction {
+            self.pending.push(Pending::with_params(
+                self.check_stop.clone(),
+                vec![
+                    WireValue::Text(self.slot.clone().into()),
+                    WireValue::Text(commit_lsn.to_string().into()),
                 ],
             ));
         }
