@@ -259,6 +259,18 @@ async fn check_source(
             None => report.ok("status interval within the source's wal_sender_timeout"),
         }
     }
+    // (As `run` warns: a TRUNCATE on such a source leaves the target's rows in place.)
+    if let Ok(row) = src.query_one("SHOW server_version_num", &[]).await {
+        if row
+            .get::<_, String>(0)
+            .parse::<u32>()
+            .is_ok_and(|v| v < 110000)
+        {
+            report.warning(
+                "the source runs PostgreSQL 10, which does not replicate TRUNCATE: a table truncated there keeps its rows on the target (verify shows it); truncate it on the target too, or keep TRUNCATE away from published tables until the migration",
+            );
+        }
+    }
     match src.query_one("SHOW wal_level", &[]).await {
         Ok(row) => {
             let level: String = row.get(0);
@@ -419,8 +431,9 @@ async fn check_source(
                     let has_pk: bool = row.get(3);
                     if updates_published && (identity == "n" || (identity == "d" && !has_pk)) {
                         identified = false;
-                        report.problem(format!(
-                            "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source; add a primary key or ALTER TABLE {name} REPLICA IDENTITY FULL"
+                        // Fine for a table that only ever gets INSERTs (a log): said, not refused.
+                        report.warning(format!(
+                            "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise add a primary key or ALTER TABLE {name} REPLICA IDENTITY FULL"
                         ));
                     }
                 }
