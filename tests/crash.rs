@@ -326,6 +326,19 @@ async fn a_group_sent_behind_a_failing_commit_does_not_commit_without_it() {
 /// source then streams from before what the target already applied, as after a crash between
 /// a target commit and the source's confirmation. (Slot copies are PostgreSQL 12+.)
 async fn rewind_slot(db: &TestDb, copy: &str) {
+    // The walsender of a run that just ended may hold the slot a moment longer.
+    wait_for("the slot to be free", 30, || async {
+        db.count(
+            &db.source,
+            &format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND active",
+                db.slot()
+            ),
+        )
+        .await
+            == 0
+    })
+    .await;
     db.source
         .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
         .await
