@@ -1166,3 +1166,48 @@ async fn a_trigger_added_on_the_target_while_running_sees_every_update() {
     assert!(child.try_wait().unwrap().is_none(), "pgapply still runs");
     child.kill().await.unwrap();
 }
+
+/// A target trigger on one table that reads another sees it as the source's transaction left
+/// it: updates held back for batching are sent before a change to a table with a trigger (or
+/// rule), not after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_that_reads_another_table_sees_the_updates_before_it() {
+    let db = TestDb::new("trigreads").await;
+    db.both(
+        "CREATE TABLE acct (id int PRIMARY KEY, bal int NOT NULL); \
+         CREATE TABLE hist (hid int PRIMARY KEY, aid int NOT NULL, delta int NOT NULL);",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE seen (hid int PRIMARY KEY, bal int); \
+         CREATE FUNCTION seen() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN INSERT INTO seen VALUES (NEW.hid, (SELECT bal FROM acct WHERE id = NEW.aid)); RETURN NULL; END$$; \
+         CREATE TRIGGER seen AFTER INSERT ON hist FOR EACH ROW EXECUTE FUNCTION seen(); \
+         ALTER TABLE hist ENABLE ALWAYS TRIGGER seen;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE acct, hist")
+        .await;
+    db.source_sql("INSERT INTO acct VALUES (1, 0)").await;
+    // Three transactions, applied together in one group when pgapply catches up.
+    for (hid, delta) in [(1, 100), (2, 10), (3, 1)] {
+        db.source_sql(&format!(
+            "BEGIN; UPDATE acct SET bal = bal + {delta} WHERE id = 1; \
+             INSERT INTO hist VALUES ({hid}, 1, {delta}); COMMIT;"
+        ))
+        .await;
+    }
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let seen: Vec<i32> = db
+        .target
+        .query("SELECT bal FROM seen ORDER BY hid", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(seen, vec![100, 110, 111], "the balances the trigger saw");
+    db.assert_same("acct").await;
+}

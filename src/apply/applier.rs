@@ -467,6 +467,9 @@ pub struct Applier {
     batchable: HashMap<(Oid, u64), Option<Arc<str>>>,
     /// `pgapply.check_batching`, run once per group for each table it batches updates of.
     check_batching: Statement,
+    /// Per relation: whether its changes may pass other tables' held updates (no trigger or
+    /// rule: `apply::batch::quiet`), and if so, what that was read from.
+    quiet: HashMap<(Oid, u64), Option<Arc<str>>>,
     /// `pgapply.check_stop`, run by each group before it commits (migration 0013).
     check_stop: Statement,
     /// Set on a parallel apply worker (`apply::parallel`).
@@ -720,6 +723,7 @@ impl Applier {
             held_updates: HashMap::new(),
             held_rows: 0,
             batchable: HashMap::new(),
+            quiet: HashMap::new(),
             check_batching,
             check_stop,
             policy_cache: HashMap::new(),
@@ -1625,7 +1629,7 @@ impl Applier {
         };
         let entry = self.entry(insert.relation)?;
         Self::check_width(&entry, &insert.new)?;
-        self.flush_held_updates(Some(entry.target.oid)).await?;
+        self.before_change(&entry).await?;
         let mut params = Vec::with_capacity(insert.new.len());
         for (i, value) in insert.new.values().enumerate() {
             params.push(WireValue::from_value(value).ok_or_else(|| {
@@ -2016,7 +2020,7 @@ impl Applier {
             };
             return self.hold_update(&entry, values, about).await;
         }
-        self.flush_held_updates(Some(entry.target.oid)).await?;
+        self.before_change(&entry).await?;
         let mut params = Vec::with_capacity(update.new.len() * 2);
         let mut unchanged = identity_kept(&entry, &update);
         for (i, value) in update.new.values().enumerate() {
@@ -2184,6 +2188,33 @@ impl Applier {
         Ok(())
     }
 
+    /// Before a change to `entry`'s table: its own held updates go first; so do all the others
+    /// if a trigger or rule of this table could read their tables (`apply::batch::quiet`).
+    async fn before_change(&mut self, entry: &Arc<RelationEntry>) -> Result<()> {
+        let others_held = self.held_updates.keys().any(|&oid| oid != entry.target.oid);
+        if !others_held {
+            return self.flush_held_updates(Some(entry.target.oid)).await;
+        }
+        let key = (entry.source.oid, entry.generation);
+        let quiet = match self.quiet.get(&key) {
+            Some(known) => known.clone(),
+            None => {
+                let fingerprint = super::batch::quiet(&self.catalog, entry)
+                    .await?
+                    .map(Arc::<str>::from);
+                self.quiet.insert(key, fingerprint.clone());
+                fingerprint
+            }
+        };
+        match quiet {
+            Some(fingerprint) => {
+                self.check_unchanged(entry, fingerprint);
+                self.flush_held_updates(Some(entry.target.oid)).await
+            }
+            None => self.flush_held_updates(None).await,
+        }
+    }
+
     /// Has the target check, once per group and table, that what made the table's updates
     /// batchable still holds (`apply::batch`): else the group fails and is applied again one
     /// change at a time.
@@ -2195,6 +2226,13 @@ impl Applier {
         else {
             return;
         };
+        self.check_unchanged(entry, fingerprint);
+    }
+
+    /// Has the target check, once per group, that the table is as `fingerprint` says it was
+    /// read (`pgapply.check_batching`): else the group fails and is applied again one change at
+    /// a time.
+    fn check_unchanged(&mut self, entry: &RelationEntry, fingerprint: Arc<str>) {
         let Some(group) = &mut self.group else {
             return;
         };
@@ -2404,7 +2442,7 @@ impl Applier {
         };
         let entry = self.entry(delete.relation)?;
         Self::check_binary(&entry, delete.old.tuple())?;
-        self.flush_held_updates(Some(entry.target.oid)).await?;
+        self.before_change(&entry).await?;
         let mut params = Vec::new();
         let old = delete.old;
         let (row_match, old_values) =

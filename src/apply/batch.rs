@@ -20,7 +20,10 @@
 //! are the defaults for updates (update_missing `skip`: a missing row is still found, warned about
 //! and recorded, once per collapsed row). Any other change to the same target table sends its held
 //! updates first (held updates are kept per target table, so two source tables mapped onto one do
-//! not pass each other), and the group sends all of them before it commits.
+//! not pass each other), and the group sends all of them before it commits. A change to another
+//! table goes out while updates are held only if that table has no enabled trigger and no rule
+//! (which could read a table whose updates are held, and see it before them); otherwise every
+//! held update is sent first. That too is checked by each group on the server.
 //!
 //! The statement returns the batch rows that matched nothing, so a missing row is named exactly.
 //! If a batched statement fails, the group is rolled back and the same source transactions are
@@ -93,6 +96,36 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<Optio
         index.simple && columns == key
     };
     Ok((!indexes.is_empty() && indexes.iter().all(is_key)).then_some(fingerprint))
+}
+
+/// Whether changes to this target table may go out while other tables' updates are held (see
+/// the module docs): no enabled trigger (but foreign keys' own) and no rule, which could read
+/// another table and see it before the held updates; if so, what that was read from, which each
+/// group that relies on it checks on the server, as for a batched table.
+pub async fn quiet(client: &Client, entry: &RelationEntry) -> Result<Option<String>> {
+    let row = client
+        .query_one(
+            // (Triggers cloned onto partitions are marked internal before 15; foreign keys'
+            // are internal and tied to their constraint.)
+            "SELECT NOT c.relhasrules \
+                    AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t \
+                                    WHERE t.tgrelid = c.oid AND t.tgenabled <> 'D' \
+                                      AND NOT (t.tgisinternal AND t.tgconstraint <> 0)), \
+                    pgapply.batching_fingerprint(c.oid) \
+             FROM pg_catalog.pg_class c WHERE c.oid = $1",
+            &[&entry.target.oid],
+        )
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                format!(
+                    "reading the triggers of table {} on the target",
+                    entry.target.qualified
+                ),
+                e,
+            )
+        })?;
+    Ok(row.get::<_, bool>(0).then(|| row.get(1)))
 }
 
 /// Most rows in one batched statement of a table with `columns` columns: a power of two, under
