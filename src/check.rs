@@ -669,7 +669,8 @@ async fn source_column_definition(
 ) -> String {
     let row = src
         .query_opt(
-            "SELECT pg_catalog.pg_get_expr(d.adbin, d.adrelid), a.attnotnull \
+            "SELECT pg_catalog.pg_get_expr(d.adbin, d.adrelid), a.attnotnull, \
+                    coalesce(d.adbin::text LIKE '%SQLVALUEFUNCTION%', false) \
              FROM pg_catalog.pg_attribute a \
              LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum \
              WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 \
@@ -681,11 +682,13 @@ async fn source_column_definition(
         return String::new();
     };
     let (default, not_null): (Option<String>, bool) = (row.get(0), row.get(1));
+    // CURRENT_TIMESTAMP, CURRENT_USER and the like print without parentheses.
+    let value_function: bool = row.get(2);
     // A constant (`5`, `'x'::text`) fills the rows already there as on the source; a function
     // call (`now()`, `nextval(..)`) gives them other values than the source's, and NOT NULL
     // without a default fails on a table with rows: then the values are to be copied.
     match default {
-        Some(default) if !default.contains('(') => {
+        Some(default) if !default.contains('(') && !value_function => {
             format!(" DEFAULT {default}{}", if not_null { " NOT NULL" } else { "" })
         }
         Some(default) => format!(

@@ -461,8 +461,8 @@ fn rename_table_sql(from: &TargetTable, schema: &str, name: &str) -> String {
     let mut current = from.qualified.clone();
     if from.schema != schema {
         steps.push(format!(
-            "ALTER TABLE {current} SET SCHEMA {}",
-            quote_ident(schema)
+            "CREATE SCHEMA IF NOT EXISTS {schema}; ALTER TABLE {current} SET SCHEMA {schema}",
+            schema = quote_ident(schema)
         ));
         current = qualified_name(schema, &from.name);
     }
@@ -491,7 +491,7 @@ mod tests {
         };
         assert_eq!(
             rename_table_sql(&from, "s2", "u3"),
-            "ALTER TABLE \"public\".\"u3\" SET SCHEMA \"s2\""
+            "CREATE SCHEMA IF NOT EXISTS \"s2\"; ALTER TABLE \"public\".\"u3\" SET SCHEMA \"s2\""
         );
         assert_eq!(
             rename_table_sql(&from, "public", "u4"),
@@ -499,7 +499,7 @@ mod tests {
         );
         assert_eq!(
             rename_table_sql(&from, "s2", "u4"),
-            "ALTER TABLE \"public\".\"u3\" SET SCHEMA \"s2\"; ALTER TABLE \"s2\".\"u3\" RENAME TO \"u4\""
+            "CREATE SCHEMA IF NOT EXISTS \"s2\"; ALTER TABLE \"public\".\"u3\" SET SCHEMA \"s2\"; ALTER TABLE \"s2\".\"u3\" RENAME TO \"u4\""
         );
     }
 

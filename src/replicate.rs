@@ -813,11 +813,14 @@ async fn run_in_span(
     METRICS.streaming.set(0);
     // Said now: with a full queue and a slow target, the applier may take minutes to finish, and
     // the run's error (which would say it) only comes after that.
+    // (Only a lost connection: the reader also stops when the applier failed, for its reason.)
     if let Err(e) = &read_result {
-        tracing::warn!(
-            error = %e,
-            "the source connection ended: applying what was already received, then reconnecting"
-        );
+        if e.is_connection_lost() {
+            tracing::warn!(
+                error = %e,
+                "the source connection ended: applying what was already received, then reconnecting"
+            );
+        }
     }
     // Closing the queue lets the applier finish what it has and stop.
     reader.tx = None;

@@ -940,7 +940,8 @@ async fn a_read_only_target_role_is_named_with_the_way_back() {
 async fn check_gives_the_fix_that_keeps_the_rows() {
     let db = TestDb::new("checkfix").await;
     db.source_sql(
-        "CREATE TABLE t (id int PRIMARY KEY, g int NOT NULL DEFAULT 5, n bigint, d2 text); \
+        "CREATE TABLE t (id int PRIMARY KEY, g int NOT NULL DEFAULT 5, n bigint, d2 text, \
+                         at timestamptz DEFAULT current_timestamp); \
          CREATE TABLE u2 (id int PRIMARY KEY);",
     )
     .await;
@@ -957,6 +958,7 @@ async fn check_gives_the_fix_that_keeps_the_rows() {
         "rename it on the target instead (ALTER TABLE \"public\".\"t\" RENAME COLUMN \"d\" TO \"d2\")",
         "WARNING  column \"n\" of \"public\".\"t\" is bigint on the source but integer on the target, which refuses the source's values that do not fit",
         "table \"public\".\"u2\" does not exist on the target: if the source renamed it, rename it on the target too",
+        "(the source's default, CURRENT_TIMESTAMP, computes each row's value",
     ] {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }

@@ -2941,8 +2941,13 @@ impl Applier {
                 // A table whose updates this group batched got a trigger (say) meanwhile.
                 if self.failure.is_none() {
                     let through = self.unbatch(None);
+                    let again = if through.is_valid() {
+                        format!("applying the source transactions up to commit {through} again one change at a time, then batching only the updates of tables that still allow it")
+                    } else {
+                        "starting again, with the table read anew".to_owned()
+                    };
                     self.failure = Some(Error::transient(format!(
-                        "{}: applying the source transactions up to commit {through} again one change at a time, then batching only the updates of tables that still allow it",
+                        "{}: {again}",
                         describe_postgres(&e)
                     )));
                 }
