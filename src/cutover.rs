@@ -454,7 +454,7 @@ async fn drain(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // From reading the end until it is recorded on the target, no group of the running worker
-    // commits (each takes this lock, shared, to check the stop position: migration 0013): a
+    // commits (each takes this lock, shared, to check the stop position: `pgapply.check_group`, migration 0012): a
     // writer that was not frozen cannot slip a transaction committed after the end through a
     // group sent before the worker read the request.
     target

@@ -63,13 +63,8 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
     (
         12,
-        "batching_guard",
-        include_str!("../migrations/0012_batching_guard.sql"),
-    ),
-    (
-        13,
-        "stop_check",
-        include_str!("../migrations/0013_stop_check.sql"),
+        "group_checks",
+        include_str!("../migrations/0012_group_checks.sql"),
     ),
 ];
 

@@ -142,8 +142,9 @@ struct Group {
     transactions: u64,
     /// Its place in the commit order, on a parallel worker.
     turn: Option<Turn>,
-    /// Target tables whose batching this group checked (`pgapply.check_batching`).
-    batching_checked: Vec<Oid>,
+    /// Target tables this group relied on being as read (batched, or passing held updates), and
+    /// what was read of them: checked on the target before it commits (`pgapply.check_group`).
+    relied_on: Vec<(Oid, Arc<str>)>,
 }
 
 /// Statements queued before they are handed to the connection together.
@@ -465,13 +466,11 @@ pub struct Applier {
     /// Per relation: whether its updates are batched, and if so, what that was read from
     /// (`apply::batch::independent`).
     batchable: HashMap<(Oid, u64), Option<Arc<str>>>,
-    /// `pgapply.check_batching`, run once per group for each table it batches updates of.
-    check_batching: Statement,
+    /// `pgapply.check_group`, run by each group before it commits (migration 0012).
+    check_group: Statement,
     /// Per relation: whether its changes may pass other tables' held updates (no trigger or
     /// rule: `apply::batch::quiet`), and if so, what that was read from.
     quiet: HashMap<(Oid, u64), Option<Arc<str>>>,
-    /// `pgapply.check_stop`, run by each group before it commits (migration 0013).
-    check_stop: Statement,
     /// Set on a parallel apply worker (`apply::parallel`).
     worker: Option<WorkerRole>,
     turn_statements: Option<TurnStatements>,
@@ -652,10 +651,10 @@ impl Applier {
         // Bound to the origin now: no other session moves it while its row starts where it is.
         progress.start_commit_row(&client, commit_row).await?;
         let immediate = prepare("SET CONSTRAINTS ALL IMMEDIATE".into()).await?;
-        let check_batching =
-            prepare("SELECT pgapply.check_batching($1::text::oid, $2::text)".into()).await?;
-        let check_stop =
-            prepare("SELECT pgapply.check_stop($1::text, $2::text::pg_lsn)".into()).await?;
+        let check_group = prepare(
+            "SELECT pgapply.check_group($1::text, $2::text::pg_lsn, $3::text, $4::text)".into(),
+        )
+        .await?;
         let check_committed = match commit_row && options.worker.is_none() {
             true => Some(
                 prepare("SELECT pgapply.check_committed($1::text, $2::text::pg_lsn)".into())
@@ -724,8 +723,7 @@ impl Applier {
             held_rows: 0,
             batchable: HashMap::new(),
             quiet: HashMap::new(),
-            check_batching,
-            check_stop,
+            check_group,
             policy_cache: HashMap::new(),
             worker: options.worker,
             turn_statements,
@@ -1489,7 +1487,7 @@ impl Applier {
                 last_transaction: None,
                 transactions: 0,
                 turn: turn.clone(),
-                batching_checked: Vec::new(),
+                relied_on: Vec::new(),
             });
             let begin = self.begin.clone();
             self.pending.push(Pending::plain(begin));
@@ -1569,7 +1567,7 @@ impl Applier {
                 last_transaction: None,
                 transactions: 0,
                 turn: None,
-                batching_checked: Vec::new(),
+                relied_on: Vec::new(),
             });
             self.pending.push(Pending::plain(self.begin.clone()));
         }
@@ -2215,7 +2213,7 @@ impl Applier {
         }
     }
 
-    /// Has the target check, once per group and table, that what made the table's updates
+    /// Has the target check, before the group commits, that what made the table's updates
     /// batchable still holds (`apply::batch`): else the group fails and is applied again one
     /// change at a time.
     fn check_batching(&mut self, entry: &RelationEntry) {
@@ -2229,24 +2227,21 @@ impl Applier {
         self.check_unchanged(entry, fingerprint);
     }
 
-    /// Has the target check, once per group, that the table is as `fingerprint` says it was
-    /// read (`pgapply.check_batching`): else the group fails and is applied again one change at
-    /// a time.
+    /// Has the target check, before the group commits, that the table is as `fingerprint` says
+    /// it was read (`pgapply.check_group`): else the group fails and is applied again one change
+    /// at a time.
     fn check_unchanged(&mut self, entry: &RelationEntry, fingerprint: Arc<str>) {
         let Some(group) = &mut self.group else {
             return;
         };
-        if group.batching_checked.contains(&entry.target.oid) {
+        if group
+            .relied_on
+            .iter()
+            .any(|(oid, _)| *oid == entry.target.oid)
+        {
             return;
         }
-        group.batching_checked.push(entry.target.oid);
-        self.pending.push(Pending::with_params(
-            self.check_batching.clone(),
-            vec![
-                WireValue::Text(entry.target.oid.to_string().into()),
-                WireValue::Text(fingerprint.to_string().into()),
-            ],
-        ));
+        group.relied_on.push((entry.target.oid, fingerprint));
     }
 
     /// The prepared statement for a batch of `rows` UPDATEs, preparing it the first time.
@@ -3313,14 +3308,26 @@ impl Applier {
                 ],
             ));
         }
-        // A stop position `pgapply cutover` set meanwhile, at or before this group's last source
-        // commit: the group must not commit (migration 0013).
-        if let Some((_, commit_lsn)) = group.last_transaction {
+        // One statement: no stop position `pgapply cutover` set at or before this group's last
+        // source commit, and the tables it relied on as they were read (migration 0012). (By now
+        // the group's own statements hold those tables, so they cannot change before it ends.)
+        if group.last_transaction.is_some() || !group.relied_on.is_empty() {
+            let commit_lsn = group.last_transaction.map(|(_, lsn)| lsn.to_string());
+            let (oids, fingerprints): (Vec<String>, Vec<&str>) = group
+                .relied_on
+                .iter()
+                .map(|(oid, f)| (oid.to_string(), &**f))
+                .unzip();
             self.pending.push(Pending::with_params(
-                self.check_stop.clone(),
+                self.check_group.clone(),
                 vec![
                     WireValue::Text(self.slot.clone().into()),
-                    WireValue::Text(commit_lsn.to_string().into()),
+                    match commit_lsn {
+                        Some(lsn) => WireValue::Text(lsn.into()),
+                        None => WireValue::Null,
+                    },
+                    WireValue::Text(oids.join(",").into()),
+                    WireValue::Text(fingerprints.join("\n").into()),
                 ],
             ));
         }

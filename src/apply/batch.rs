@@ -12,8 +12,9 @@
 //! inheritance children, its unique indexes are all on exactly the replica identity key's columns
 //! (and there is one), and it has no exclusion constraint, no foreign key to or from it, no enabled
 //! trigger and no rule. That is read once per relation (again after a Relation message), and each
-//! group that batches a table's updates first has the target check, under the UPDATE's own lock,
-//! that none of it changed since (`pgapply.check_batching`): if a trigger, say, was added
+//! group that batches a table's updates has the target check, before it commits and while its
+//! statements hold the table, that none of it changed since (`pgapply.check_group`): if a
+//! trigger, say, was added
 //! meanwhile, the group is rolled back and applied again one change at a time, and the table is
 //! read anew. Updates
 //! qualify only when they keep the key and find their row by it, and when the conflict policies
@@ -45,7 +46,7 @@ pub const MAX_BATCH_ROWS: usize = 128;
 
 /// Whether the target table's updates may be collapsed and reordered (see the module docs): if
 /// so, what that was read from (`pgapply.batching_fingerprint`), which each group that batches the
-/// table's updates checks on the server (`pgapply.check_batching`), so that a trigger added while
+/// table's updates checks on the server (`pgapply.check_group`), so that a trigger added while
 /// pgapply runs is not missed.
 pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<Option<String>> {
     if entry.target.partitioned || entry.key_columns.is_empty() {

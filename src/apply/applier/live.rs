@@ -644,10 +644,6 @@ impl Applier {
             self.push_plain(rollback_to.clone());
             self.push_plain(release.clone());
         }
-        // The rollback releases the locks the batching checks took inside it: checked again.
-        if let Some(group) = &mut self.group {
-            group.batching_checked.clear();
-        }
         if let Some(h) = &mut self.live_helper {
             for x in h.subxacts.drain(depth..) {
                 h.known.remove(&x);
