@@ -263,7 +263,7 @@ async fn target_errors_definite_and_transient() {
            IF NEW.v = 'full' AND NOT EXISTS (SELECT 1 FROM pg_class WHERE relname = 'disk_ok') THEN \
              RAISE EXCEPTION 'could not extend file' USING ERRCODE = 'disk_full'; END IF; \
            RETURN NEW; END $$; \
-         CREATE TRIGGER refuse BEFORE INSERT ON g FOR EACH ROW EXECUTE FUNCTION refuse(); \
+         CREATE TRIGGER refuse BEFORE INSERT ON g FOR EACH ROW EXECUTE PROCEDURE refuse(); \
          ALTER TABLE g ENABLE ALWAYS TRIGGER refuse;",
     )
     .await;

@@ -161,7 +161,7 @@ async fn count_inserts_on_target(db: &TestDb, table: &str) {
         "CREATE TABLE tally (n bigint NOT NULL); INSERT INTO tally VALUES (0); \
          CREATE FUNCTION count_row() RETURNS trigger LANGUAGE plpgsql AS \
          $$ BEGIN UPDATE tally SET n = n + 1; RETURN NULL; END $$; \
-         CREATE TRIGGER count_row AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION count_row(); \
+         CREATE TRIGGER count_row AFTER INSERT ON {table} FOR EACH ROW EXECUTE PROCEDURE count_row(); \
          ALTER TABLE {table} ENABLE ALWAYS TRIGGER count_row;"
     ))
     .await;

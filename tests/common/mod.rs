@@ -476,6 +476,14 @@ pub async fn source_version(db: &TestDb) -> i32 {
         .get(0)
 }
 
+pub async fn target_version(db: &TestDb) -> i32 {
+    db.target
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// A TCP port free on 127.0.0.1 right now (for `--metrics-addr`).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
