@@ -112,11 +112,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             .await
             .is_ok_and(|r| r.is_some());
         // As the run decides (before 15, --two-phase is negotiated off and the slot not judged).
-        let version = src.query_one("SHOW server_version_num", &[]).await.ok();
-        let version: i32 = version
-            .and_then(|r| r.get::<_, String>(0).parse().ok())
-            .unwrap_or(0);
-        if slot_exists == Some(true) && version >= 150000 {
+        if slot_exists == Some(true) && server_version(src).await >= 150000 {
             if let Some(problem) = crate::source::two_phase_slot_problem(
                 &config.slot,
                 slot_two_phase,
@@ -201,6 +197,14 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     finish(report)
 }
 
+/// The server's `server_version_num`, or 0 if it cannot be read.
+async fn server_version(client: &Client) -> u32 {
+    match client.query_one("SHOW server_version_num", &[]).await {
+        Ok(row) => row.get::<_, String>(0).parse().unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
 fn finish(report: Report) -> Result<()> {
     if report.problems.is_empty() {
         crate::out!("no problems found");
@@ -260,12 +264,9 @@ async fn check_source(
         }
     }
     // (As `run` warns: a TRUNCATE on such a source leaves the target's rows in place.)
-    if let Ok(row) = src.query_one("SHOW server_version_num", &[]).await {
-        if row
-            .get::<_, String>(0)
-            .parse::<u32>()
-            .is_ok_and(|v| v < 110000)
-        {
+    {
+        let version = server_version(src).await;
+        if version > 0 && version < 110000 {
             report.warning(
                 "the source runs PostgreSQL 10, which does not replicate TRUNCATE: a table truncated there keeps its rows on the target (verify shows it); truncate it on the target too, or keep TRUNCATE away from published tables until the migration",
             );

@@ -176,13 +176,6 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
                 err
             }
         }
-        deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Recycle) => {
-            Error::transient(format!(
-                "target {} did not answer a check of an idle session within {} (connect_timeout): is it overloaded or cut off?",
-                conninfo::describe(target),
-                humantime::format_duration(crate::tls::handshake_timeout(target))
-            ))
-        }
         deadpool_postgres::PoolError::Timeout(_) => Error::transient(format!(
             "connecting to target {}: {}",
             conninfo::describe(target),
