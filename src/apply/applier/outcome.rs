@@ -1,0 +1,392 @@
+//! The answers to pipelined statements: which change a failure belongs to, what the error tells
+//! the user to do, and when a group is applied again without batching.
+
+use super::*;
+
+impl Applier {
+    pub(super) fn check_outcome(&mut self, outcome: Outcome) {
+        let values = self.in_flight_sizes.pop_front().unwrap_or(0);
+        self.in_flight_values -= values.min(self.in_flight_values);
+        self.completed += 1;
+        self.check_outcome_of(outcome);
+        // A COMMIT answered with nothing failed before it: that group is committed. (After a
+        // failed statement the server answers COMMIT with a rollback, and `failure` is set.)
+        while self
+            .committing
+            .front()
+            .is_some_and(|c| c.seq <= self.completed && self.failure.is_none())
+        {
+            if let Some(mut c) = self.committing.pop_front() {
+                // Answers come in order: every conflict noted so far was met by this group (or
+                // an earlier one), all committed now.
+                c.conflicts = std::mem::take(&mut self.conflicts);
+                self.committed.push(c);
+            }
+        }
+    }
+
+    pub(super) fn check_outcome_of(&mut self, outcome: Outcome) {
+        match outcome {
+            Outcome::One(about, result) => self.check_result(about, result),
+            Outcome::Order(Ok(_)) => {}
+            // A deadlock here (rows the dispatcher could not see made two transactions wait for
+            // each other) is transient: the retry applies them one at a time.
+            Outcome::Order(Err(e)) => {
+                if self.failure.is_none() {
+                    self.failure = Some(Error::postgres(
+                        "keeping parallel apply workers in commit order",
+                        e,
+                    ));
+                }
+            }
+            Outcome::Batch(rows, Ok(missing)) => {
+                let mut rows: Vec<Option<HeldChange>> = rows.into_iter().map(Some).collect();
+                for r in missing {
+                    let held = usize::try_from(r)
+                        .ok()
+                        .and_then(|r| rows.get_mut(r)?.take());
+                    if let Some(held) = held {
+                        self.check_result(Some(held.into_change_info()), Ok(0));
+                    }
+                }
+            }
+            Outcome::Batch(rows, Err(e)) => {
+                if self.failure.is_some() {
+                    return;
+                }
+                let first = rows.first();
+                let table = first.map_or_else(String::new, |a| a.relation.target.qualified.clone());
+                // "Current transaction is aborted": an earlier statement failed; that failure
+                // is the one to report.
+                let aborted = e.code().is_some_and(|c| c.code() == "25P02");
+                let err = Error::postgres(
+                    format!("applying {} batched UPDATEs of table {table}", rows.len()),
+                    e,
+                );
+                if err.is_transient() || aborted {
+                    self.failure = Some(err);
+                    return;
+                }
+                let through = rows.iter().map(|a| a.commit_lsn).max();
+                self.retry_unbatched(err, through);
+            }
+        }
+    }
+
+    /// Fails the run for the source transaction committing at `commit_lsn`. A parallel worker's
+    /// transaction ran beside others on what the dispatcher could see of its rows; what it could
+    /// not see (a unique index added on the target, keys equal under the target's collation but
+    /// not in bytes) may have run it before an earlier one it needed: the first time, the
+    /// transactions in flight are applied again one at a time, and only an error then is the
+    /// transaction's own.
+    pub(super) fn fail(&mut self, err: Error, commit_lsn: Lsn) {
+        let ran_in_parallel = self.worker.is_some() && !self.one_at_a_time(commit_lsn);
+        if ran_in_parallel && !err.is_transient() {
+            self.retry_unbatched(err, Some(commit_lsn));
+        } else {
+            self.failure = Some(err);
+        }
+    }
+
+    /// A statement carrying changes of several source transactions failed: applies them again
+    /// one change at a time (after a reconnect), so that the error names the transaction that
+    /// causes it.
+    pub(super) fn retry_unbatched(&mut self, err: Error, through: Option<Lsn>) {
+        let through = self.unbatch(through);
+        self.failure = Some(Error::transient(format!(
+            "{}; applying the source transactions up to commit {through} again one change at a time to find the one that fails",
+            err.message()
+        )));
+    }
+
+    /// Makes the source transactions up to `through` (and the open group's, and the current
+    /// one) be applied one change at a time after the restart that follows; returns up to where.
+    pub(super) fn unbatch(&mut self, through: Option<Lsn>) -> Lsn {
+        let through = self
+            .current
+            .as_ref()
+            .map(|t| t.final_lsn)
+            .into_iter()
+            .chain(through)
+            .chain(self.group.as_ref().and_then(|g| g.last_commit).map(|c| c.0))
+            .max()
+            .unwrap_or_default();
+        self.settings
+            .unbatched_through
+            .fetch_max(through.0, std::sync::atomic::Ordering::Relaxed);
+        through
+    }
+
+    /// Notes what one statement's result means: a conflict, a failure, or nothing.
+    pub(super) fn check_result(
+        &mut self,
+        about: Option<ChangeInfo>,
+        result: std::result::Result<u64, tokio_postgres::Error>,
+    ) {
+        match result {
+            Ok(rows) => {
+                let Some(about) = &about else { return };
+                let Some(signal) = about.signal else { return };
+                if rows != signal.when_rows {
+                    return;
+                }
+                let kind = signal.conflict.name();
+                if signal.policy == Policy::Error {
+                    if self.failure.is_none() {
+                        let err = Error::definite(format!(
+                            "{kind}: {} found no row for key {} and the conflict policy for {kind} is error: {}",
+                            about.describe(),
+                            about.describe_key_for_log(),
+                            self.skip_hint(about.commit_lsn)
+                        ));
+                        self.fail(err, about.commit_lsn);
+                    }
+                    return;
+                }
+                self.conflicts.push(conflict_record(about, signal));
+            }
+            Err(e) if e.code().map(|c| c.code()) == Some("PGA02") => {
+                // `pgapply cutover` set a stop position this group's transactions pass: the run
+                // starts again, and applies what comes before it, then stops.
+                if self.failure.is_none() {
+                    self.failure = Some(Error::transient(format!(
+                        "{}: starting again to apply what comes before it, then stop",
+                        describe_postgres(&e)
+                    )));
+                }
+            }
+            Err(e) if e.code().map(|c| c.code()) == Some("PGA01") => {
+                // A table whose updates this group batched got a trigger (say) meanwhile.
+                if self.failure.is_none() {
+                    let through = self.unbatch(None);
+                    let again = if through.is_valid() {
+                        format!("applying the source transactions up to commit {through} again one change at a time, then batching only the updates of tables that still allow it")
+                    } else {
+                        "starting again, with the table read anew".to_owned()
+                    };
+                    self.failure = Some(Error::transient(format!(
+                        "{}: {again}",
+                        describe_postgres(&e)
+                    )));
+                }
+            }
+            Err(e) => {
+                if self.failure.is_none() {
+                    // A unique violation is a conflict in PostgreSQL 18's terms: name it so.
+                    let overwriting = about.as_ref().and_then(|a| a.signal).is_some_and(|s| {
+                        s.conflict == ConflictType::InsertExists && s.policy == Policy::ApplyRemote
+                    });
+                    let kind = match (
+                        e.code().map(|c| c.code()),
+                        about.as_ref().map(|a| a.operation),
+                    ) {
+                        // The upsert settled the key; another unique index still clashed.
+                        (Some("23505"), Some("INSERT")) if overwriting => {
+                            "multiple_unique_conflicts"
+                        }
+                        (Some("23505"), Some("INSERT")) => "insert_exists",
+                        (Some("23505"), Some("UPDATE")) => "update_exists",
+                        _ => "",
+                    };
+                    let aborted = e.code().is_some_and(|c| c.code() == "25P02");
+                    if about.is_none() && !aborted {
+                        let completed = self.completed;
+                        if let Some(c) = self
+                            .committing
+                            .iter()
+                            .find(|c| c.seq == completed || c.immediate_seq == Some(completed))
+                        {
+                            let (transactions, end_lsn, last) =
+                                (c.transactions, c.end_lsn, c.last_transaction);
+                            // Only an error the server sent says the COMMIT did not happen; a
+                            // connection lost on the way leaves that open (the origin tells).
+                            if c.seq == completed && e.as_db_error().is_some() {
+                                self.origin_rewind = true;
+                            }
+                            return self.commit_failed(transactions, end_lsn, last, e);
+                        }
+                    }
+                    // A column's type changed on the target under a prepared statement: the
+                    // statements prepared anew by a fresh start take the new type.
+                    if let Some(about) = about
+                        .as_ref()
+                        .filter(|_| e.code().map(|c| c.code()) == Some("42804"))
+                    {
+                        if first_type_mismatch(about.relation.source.oid) {
+                            self.failure = Some(Error::transient(format!(
+                                "applying {}: {}: a column of target table {} may have changed type since pgapply prepared its statements: starting again with statements prepared anew",
+                                about.describe(),
+                                describe_postgres(&e),
+                                about.relation.target.qualified
+                            )));
+                            return;
+                        }
+                    }
+                    let through = about.as_ref().and_then(|a| a.through);
+                    let err = self.violation_error(kind, about.as_ref(), e);
+                    match (through, &about) {
+                        (Some(lsn), _) if !err.is_transient() && !aborted => {
+                            self.retry_unbatched(err, Some(lsn))
+                        }
+                        (None, Some(about)) if !aborted => self.fail(err, about.commit_lsn),
+                        _ => self.failure = Some(err),
+                    }
+                }
+            }
+        }
+    }
+
+    /// A group's COMMIT failed (a deferred constraint checked then, a serialization failure):
+    /// with several source transactions in it, they are applied again one at a time, each
+    /// committing on its own, so that the error names the one that fails.
+    pub(super) fn commit_failed(
+        &mut self,
+        transactions: u64,
+        end_lsn: Lsn,
+        last: Option<(u32, Lsn)>,
+        e: tokio_postgres::Error,
+    ) {
+        let err = Error::postgres(
+            format!(
+                "committing {transactions} source transaction(s) ending at {end_lsn} on the target"
+            ),
+            e,
+        );
+        if err.is_transient() {
+            self.failure = Some(err);
+            return;
+        }
+        match last {
+            Some((_, commit_lsn)) if transactions > 1 => {
+                self.retry_unbatched(err, Some(commit_lsn));
+            }
+            Some((xid, commit_lsn)) => {
+                let err = Error::definite(format!(
+                    "{} (source transaction xid {xid}, commit LSN {commit_lsn}): {}",
+                    err.message(),
+                    self.skip_hint(commit_lsn)
+                ));
+                self.fail(err, commit_lsn);
+            }
+            None => self.failure = Some(err),
+        }
+    }
+
+    /// The error for a failed statement, named by its conflict type when it is one.
+    pub(super) fn violation_error(
+        &self,
+        kind: &str,
+        about: Option<&ChangeInfo>,
+        e: tokio_postgres::Error,
+    ) -> Error {
+        let what = about.map_or_else(
+            || "a statement on the target".to_owned(),
+            ChangeInfo::describe,
+        );
+        let kind = if kind.is_empty() {
+            String::new()
+        } else {
+            format!("{kind}: ")
+        };
+        // A statement with several transactions' changes is retried one change at a time; the
+        // hint comes with that retry's error.
+        // A lost connection or a restarting target is retried: nothing to fix, nothing to skip.
+        let transient = e
+            .as_db_error()
+            .is_none_or(|db| crate::error::is_transient_sqlstate(db.code().code()));
+        let hint = about
+            .filter(|a| a.through.is_none() && !transient)
+            .map(|about| self.change_hint(about, &e));
+        let err = Error::postgres(format!("{kind}applying {what}"), e);
+        match hint {
+            Some(hint) => err.context_after(hint),
+            None => err,
+        }
+    }
+
+    /// What to do about a change the target refused: what to change on the target where that
+    /// fixes it (skipping would lose the transaction), else how to skip it on purpose.
+    pub(super) fn change_hint(&self, about: &ChangeInfo, e: &tokio_postgres::Error) -> String {
+        let table = &about.relation.target.qualified;
+        let db = e.as_db_error();
+        match e.code().map(|c| c.code()) {
+            // A value the target refuses: name the columns it can come from.
+            Some(c) if value_refused(c) => match about.relation.narrower_candidates().as_slice() {
+                [] => target_table_hint(c, table).unwrap_or_default(),
+                [one] => format!("column {one} of target table {table} does not take the source's value: its type differs from the source column's; change it on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)"),
+                many => format!("a column of target table {table} does not take the source's value; these columns' types differ from the source's: {}: change the one the error is about on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)", many.join(", ")),
+            },
+            // NOT NULL on the target: a column the source does not send (dropped there, or
+            // target-only) without a default, or one the source sends NULL in.
+            Some("23502") if db.and_then(|d| d.column()).is_some() => {
+                let column = db.and_then(|d| d.column()).unwrap_or_default();
+                let quoted = quote_ident(column);
+                let sent = (0..about.relation.source.columns.len())
+                    .any(|c| about.relation.target_column(c).is_some_and(|t| t.name == column));
+                if sent {
+                    format!("the source's row has NULL in column {quoted} of target table {table}, which is NOT NULL there (not on the source): ALTER TABLE {table} ALTER COLUMN {quoted} DROP NOT NULL on the target, then start pgapply again")
+                } else {
+                    format!("column {quoted} of target table {table} is NOT NULL without a default, and the source does not send it (dropped on the source, or a target-only column): give it a default (ALTER TABLE {table} ALTER COLUMN {quoted} SET DEFAULT ...), drop NOT NULL, or drop the column on the target, then start pgapply again")
+                }
+            }
+            // No partition takes the row (a partition only the source has), a leaf partition's
+            // bounds, or a CHECK constraint only the target has.
+            Some("23514") => match db.and_then(|d| d.constraint()).filter(|n| !n.is_empty()) {
+                None if db.is_some_and(|d| d.message().starts_with("no partition")) => format!("no partition of target table {table} takes the source's row: create the partition on the target (as on the source), then start pgapply again"),
+                None => format!("target table {table} is a partition whose bounds do not take the source's row (the target's partitions differ from the source's): make its bounds match the source's, or apply into the partitioned table (`[tables]` in the config file), then start pgapply again"),
+                Some(name) => format!("the CHECK constraint {} of target table {table} refuses the source's row: drop or change it on the target, then start pgapply again; or {}", quote_ident(name), self.skip_hint(about.commit_lsn)),
+            },
+            // A target foreign key from a table the source did not truncate.
+            Some("0A000") if about.operation == "TRUNCATE" => format!(
+                "the source truncated {table}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber). Empty or drop the referencing table on the target (or drop its foreign key), or publish it, then start pgapply again"
+            ),
+            c => c
+                .and_then(|c| target_table_hint(c, table))
+                .unwrap_or_else(|| self.skip_hint(about.commit_lsn)),
+        }
+    }
+}
+
+/// A data exception (class 22) that a target column's type explains: not an encoding problem
+/// (22P05 untranslatable character, 22021 invalid byte sequence), which no column change fixes.
+pub(super) fn value_refused(code: &str) -> bool {
+    code.starts_with("22") && !matches!(code, "22P05" | "22021")
+}
+
+/// What to do when the target refuses a statement because of how its table is defined (SQLSTATE
+/// `code`): a change on the target fixes it, not skipping the transaction.
+pub(super) fn target_table_hint(code: &str, table: &str) -> Option<String> {
+    match code {
+        "428C9" => Some(format!(
+            "pgapply writes the source's values, and an UPDATE may write into an identity column of {table} only if it is GENERATED BY DEFAULT (pgapply leaves it out only when it is part of the key, or the old row shows it unchanged): run ALTER TABLE {table} ALTER COLUMN ... SET GENERATED BY DEFAULT on the target and start pgapply again"
+        )),
+        // A value the target's column does not take (out of range, too long): a narrower type
+        // than the source's. Skipping would lose the transaction.
+        c if value_refused(c) => Some(format!(
+            "a column of target table {table} does not take the source's value (a narrower type, or a different one): change the column on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts, so a column changed while it runs counts only from then); `pgapply check` lists what differs"
+        )),
+        c if c.starts_with("42") => Some(format!(
+            "target table {table} does not take the source's rows as they are (a column or type changed on the target, or a privilege is missing): fix the target table and start pgapply again (it reads the target's columns when it starts); `pgapply check` lists what differs"
+        )),
+        _ => None,
+    }
+}
+
+/// Whether an "expression is of type x" error for a relation may start the run again: not if
+/// one did in the last ten minutes (then the statements were prepared anew and the error is
+/// not about a changed table).
+pub(super) fn first_type_mismatch(relation: crate::protocol::pgoutput::Oid) -> bool {
+    static SEEN: std::sync::LazyLock<
+        std::sync::Mutex<HashMap<crate::protocol::pgoutput::Oid, Instant>>,
+    > = std::sync::LazyLock::new(Default::default);
+    let Ok(mut seen) = SEEN.lock() else {
+        return false;
+    };
+    match seen.get(&relation) {
+        Some(at) if at.elapsed() < Duration::from_secs(600) => false,
+        _ => {
+            seen.insert(relation, Instant::now());
+            true
+        }
+    }
+}

@@ -1,0 +1,256 @@
+//! The pipeline to the target: statements prepared once and kept per session, queued with their
+//! parameters, sent in chunks without waiting, and their answers taken in order.
+
+use super::*;
+
+impl Applier {
+    pub(super) async fn queue(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+        shape: Shape,
+        params: Vec<WireValue>,
+        about: ChangeInfo,
+    ) -> Result<()> {
+        let statement = self.statement(entry, shape).await?;
+        if about.signal.is_some_and(|s| s.policy == Policy::Error) {
+            if let Some(g) = &mut self.group {
+                g.check_before_commit = true;
+            }
+        }
+        self.push(Pending {
+            request: Request::Prepared(statement),
+            params,
+            about: Some(about),
+            batch: Vec::new(),
+            orders: false,
+        })
+        .await
+    }
+
+    pub(super) async fn push(&mut self, pending: Pending) -> Result<()> {
+        self.flush_insert_run().await?;
+        if let Some(g) = &mut self.group {
+            g.statements += 1;
+        }
+        self.push_pending(pending).await
+    }
+
+    /// Queues a statement, handing the queue to the connection when it is long enough.
+    pub(super) async fn push_pending(&mut self, pending: Pending) -> Result<()> {
+        self.pending.push(pending);
+        if self.pending.len() >= SUBMIT_CHUNK {
+            self.submit_pending();
+            if self.in_flight_values >= self.settings.pipeline_values {
+                self.drain_values_to(self.settings.pipeline_values / 2)
+                    .await;
+            }
+            self.fail_if_failed().await?;
+        }
+        Ok(())
+    }
+
+    /// Keeps a prepared statement for its shape. The shapes a process meets are many in some
+    /// workloads (under REPLICA IDENTITY FULL each pattern of NULLs is one, each set of unchanged
+    /// TOAST columns eight batch sizes, each relation change a new generation): past a bound the
+    /// cache starts afresh, and what is still used is prepared again. (A statement still in the
+    /// pipeline keeps its own handle; the server forgets it when the last handle goes.)
+    pub(super) fn remember_statement(&mut self, shape: Shape, statement: Statement) {
+        if self.statements.len() >= MAX_STATEMENTS {
+            tracing::debug!(
+                statements = self.statements.len(),
+                "prepared statement cache full: starting it afresh"
+            );
+            self.statements.clear();
+        }
+        self.statements.insert(shape, statement);
+    }
+
+    /// The prepared statement for a shape, preparing it the first time.
+    pub(super) async fn statement(
+        &mut self,
+        entry: &RelationEntry,
+        mut shape: Shape,
+    ) -> Result<Statement> {
+        if let Some(s) = self.statements.get(&shape) {
+            return Ok(s.clone());
+        }
+        let sql = build_sql(entry, &shape);
+        let statement = match self.client.prepare(&sql).await {
+            Ok(s) => s,
+            // A type without an equality operator under REPLICA IDENTITY FULL: compare as text.
+            Err(e)
+                if e.code().is_some_and(|c| c.code() == "42883")
+                    && matches!(shape.row_match, RowMatch::Full { as_text: false, .. }) =>
+            {
+                tracing::info!(table = %entry.target.qualified, "a column type has no equality operator; matching REPLICA IDENTITY FULL rows by their text form");
+                self.full_as_text.insert(entry.source.oid);
+                if let Ok(mut known) = FULL_AS_TEXT.lock() {
+                    known.insert(entry.source.oid);
+                }
+                if let RowMatch::Full { as_text, .. } = &mut shape.row_match {
+                    *as_text = true;
+                }
+                let sql = build_sql(entry, &shape);
+                match self.client.prepare(&sql).await {
+                    Ok(s) => s,
+                    // The group's transaction was open on the target, and the failed statement
+                    // aborted it: the run starts again (FULL_AS_TEXT keeps what was learnt).
+                    Err(e) if e.code().is_some_and(|c| c.code() == "25P02") => {
+                        return Err(Error::transient(format!(
+                            "table {}: a column type has no equality operator, which aborted the open target transaction; applying again, comparing REPLICA IDENTITY FULL rows by their text form",
+                            entry.target.qualified
+                        )));
+                    }
+                    Err(e) => {
+                        return Err(Error::postgres(
+                            format!(
+                                "preparing a statement for table {} on the target",
+                                entry.target.qualified
+                            ),
+                            e,
+                        ))
+                    }
+                }
+            }
+            Err(e) => {
+                let what = format!("a statement for table {}", entry.target.qualified);
+                return self.prepare_failed(&what, &entry.target.qualified, e).await;
+            }
+        };
+        self.check_prepared_types(entry).await?;
+        self.remember_statement(shape, statement.clone());
+        Ok(statement)
+    }
+
+    /// After preparing statements for `entry`: their parameters took the target's column types as
+    /// they are now, while binary values (`--binary`) come in the types the run started with.
+    /// A column whose type changed since would have the source's bytes read as the new type, so
+    /// the run starts again and reads the table anew (and receives text where types differ). (A
+    /// column changed after the prepare is fine: the server then casts from the prepared type.)
+    pub(super) async fn check_prepared_types(&self, entry: &RelationEntry) -> Result<()> {
+        if !self.binary_values {
+            return Ok(());
+        }
+        match crate::relation::target_changed(&self.catalog, entry).await? {
+            None => Ok(()),
+            Some(change) => Err(Error::transient(format!(
+                "target table {} changed while pgapply ran ({change}), and values arrive in binary form (--binary): applying again from the last committed position, with the table read anew",
+                entry.target.qualified
+            ))),
+        }
+    }
+
+    /// A statement could not be prepared. An earlier statement of the group may have failed (this
+    /// one then fails with "transaction aborted"): that earlier failure is the one to report.
+    pub(super) async fn prepare_failed<T>(
+        &mut self,
+        what: &str,
+        table: &str,
+        e: tokio_postgres::Error,
+    ) -> Result<T> {
+        self.drain_to(0).await;
+        self.fail_if_failed().await?;
+        let hint = e.code().and_then(|c| target_table_hint(c.code(), table));
+        let err = Error::postgres(format!("preparing {what} on the target"), e);
+        Err(match hint {
+            Some(hint) => err.context_after(hint),
+            None => err,
+        })
+    }
+
+    /// Hands the queued statements to the connection without waiting for their results, so the
+    /// target executes them while the next ones are being built.
+    pub(super) fn submit_pending(&mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        for pending in pending {
+            let client = self.client.clone();
+            let Pending {
+                request,
+                params,
+                about,
+                batch,
+                orders,
+            } = pending;
+            self.in_flight_sizes.push_back(params.len());
+            self.in_flight_values += params.len();
+            self.submitted += 1;
+            let statement = match request {
+                Request::Prepared(statement) => statement,
+                Request::Simple(sql) => {
+                    self.in_flight_mut().push_back(Box::pin(async move {
+                        let result = client.batch_execute(&sql).await.map(|()| 0);
+                        Outcome::One(about, result)
+                    }));
+                    continue;
+                }
+            };
+            if orders {
+                self.in_flight_mut().push_back(Box::pin(async move {
+                    let result = client.execute_raw(&statement, params.iter()).await;
+                    Outcome::Order(result)
+                }));
+            } else if batch.is_empty() {
+                self.in_flight_mut().push_back(Box::pin(async move {
+                    let result = client.execute_raw(&statement, params.iter()).await;
+                    Outcome::One(about, result)
+                }));
+            } else {
+                self.in_flight_mut().push_back(Box::pin(async move {
+                    let result = async {
+                        let rows = client.query_raw(&statement, params.iter()).await?;
+                        futures_util::pin_mut!(rows);
+                        let mut missing = Vec::new();
+                        while let Some(row) = rows.next().await {
+                            missing.push(row?.try_get::<_, i32>(0)?);
+                        }
+                        Ok(missing)
+                    }
+                    .await;
+                    Outcome::Batch(batch, result)
+                }));
+            }
+        }
+        // tokio-postgres sends a request when its future is first polled; poll now, in order.
+        let mut cx = std::task::Context::from_waker(futures_util::task::noop_waker_ref());
+        while let std::task::Poll::Ready(Some(outcome)) =
+            self.in_flight_mut().poll_next_unpin(&mut cx)
+        {
+            self.check_outcome(outcome);
+        }
+    }
+
+    pub(super) fn in_flight_mut(&mut self) -> &mut futures_util::stream::FuturesOrdered<InFlight> {
+        self.in_flight
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A parallel worker stops waiting for answers once one failed: later statements may wait on
+    /// the server for transactions that will not commit now (`fail_if_failed` ends it).
+    pub(super) fn worker_failed(&self) -> bool {
+        self.worker.is_some() && self.failure.is_some()
+    }
+
+    /// Waits until at most `keep` parameter values are still in flight.
+    pub(super) async fn drain_values_to(&mut self, keep: usize) {
+        while self.in_flight_values > keep && !self.worker_failed() {
+            match self.in_flight_mut().next().await {
+                Some(outcome) => self.check_outcome(outcome),
+                None => break,
+            }
+        }
+    }
+
+    /// Waits until at most `keep` statements are still in flight.
+    pub(super) async fn drain_to(&mut self, keep: usize) {
+        while self.in_flight_mut().len() > keep && !self.worker_failed() {
+            match self.in_flight_mut().next().await {
+                Some(outcome) => self.check_outcome(outcome),
+                None => break,
+            }
+        }
+    }
+}
+
+/// Prepared statements kept per target session (see `remember_statement`).
+pub(super) const MAX_STATEMENTS: usize = 4096;

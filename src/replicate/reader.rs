@@ -1,0 +1,352 @@
+//! The source reader: reads the replication stream in large gulps, decodes frames into messages for
+//! the applier's byte-bounded queue, and sends standby status updates with the durable position.
+
+use super::*;
+
+/// Queued bytes from which the reader paces its reads (see `ReplicationConnection::set_pacing`).
+pub(super) const PACE_WHEN_QUEUED: usize = 256 * 1024;
+
+pub(super) struct Reader<'a> {
+    pub(super) stream: &'a mut ReplicationStream,
+    pub(super) tx: Option<mpsc::UnboundedSender<Envelope>>,
+    pub(super) budget: Arc<Semaphore>,
+    pub(super) queue_bytes: usize,
+    pub(super) decoder: MessageDecoder,
+    pub(super) durable: watch::Receiver<Lsn>,
+    pub(super) applier_done: watch::Receiver<bool>,
+    /// Between a forwarded Begin and its Commit.
+    pub(super) in_transaction: bool,
+    /// End LSN of the last forwarded commit.
+    pub(super) forwarded_end: Lsn,
+    /// WAL end from the last keepalive.
+    pub(super) keepalive_end: Lsn,
+    /// Highest WAL position received.
+    pub(super) received: Lsn,
+    pub(super) endpos: Option<Lsn>,
+    /// A position `pgapply cutover` asked this worker to stop at (`pgapply.progress.stop_lsn`).
+    pub(super) stop_request: watch::Receiver<Option<Lsn>>,
+    /// The stop position taken from a request, once one came.
+    pub(super) stop_requested: Option<Lsn>,
+    /// No request can come any more.
+    pub(super) stop_unheard: bool,
+    pub(super) status_interval: Duration,
+    /// The source's `wal_sender_timeout` (0: none).
+    pub(super) wal_sender_timeout: Duration,
+    pub(super) progress: Option<watch::Sender<RunProgress>>,
+    /// When the source last sent anything (or when pgapply last started listening again).
+    pub(super) last_heard: Instant,
+    /// A Begin not forwarded yet (see `on_frame`).
+    pub(super) held_begin: Option<(LogicalMessage, bytes::Bytes, usize)>,
+    /// The shutdown signal, also while waiting for room in the queue.
+    pub(super) stopping: watch::Receiver<bool>,
+    /// `PACE_WHEN_QUEUED`, or `PGAPPLY_PACE_WHEN_QUEUED` (bytes; for bench/pacing.sh).
+    pub(super) pace_when_queued: usize,
+}
+
+pub(super) enum Step {
+    Continue,
+    Stop(StopReason),
+}
+
+impl Reader<'_> {
+    pub(super) fn flush_position(&self, durable: Lsn) -> Lsn {
+        if !self.in_transaction && durable >= self.forwarded_end {
+            durable.max(self.keepalive_end)
+        } else {
+            durable
+        }
+    }
+
+    pub(super) async fn send_status(&mut self, reply_requested: bool) -> Result<()> {
+        let durable = *self.durable.borrow();
+        let flushed = self.flush_position(durable);
+        METRICS.received_lsn.set_max(self.received.0);
+        METRICS.flushed_lsn.set_max(flushed.0);
+        METRICS.update_lag(
+            self.keepalive_end.0.max(self.received.0),
+            self.forwarded_end.0,
+            self.in_transaction,
+        );
+        if let Some(p) = &self.progress {
+            p.send_replace(RunProgress { durable: flushed });
+        }
+        self.stream
+            .send_status(self.received.max(flushed), flushed, reply_requested)
+            .await
+    }
+
+    pub(super) async fn run(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<StopReason> {
+        let mut status = tokio::time::interval(self.status_interval);
+        status.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // With an end position, ask the source for its WAL end often, so an idle source
+        // still tells us when the end is reached.
+        let mut probe = tokio::time::interval(Duration::from_millis(250));
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_log = Instant::now();
+        self.send_status(self.endpos.is_some()).await?;
+        loop {
+            if *shutdown.borrow() {
+                return Ok(StopReason::Shutdown);
+            }
+            if *self.applier_done.borrow() {
+                // The applier stopped on its own: it failed; its error is reported by the caller.
+                return Ok(StopReason::Shutdown);
+            }
+            // Let the source's data accumulate (pause after short reads) only while the applier
+            // has enough queued not to starve meanwhile.
+            let queued = self.queued();
+            METRICS.queue_bytes.set(queued as u64);
+            self.stream.set_pacing(queued >= self.pace_when_queued);
+            tokio::select! {
+                _ = shutdown.changed() => return Ok(StopReason::Shutdown),
+                // The applier stopped (or is gone): the caller reports why.
+                _ = self.applier_done.changed() => return Ok(StopReason::Shutdown),
+                frame = self.stream.next_frame() => {
+                    let frame = frame?.ok_or_else(|| Error::transient(format!(
+                        "source {} ended the replication stream (server shutting down?)", self.stream.endpoint())))?;
+                    if let Step::Stop(reason) = self.on_frame(frame).await? {
+                        return Ok(reason);
+                    }
+                    // Frames already received are handled without going through the select
+                    // again (a few hundred at most, so timers and signals are still served).
+                    for _ in 0..256 {
+                        if !self.stream.has_buffered_frame() {
+                            break;
+                        }
+                        let frame = self.stream.next_frame().await?.ok_or_else(|| Error::transient(format!(
+                            "source {} ended the replication stream (server shutting down?)", self.stream.endpoint())))?;
+                        if let Step::Stop(reason) = self.on_frame(frame).await? {
+                            return Ok(reason);
+                        }
+                    }
+                }
+                _ = status.tick() => {
+                    // Ask for a reply each time, so a silent source is noticed.
+                    if self.last_heard.elapsed() > self.silence_limit() {
+                        return Err(Error::transient(format!(
+                            "source {} sent nothing for {}, not even an answer to a status update: the connection is presumed lost (a source busy decoding a large transaction of unpublished changes stays silent: on PostgreSQL before 15, raise the source's wal_sender_timeout to wait longer)",
+                            self.stream.endpoint(),
+                            humantime::format_duration(self.silence_limit())
+                        )));
+                    }
+                    self.send_status(true).await?
+                }
+                _ = probe.tick(), if self.endpos.is_some() && !self.in_transaction => {
+                    self.send_status(true).await?
+                }
+                changed = self.stop_request.changed(), if self.stop_requested.is_none() && !self.stop_unheard => {
+                    let request = if changed.is_ok() { *self.stop_request.borrow_and_update() } else { None };
+                    if changed.is_err() {
+                        // The heartbeat task is gone (the run is ending): nothing more to hear.
+                        self.stop_unheard = true;
+                    } else if let Some(stop) = request {
+                        tracing::info!(stop_lsn = %stop, "`pgapply cutover` asks to stop there: applying everything committed before it, then stopping");
+                        self.stop_requested = Some(stop);
+                        self.endpos = Some(self.endpos.map_or(stop, |e| e.min(stop)));
+                        // Ask for the source's WAL end now: an idle source tells with its reply.
+                        self.send_status(true).await?;
+                    }
+                }
+                changed = self.durable.changed() => {
+                    if changed.is_err() {
+                        return Err(Error::definite("the durability tracker stopped unexpectedly"));
+                    }
+                    self.send_status(false).await?
+                }
+            }
+            if last_log.elapsed() >= Duration::from_secs(10) {
+                last_log = Instant::now();
+                tracing::info!(received_lsn = %self.received, durable_lsn = %*self.durable.borrow(), "replicating");
+            }
+        }
+    }
+
+    /// Bytes handed to the applier and not applied yet.
+    pub(super) fn queued(&self) -> usize {
+        self.queue_bytes - self.budget.available_permits().min(self.queue_bytes)
+    }
+
+    pub(super) fn silence_limit(&self) -> Duration {
+        silence_limit(self.status_interval, self.wal_sender_timeout)
+    }
+
+    pub(super) async fn on_frame(&mut self, frame: ReplicationFrame) -> Result<Step> {
+        self.last_heard = Instant::now();
+        match frame {
+            ReplicationFrame::Keepalive {
+                wal_end,
+                reply_requested,
+                ..
+            } => {
+                self.keepalive_end = self.keepalive_end.max(wal_end);
+                self.received = self.received.max(wal_end);
+                if reply_requested {
+                    self.send_status(false).await?;
+                }
+                if let Some(endpos) = self.endpos {
+                    if !self.in_transaction && wal_end >= endpos {
+                        return Ok(Step::Stop(StopReason::EndPosition));
+                    }
+                }
+                Ok(Step::Continue)
+            }
+            ReplicationFrame::XLogData {
+                wal_start, data, ..
+            } => {
+                self.received = self.received.max(wal_start);
+                let size = data.len();
+                let raw = data.clone();
+                let message = self.decoder.decode(data).map_err(|e| {
+                    Error::definite(format!(
+                        "source {} sent a message at {wal_start} that pgapply cannot decode: {e}",
+                        self.stream.endpoint()
+                    ))
+                })?;
+                let endpos = self.endpos;
+                let reached = |lsn: Lsn| endpos.is_some_and(|e| lsn >= e);
+                let mut stop_after = false;
+                match &message {
+                    LogicalMessage::Begin(b) => {
+                        if reached(b.final_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.in_transaction = true;
+                        // Held until something follows: before PostgreSQL 15 the source sends an
+                        // empty Begin/Commit for every transaction that touched nothing
+                        // published; applied, it would write nothing on the target, the position
+                        // would not move there, and the slot would stop advancing.
+                        self.held_begin = Some((message, raw, size));
+                        return Ok(Step::Continue);
+                    }
+                    LogicalMessage::BeginPrepare(b) => {
+                        if reached(b.prepare_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.in_transaction = true;
+                    }
+                    LogicalMessage::Commit(c) => {
+                        self.in_transaction = false;
+                        if self.held_begin.take().is_some() {
+                            // An empty transaction: nothing to apply, nothing to wait for.
+                            return Ok(if reached(c.end_lsn) {
+                                Step::Stop(StopReason::EndPosition)
+                            } else {
+                                Step::Continue
+                            });
+                        }
+                        self.forwarded_end = c.end_lsn;
+                        stop_after = reached(c.end_lsn);
+                    }
+                    LogicalMessage::Prepare(p) => {
+                        self.in_transaction = false;
+                        self.forwarded_end = p.end_lsn;
+                        stop_after = reached(p.end_lsn);
+                    }
+                    LogicalMessage::StreamCommit(c) => {
+                        if reached(c.commit_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.forwarded_end = c.end_lsn;
+                        stop_after = reached(c.end_lsn);
+                    }
+                    LogicalMessage::StreamPrepare(p) => {
+                        if reached(p.prepare_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.forwarded_end = p.end_lsn;
+                        stop_after = reached(p.end_lsn);
+                    }
+                    LogicalMessage::CommitPrepared(c) => {
+                        if reached(c.commit_lsn) {
+                            return Ok(Step::Stop(StopReason::EndPosition));
+                        }
+                        self.forwarded_end = c.end_lsn;
+                        stop_after = reached(c.end_lsn);
+                    }
+                    LogicalMessage::RollbackPrepared(r) => {
+                        self.forwarded_end = r.rollback_end_lsn;
+                        stop_after = reached(r.rollback_end_lsn);
+                    }
+                    _ => {}
+                }
+                self.received = self.received.max(self.forwarded_end);
+                if let Some((begin, begin_raw, begin_size)) = self.held_begin.take() {
+                    self.forward(begin, begin_raw, begin_size).await?;
+                }
+                if self.tx.is_some() {
+                    self.forward(message, raw, size).await?;
+                }
+                if self.tx.is_none() {
+                    // A message was dropped while stopping (see `forward`): stop here.
+                    return Ok(Step::Stop(StopReason::Shutdown));
+                }
+                if stop_after {
+                    return Ok(Step::Stop(StopReason::EndPosition));
+                }
+                Ok(Step::Continue)
+            }
+        }
+    }
+
+    /// Hands a message to the applier, waiting while the queue is over its byte budget; status
+    /// updates keep going meanwhile so the source does not time us out.
+    pub(super) async fn forward(
+        &mut self,
+        message: LogicalMessage,
+        raw: bytes::Bytes,
+        size: usize,
+    ) -> Result<()> {
+        // Each queued message also costs its decoded form and the queue's own bookkeeping.
+        let overhead = std::mem::size_of::<Envelope>() + 64;
+        let cost = (size + overhead).clamp(1, self.queue_bytes) as u32;
+        let permit = match self.budget.clone().try_acquire_many_owned(cost) {
+            Ok(permit) => permit,
+            Err(_) => match self.wait_for_budget(cost).await? {
+                Some(permit) => permit,
+                None => {
+                    // This message is dropped, so nothing after it may reach the applier either:
+                    // its transaction would commit there without this change. Closing the queue
+                    // makes the applier roll the incomplete transaction back.
+                    self.tx = None;
+                    return Ok(());
+                }
+            },
+        };
+        if let Some(tx) = &self.tx {
+            // A closed channel means the applier stopped; the caller reports why.
+            let _ = tx.send(Envelope {
+                message,
+                raw,
+                permit: Some(permit),
+                turn: None,
+            });
+        }
+        Ok(())
+    }
+
+    /// The slow path of `forward`: the queue is full. `None` if the applier stopped meanwhile.
+    pub(super) async fn wait_for_budget(
+        &mut self,
+        cost: u32,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>> {
+        METRICS.queue_bytes.set(self.queued() as u64);
+        let mut status = tokio::time::interval(self.status_interval);
+        status.tick().await;
+        loop {
+            tokio::select! {
+                permit = self.budget.clone().acquire_many_owned(cost) => {
+                    // Nothing was read meanwhile: the source's silence counts from now.
+                    self.last_heard = Instant::now();
+                    return permit
+                        .map(Some)
+                        .map_err(|_| Error::definite("the apply queue closed"));
+                }
+                _ = status.tick() => self.send_status(false).await?,
+                _ = self.applier_done.changed() => return Ok(None),
+                // Stopping: the message is dropped; its transaction is incomplete on the applier's
+                // side, rolled back there, and sent again after a restart.
+                _ = self.stopping.changed() => return Ok(None),
+            }
+        }
+    }
+}

@@ -1,0 +1,299 @@
+//! Starting the apply side of a run: one applier, or a dispatcher and `--apply-workers` workers,
+//! with the checks made before the first change is applied.
+
+use super::*;
+
+/// The `--streaming parallel` helper records its position in the origin a second parallel worker
+/// would use (`pgapply_<slot>-w1`): the two never run together.
+pub(super) const LIVE_HELPER_INDEX: usize = 1;
+
+/// The applier of a run, connected and ready: one, or parallel workers behind a dispatcher.
+pub(super) enum ApplyStart {
+    Single(Box<Applier>),
+    Parallel(Box<Workers>),
+}
+
+impl ApplyStart {
+    pub(super) async fn prepare(
+        config: &RunConfig,
+        pool: &Pool,
+        store: &ProgressStore,
+        resume: Lsn,
+        applied: watch::Sender<Lsn>,
+        options: ApplierOptions,
+    ) -> Result<Self> {
+        let connect = || target_connection(pool, &config.target);
+        let n = config.apply_workers.max(1);
+        if n == 1 {
+            let live = options.live_streaming;
+            let mut applier = Applier::new(
+                connect().await?,
+                connect().await?,
+                store.clone(),
+                resume,
+                config.apply.clone(),
+                applied,
+                options.clone(),
+            )
+            .await?;
+            if live {
+                Self::add_live_helper(&mut applier, config, store, resume, options).await?;
+            }
+            return Ok(ApplyStart::Single(Box::new(applier)));
+        }
+        let setup = connect().await?;
+        let mut stores = Vec::new();
+        for index in 0..n {
+            stores.push(store.for_worker(&setup, index).await?);
+        }
+        drop(setup);
+        let origins: Arc<Vec<String>> = Arc::new(
+            stores
+                .iter()
+                .map(|s| s.origin_name().unwrap_or_default().to_owned())
+                .collect(),
+        );
+        let lock_key = crate::apply::parallel::lock_key(&config.slot);
+        let applied = Arc::new(applied);
+        let applied_rx = applied.subscribe();
+        let mut workers = Vec::new();
+        let mut links = Vec::new();
+        for (index, store) in stores.into_iter().enumerate() {
+            let role = WorkerRole {
+                index,
+                lock_key,
+                origins: origins.clone(),
+            };
+            let applier = Applier::new(
+                connect().await?,
+                connect().await?,
+                store,
+                resume,
+                config.apply.clone(),
+                applied.clone(),
+                ApplierOptions {
+                    worker: Some(role),
+                    ..options.clone()
+                },
+            )
+            .await?;
+            let (tx, rx) = mpsc::unbounded_channel();
+            links.push(WorkerLink { tx });
+            workers.push((applier, rx));
+        }
+        let (stopped, stopped_rx) = watch::channel(false);
+        let serial_through = config.apply.unbatched_through.clone();
+        let dispatcher = Dispatcher::new(
+            links,
+            applied_rx,
+            stopped_rx,
+            connect().await?,
+            DispatcherOptions {
+                resume,
+                skip_lsn: options.skip_lsn,
+                serial_through: serial_through.clone(),
+                table_map: options.table_map.clone(),
+                queue_bytes: config.queue_bytes,
+            },
+        );
+        tracing::info!(workers = n, "applying with parallel workers");
+        Ok(ApplyStart::Parallel(Box::new(Workers {
+            dispatcher,
+            workers,
+            stopped,
+            serial_through,
+        })))
+    }
+
+    /// `--streaming parallel`: a helper applier on connections of its own, with its own origin
+    /// (`applier::live`). Not with the progress table (one row, one session) nor after a
+    /// failure of such a transaction in this process: then streamed transactions are spooled.
+    pub(super) async fn add_live_helper(
+        applier: &mut Applier,
+        config: &RunConfig,
+        store: &ProgressStore,
+        resume: Lsn,
+        options: ApplierOptions,
+    ) -> Result<()> {
+        if store.is_table_mode() {
+            tracing::info!("--streaming parallel: progress is kept in the pgapply.progress table (no replication origins), so streamed transactions are spooled and applied at commit");
+            return Ok(());
+        }
+        if config
+            .apply
+            .live_streaming_off
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            tracing::info!("--streaming parallel: streamed transactions are spooled and applied at commit after the failure above");
+            return Ok(());
+        }
+        // Its own pool, dropped here: when the helper stops (even inside its transaction, after
+        // an error) its sessions close with it and release what they hold, instead of going
+        // back to a pool for someone else. The watchdog has a one-session pool of its own.
+        let pool = target_pool(&config.target, 2)?;
+        let watchdog_pool = target_pool(&config.target, 1)?;
+        let connect = || target_connection(&pool, &config.target);
+        let helper = async {
+            let helper_store = store
+                .for_worker(&*connect().await?, LIVE_HELPER_INDEX)
+                .await?;
+            let (helper_applied, _) = watch::channel(resume);
+            // The helper's transaction has no commit LSN until it commits: a failed batch of it
+            // must not turn batching off for the main applier's later transactions.
+            let settings = ApplySettings {
+                unbatched_through: Arc::default(),
+                ..config.apply.clone()
+            };
+            Applier::new(
+                connect().await?,
+                connect().await?,
+                helper_store,
+                resume,
+                settings,
+                helper_applied,
+                options,
+            )
+            .await
+        }
+        .await;
+        let attached = match helper {
+            Ok(helper) => applier.attach_live_helper(helper, watchdog_pool).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = attached {
+            // The helper's origin still held by the session of a run that was just killed (or
+            // moved by it after the start position was read), or a connection lost: the run is
+            // retried, as for the main session's origin. (Other
+            // transient errors, too many connections say, fall back to spooling.)
+            if e.sqlstate() == Some("55006")
+                || e.is_connection_lost()
+                || ProgressStore::is_resume_moved(&e)
+            {
+                return Err(e);
+            }
+            // Spooling works wherever this does not (no free replication origin, say).
+            tracing::warn!(error = %e, "--streaming parallel: could not set up the second target session; streamed transactions are spooled and applied at commit");
+        }
+        Ok(())
+    }
+
+    /// Applies what arrives on `rx` until it closes or applying fails.
+    pub(super) async fn run(
+        self,
+        mut rx: mpsc::UnboundedReceiver<Envelope>,
+        done: watch::Sender<bool>,
+    ) -> (ApplyStats, Result<()>) {
+        let outcome = match self {
+            ApplyStart::Single(mut applier) => {
+                let result = applier.run(&mut rx).await;
+                (applier.stats.clone(), result)
+            }
+            ApplyStart::Parallel(workers) => workers.run(&mut rx).await,
+        };
+        let _ = done.send(true);
+        outcome
+    }
+}
+
+/// Every published table must exist on the target. Checked at the start, a missing one is named
+/// at once, not at its first change (which may come hours later).
+pub(super) async fn target_tables_exist(
+    config: &RunConfig,
+    target: &tokio_postgres::Client,
+) -> Result<()> {
+    let source = crate::tls::connect(&config.source)
+        .await
+        .map_err(|e| e.into_error("connecting to the source"))?;
+    let tables = copy::published_tables(&source, &config.publications, &config.table_map).await?;
+    // (A partition listed beside its partitioned root, whose changes come as the root's, is not
+    // in the list: `published_tables` leaves it out. Those left come under their own names.)
+    let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    let missing: Vec<String> = target
+        .query(
+            "SELECT n FROM unnest($1::text[]) WITH ORDINALITY AS x (n, i) \
+             WHERE pg_catalog.to_regclass(n) IS NULL ORDER BY i",
+            &[&names],
+        )
+        .await
+        .map_err(|e| Error::postgres("looking up the published tables on the target", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    match missing.as_slice() {
+        [] => Ok(()),
+        [one] => Err(Error::definite(format!(
+            "table {one} is published by the source but does not exist on the target: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; otherwise create it on the target (`pgapply schema` copies the published tables' definitions), or take it out of the publication; then start pgapply again"
+        ))),
+        many => Err(Error::definite(format!(
+            "{} published tables do not exist on the target: {}: if they were renamed on the source, rename them on the target too (ALTER TABLE ... RENAME TO ...); otherwise create them on the target (`pgapply schema` copies the published tables' definitions), or take them out of the publication; then start pgapply again",
+            many.len(),
+            many.join(", ")
+        ))),
+    }
+}
+
+/// Why binary transfer cannot be used for these publications, if it cannot: every published
+/// column must have a built-in type (whose binary format does not embed cluster-specific OIDs),
+/// the same type on the target, and both servers the same major version.
+pub(super) async fn binary_unsafe(
+    config: &RunConfig,
+    source_version: u32,
+) -> Result<Option<String>> {
+    let source = crate::tls::connect(&config.source)
+        .await
+        .map_err(|e| e.into_error("connecting to the source"))?;
+    let target = crate::tls::connect(&config.target)
+        .await
+        .map_err(|e| e.into_error("connecting to the target"))?;
+    let target_version = crate::sql::server_version(&target)
+        .await
+        .map_err(|e| Error::postgres("reading the target's version", e))?;
+    if target_version as u32 / 10000 != source_version / 10000 {
+        return Ok(Some(format!(
+            "source and target run different major versions ({} and {})",
+            source_version / 10000,
+            target_version / 10000
+        )));
+    }
+    let tables = copy::published_tables(&source, &config.publications, &config.table_map).await?;
+    for table in &tables {
+        let rows = source
+            .query(
+                "SELECT a.attname::text, a.atttypid < 10000 FROM pg_catalog.pg_attribute a                  WHERE a.attrelid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped",
+                &[&table.qualified()],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading published column types on the source", e))?;
+        for row in rows {
+            if !row.get::<_, bool>(1) {
+                return Ok(Some(format!(
+                    "column {} of {} has a user-defined type",
+                    crate::sql::quote_ident(&row.get::<_, String>(0)),
+                    table.qualified()
+                )));
+            }
+        }
+        for (column, source_type) in &table.columns {
+            let target_type: Option<String> = target
+                .query_opt(
+                    &format!(
+                        "SELECT {} FROM pg_catalog.pg_attribute WHERE attrelid = pg_catalog.to_regclass($1) AND attname = $2",
+                        crate::sql::type_name_sql("atttypid", "atttypmod")
+                    ),
+                    &[&table.target_qualified(), column],
+                )
+                .await
+                .map_err(|e| Error::postgres("reading column types on the target", e))?
+                .map(|r| r.get(0));
+            if target_type.as_deref() != Some(source_type.as_str()) {
+                return Ok(Some(format!(
+                    "column {} of {} has type {source_type} on the source and {} on the target",
+                    crate::sql::quote_ident(column),
+                    table.qualified(),
+                    target_type.as_deref().unwrap_or("none")
+                )));
+            }
+        }
+    }
+    Ok(None)
+}
