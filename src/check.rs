@@ -394,6 +394,21 @@ async fn check_source(
     if tables.is_empty() {
         report.problem(crate::copy::no_tables_message(&config.publications));
     }
+    // Several source tables mapped onto one target table: the rows there are not told apart.
+    let mut sources_of: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for table in tables.iter() {
+        sources_of
+            .entry(table.target_qualified())
+            .or_default()
+            .push(table.qualified());
+    }
+    for (target, sources) in sources_of.iter().filter(|(_, s)| s.len() > 1) {
+        report.warning(format!(
+            "target table {target} receives the rows of {} source tables ({}): a TRUNCATE of only some of them stops the apply (it cannot empty {target} of their rows alone), and `pgapply verify` compares each of them with all of {target}",
+            sources.len(),
+            sources.join(", ")
+        ));
+    }
     for table in tables.iter() {
         let qualified = table.qualified();
         // What the publications that have it replicate: only UPDATEs or DELETEs need a replica

@@ -451,7 +451,7 @@ async fn run_in_span(
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
     source_has_reached(&mut session, identity.wal_position, resume).await?;
-    target_tables_exist(&config, &setup).await?;
+    let shared_targets = Arc::new(target_tables_exist(&config, &setup).await?);
     // The fence decides where this run stops unless --endpos comes first (the cutover's own run
     // stops at the same position: no warning then).
     let fence_decides = fence.filter(|f| config.endpos.is_none_or(|e| e > *f));
@@ -725,6 +725,7 @@ async fn run_in_span(
 
     let (applied_tx, applied_rx) = watch::channel(resume);
     let options = ApplierOptions {
+        shared_targets,
         table_map: Arc::new(config.table_map.clone()),
         policies: Arc::new(config.policies.clone()),
         policy_updates: config.policy_updates.clone(),

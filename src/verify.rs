@@ -382,10 +382,13 @@ async fn chunk_digest(
     Ok((row.get(0), row.get(1)))
 }
 
+/// Compares one target table with what the source has for it: `table`, and `also`, the other
+/// source tables mapped onto the same target table (their rows are compared together).
 async fn verify_table(
     source_config: tokio_postgres::Config,
     target_config: tokio_postgres::Config,
-    table: PublishedTable,
+    mut table: PublishedTable,
+    also: Vec<PublishedTable>,
     settings: VerifySettings,
     float_digits: i32,
 ) -> Result<TableResult> {
@@ -393,7 +396,6 @@ async fn verify_table(
     let target = connect(&target_config, "target", float_digits).await?;
     let keys = key_columns(&source, &table).await?;
     let target_keys = target_key_types(&target, &table, &keys).await?;
-    let source_table = own_rows(&source, &table.qualified(), "source").await?;
     let target_table = own_rows(&target, &table.target_qualified(), "target").await?;
     let columns = table
         .columns
@@ -401,14 +403,58 @@ async fn verify_table(
         .map(|(c, _)| quote_ident(c))
         .collect::<Vec<_>>()
         .join(", ");
-    let mut chunks = Vec::new();
     let mut note = None;
+    let mut name = table.qualified();
+    let source_table = if also.is_empty() {
+        own_rows(&source, &table.qualified(), "source").await?
+    } else {
+        // The rows of every source table mapped onto this target table, each with its own
+        // row filter: what the target table should hold.
+        let mut parts = Vec::new();
+        for t in std::iter::once(&table).chain(&also) {
+            let same_columns = t.columns.len() == table.columns.len()
+                && t.columns
+                    .iter()
+                    .zip(&table.columns)
+                    .all(|(a, b)| a.0 == b.0);
+            if !same_columns {
+                return Err(Error::definite(format!(
+                    "source tables {} and {} are both mapped onto target table {} but publish different columns: compare them with it by hand",
+                    table.qualified(),
+                    t.qualified(),
+                    table.target_qualified()
+                )));
+            }
+            let rows = own_rows(&source, &t.qualified(), "source").await?;
+            let filter = t
+                .row_filter
+                .as_ref()
+                .map(|f| format!(" WHERE ({f})"))
+                .unwrap_or_default();
+            parts.push(format!("SELECT {columns} FROM {rows}{filter}"));
+        }
+        let names: Vec<String> = std::iter::once(&table)
+            .chain(&also)
+            .map(|t| t.qualified())
+            .collect();
+        note = Some(format!(
+            "target table {} receives the rows of {}: compared with all of them together",
+            table.target_qualified(),
+            names.join(", ")
+        ));
+        name = names.join(" + ");
+        table.row_filter = None;
+        format!("({}) AS pgapply_sources", parts.join(" UNION ALL "))
+    };
+    let mut chunks = Vec::new();
     // Every chunk's digest on both sides, taken in one pass per side.
     let mut first_pass: Option<(ChunkDigests, ChunkDigests)> = None;
     if keys.is_empty() {
-        note = Some(
-            "no primary key or replica identity index whose columns are all published: compared as one chunk, without key ranges".to_owned(),
-        );
+        let no_key = "no primary key or replica identity index whose columns are all published: compared as one chunk, without key ranges";
+        note = Some(match note.take() {
+            Some(earlier) => format!("{earlier}; {no_key}"),
+            None => no_key.to_owned(),
+        });
         chunks.push(Chunk {
             from: None,
             to: None,
@@ -432,7 +478,7 @@ async fn verify_table(
         let rows = source
             .query(sql.as_str(), &[&settings.chunk_rows.max(1)])
             .await
-            .map_err(|e| Error::postgres(format!("chunking {}", table.qualified()), e))?;
+            .map_err(|e| Error::postgres(format!("chunking {name}"), e))?;
         let bounds = rows
             .iter()
             .map(|r| {
@@ -441,7 +487,7 @@ async fn verify_table(
                         Ok(Some(v)) => Ok(v),
                         _ => Err(Error::definite(format!(
                             "chunking {}: key column {} is NULL in a row (a replica identity index should not allow that)",
-                            table.qualified(),
+                            name,
                             keys[i].0
                         ))),
                     })
@@ -482,7 +528,7 @@ async fn verify_table(
         first_pass = Some((s?, t?));
     }
     let mut result = TableResult {
-        table: table.qualified(),
+        table: name,
         schema: table.schema.clone(),
         name: table.name.clone(),
         ok: true,
@@ -569,7 +615,18 @@ pub async fn verify(
     }
     let limit = Arc::new(Semaphore::new(settings.jobs.max(1)));
     let mut tasks = Vec::new();
+    // Source tables mapped onto one target table are compared with it together.
+    let mut by_target: Vec<(PublishedTable, Vec<PublishedTable>)> = Vec::new();
     for table in tables {
+        match by_target
+            .iter_mut()
+            .find(|(first, _)| first.target_qualified() == table.target_qualified())
+        {
+            Some((_, also)) => also.push(table),
+            None => by_target.push((table, Vec::new())),
+        }
+    }
+    for (table, also) in by_target {
         let (s, t, settings, limit) = (
             source.clone(),
             target.clone(),
@@ -581,7 +638,7 @@ pub async fn verify(
             names,
             tokio::spawn(async move {
                 let _permit = limit.acquire_owned().await;
-                verify_table(s, t, table, settings, float_digits).await
+                verify_table(s, t, table, also, settings, float_digits).await
             }),
         ));
     }

@@ -739,3 +739,86 @@ async fn conflicts_beyond_the_first_thousand_of_a_transaction_are_counted_in_one
         .await;
     assert_eq!(counted, 2500, "status counts every conflict");
 }
+
+/// Two source tables mapped onto one target table (the target keeps what the source splits, as
+/// with partitions published under their own names): a TRUNCATE of one of them would empty the
+/// target table of the other's rows too. It stops the apply instead, naming both and the way
+/// out; following that way out loses nothing; a TRUNCATE of both is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncate_of_one_of_two_tables_mapped_onto_one_stops_and_says_what_to_do() {
+    let db = TestDb::new("sharedtrunc").await;
+    if common::source_version(&db).await < 110000 {
+        return common::skip("PostgreSQL 10 does not replicate TRUNCATE");
+    }
+    db.source_sql(
+        "CREATE TABLE a (id int PRIMARY KEY, v text); CREATE TABLE b (id int PRIMARY KEY, v text)",
+    )
+    .await;
+    db.target_sql("CREATE TABLE ab (id int PRIMARY KEY, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE a, b").await;
+    let config = config_file(
+        "shared",
+        "[tables.\"public.a\"]\ntarget = \"public.ab\"\n[tables.\"public.b\"]\ntarget = \"public.ab\"\n",
+    );
+    let config = ["--config", config.to_str().unwrap()];
+    db.source_sql("INSERT INTO a SELECT g, 'a' FROM generate_series(1, 5) g")
+        .await;
+    db.source_sql("INSERT INTO b SELECT g, 'b' FROM generate_series(101, 105) g")
+        .await;
+    let out = sync_with(&db, &config).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM ab").await, 10);
+
+    db.source_sql("TRUNCATE a").await;
+    db.source_sql("INSERT INTO a VALUES (6, 'a')").await;
+    let out = sync_with(&db, &config).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("source table \"public\".\"a\" was truncated, but target table \"public\".\"ab\" also holds the rows of source table \"public\".\"b\""),
+        "{err}"
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM ab WHERE v = 'b'")
+            .await,
+        5,
+        "the other table's rows are kept"
+    );
+    // The way out the message gives: a's rows deleted by hand, the TRUNCATE skipped.
+    db.target_sql("DELETE FROM ab WHERE v = 'a'").await;
+    skip_named_transaction(&db, &err).await;
+    let out = sync_with(&db, &config).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<i32> = db
+        .target
+        .query("SELECT id FROM ab ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(rows, vec![6, 101, 102, 103, 104, 105]);
+    // verify compares the target table with both source tables' rows together.
+    let mut verify = db.on_both("verify", &[]);
+    verify.args(config);
+    let out = run_with_deadline(verify, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("OK        \"public\".\"a\" + \"public\".\"b\" (6 rows"),
+        "{text}"
+    );
+    db.target_sql("DELETE FROM ab WHERE id = 102").await;
+    let mut verify = db.on_both("verify", &[]);
+    verify.args(config);
+    let out = run_with_deadline(verify, 60).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    db.target_sql("INSERT INTO ab VALUES (102, 'b')").await;
+
+    // Both truncated together: nothing else lives in ab, so it is applied.
+    db.source_sql("TRUNCATE a, b").await;
+    let out = sync_with(&db, &config).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM ab").await, 0);
+}

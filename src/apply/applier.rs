@@ -451,6 +451,8 @@ pub struct Applier {
     log_messages: bool,
     /// `ApplierOptions::binary_values`.
     binary_values: bool,
+    /// `ApplierOptions::shared_targets`.
+    shared_targets: Arc<SharedTargets>,
     policies: Arc<PolicyMap>,
     policy_updates: Option<watch::Receiver<Arc<PolicyMap>>>,
     /// The commit LSN of a transaction to skip on purpose (`pgapply skip`).
@@ -547,7 +549,15 @@ pub struct ApplierOptions {
     /// the type the statement was prepared with, so a target column whose type changed while
     /// pgapply runs must be noticed before a statement prepared against it is used.
     pub binary_values: bool,
+    /// Target tables that receive the rows of more than one published source table (mapped
+    /// onto them under `[tables]`), with those source tables `(schema, name)`: a TRUNCATE of
+    /// only some of them must not empty the target table.
+    pub shared_targets: Arc<SharedTargets>,
 }
+
+/// Target table (quoted, qualified) -> the published source tables mapped onto it, when more
+/// than one is.
+pub type SharedTargets = HashMap<String, Vec<(String, String)>>;
 
 /// Tables (slot, relation) already named by `Applier::entry` in this process: parallel workers
 /// and retries share it.
@@ -722,6 +732,7 @@ impl Applier {
             slot: options.slot,
             log_messages: options.log_messages,
             binary_values: options.binary_values,
+            shared_targets: options.shared_targets,
             policies: options.policies,
             policy_updates: options.policy_updates,
             skip_lsn: options.skip_lsn,

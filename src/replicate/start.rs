@@ -2,6 +2,7 @@
 //! with the checks made before the first change is applied.
 
 use super::*;
+use crate::apply::applier::SharedTargets;
 
 /// The `--streaming parallel` helper records its position in the origin a second parallel worker
 /// would use (`pgapply_<slot>-w1`): the two never run together.
@@ -196,11 +197,12 @@ impl ApplyStart {
 }
 
 /// Every published table must exist on the target. Checked at the start, a missing one is named
-/// at once, not at its first change (which may come hours later).
+/// at once, not at its first change (which may come hours later). Returns the target tables
+/// that several published tables are mapped onto (`ApplierOptions::shared_targets`).
 pub(super) async fn target_tables_exist(
     config: &RunConfig,
     target: &tokio_postgres::Client,
-) -> Result<()> {
+) -> Result<SharedTargets> {
     let source = crate::tls::connect(&config.source)
         .await
         .map_err(|e| e.into_error("connecting to the source"))?;
@@ -208,6 +210,14 @@ pub(super) async fn target_tables_exist(
     // (A partition listed beside its partitioned root, whose changes come as the root's, is not
     // in the list: `published_tables` leaves it out. Those left come under their own names.)
     let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    let mut sources_of: SharedTargets = SharedTargets::new();
+    for t in &tables {
+        sources_of
+            .entry(t.target_qualified())
+            .or_default()
+            .push((t.schema.clone(), t.name.clone()));
+    }
+    sources_of.retain(|_, sources| sources.len() > 1);
     let missing: Vec<String> = target
         .query(
             "SELECT n FROM unnest($1::text[]) WITH ORDINALITY AS x (n, i) \
@@ -220,7 +230,7 @@ pub(super) async fn target_tables_exist(
         .map(|r| r.get(0))
         .collect();
     match missing.as_slice() {
-        [] => Ok(()),
+        [] => Ok(sources_of),
         [one] => Err(Error::definite(format!(
             "table {one} is published by the source but does not exist on the target: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; otherwise create it on the target (`pgapply schema` copies the published tables' definitions), or take it out of the publication; then start pgapply again"
         ))),

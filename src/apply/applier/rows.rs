@@ -424,6 +424,48 @@ impl Applier {
         self.queue(&entry, shape, params, about).await
     }
 
+    /// A target table that receives the rows of several source tables cannot be truncated
+    /// for one of them: its rows are not told apart there. So a TRUNCATE that leaves out one of
+    /// the source tables mapped onto a target table stops the apply, saying what to do.
+    fn refuse_partial_truncate(&mut self, relations: &[Oid], commit_lsn: Lsn) -> Result<()> {
+        if self.shared_targets.is_empty() {
+            return Ok(());
+        }
+        let mut truncated = HashSet::new();
+        let mut targets = Vec::new();
+        for oid in relations {
+            let entry = self.entry(*oid)?;
+            truncated.insert((
+                crate::relation::source_schema(&entry.source).to_string(),
+                entry.source.name.clone(),
+            ));
+            targets.push(entry);
+        }
+        for entry in targets {
+            let Some(sources) = self.shared_targets.get(&entry.target.qualified) else {
+                continue;
+            };
+            let others: Vec<String> = sources
+                .iter()
+                .filter(|s| !truncated.contains(*s))
+                .map(|(schema, name)| crate::sql::qualified_name(schema, name))
+                .collect();
+            if others.is_empty() {
+                continue;
+            }
+            return Err(Error::definite(format!(
+                "source table {} was truncated, but target table {} also holds the rows of source table{} {} (mapped onto it under [tables] in the config file), which a TRUNCATE there would remove too: nothing of this transaction was applied. Delete the rows that came from {} on the target yourself (for a partition: the rows within its bounds on the source), then skip this transaction: {}",
+                entry.display_name(),
+                entry.target.qualified,
+                if others.len() == 1 { "" } else { "s" },
+                others.join(", "),
+                entry.display_name(),
+                self.skip_hint(commit_lsn),
+            )));
+        }
+        Ok(())
+    }
+
     pub(super) async fn truncate(&mut self, truncate: Truncate) -> Result<()> {
         let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Truncate")? else {
             return Ok(());
@@ -449,6 +491,7 @@ impl Applier {
                 entry.target.qualified
             ));
         }
+        self.refuse_partial_truncate(&truncate.relations, commit_lsn)?;
         let mut sql = format!("TRUNCATE {}", names.join(", "));
         if truncate.restart_identity() {
             sql.push_str(" RESTART IDENTITY");
