@@ -242,6 +242,10 @@ pub struct CutoverArgs {
     /// Prepare replication from the target back to the source (publication and slot on the target).
     #[arg(long)]
     pub reverse: bool,
+    /// Cut over again although a cutover of the slot finished: after a rehearsal, when the
+    /// applications still write to the source (never once they write to the target).
+    #[arg(long)]
+    pub again: bool,
 }
 
 /// `pgapply schema`.

@@ -60,6 +60,8 @@ pub struct CutoverSettings {
     pub freeze_roles: Vec<String>,
     pub all_sequences: bool,
     pub reverse: bool,
+    /// Run although a cutover of the slot finished already (`--again`).
+    pub again: bool,
 }
 
 /// Slot state on the source: (active, confirmed flush, source WAL position).
@@ -155,7 +157,7 @@ pub async fn cutover(
             problems.join("; ")
         )));
     }
-    again(&source, &target, &slot).await?;
+    again(&source, &target, &slot, settings.again, &sequences).await?;
 
     // 1. Lag. A worker still making the initial copy leaves the slot inactive (it streams once
     // the copy is done): wait for it, rather than take over a slot it is about to stream from.
@@ -404,6 +406,18 @@ pub async fn cutover(
             .await
             .map_err(frozen)?;
     }
+    target
+        .execute(
+            "UPDATE pgapply.progress SET cutover_done_at = now() WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| {
+            frozen(Error::postgres(
+                "recording the finished cutover on the target",
+                e,
+            ))
+        })?;
     crate::out!(
         "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target",
         started.elapsed().as_secs_f64()
@@ -562,16 +576,22 @@ async fn drain(
 /// A cutover of a slot that an earlier one stopped: said, and refused once replication back
 /// into the source (`--reverse`) has run, whose changes draining again would bring to the target
 /// a second time.
-async fn again(source: &Client, target: &Client, slot: &str) -> Result<()> {
-    let previous: Option<String> = target
+async fn again(
+    source: &Client,
+    target: &Client,
+    slot: &str,
+    allowed: bool,
+    sequences: &SequencePlan,
+) -> Result<()> {
+    let previous: Option<(String, Option<String>)> = target
         .query_opt(
-            "SELECT stop_lsn::text FROM pgapply.progress WHERE slot_name = $1 AND stop_lsn IS NOT NULL",
+            "SELECT stop_lsn::text, cutover_done_at::text FROM pgapply.progress WHERE slot_name = $1 AND stop_lsn IS NOT NULL",
             &[&slot],
         )
         .await
         .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
-        .map(|r| r.get(0));
-    let Some(previous) = previous else {
+        .map(|r| (r.get(0), r.get(1)));
+    let Some((previous, done_at)) = previous else {
         return Ok(());
     };
     let reverse = format!("{slot}_reverse");
@@ -607,6 +627,24 @@ async fn again(source: &Client, target: &Client, slot: &str) -> Result<()> {
     if reversed {
         return Err(Error::definite(format!(
             "a cutover already stopped slot {slot:?} at {previous}, and replication back from the target into the source has run since (slot {reverse:?}): draining the source again would apply those changes to the target a second time. To go back to the old primary, cut over in the other direction (pgapply cutover --source <the target> --target <the source> --slot {reverse} ...); if nothing was replicated back, drop slot {reverse:?} on the target and run this cutover again"
+        )));
+    }
+    // Once the applications write to the target, another drain would apply the old primary's
+    // later writes over theirs, and set the sequences back.
+    if let Some(done_at) = done_at.filter(|_| !allowed) {
+        return Err(Error::definite(format!(
+            "a cutover of slot {slot:?} finished at {done_at}, stopping it at {previous}: if the applications write to the target now, another cutover would apply what the old primary committed since over their writes, so nothing was done. If that cutover was a rehearsal and the applications still write to the source, run this one with --again"
+        )));
+    }
+    let ahead = sequences_ahead(source, target, sequences).await?;
+    if !ahead.is_empty() {
+        return Err(Error::definite(format!(
+            "a cutover already stopped slot {slot:?} at {previous}, and since then the target has handed out sequence values of its own ({}): the applications seem to write to the target, and draining the source again would apply the old primary's later writes over theirs, so nothing was done. If the target's writes are to be thrown away, set those sequences back on the target (SELECT setval(...)) and run the cutover again",
+            ahead
+                .iter()
+                .map(|a| format!("{} at {}, the source's at {}", a.target_name, a.target_value, a.source_value))
+                .collect::<Vec<_>>()
+                .join("; ")
         )));
     }
     crate::out!("a cutover already stopped slot {slot:?} at {previous}: this one drains it again, applying what the source committed since");
@@ -883,10 +921,24 @@ async fn sequence_problems(
     Ok(problems)
 }
 
-/// Copies each planned sequence's state (`last_value`, `is_called`). Returns how many.
+/// Copies each planned sequence's state (`last_value`, `is_called`), except where the target's
+/// is ahead of the source's: moving it back would hand out values the target used already.
+/// Returns how many were copied.
 async fn copy_sequences(source: &Client, target: &Client, plan: &SequencePlan) -> Result<usize> {
+    let ahead = sequences_ahead(source, target, plan).await?;
+    for a in &ahead {
+        crate::out!(
+            "step 4: sequence {} on the target is ahead of the source's ({} against {}): kept as it is",
+            a.target_name,
+            a.target_value,
+            a.source_value
+        );
+    }
     let mut count = 0;
     for (name, target_name) in &plan.copy {
+        if ahead.iter().any(|a| &a.target_name == target_name) {
+            continue;
+        }
         let state = source
             .query_one(&format!("SELECT last_value, is_called FROM {name}"), &[])
             .await
@@ -909,6 +961,58 @@ async fn copy_sequences(source: &Client, target: &Client, plan: &SequencePlan) -
         count += 1;
     }
     Ok(count)
+}
+
+/// A target sequence that has handed out values beyond the source's.
+struct Ahead {
+    target_name: String,
+    target_value: i64,
+    source_value: String,
+}
+
+/// The planned sequences whose target sequence is ahead of the source's, in the sequence's own
+/// direction (a descending one is ahead when lower): the target has had inserts of its own.
+async fn sequences_ahead(
+    source: &Client,
+    target: &Client,
+    plan: &SequencePlan,
+) -> Result<Vec<Ahead>> {
+    // (last_value, is_called, increment) of a sequence: is_called false means not used yet.
+    async fn state(client: &Client, name: &str, side: &str) -> Result<(i64, bool, i64)> {
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT s.last_value, s.is_called, p.seqincrement FROM {name} s, pg_catalog.pg_sequence p WHERE p.seqrelid = $1::text::regclass"
+                ),
+                &[&name],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("reading sequence {name} on the {side}"), e))?;
+        Ok((row.get(0), row.get(1), row.get(2)))
+    }
+    let mut ahead = Vec::new();
+    for (name, target_name) in &plan.copy {
+        let (t_value, t_called, increment) = state(target, target_name, "target").await?;
+        if !t_called {
+            continue;
+        }
+        let (s_value, s_called, _) = state(source, name, "source").await?;
+        let beyond = !s_called
+            || (increment > 0 && t_value > s_value)
+            || (increment < 0 && t_value < s_value);
+        if beyond {
+            ahead.push(Ahead {
+                target_name: target_name.clone(),
+                target_value: t_value,
+                source_value: if s_called {
+                    s_value.to_string()
+                } else {
+                    "not used yet".to_owned()
+                },
+            });
+        }
+    }
+    Ok(ahead)
 }
 
 /// The target's sequence for source sequence `name`: a sequence owned by a table column (serial,

@@ -433,6 +433,7 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
             .collect(),
         all_sequences: args.all_sequences,
         reverse: args.reverse,
+        again: args.again,
     };
     cutover::cutover(config, settings, verify::VerifySettings::default()).await
 }

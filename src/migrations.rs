@@ -66,6 +66,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "group_checks",
         include_str!("../migrations/0012_group_checks.sql"),
     ),
+    (
+        13,
+        "cutover_done",
+        include_str!("../migrations/0013_cutover_done.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

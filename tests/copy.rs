@@ -745,8 +745,16 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
             && text.contains("pg_drop_replication_slot("),
         "{text}"
     );
-    // Once more before anything replicates back: said, and done again.
-    let again = cutover(&[]).await;
+    // Once more before anything replicates back: refused, as the applications may write to
+    // the target by now; with --again (a rehearsal), said, and done again.
+    let out = cutover(&[]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("finished at") && stderr(&out).contains("--again"),
+        "{}",
+        stderr(&out)
+    );
+    let again = cutover(&["--again"]).await;
     let again_text = String::from_utf8_lossy(&again.stdout).to_string();
     assert!(again.status.success(), "{again_text}\n{}", stderr(&again));
     assert!(
@@ -783,6 +791,21 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
         .await
         .unwrap()
         .get(0);
+    // Now the target has handed out a value of its own: a cutover from the old primary is
+    // refused even with --again, and the target's sequence stays where it is.
+    let out = cutover(&["--again"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the target has handed out sequence values of its own")
+            && stderr(&out).contains("t_id_seq at 11, the source's at 10"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT last_value FROM t_id_seq")
+            .await,
+        11
+    );
     args.extend_from_slice(&["--endpos", &target_wal]);
     let out = run_with_deadline(common::pgapply_command(&args), 60).await;
     assert!(out.status.success(), "{args:?}: {}", stderr(&out));
