@@ -78,6 +78,50 @@ async fn replica_identity_full_with_duplicates_and_nulls() {
     );
 }
 
+/// REPLICA IDENTITY FULL finds the row the source changed, not another whose values `=` calls
+/// equal (1.0 and 1.00, 0 and -0, '1 day' and '24 hours', jsonb numbers of another scale, boxes
+/// of one area behind a domain), and takes a composite-type column (whose untyped parameter
+/// would be an anonymous record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_identity_full_tells_apart_values_that_compare_equal() {
+    let db = TestDb::new("fulleq").await;
+    db.both(
+        "CREATE TYPE comp AS (a int, b text); CREATE DOMAIN bdom AS box; \
+         CREATE TABLE e (n numeric, f float8, iv interval, jb jsonb, c comp, b bdom, t text); \
+         ALTER TABLE e REPLICA IDENTITY FULL;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE e").await;
+    // One row at a time, so that the target holds them in this order: a match that takes the
+    // first row `=` accepts takes the first one.
+    for row in [
+        "1.0, 0, '1 day', '{\"a\": 1.0}', ROW(1, 'a'), '(1,1),(0,0)'",
+        "1.00, 0, '1 day', '{\"a\": 1.0}', ROW(1, 'a'), '(1,1),(0,0)'",
+        "1.0, '-0', '1 day', '{\"a\": 1.0}', ROW(1, 'a'), '(1,1),(0,0)'",
+        "1.0, 0, '24 hours', '{\"a\": 1.0}', ROW(1, 'a'), '(1,1),(0,0)'",
+        "1.0, 0, '1 day', '{\"a\": 1.00}', ROW(1, 'a'), '(1,1),(0,0)'",
+        "1.0, 0, '1 day', '{\"a\": 1.0}', ROW(1, 'a'), '(2,0.5),(0,0)'",
+    ] {
+        db.source_sql(&format!("INSERT INTO e VALUES ({row}, 'x')"))
+            .await;
+    }
+    db.sync("p").await;
+    db.source_sql("UPDATE e SET t = 'numeric' WHERE n::text = '1.00'")
+        .await;
+    db.source_sql("UPDATE e SET t = 'float' WHERE f::text = '-0'")
+        .await;
+    db.source_sql("UPDATE e SET t = 'interval' WHERE iv::text = '24:00:00'")
+        .await;
+    db.source_sql("UPDATE e SET t = 'jsonb' WHERE jb::text LIKE '%1.00%'")
+        .await;
+    db.source_sql("DELETE FROM e WHERE b::text = '(2,0.5),(0,0)'")
+        .await;
+    db.source_sql("UPDATE e SET c = ROW(2, 'b') WHERE t = 'x'")
+        .await;
+    db.sync("p").await;
+    db.assert_same("e").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_columns_generated_always_on_the_target() {
     let db = TestDb::new("identity").await;

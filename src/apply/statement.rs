@@ -330,6 +330,16 @@ fn row_filter(
                     // (time zone, a json's or a point's own form) whatever the source's settings.
                     let ty = target.map_or("text", |t| t.type_name.as_str());
                     conditions.push(format!("{column}::text = (${}::{ty})::text", next()));
+                } else if let Some(t) = target {
+                    // `=` finds the candidates (an index may serve it); the text form then tells
+                    // apart values that `=` calls equal but that differ (1.0 and 1.00, 0 and -0,
+                    // '1 day' and '24 hours', a domain over box): the row the source changed, not
+                    // another that only compares equal. The cast names the type: a composite's
+                    // parameter would otherwise be an anonymous record, which has no input.
+                    let (n, ty) = (next(), &t.type_name);
+                    conditions.push(format!(
+                        "{column} = ${n}::{ty} AND {column}::text = (${n}::{ty})::text"
+                    ));
                 } else {
                     conditions.push(format!("{column} = ${}", next()));
                 }
