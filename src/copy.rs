@@ -65,7 +65,8 @@ pub struct PublishedTable {
     /// A partitioned table (published through its root): its rows are in its partitions.
     pub partitioned: bool,
     /// A published column has a type not built into PostgreSQL (an enum, a domain, an extension's
-    /// type, an array or composite of one): binary COPY would carry the source's type OIDs.
+    /// type, an array or composite of one) or an OID alias type (regclass ...): binary COPY
+    /// would carry the source's OIDs.
     pub user_types: bool,
 }
 
@@ -189,11 +190,12 @@ pub async fn published_tables(
                 &format!(
                     "SELECT a.attname::text, {}, \
                             (pg_catalog.pg_relation_size(c.oid) / pg_catalog.current_setting('block_size')::int8)::int8, \
-                            c.relkind = 'p', a.atttypid >= 10000, coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '' \
+                            c.relkind = 'p', {}, coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '' \
                      FROM pg_catalog.pg_class c JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid \
                      WHERE c.oid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped \
                      ORDER BY a.attnum",
-                    crate::sql::type_name_sql("a.atttypid", "a.atttypmod")
+                    crate::sql::type_name_sql("a.atttypid", "a.atttypmod"),
+                    crate::sql::cluster_specific_type_sql("a.atttypid"),
                 ),
                 &[&qualified],
             )

@@ -2057,3 +2057,66 @@ async fn nothing_committed_after_the_end_position_reaches_the_target() {
         "{text}"
     );
 }
+
+/// Columns of OID alias types (regclass, regtype) hold OIDs in their binary form, which name
+/// other objects, or none, on the target: they are copied and streamed as text, by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oid_alias_types_arrive_as_names_not_oids() {
+    let db = TestDb::new("regtypes").await;
+    db.source_sql(
+        "CREATE SCHEMA app; CREATE TYPE app.color AS ENUM ('red'); CREATE TABLE app.thing (id int);",
+    )
+    .await;
+    // Other objects first on the target: the same names get other OIDs there.
+    db.target_sql(
+        "CREATE TABLE filler (x int); CREATE TYPE filler_type AS ENUM ('x'); CREATE SCHEMA app; \
+         CREATE TABLE app.thing (id int); CREATE TYPE app.color AS ENUM ('red');",
+    )
+    .await;
+    db.both("CREATE TABLE misc (id int PRIMARY KEY, rc regclass, rty regtype)")
+        .await;
+    db.source_sql(
+        "INSERT INTO misc VALUES (1, 'app.thing', 'app.color'); CREATE PUBLICATION p FOR TABLE misc;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    db.source_sql("INSERT INTO misc VALUES (2, 'app.thing', 'app.color[]')")
+        .await;
+    let c = common::clusters();
+    let binary: &[&str] = if c.source_major == c.target_major && c.source_major >= 14 {
+        &["--binary"]
+    } else {
+        &[]
+    };
+    let endpos = db.source_wal().await;
+    let mut args = vec!["--endpos", endpos.as_str()];
+    args.extend_from_slice(binary);
+    let out = run_with_deadline(db.pgapply("p", &args), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let q = "SELECT id, rc::text, rty::text FROM misc ORDER BY id";
+    let rows = |client: &'static str| {
+        let client = if client == "source" {
+            &db.source
+        } else {
+            &db.target
+        };
+        async move {
+            client
+                .query(q, &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    (
+                        r.get::<_, i32>(0),
+                        r.get::<_, String>(1),
+                        r.get::<_, String>(2),
+                    )
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let source = rows("source").await;
+    assert_eq!(source[1].2, "app.color[]");
+    assert_eq!(rows("target").await, source);
+}

@@ -269,7 +269,11 @@ pub(super) async fn binary_unsafe(
     for table in &tables {
         let rows = source
             .query(
-                "SELECT a.attname::text, a.atttypid < 10000 FROM pg_catalog.pg_attribute a                  WHERE a.attrelid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped",
+                &format!(
+                    "SELECT a.attname::text, NOT {} FROM pg_catalog.pg_attribute a \
+                     WHERE a.attrelid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped",
+                    crate::sql::cluster_specific_type_sql("a.atttypid")
+                ),
                 &[&table.qualified()],
             )
             .await
@@ -277,7 +281,7 @@ pub(super) async fn binary_unsafe(
         for row in rows {
             if !row.get::<_, bool>(1) {
                 return Ok(Some(format!(
-                    "column {} of {} has a user-defined type",
+                    "column {} of {} has a user-defined type, or an OID alias type (regclass, regtype and the like): its binary form holds the source's OIDs",
                     crate::sql::quote_ident(&row.get::<_, String>(0)),
                     table.qualified()
                 )));
