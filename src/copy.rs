@@ -923,8 +923,10 @@ async fn connect_source(config: &tokio_postgres::Config) -> Result<Client> {
             // A big table's COPY may take hours: the role's or database's timeouts must not end
             // it (transaction_timeout exists from PostgreSQL 17).
             // row_security = off: a table's policies must make the copy fail, not leave rows out.
+            // search_path = '': an OID alias value (regclass ...) is printed schema-qualified, so
+            // the target reads it whatever its own search_path.
             "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; \
-             SET lc_monetary = 'C'; SET row_security = off; \
+             SET lc_monetary = 'C'; SET row_security = off; SET search_path = ''; \
              SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0; \
              SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
         )
@@ -1039,6 +1041,7 @@ async fn copy_one(
         .batch_execute(
             "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; \
              SET LOCAL idle_in_transaction_session_timeout = 0; SET LOCAL lc_monetary = 'C'; \
+             SET LOCAL xmloption = content; \
              SELECT pg_catalog.set_config(name, '0', true) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
         )
         .await

@@ -2059,7 +2059,9 @@ async fn nothing_committed_after_the_end_position_reaches_the_target() {
 }
 
 /// Columns of OID alias types (regclass, regtype) hold OIDs in their binary form, which name
-/// other objects, or none, on the target: they are copied and streamed as text, by name.
+/// other objects, or none, on the target: they are copied and streamed as text, by name, and
+/// schema-qualified, so a target whose search_path differs reads them too. An xml fragment
+/// arrives on a target set to `xmloption = document`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oid_alias_types_arrive_as_names_not_oids() {
     let db = TestDb::new("regtypes").await;
@@ -2073,14 +2075,25 @@ async fn oid_alias_types_arrive_as_names_not_oids() {
          CREATE TABLE app.thing (id int); CREATE TYPE app.color AS ENUM ('red');",
     )
     .await;
-    db.both("CREATE TABLE misc (id int PRIMARY KEY, rc regclass, rty regtype)")
+    db.both("CREATE TABLE misc (id int PRIMARY KEY, rc regclass, rty regtype, x xml)")
         .await;
+    let database: String = db
+        .target
+        .query_one("SELECT current_database()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    db.target_sql(&format!(
+        "ALTER DATABASE \"{database}\" SET search_path = '\"$user\"'; ALTER DATABASE \"{database}\" SET xmloption = document"
+    ))
+    .await;
     db.source_sql(
-        "INSERT INTO misc VALUES (1, 'app.thing', 'app.color'); CREATE PUBLICATION p FOR TABLE misc;",
+        "INSERT INTO misc VALUES (1, 'app.thing', 'app.color', 'abc<a/>'), (3, 'misc', 'integer', ''); \
+         CREATE PUBLICATION p FOR TABLE misc;",
     )
     .await;
     copy_up_to_now(&db).await;
-    db.source_sql("INSERT INTO misc VALUES (2, 'app.thing', 'app.color[]')")
+    db.source_sql("INSERT INTO misc VALUES (2, 'misc', 'app.color[]', 'x<b/>y')")
         .await;
     let c = common::clusters();
     let binary: &[&str] = if c.source_major == c.target_major && c.source_major >= 14 {
@@ -2093,7 +2106,7 @@ async fn oid_alias_types_arrive_as_names_not_oids() {
     args.extend_from_slice(binary);
     let out = run_with_deadline(db.pgapply("p", &args), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
-    let q = "SELECT id, rc::text, rty::text FROM misc ORDER BY id";
+    let q = "SELECT id, rc::text, rty::text, x::text FROM misc ORDER BY id";
     let rows = |client: &'static str| {
         let client = if client == "source" {
             &db.source
@@ -2117,6 +2130,7 @@ async fn oid_alias_types_arrive_as_names_not_oids() {
         }
     };
     let source = rows("source").await;
+    assert_eq!(source.len(), 3);
     assert_eq!(source[1].2, "app.color[]");
     assert_eq!(rows("target").await, source);
 }

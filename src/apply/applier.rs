@@ -597,7 +597,9 @@ impl Applier {
         let spool = Spool::open(options.spool_dir.clone(), &options.slot)?;
         client
             .batch_execute(
-                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET row_security = off",
+                // xmloption = content: an xml value may be a fragment, which a target set to
+                // DOCUMENT would refuse (pg_dump sets the same).
+                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET row_security = off; SET xmloption = content",
             )
             .await
             .map_err(|e| Error::postgres("configuring the target apply session", e))?;

@@ -24,8 +24,10 @@ use crate::error::{Error, Result};
 /// and money in the C locale's form, which the target's sessions read with the same setting
 /// (servers of different lc_monetary would misread each other's amounts, or refuse them).
 /// The idle-in-transaction timeout is off: the session that exported the initial copy's snapshot
-/// waits inside its transaction until the copy is done.
-const STARTUP_OPTIONS: &str = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c lc_monetary=C -c idle_in_transaction_session_timeout=0";
+/// waits inside its transaction until the copy is done. An empty search_path, as PostgreSQL's own
+/// subscriber sets, prints OID alias values (regclass ...) schema-qualified, which the target
+/// reads whatever its own search_path.
+const STARTUP_OPTIONS: &str = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c lc_monetary=C -c idle_in_transaction_session_timeout=0 -c search_path=";
 
 /// How much to ask the kernel for per read: large reads let the walsender batch its sends.
 const READ_CHUNK: usize = 256 * 1024;
