@@ -79,6 +79,18 @@ async fn slot_state(source: &Client, slot: &str) -> Result<(bool, Lsn, Lsn)> {
     Ok((row.get(0), parse(row.get(1))?, parse(row.get(2))?))
 }
 
+/// Whether the target holds pgapply's progress for the slot (a worker replicating into it made it).
+async fn has_progress(target: &Client, slot: &str) -> Result<bool> {
+    Ok(target
+        .query_opt(
+            "SELECT 1 FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+        .is_some())
+}
+
 /// Whether a `pgapply run --copy-data` is copying for the slot now: its state says so and its
 /// heartbeat (every 10 s) is fresh (a killed one's state says so too, but goes stale).
 async fn copy_under_way(target: &Client, slot: &str) -> Result<bool> {
@@ -125,6 +137,11 @@ pub async fn cutover(
     verify_settings: VerifySettings,
 ) -> Result<()> {
     let source = crate::tls::connect_to(&run_config.source, "source").await?;
+    // A cutover run again after one that froze its own role writes all the same.
+    source
+        .batch_execute("SET default_transaction_read_only = off")
+        .await
+        .map_err(|e| Error::postgres("configuring the source session", e))?;
     let mut target = crate::tls::connect_to(&run_config.target, "target").await?;
     // pgapply's own tables on the target, for a cutover of a slot no `pgapply run` used yet.
     crate::migrations::apply(&mut target).await?;
@@ -158,6 +175,11 @@ pub async fn cutover(
         )));
     }
     again(&source, &target, &slot, settings.again, &sequences).await?;
+    if slot_state(&source, &slot).await?.0 && !has_progress(&target, &slot).await? {
+        return Err(Error::definite(format!(
+            "a worker streams slot {slot:?}, but the target has no pgapply progress for it: is --target the database that worker replicates into? (nothing was done)"
+        )));
+    }
 
     // 1. Lag. A worker still making the initial copy leaves the slot inactive (it streams once
     // the copy is done): wait for it, rather than take over a slot it is about to stream from.
@@ -292,7 +314,8 @@ pub async fn cutover(
         };
         let pids: Vec<i32> = source
             .query(
-                "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND datname = current_database() AND pid <> pg_backend_pid()",
+                // (Not walsenders: a worker connected as that role keeps replicating.)
+                "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND datname = current_database() AND pid <> pg_backend_pid() AND backend_type <> 'walsender'",
                 &[role],
             )
             .await
@@ -778,6 +801,23 @@ async fn read_problems(
 ) -> Result<Vec<String>> {
     let tables = published_tables(source, &config.publications, &config.table_map).await?;
     let mut problems = Vec::new();
+    let targets: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    let missing: Vec<String> = target
+        .query(
+            "SELECT n FROM unnest($1::text[]) n WHERE pg_catalog.to_regclass(n) IS NULL",
+            &[&targets],
+        )
+        .await
+        .map_err(|e| Error::postgres("looking up the published tables on the target", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if !missing.is_empty() {
+        problems.push(format!(
+            "the target has no table {}: is --target the database the worker replicates into?",
+            missing.join(", ")
+        ));
+    }
     for (client, side, names) in [
         (
             source,

@@ -1795,6 +1795,48 @@ async fn cutover_names_a_table_the_source_role_may_not_read() {
         .await,
         0
     );
+    // Another target database, where the table is not: refused before any role is frozen.
+    let other = format!("{}_other", db.name);
+    db.target_sql(&format!("CREATE DATABASE {other}")).await;
+    let wrong_target = db
+        .target_conninfo()
+        .replace(&format!("dbname={}", db.name), &format!("dbname={other}"));
+    assert_ne!(wrong_target, db.target_conninfo());
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "cutover",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &wrong_target,
+            "--publication",
+            "p",
+            "--slot",
+            &slot,
+            "--timeout",
+            "30s",
+            "--freeze-writes",
+            &user,
+        ]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("nothing was done")
+            && err.contains("the target has no table \"public\".\"t\": is --target the database"),
+        "{err}"
+    );
+    assert_eq!(
+        db.count(
+            &db.source,
+            &format!("SELECT count(*) FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole WHERE r.rolname = '{user}'")
+        )
+        .await,
+        0,
+        "the role was frozen"
+    );
 }
 
 /// A new slot's run says "starting" in `pgapply status` until its first status update (here it
