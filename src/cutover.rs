@@ -208,30 +208,52 @@ pub async fn cutover(
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     if active {
+        // The worker must also be seen answering: a stopped (hung) one keeps its last lag
+        // figures, low ones too, until the source gives up on it. Its status updates' send time
+        // (reply_time, PostgreSQL 12+; NULL before) must move while we look.
+        let mut first_reply: Option<Option<String>> = None;
         loop {
             let (_, confirmed, current) = slot_state(&source, &slot).await?;
             let bytes = current.0.saturating_sub(confirmed.0);
             // flush_lag is NULL while the worker is idle and caught up.
-            let seconds: f64 = source
+            let row = source
                 .query_one(
-                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8 FROM pg_replication_slots s \
+                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8, to_jsonb(r) ->> 'reply_time' \
+                     FROM pg_replication_slots s \
                      LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1",
                     &[&slot],
                 )
                 .await
-                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?
-                .get(0);
+                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?;
+            let (seconds, reply): (f64, Option<String>) = (row.get(0), row.get(1));
+            let answering = match &first_reply {
+                None => {
+                    first_reply = Some(reply.clone());
+                    reply.is_none()
+                }
+                Some(first) => reply.is_none() || reply != *first,
+            };
             crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed})");
             let below = match settings.max_lag {
                 MaxLag::Bytes(max) => bytes <= max,
                 MaxLag::Time(max) => seconds <= max.as_secs_f64(),
             };
-            if below {
+            if below && answering {
                 break;
             }
             if Instant::now() > deadline {
+                if below {
+                    return Err(Error::definite(format!(
+                        "step 1: the worker streaming slot {slot:?} sent the source no status update in {} (--timeout; it sends one every status interval, 10 s by default): is it stopped or hung? See its log and pgapply status, then run the cutover again (nothing was changed yet)",
+                        humantime::format_duration(settings.timeout)
+                    )));
+                }
+                let hint = match settings.max_lag {
+                    MaxLag::Bytes(_) => " (on a source that writes much WAL outside the publication, the slot's confirmed position trails it by up to a status interval's worth: give --max-lag as a duration, 5s say)",
+                    MaxLag::Time(_) => "",
+                };
                 return Err(Error::definite(format!(
-                    "step 1: the lag of slot {slot:?} was still {bytes} bytes, {seconds:.1} s after {} (--timeout), above --max-lag: check that pgapply keeps up (pgapply status), then run the cutover again, or give a larger --max-lag or --timeout (nothing was changed yet)",
+                    "step 1: the lag of slot {slot:?} was still {bytes} bytes, {seconds:.1} s after {} (--timeout), above --max-lag: check that pgapply keeps up (pgapply status), then run the cutover again, or give a larger --max-lag or --timeout{hint} (nothing was changed yet)",
                     humantime::format_duration(settings.timeout)
                 )));
             }

@@ -2176,3 +2176,50 @@ async fn oid_alias_types_arrive_as_names_not_oids() {
     assert_eq!(source[1].2, "app.color[]");
     assert_eq!(rows("target").await, source);
 }
+
+/// A worker that stopped answering (here: SIGSTOP) keeps its last lag figures on the source, low
+/// ones too: the cutover waits for it to be seen answering before it freezes or drains anything,
+/// and gives up at --timeout saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_does_not_trust_a_worker_that_stopped_answering() {
+    let db = TestDb::new("cuthung").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO t VALUES (1); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    copy_up_to_now(&db).await;
+    let worker = spawn(db.pgapply("p", &[]));
+    db.wait_slot_active().await;
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    let lsn = db.source_wal().await;
+    wait_for("the worker to confirm the insert", 30, || {
+        db.slot_confirmed(&lsn)
+    })
+    .await;
+    common::signal(&worker, libc::SIGSTOP);
+    let slot = db.slot();
+    let out = run_with_deadline(
+        db.on_both(
+            "cutover",
+            &["--slot", &slot, "--timeout", "4s", "--max-lag", "1GB"],
+        ),
+        60,
+    )
+    .await;
+    common::signal(&worker, libc::SIGCONT);
+    common::signal(&worker, libc::SIGTERM);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("sent the source no status update in 4s")
+            && err.contains("nothing was changed yet"),
+        "{err}"
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE stop_lsn IS NOT NULL"
+        )
+        .await,
+        0
+    );
+}
