@@ -266,12 +266,17 @@ struct Chunk {
     to: Option<Vec<String>>,
 }
 
-/// A key column as compared and sorted: text-like columns in the "C" collation (byte order), so
+/// A key column as compared and sorted: text-like columns by the bytes of their UTF-8 form, so
 /// that both sides put the same rows in the same chunks and order whatever their collations
-/// (which differ after an operating system upgrade, a common reason to migrate).
+/// (which differ after an operating system upgrade, a common reason to migrate), their encodings
+/// (the "C" collation is byte order in the database's own encoding: '€' is 0x80 in WIN1252 and
+/// sorts elsewhere in UTF-8) and their types (citext ignores COLLATE and case).
 fn key_expr(prefix: &str, column: &str, ty: &str) -> String {
     if collatable(ty) {
-        format!("{prefix}{} COLLATE \"C\"", quote_ident(column))
+        format!(
+            "pg_catalog.convert_to({prefix}{}::text, 'UTF8')",
+            quote_ident(column)
+        )
     } else {
         format!("{prefix}{}", quote_ident(column))
     }
@@ -308,7 +313,7 @@ fn bound_expr(keys: &[(String, String)], first_param: usize) -> String {
             .map(|(i, (_, ty))| {
                 let cast = format!("${}::text::{ty}", first_param + i);
                 if collatable(ty) {
-                    format!("{cast} COLLATE \"C\"")
+                    format!("pg_catalog.convert_to({cast}::text, 'UTF8')")
                 } else {
                     cast
                 }

@@ -994,9 +994,10 @@ async fn verify_names_a_corrupted_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_agrees_across_encodings() {
     let db = TestDb::new("verifyenc").await;
-    let latin1 = format!("{}_latin1", db.name);
+    // WIN1252: its "C" byte order is not UTF-8's ('€' is 0x80 there), unlike LATIN1's.
+    let latin1 = format!("{}_win1252", db.name);
     db.target_sql(&format!(
-        "CREATE DATABASE {latin1} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+        "CREATE DATABASE {latin1} ENCODING 'WIN1252' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
     ))
     .await;
     let target = format!(
@@ -1005,13 +1006,17 @@ async fn verify_agrees_across_encodings() {
     );
     common::connect(db.target_port, &latin1)
         .await
-        .batch_execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        .batch_execute(
+            "CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE w (k text PRIMARY KEY, n int)",
+        )
         .await
         .unwrap();
     db.source_sql(
         "CREATE TABLE t (id int PRIMARY KEY, v text); \
          INSERT INTO t SELECT g, 'café crème à ' || g FROM generate_series(1, 300) g; \
-         CREATE PUBLICATION p FOR TABLE t;",
+         CREATE TABLE w (k text PRIMARY KEY, n int); \
+         INSERT INTO w SELECT c || g, g FROM unnest(ARRAY['€', 'é', 'a', 'z', '‰', 'Ÿ', 'ÿ', 'œ', '™', '•']) c, generate_series(1, 3) g; \
+         CREATE PUBLICATION p FOR TABLE t, w;",
     )
     .await;
     let endpos = db.source_wal().await;
@@ -1044,11 +1049,19 @@ async fn verify_agrees_across_encodings() {
         common::pgapply_command(&args.iter().map(String::as_str).collect::<Vec<_>>())
     };
     // Both ways of comparing: chunks from one pass, and a chunk at a time.
-    for extra in [&[][..], &["--chunk-rows", "100"][..]] {
+    for extra in [
+        &[][..],
+        &["--chunk-rows", "100"][..],
+        &["--chunk-rows", "3"][..],
+    ] {
         let out = run_with_deadline(verify(extra), 60).await;
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         assert!(out.status.success(), "{text}{}", stderr(&out));
         assert!(text.contains("OK        \"public\".\"t\""), "{text}");
+        assert!(
+            text.contains("OK        \"public\".\"w\" (30 rows"),
+            "{text}"
+        );
     }
 }
 
