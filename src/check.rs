@@ -425,6 +425,9 @@ async fn check_source(
             .await
             .map_or((true, false), |r| (r.get(0), r.get(1)));
         truncated.push(truncates);
+        for problem in publication_rule_problems(src, &config.publications, &qualified).await {
+            report.problem(problem);
+        }
         // A table published through its partitioned root: the partitions' replica identities
         // are what UPDATE and DELETE on them need (ALTER TABLE .. REPLICA IDENTITY on the root
         // does not reach them).
@@ -467,6 +470,73 @@ async fn check_source(
             )),
         }
     }
+}
+
+/// What the source refuses at the first change of a table, found before (PostgreSQL 15+): a row
+/// filter or column list that leaves out replica identity columns in a publication of UPDATE or
+/// DELETE ("cannot update table"), and different column lists in two of the publications.
+/// (Row filter columns are read from the filter's stored form, `:varattno N`.)
+async fn publication_rule_problems(
+    src: &Client,
+    publications: &[String],
+    qualified: &str,
+) -> Vec<String> {
+    let rows = src
+        .query(
+            "WITH ri AS ( \
+               SELECT c.oid, c.relreplident, \
+                      CASE c.relreplident \
+                        WHEN 'd' THEN (SELECT i.indkey::int2[] FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \
+                        WHEN 'i' THEN (SELECT i.indkey::int2[] FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident) \
+                        WHEN 'f' THEN (SELECT array_agg(a.attnum) FROM pg_catalog.pg_attribute a \
+                                       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '') \
+                      END AS cols \
+               FROM pg_catalog.pg_class c WHERE c.oid = $1::text::pg_catalog.regclass) \
+             SELECT p.pubname::text, \
+               (SELECT string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
+                WHERE a.attrelid = ri.oid AND ri.relreplident <> 'f' \
+                  AND a.attnum IN (SELECT m[1]::int2 FROM regexp_matches(pr.prqual::text, ':varattno (\\d+)', 'g') m) \
+                  AND NOT (a.attnum = ANY (coalesce(ri.cols, '{}')))), \
+               (SELECT string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
+                WHERE a.attrelid = ri.oid AND pr.prattrs IS NOT NULL \
+                  AND a.attnum = ANY (coalesce(ri.cols, '{}')) AND NOT (a.attnum = ANY (pr.prattrs::int2[]))) \
+             FROM pg_catalog.pg_publication p JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid \
+             JOIN ri ON pr.prrelid = ri.oid \
+             WHERE p.pubname = ANY ($2) AND (p.pubupdate OR p.pubdelete) ORDER BY 1",
+            &[&qualified, &publications],
+        )
+        .await
+        // (Before 15 there are no row filters nor column lists: the columns do not exist.)
+        .unwrap_or_default();
+    let mut problems = Vec::new();
+    for row in rows {
+        let publication: String = row.get(0);
+        if let Some(columns) = row.get::<_, Option<String>>(1) {
+            problems.push(format!(
+                "the row filter of publication {publication:?} on {qualified} uses {columns}, outside the table's replica identity: the source refuses every UPDATE and DELETE of {qualified} while it is published so; filter on replica identity columns only, or ALTER TABLE {qualified} REPLICA IDENTITY FULL (or USING INDEX on an index that covers them)"
+            ));
+        }
+        if let Some(columns) = row.get::<_, Option<String>>(2) {
+            problems.push(format!(
+                "the column list of publication {publication:?} on {qualified} leaves out replica identity column(s) {columns}: the source refuses every UPDATE and DELETE of {qualified} while it is published so; add them to the column list (ALTER PUBLICATION ... SET TABLE {qualified} (...))"
+            ));
+        }
+    }
+    let lists = src
+        .query(
+            "SELECT DISTINCT array_to_string(attnames, ', ') FROM pg_catalog.pg_publication_tables \
+             WHERE pubname = ANY ($1) AND format('%I.%I', schemaname, tablename)::regclass = $2::text::regclass",
+            &[&publications, &qualified],
+        )
+        .await
+        .unwrap_or_default();
+    if lists.len() > 1 {
+        problems.push(format!(
+            "the publications publish different column lists of {qualified} ({}): the source refuses that at its first change (\"cannot use different column lists for table ... in different publications\"); give every publication the same list, or replicate them with separate slots",
+            lists.iter().map(|r| format!("({})", r.get::<_, String>(0))).collect::<Vec<_>>().join(" and ")
+        ));
+    }
+    problems
 }
 
 /// What the apply session needs beyond the tables: quiet triggers (as under PostgreSQL's own
@@ -644,7 +714,8 @@ async fn check_target(
                 Some(r) if r.get::<_, bool>(3) => {
                     fine = false;
                     report.problem(format!(
-                        "column {} of {qualified} is generated on the target but published by the source",
+                        "column {} of {qualified} is generated on the target but published by the source: make it a plain column on the target (ALTER TABLE {qualified} ALTER COLUMN {} DROP EXPRESSION), or leave it out of the publication's column list",
+                        quote_ident(column),
                         quote_ident(column)
                     ));
                 }
@@ -666,6 +737,32 @@ async fn check_target(
                             quote_ident(column)
                         ));
                     }
+                }
+            }
+        }
+        // A column generated on the source is not published (before 18, or without
+        // publish_generated_columns): a plain target column of that name is never filled.
+        if let Some(src) = source {
+            let generated = src
+                .query(
+                    "SELECT a.attname::text FROM pg_catalog.pg_attribute a \
+                     WHERE a.attrelid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped \
+                       AND coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '' ORDER BY a.attnum",
+                    &[&table.qualified()],
+                )
+                .await
+                .map(|rows| rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>())
+                .unwrap_or_default();
+            for column in generated {
+                let plain_on_target = rows
+                    .iter()
+                    .any(|r| r.get::<_, String>(0) == column && !r.get::<_, bool>(3));
+                if plain_on_target && !table.columns.iter().any(|(c, _)| *c == column) {
+                    fine = false;
+                    report.warning(format!(
+                        "column {} of {qualified} is generated on the source, which does not publish its values, and a plain column on the target: it stays empty (NULL or its default) there; make it generated on the target too (the same GENERATED ALWAYS AS expression), or on a PostgreSQL 18 source publish it (publish_generated_columns = stored)",
+                        quote_ident(&column)
+                    ));
                 }
             }
         }

@@ -1101,3 +1101,47 @@ async fn a_misspelt_log_level_is_refused() {
         stderr(&out)
     );
 }
+
+/// `check` names what the source refuses at the first change (PostgreSQL 15+): a row filter or
+/// column list outside the replica identity in a publication of UPDATE and DELETE, and two
+/// publications with different column lists of one table; and a column generated on the source
+/// (so not published) that is a plain column on the target, never filled there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_publication_rules_the_source_would_refuse() {
+    let db = TestDb::new("checkrules").await;
+    if common::source_version(&db).await < 150000 {
+        return common::skip("row filters and column lists need PostgreSQL 15");
+    }
+    db.both(
+        "CREATE TABLE f (id int PRIMARY KEY, region text); \
+         CREATE TABLE c (id int PRIMARY KEY, a int, b int); \
+         CREATE TABLE two (id int PRIMARY KEY, x int, y int);",
+    )
+    .await;
+    db.source_sql(
+        "CREATE TABLE g (id int PRIMARY KEY, a int, d int GENERATED ALWAYS AS (a * 2) STORED)",
+    )
+    .await;
+    db.target_sql("CREATE TABLE g (id int PRIMARY KEY, a int, d int)")
+        .await;
+    db.source_sql(
+        "CREATE PUBLICATION p FOR TABLE f WHERE (region = 'eu'), c (a, b), two (id, x), g; \
+         CREATE PUBLICATION q FOR TABLE two (id, y);",
+    )
+    .await;
+    let out = run_with_deadline(
+        db.on_both("check", &["--slot", &db.slot(), "--publication", "p,q"]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    for expected in [
+        "the row filter of publication \"p\" on \"public\".\"f\" uses region, outside the table's replica identity",
+        "the column list of publication \"p\" on \"public\".\"c\" leaves out replica identity column(s) id",
+        "the publications publish different column lists of \"public\".\"two\" ((id, x) and (id, y))",
+        "WARNING  column \"d\" of \"public\".\"g\" is generated on the source, which does not publish its values",
+    ] {
+        assert!(text.contains(expected), "{expected:?} not in:\n{text}");
+    }
+}
