@@ -501,6 +501,7 @@ async fn run_in_span(
         if copy_status == CopyStatus::Incomplete {
             copy::reset_interrupted(&setup, &config.slot, &config.table_map).await?;
         }
+        store.probe_origin(&setup).await?;
         let plan = copy::plan_copy(
             &config.source,
             &pool,

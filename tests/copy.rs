@@ -2236,3 +2236,65 @@ async fn cutover_does_not_trust_a_worker_that_stopped_answering() {
         0
     );
 }
+
+/// An initial copy first makes sure that the apply session can bind to its replication origin
+/// afterwards (here another session holds it; a target without a free origin state fails the
+/// same way): refused before any row is copied, not after hours of copying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_checks_its_replication_origin_before_copying() {
+    let db = TestDb::new("copyorigin").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql(
+        "INSERT INTO t SELECT generate_series(1, 100); CREATE PUBLICATION p FOR TABLE t;",
+    )
+    .await;
+    let origin = format!("pgapply_{}", db.slot());
+    let holder = common::connect(db.target_port, &db.name).await;
+    holder
+        .execute("SELECT pg_replication_origin_create($1)", &[&origin])
+        .await
+        .unwrap();
+    holder
+        .execute("SELECT pg_replication_origin_session_setup($1)", &[&origin])
+        .await
+        .unwrap();
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--copy-data",
+                "--create-slot",
+                "--endpos",
+                &endpos,
+                "--max-retries",
+                "1",
+                "--retry-max",
+                "1s",
+            ],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains(&format!(
+            "binding the apply session to replication origin {origin:?}"
+        )),
+        "{err}"
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 0);
+    // Released, the copy goes through.
+    holder
+        .execute("SELECT pg_replication_origin_session_reset()", &[])
+        .await
+        .unwrap();
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 100);
+}

@@ -446,19 +446,7 @@ impl ProgressStore {
     /// `durable_position` makes up for. Table mode keeps synchronous commits.
     pub async fn setup_session(&self, client: &Client) -> Result<()> {
         if let ProgressMode::Origin { name } = &self.mode {
-            client
-                .execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", &[name])
-                .await
-                .map_err(|e| {
-                    let why = match e.code().map(|c| c.code()) {
-                        Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or drop unused pgapply_* origins with pg_replication_origin_drop",
-                        _ => "is another pgapply running for this slot?",
-                    };
-                    Error::postgres(
-                        format!("binding the apply session to replication origin {name:?} ({why})"),
-                        e,
-                    )
-                })?;
+            bind_origin(client, name).await?;
             client
                 .batch_execute("SET synchronous_commit = off")
                 .await
@@ -557,6 +545,24 @@ impl ProgressStore {
             .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
         let lsn = parse_lsn(row.get(0))?;
         Ok(lsn.is_valid().then_some(lsn))
+    }
+
+    /// Before an initial copy: that the apply session will be able to bind to the origin (the
+    /// target has a free origin state), so that this is not found out only after hours of copying.
+    pub async fn probe_origin(&self, client: &Client) -> Result<()> {
+        if let ProgressMode::Origin { name } = &self.mode {
+            bind_origin(client, name).await?;
+            client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_session_reset()",
+                    &[],
+                )
+                .await
+                .map_err(|e| {
+                    Error::postgres("releasing the replication origin on the target", e)
+                })?;
+        }
+        Ok(())
     }
 
     /// Sets the position outside any apply transaction (after an initial copy).
@@ -755,6 +761,24 @@ async fn reconcile_origins(client: &Client, name: &str) -> Result<()> {
             })?;
         tracing::warn!(origin = %origin, from = %progress, to = %to, "moved a replication origin back to its last commit: a transaction that failed to commit had moved it");
     }
+    Ok(())
+}
+
+/// Binds `client`'s session to replication origin `name`.
+async fn bind_origin(client: &Client, name: &str) -> Result<()> {
+    client
+        .execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", &[&name])
+        .await
+        .map_err(|e| {
+            let why = match e.code().map(|c| c.code()) {
+                Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or drop unused pgapply_* origins with pg_replication_origin_drop",
+                _ => "is another pgapply running for this slot?",
+            };
+            Error::postgres(
+                format!("binding the apply session to replication origin {name:?} ({why})"),
+                e,
+            )
+        })?;
     Ok(())
 }
 
