@@ -299,6 +299,7 @@ async fn check_source(
         Ok(false) => report.problem("the source role lacks the REPLICATION attribute: ALTER ROLE ... REPLICATION (or use a superuser)"),
         Err(e) => report.problem(format!("source: cannot read the role's attributes (pg_roles): {e}")),
     }
+    let mut publications_exist = true;
     for publication in &config.publications {
         match query_bool(
             src,
@@ -308,10 +309,13 @@ async fn check_source(
         .await
         {
             Ok(true) => report.ok(format!("publication {publication:?} exists")),
-            Ok(false) => report.problem(format!(
-                "publication {publication:?} does not exist on the source: CREATE PUBLICATION {} FOR TABLE ...",
-                quote_ident(publication)
-            )),
+            Ok(false) => {
+                publications_exist = false;
+                report.problem(format!(
+                    "publication {publication:?} does not exist on the source: CREATE PUBLICATION {} FOR TABLE ...",
+                    quote_ident(publication)
+                ))
+            }
             Err(e) => report.problem(format!(
                 "source: cannot read publication {publication:?}: {e}"
             )),
@@ -383,6 +387,10 @@ async fn check_source(
             config.slot
         )),
         Err(e) => report.problem(format!("source: cannot read pg_replication_slots: {}", describe_postgres(&e))),
+    }
+    if !publications_exist {
+        // (Named above; the tables of the others are not listed, as no run would start.)
+        return;
     }
     match published_tables(src, &config.publications, &config.table_map).await {
         Ok(t) => *tables = t,

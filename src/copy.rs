@@ -131,13 +131,46 @@ pub fn no_tables_message(publications: &[String]) -> String {
     )
 }
 
-/// The tables of `publications`, with their published columns and row filters.
+/// `publication "a" does not exist`, `publications "a", "b" do not exist`.
+pub fn missing_publications(missing: &[impl AsRef<str>]) -> String {
+    let names: Vec<String> = missing
+        .iter()
+        .map(|p| format!("{:?}", p.as_ref()))
+        .collect();
+    if names.len() == 1 {
+        format!("publication {} does not exist", names[0])
+    } else {
+        format!("publications {} do not exist", names.join(", "))
+    }
+}
+
+/// The tables of `publications`, with their published columns and row filters. Fails naming
+/// the publications that do not exist (a typo would otherwise read as "no tables", or leave a
+/// publication's tables out unsaid).
 pub async fn published_tables(
     source: &Client,
     publications: &[String],
     table_map: &crate::config::TableMap,
 ) -> Result<Vec<PublishedTable>> {
     let context = |e| Error::postgres("listing the published tables on the source", e);
+    let missing: Vec<String> = source
+        .query(
+            "SELECT n FROM unnest($1::text[]) n \
+             WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication p WHERE p.pubname = n)",
+            &[&publications],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if !missing.is_empty() {
+        return Err(Error::definite(format!(
+            "{} on the source: check --publication, or create {} there (CREATE PUBLICATION ... FOR TABLE ...)",
+            missing_publications(&missing),
+            if missing.len() == 1 { "it" } else { "them" }
+        )));
+    }
     let version = crate::sql::server_version(source).await.map_err(context)?;
     let sql = if version >= 150000 {
         "SELECT schemaname::text, tablename::text, attnames::text[], rowfilter FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1)"

@@ -134,6 +134,19 @@ async fn target_key_types(
     keys: &[(String, String)],
 ) -> Result<Vec<(String, String)>> {
     let qualified = table.target_qualified();
+    let exists: bool = target
+        .query_one(
+            "SELECT pg_catalog.to_regclass($1) IS NOT NULL",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| Error::postgres(format!("looking up {qualified} on the target"), e))?
+        .get(0);
+    if !exists {
+        return Err(Error::definite(format!(
+            "table {qualified} does not exist on the target"
+        )));
+    }
     let mut out = Vec::with_capacity(keys.len());
     for (column, _) in keys {
         let row = target

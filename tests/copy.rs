@@ -969,7 +969,7 @@ async fn verify_names_a_corrupted_row() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
         text.contains("OK        \"public\".\"v\"")
-            && text.contains("FAILED    \"public\".\"w\": not compared"),
+            && text.contains("FAILED    \"public\".\"w\": not compared: table \"public\".\"w\" does not exist on the target"),
         "{text}\n{}",
         stderr(&out)
     );
@@ -977,6 +977,27 @@ async fn verify_names_a_corrupted_row() {
         stderr(&out).contains("could not be compared"),
         "{}",
         stderr(&out)
+    );
+    // A misspelt publication is named as missing, not as one without tables.
+    let missing = run_with_deadline(
+        common::pgapply_command(&[
+            "verify",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &db.target_conninfo(),
+            "--publication",
+            "p,nosuch",
+        ]),
+        60,
+    )
+    .await;
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(
+        stderr(&missing)
+            .contains("publication \"nosuch\" does not exist on the source: check --publication"),
+        "{}",
+        stderr(&missing)
     );
     let out = run_with_deadline(base(true), 60).await;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

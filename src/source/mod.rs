@@ -328,14 +328,11 @@ impl ReplicationSession {
             .filter(|p| !found.contains(&p.as_str()))
             .collect();
         if !missing.is_empty() {
-            let names = missing
-                .iter()
-                .map(|p| format!("{p:?}"))
-                .collect::<Vec<_>>()
-                .join(", ");
             return Err(Error::definite(format!(
-                "publication {names} does not exist on the source {}: create it with CREATE PUBLICATION, or fix --publication",
-                self.conn.endpoint
+                "{} on the source {}: create {} with CREATE PUBLICATION, or fix --publication",
+                crate::copy::missing_publications(&missing),
+                self.conn.endpoint,
+                if missing.len() == 1 { "it" } else { "them" }
             )));
         }
         Ok(())
