@@ -1053,7 +1053,7 @@ async fn copy_one(
             .is_none_or(|r| r.get(0));
         if !same_file {
             return Err(Error::transient(format!(
-                "table {qualified} was rewritten on the source (ALTER TABLE, TRUNCATE, VACUUM FULL or CLUSTER) during the initial copy: its rows cannot be read in the copy's snapshot any more, so the copy starts over"
+                "table {qualified} was rewritten on the source (ALTER TABLE, TRUNCATE, VACUUM FULL or CLUSTER) during the initial copy: its rows cannot be read in the copy's snapshot any more, so the copy starts over, and will again as long as something rewrites it: pause the job that does (a periodic TRUNCATE, say) until the copy is done"
             )));
         }
     }

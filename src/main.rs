@@ -359,7 +359,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
                     error = %e,
                     attempt = backoff.attempts,
                     retry_in = %humantime::format_duration(Duration::from_millis(delay.as_millis() as u64)),
-                    "transient error; starting again from what the target recorded (an unfinished initial copy starts over)"
+                    "transient error; starting again from what the target recorded"
                 );
                 tokio::select! {
                     _ = tokio::time::sleep(delay) => {}
