@@ -860,6 +860,21 @@ async fn partitioned_source_through_its_root_into_a_plain_table() {
     db.sync("p").await;
     db.assert_same("m").await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM m").await, 1);
+    // Published under their own names now: the target has no m_1 or m_2, and creating them would
+    // leave the rows out of m. Said, with the two ways that keep them in m.
+    db.source_sql("ALTER PUBLICATION p SET (publish_via_partition_root = false)")
+        .await;
+    db.source_sql("INSERT INTO m VALUES (2, 10, 'leaf')").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("is a partition of public.m on the source, published under its own name")
+            && err.contains("publish_via_partition_root = true")
+            && err.contains("target = \"public.m\""),
+        "{err}"
+    );
 }
 
 /// Inheritance on both sides: a change of the parent's own rows (UPDATE ONLY, DELETE FROM ONLY,

@@ -229,6 +229,38 @@ pub(super) async fn target_tables_exist(
         .iter()
         .map(|r| r.get(0))
         .collect();
+    // A partition published under its own name whose target table is missing: most likely the
+    // target holds its rows in the parent (or the publication's publish_via_partition_root was
+    // turned off), which creating the partition would not serve.
+    let missing_sources: Vec<String> = tables
+        .iter()
+        .filter(|t| missing.contains(&t.target_qualified()))
+        .map(|t| t.qualified())
+        .collect();
+    let partitions = source
+        .query(
+            "SELECT s, pg_catalog.format('%I.%I', pn.nspname, p.relname) \
+             FROM unnest($1::text[]) s \
+             JOIN pg_catalog.pg_class c ON c.oid = s::pg_catalog.regclass AND c.relispartition \
+             JOIN pg_catalog.pg_inherits i ON i.inhrelid = c.oid \
+             JOIN pg_catalog.pg_class p ON p.oid = i.inhparent \
+             JOIN pg_catalog.pg_namespace pn ON pn.oid = p.relnamespace",
+            &[&missing_sources],
+        )
+        .await
+        .map_err(|e| Error::postgres("looking up partitions on the source", e))?;
+    if let Some(row) = partitions.first() {
+        let (partition, parent): (String, String) = (row.get(0), row.get(1));
+        return Err(Error::definite(format!(
+            "table {partition} is a partition of {parent} on the source, published under its own name (publish_via_partition_root = false, or the publication lists the partition), and the target has no table of that name{}: to apply its rows to the target's {parent}, publish it through its root (ALTER PUBLICATION ... SET (publish_via_partition_root = true)) or map it in the config file ([tables.\"{}\"] target = \"{parent}\"); or create it on the target; then start pgapply again",
+            if partitions.len() > 1 {
+                format!(" ({} partitions in all)", partitions.len())
+            } else {
+                String::new()
+            },
+            partition.replace('"', "")
+        )));
+    }
     match missing.as_slice() {
         [] => Ok(sources_of),
         [one] => Err(Error::definite(format!(
