@@ -1145,3 +1145,32 @@ async fn check_names_publication_rules_the_source_would_refuse() {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }
 }
+
+/// A publication dropped and created again while changes were written: a source before 18
+/// stops at those changes every time, with "publication does not exist" though it exists now.
+/// The error says why, and the two ways out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_created_again_says_why_the_source_stops() {
+    if common::clusters().source_major >= 18 {
+        return common::skip("PostgreSQL 18 skips such changes with a warning");
+    }
+    let db = TestDb::new("pubagain").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.sync("p").await;
+    db.source_sql("DROP PUBLICATION p").await;
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (3)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("publication \"p\" does not exist")
+            && err.contains("if the publication exists now (dropped and created again")
+            && err.contains("pg_replication_slot_advance"),
+        "{err}"
+    );
+}

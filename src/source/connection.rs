@@ -172,6 +172,20 @@ impl ServerError {
     }
 }
 
+/// What to do about errors the walsender ends the stream with that its own message leaves open.
+fn stream_error_hint(e: &ServerError) -> Option<&'static str> {
+    match e.code.as_str() {
+        // The slot decodes with the catalog as it was when each change was written.
+        "42704" if e.message.contains("publication") => Some(
+            "if the publication exists now (dropped and created again, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot (--create-slot --copy-data --truncate-target), or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance(slot, pg_current_wal_lsn()) on the source, with pgapply stopped)",
+        ),
+        "22021" => Some(
+            "the source sent text that is not valid in its own encoding, so it cannot be converted to UTF-8 (a SQL_ASCII database with bytes above 127?): fix those values on the source, or use a database encoding that says what the bytes are",
+        ),
+        _ => None,
+    }
+}
+
 fn server_error(fields: backend::ErrorFields<'_>) -> ServerError {
     let mut e = ServerError {
         code: String::new(),
@@ -601,9 +615,12 @@ impl ReplicationConnection {
                         backend::Message::ErrorResponse(e) => server_error(e.fields()),
                         _ => unreachable_error(),
                     };
-                    return Err(
-                        e.into_error(&format!("source {} ended replication", self.endpoint))
-                    );
+                    let hint = stream_error_hint(&e);
+                    let err = e.into_error(&format!("source {} ended replication", self.endpoint));
+                    return Err(match hint {
+                        Some(hint) => err.context_after(hint),
+                        None => err,
+                    });
                 }
                 other => {
                     return Err(Error::definite(format!(
