@@ -739,7 +739,11 @@ async fn run_in_span(
         spool_dir: match &config.spool_dir {
             Some(dir) => dir.clone(),
             None => {
-                let dir = std::env::temp_dir().join(format!("pgapply-spool-{}", config.slot));
+                // The user's id in the name: another user's directory of the same slot name
+                // (private to them) would otherwise stop this run.
+                // SAFETY: getuid has no preconditions and cannot fail.
+                let uid = unsafe { libc::getuid() };
+                let dir = std::env::temp_dir().join(format!("pgapply-spool-{uid}-{}", config.slot));
                 crate::apply::spool::private_dir(&dir)?;
                 dir
             }
