@@ -552,8 +552,13 @@ pub async fn reset_interrupted(
             .await
             .map_err(context)?
             .get(0);
-        if exists {
-            tables.push(own_rows(target, &qualified, "target").await?);
+        if !exists {
+            continue;
+        }
+        // (Several source tables may be mapped onto one target table: each is emptied once.)
+        let rows = own_rows(target, &qualified, "target").await?;
+        if !tables.contains(&rows) {
+            tables.push(rows);
         }
     }
     if !tables.is_empty() {

@@ -71,6 +71,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "cutover_done",
         include_str!("../migrations/0013_cutover_done.sql"),
     ),
+    (
+        14,
+        "last_error",
+        include_str!("../migrations/0014_last_error.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

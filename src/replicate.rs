@@ -211,8 +211,10 @@ pub async fn run(
     let result = run_in_span(config, shutdown, progress)
         .instrument(span.clone())
         .await;
-    if result.is_err() {
-        record_failure(&target, &slot).instrument(span).await;
+    if let Err(e) = &result {
+        record_failure(&target, &slot, &e.to_string())
+            .instrument(span)
+            .await;
     }
     result
 }
@@ -339,17 +341,19 @@ async fn copy_interrupted(
     })
 }
 
-/// A run that ended with an error says so in `pgapply status` (`failed`; the log says what, and
+/// A run that ended with an error says so in `pgapply status` (`failed`, and the error; the log also says
 /// whether it is retried), instead of leaving `streaming` or `copying` behind. Only the row this
-/// process wrote (its pid): the error may be that another worker holds the slot. Best effort.
-async fn record_failure(target: &tokio_postgres::Config, slot: &str) {
+/// process wrote (its pid, or none once the run's last heartbeat said `failed`): the error may be
+/// that another worker holds the slot. Best effort.
+async fn record_failure(target: &tokio_postgres::Config, slot: &str, error: &str) {
     let attempt = async {
         let client = crate::tls::connect(target).await.ok()?;
         client
             .execute(
-                "UPDATE pgapply.progress SET state = 'failed', pid = NULL, heartbeat_at = now() \
-                 WHERE slot_name = $1 AND pid = $2",
-                &[&slot, &(std::process::id() as i32)],
+                "UPDATE pgapply.progress SET state = 'failed', pid = NULL, heartbeat_at = now(), \
+                        last_error = $3 \
+                 WHERE slot_name = $1 AND (pid = $2 OR (pid IS NULL AND state = 'failed'))",
+                &[&slot, &(std::process::id() as i32), &error],
             )
             .await
             .ok()

@@ -32,6 +32,8 @@ pub struct SlotStatus {
     pub stop_lsn: Option<String>,
     /// The commit LSN of a source transaction `pgapply skip` asked to skip, not reached yet.
     pub skip_lsn: Option<String>,
+    /// What the last run ended with, when it failed.
+    pub last_error: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -70,7 +72,8 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                     to_char(last_commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
                     extract(epoch FROM now() - heartbeat_at)::float8, lag_seconds, \
                     transactions, inserts, updates, deletes, truncates, conflicts::text, \
-                    to_jsonb(p) ->> 'stop_lsn', to_jsonb(p) ->> 'skip_lsn' \
+                    to_jsonb(p) ->> 'stop_lsn', to_jsonb(p) ->> 'skip_lsn', \
+                    CASE WHEN state = 'failed' THEN to_jsonb(p) ->> 'last_error' END \
              FROM pgapply.progress p WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
             &[&args.slot.clone().or_else(|| file.slot.clone())],
         )
@@ -152,6 +155,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                 .collect(),
             stop_lsn: row.get(13),
             skip_lsn: row.get(14),
+            last_error: row.get(15),
         });
     }
     Ok(out)
@@ -183,6 +187,9 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             .unwrap_or_default();
         let pid = s.pid.map(|p| format!(", pid {p}")).unwrap_or_default();
         crate::out!("slot {}: {}{pid}{heartbeat}", s.slot, s.state);
+        if let Some(error) = &s.last_error {
+            crate::out!("  error: {error}");
+        }
         crate::out!(
             "  applied up to {} (source commit {})",
             s.applied_lsn.as_deref().unwrap_or("-"),
@@ -211,7 +218,7 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
         crate::out!("  conflicts {}", s.conflicts);
         if let Some(stop) = &s.stop_lsn {
             crate::out!(
-                "  stopped at {stop} by `pgapply cutover`: nothing after it is applied (clear pgapply.progress.stop_lsn to replicate again)"
+                "  stopped at {stop} by `pgapply cutover`: what the source committed before it is applied (the last commit may come earlier), nothing after it (clear pgapply.progress.stop_lsn to replicate again)"
             );
         }
         if let Some(skip) = &s.skip_lsn {

@@ -290,6 +290,26 @@ async fn target_errors_definite_and_transient() {
         "failed",
         "state after a definite error"
     );
+    // `pgapply status` says what it failed with.
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "status",
+            "--target",
+            &db.target_conninfo(),
+            "--slot",
+            &db.slot(),
+        ]),
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains(": failed")
+            && text.contains("  error: ")
+            && text.contains("row refused by target trigger"),
+        "{text}{}",
+        stderr(&out)
+    );
     db.target_sql("UPDATE g SET v = v WHERE false; CREATE OR REPLACE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            IF NEW.v = 'full' AND NOT EXISTS (SELECT 1 FROM pg_class WHERE relname = 'disk_ok') THEN \
              RAISE EXCEPTION 'could not extend file' USING ERRCODE = 'disk_full'; END IF; RETURN NEW; END $$;").await;
