@@ -472,6 +472,39 @@ pub async fn cutover(
         "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target",
         started.elapsed().as_secs_f64()
     );
+    // Going back to an old primary (a cutover in the other direction): the roles an earlier
+    // cutover froze there are read-only still, and the applications would fail on it.
+    let still_frozen: Vec<String> = target
+        .query(
+            "SELECT r.rolname::text FROM pg_catalog.pg_db_role_setting s \
+             JOIN pg_catalog.pg_roles r ON r.oid = s.setrole \
+             JOIN pg_catalog.pg_database d ON d.oid = s.setdatabase AND d.datname = current_database() \
+             WHERE 'default_transaction_read_only=on' = ANY (s.setconfig) ORDER BY 1",
+            &[],
+        )
+        .await
+        .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+        .unwrap_or_default();
+    if !still_frozen.is_empty() {
+        let target_database: String = target
+            .query_one("SELECT current_database()::text", &[])
+            .await
+            .map(|r| r.get(0))
+            .unwrap_or_default();
+        crate::out!(
+            "WARNING: on the target, role(s) {} are read-only in this database (frozen by an earlier cutover, when it was the source): before the applications write there, run {}",
+            still_frozen.join(", "),
+            still_frozen
+                .iter()
+                .map(|r| format!(
+                    "BEGIN READ WRITE; ALTER ROLE {} IN DATABASE {} RESET default_transaction_read_only; COMMIT",
+                    quote_ident(r),
+                    quote_ident(&target_database)
+                ))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
     // The slot stays (a worker started again stops at the end, and it shows where the cutover
     // ended), but it holds the old primary's WAL from the end on, for as long as it exists.
     crate::out!(

@@ -2319,3 +2319,50 @@ async fn a_copy_checks_its_replication_origin_before_copying() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 100);
 }
+
+/// Back to the old primary with a cutover in the other direction: the roles the first cutover
+/// froze there are still read-only, and the summary says so, with the command that undoes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cutover_back_names_the_roles_still_frozen_there() {
+    let db = TestDb::new("cutback").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    let role = format!("app_{}", db.name);
+    db.source_sql(&format!(
+        "INSERT INTO t VALUES (1, 'old'); CREATE PUBLICATION p FOR TABLE t; CREATE ROLE {role} LOGIN;"
+    ))
+    .await;
+    copy_up_to_now(&db).await;
+    db.cutover(&["--reverse", "--freeze-writes", &role]).await;
+    db.target_sql("INSERT INTO t VALUES (2, 'new primary')")
+        .await;
+    let reverse = format!("{}_reverse", db.slot());
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "cutover",
+            "--source",
+            &db.target_conninfo(),
+            "--target",
+            &db.source_conninfo(),
+            "--publication",
+            &reverse,
+            "--slot",
+            &reverse,
+            "--timeout",
+            "60s",
+        ]),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_eq!(
+        db.count(&db.source, "SELECT count(*) FROM t WHERE id = 2")
+            .await,
+        1
+    );
+    assert!(
+        text.contains(&format!("role(s) {role} are read-only in this database"))
+            && text.contains(&format!("ALTER ROLE \"{role}\" IN DATABASE")),
+        "{text}"
+    );
+}
