@@ -299,7 +299,8 @@ async fn check_source(
         Ok(false) => report.problem("the source role lacks the REPLICATION attribute: ALTER ROLE ... REPLICATION (or use a superuser)"),
         Err(e) => report.problem(format!("source: cannot read the role's attributes (pg_roles): {e}")),
     }
-    let mut publications_exist = true;
+    // The tables of the publications that exist are still checked.
+    let mut existing: Vec<String> = Vec::new();
     for publication in &config.publications {
         match query_bool(
             src,
@@ -308,9 +309,11 @@ async fn check_source(
         )
         .await
         {
-            Ok(true) => report.ok(format!("publication {publication:?} exists")),
+            Ok(true) => {
+                existing.push(publication.clone());
+                report.ok(format!("publication {publication:?} exists"))
+            }
             Ok(false) => {
-                publications_exist = false;
                 report.problem(format!(
                     "publication {publication:?} does not exist on the source: CREATE PUBLICATION {} FOR TABLE ...",
                     quote_ident(publication)
@@ -388,11 +391,11 @@ async fn check_source(
         )),
         Err(e) => report.problem(format!("source: cannot read pg_replication_slots: {}", describe_postgres(&e))),
     }
-    if !publications_exist {
-        // (Named above; the tables of the others are not listed, as no run would start.)
+    if existing.is_empty() {
+        // (Named above.)
         return;
     }
-    match published_tables(src, &config.publications, &config.table_map).await {
+    match published_tables(src, &existing, &config.table_map).await {
         Ok(t) => *tables = t,
         Err(e) => {
             report.problem(e.to_string());
@@ -400,7 +403,7 @@ async fn check_source(
         }
     }
     if tables.is_empty() {
-        report.problem(crate::copy::no_tables_message(&config.publications));
+        report.problem(crate::copy::no_tables_message(&existing));
     }
     // Several source tables mapped onto one target table: the rows there are not told apart.
     let mut sources_of: std::collections::BTreeMap<String, Vec<String>> = Default::default();

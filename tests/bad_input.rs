@@ -92,7 +92,10 @@ async fn published_partition_missing_on_target() {
     db.target_sql("CREATE TABLE m (id int, v text)").await;
     expect_failure(
         db.pgapply("p", &[]),
-        &["table \"public\".\"m_1\" is published by the source but does not exist on the target"],
+        &[
+            "table \"public\".\"m_1\" is a partition of public.m on the source, published under its own name",
+            "map it in the config file ([tables.\"public.m_1\"] target = \"public.m\")",
+        ],
     )
     .await;
 }
