@@ -415,7 +415,7 @@ async fn check_source(
     }
     for (target, sources) in sources_of.iter().filter(|(_, s)| s.len() > 1) {
         report.warning(format!(
-            "target table {target} receives the rows of {} source tables ({}): a TRUNCATE of only some of them stops the apply (it cannot empty {target} of their rows alone), and `pgapply verify` compares each of them with all of {target}",
+            "target table {target} receives the rows of {} source tables ({}): a TRUNCATE of only some of them stops the apply (it cannot empty {target} of their rows alone); `pgapply verify` compares {target} with all of them together",
             sources.len(),
             sources.join(", ")
         ));
@@ -492,13 +492,18 @@ async fn publication_rule_problems(
     publications: &[String],
     qualified: &str,
 ) -> Vec<String> {
-    let rows = src
+    // Row filters and column lists exist from PostgreSQL 15.
+    match crate::sql::server_version(src).await {
+        Ok(v) if v >= 150000 => {}
+        _ => return Vec::new(),
+    }
+    let rows = match src
         .query(
             "WITH ri AS ( \
                SELECT c.oid, c.relreplident, \
                       CASE c.relreplident \
-                        WHEN 'd' THEN (SELECT i.indkey::int2[] FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \
-                        WHEN 'i' THEN (SELECT i.indkey::int2[] FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident) \
+                        WHEN 'd' THEN (SELECT (i.indkey::int2[])[0:i.indnkeyatts - 1] FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \
+                        WHEN 'i' THEN (SELECT (i.indkey::int2[])[0:i.indnkeyatts - 1] FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident) \
                         WHEN 'f' THEN (SELECT array_agg(a.attnum) FROM pg_catalog.pg_attribute a \
                                        WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '') \
                       END AS cols \
@@ -517,8 +522,15 @@ async fn publication_rule_problems(
             &[&qualified, &publications],
         )
         .await
-        // (Before 15 there are no row filters nor column lists: the columns do not exist.)
-        .unwrap_or_default();
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            return vec![format!(
+                "source: cannot read the publications' row filters and column lists of {qualified}: {}",
+                describe_postgres(&e)
+            )]
+        }
+    };
     let mut problems = Vec::new();
     for row in rows {
         let publication: String = row.get(0);
@@ -533,14 +545,23 @@ async fn publication_rule_problems(
             ));
         }
     }
-    let lists = src
+    let lists = match src
         .query(
             "SELECT DISTINCT array_to_string(attnames, ', ') FROM pg_catalog.pg_publication_tables \
              WHERE pubname = ANY ($1) AND format('%I.%I', schemaname, tablename)::regclass = $2::text::regclass",
             &[&publications, &qualified],
         )
         .await
-        .unwrap_or_default();
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            problems.push(format!(
+                "source: cannot read the publications' column lists of {qualified}: {}",
+                describe_postgres(&e)
+            ));
+            return problems;
+        }
+    };
     if lists.len() > 1 {
         problems.push(format!(
             "the publications publish different column lists of {qualified} ({}): the source refuses that at its first change (\"cannot use different column lists for table ... in different publications\"); give every publication the same list, or replicate them with separate slots",

@@ -527,7 +527,7 @@ pub async fn warn_tables_not_copied(
     match check.await {
         Ok(missing) if !missing.is_empty() => tracing::warn!(
             tables = %missing.join(", "),
-            "published now but not part of the initial copy (added to the publication later): their rows from before are not on the target. Copy them while pgapply runs (README: \"A table added to the publication later\"), or start over with a new slot and --copy-data --truncate-target"
+            "published now but not part of the initial copy (added to the publication later): their rows from before are not on the target. Copy them as the README says (\"A table added to the publication later\"), or start over with a new slot and --copy-data --truncate-target"
         ),
         Ok(_) => {}
         Err(e) => {

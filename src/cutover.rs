@@ -208,31 +208,37 @@ pub async fn cutover(
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     if active {
-        // The worker must also be seen answering: a stopped (hung) one keeps its last lag
-        // figures, low ones too, until the source gives up on it. Its status updates' send time
-        // (reply_time, PostgreSQL 12+; NULL before) must move while we look.
-        let mut first_reply: Option<Option<String>> = None;
+        // The worker must also be seen working: a stopped (hung) one keeps its last lag figures,
+        // low ones too, until the source gives up on it. Its heartbeat on the target (every
+        // status interval, 10 s at most) must move while we look: that needs no privilege on
+        // the source, and works on every version.
+        let heartbeat = || async {
+            target
+                .query_opt(
+                    "SELECT heartbeat_at::text FROM pgapply.progress WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map(|r| r.and_then(|r| r.get::<_, Option<String>>(0)))
+                .map_err(|e| {
+                    Error::postgres("step 1: reading the worker's heartbeat on the target", e)
+                })
+        };
+        let first_heartbeat = heartbeat().await?;
         loop {
             let (_, confirmed, current) = slot_state(&source, &slot).await?;
             let bytes = current.0.saturating_sub(confirmed.0);
             // flush_lag is NULL while the worker is idle and caught up.
-            let row = source
+            let seconds: f64 = source
                 .query_one(
-                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8, to_jsonb(r) ->> 'reply_time' \
-                     FROM pg_replication_slots s \
+                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8 FROM pg_replication_slots s \
                      LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1",
                     &[&slot],
                 )
                 .await
-                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?;
-            let (seconds, reply): (f64, Option<String>) = (row.get(0), row.get(1));
-            let answering = match &first_reply {
-                None => {
-                    first_reply = Some(reply.clone());
-                    reply.is_none()
-                }
-                Some(first) => reply.is_none() || reply != *first,
-            };
+                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?
+                .get(0);
+            let answering = heartbeat().await? != first_heartbeat;
             crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed})");
             let below = match settings.max_lag {
                 MaxLag::Bytes(max) => bytes <= max,
@@ -244,7 +250,7 @@ pub async fn cutover(
             if Instant::now() > deadline {
                 if below {
                     return Err(Error::definite(format!(
-                        "step 1: the worker streaming slot {slot:?} sent the source no status update in {} (--timeout; it sends one every status interval, 10 s by default): is it stopped or hung? See its log and pgapply status, then run the cutover again (nothing was changed yet)",
+                        "step 1: the worker streaming slot {slot:?} wrote no heartbeat on the target in {} (--timeout; it writes one every status interval, 10 s at most): is it stopped or hung? See its log and pgapply status, then run the cutover again (nothing was changed yet)",
                         humantime::format_duration(settings.timeout)
                     )));
                 }
@@ -591,7 +597,8 @@ async fn drain(
     let fence = || async {
         target
             .execute(
-                "UPDATE pgapply.progress SET stop_lsn = $2::text::pg_lsn WHERE slot_name = $1",
+                // (A cutover that finished before is not this one: it is done when this one is.)
+                "UPDATE pgapply.progress SET stop_lsn = $2::text::pg_lsn, cutover_done_at = NULL WHERE slot_name = $1",
                 &[slot, &end.to_string()],
             )
             .await

@@ -505,7 +505,20 @@ async fn run_in_span(
         if copy_status == CopyStatus::Incomplete {
             copy::reset_interrupted(&setup, &config.slot, &config.table_map).await?;
         }
-        store.probe_origin(&setup).await?;
+        // Each apply worker binds an origin of its own, all at once: as many free origin states.
+        let mut probes = Vec::new();
+        for index in 0..config.apply_workers.max(1) {
+            let client = target_connection(&pool, &config.target).await?;
+            let worker = match index {
+                0 => store.clone(),
+                _ => store.for_worker(&client, index).await?,
+            };
+            worker.probe_origin(&client).await?;
+            probes.push((client, worker));
+        }
+        for (client, worker) in probes {
+            worker.release_origin(&client).await?;
+        }
         let plan = copy::plan_copy(
             &config.source,
             &pool,
@@ -745,8 +758,8 @@ async fn run_in_span(
             None => {
                 // The user's id in the name: another user's directory of the same slot name
                 // (private to them) would otherwise stop this run.
-                // SAFETY: getuid has no preconditions and cannot fail.
-                let uid = unsafe { libc::getuid() };
+                // SAFETY: geteuid has no preconditions and cannot fail.
+                let uid = unsafe { libc::geteuid() };
                 let dir = std::env::temp_dir().join(format!("pgapply-spool-{uid}-{}", config.slot));
                 crate::apply::spool::private_dir(&dir)?;
                 dir

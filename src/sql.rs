@@ -21,7 +21,6 @@ pub fn qualified_name(schema: &str, table: &str) -> String {
     format!("{}.{}", quote_ident(schema), quote_ident(table))
 }
 
-/// SQL for a type's name as `format_type` gives it, schema-qualified unless the type is
 /// SQL: whether a column type's binary form holds OIDs of the cluster it comes from, which mean
 /// nothing (or something else) in another one: a type not built in (an enum, a domain, a
 /// composite; or an array of one), or an OID alias type (regclass, regtype, regproc ... and their
@@ -30,6 +29,7 @@ pub fn cluster_specific_type_sql(type_oid: &str) -> String {
     format!("({type_oid} >= 10000 OR pg_catalog.format_type({type_oid}, NULL) LIKE 'reg%')")
 }
 
+/// SQL for a type's name as `format_type` gives it, schema-qualified unless the type is
 /// pg_catalog's: `format_type` leaves out the schema of a type the session's search_path finds,
 /// and the name is compared with the other server's, whose search_path may differ. (An array is
 /// named after its element: the element's schema decides.)

@@ -93,7 +93,7 @@ async fn published_partition_missing_on_target() {
     expect_failure(
         db.pgapply("p", &[]),
         &[
-            "table \"public\".\"m_1\" is a partition of public.m on the source, published under its own name",
+            "table public.m_1 is a partition of public.m on the source, published under its own name",
             "map it in the config file ([tables.\"public.m_1\"] target = \"public.m\")",
         ],
     )

@@ -1871,6 +1871,7 @@ async fn cutover_names_a_table_the_source_role_may_not_read() {
         0,
         "the role was frozen"
     );
+    db.target_sql(&format!("DROP DATABASE {other}")).await;
 }
 
 /// A new slot's run says "starting" in `pgapply status` until its first status update (here it
@@ -2230,6 +2231,21 @@ async fn cutover_does_not_trust_a_worker_that_stopped_answering() {
     })
     .await;
     common::signal(&worker, libc::SIGSTOP);
+    // Nothing of it still under way on the target (a heartbeat sent just before the stop).
+    wait_for(
+        "the stopped worker's target sessions to be idle",
+        30,
+        || async {
+            db.count(
+                &db.target,
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgapply' \
+             AND datname = current_database() AND state <> 'idle'",
+            )
+            .await
+                == 0
+        },
+    )
+    .await;
     let slot = db.slot();
     let out = run_with_deadline(
         db.on_both(
@@ -2244,7 +2260,7 @@ async fn cutover_does_not_trust_a_worker_that_stopped_answering() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("sent the source no status update in 4s")
+        err.contains("wrote no heartbeat on the target in 4s")
             && err.contains("nothing was changed yet"),
         "{err}"
     );

@@ -779,7 +779,7 @@ impl Applier {
                 if first {
                     tracing::warn!(
                         table = %entry.display_name(),
-                        "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. Copy them while pgapply runs (README: \"A table added to the publication later\"), or start over with a new slot and --copy-data --truncate-target"
+                        "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. Copy them as the README says (\"A table added to the publication later\"), or start over with a new slot and --copy-data --truncate-target"
                     );
                 }
             }

@@ -547,11 +547,19 @@ impl ProgressStore {
         Ok(lsn.is_valid().then_some(lsn))
     }
 
-    /// Before an initial copy: that the apply session will be able to bind to the origin (the
-    /// target has a free origin state), so that this is not found out only after hours of copying.
+    /// Before an initial copy: binds `client`'s session to the origin, as the apply session will
+    /// (the target has a free origin state), so that a shortage is not found out only after
+    /// hours of copying. `release_origin` ends it.
     pub async fn probe_origin(&self, client: &Client) -> Result<()> {
         if let ProgressMode::Origin { name } = &self.mode {
             bind_origin(client, name).await?;
+        }
+        Ok(())
+    }
+
+    /// Ends what `probe_origin` began.
+    pub async fn release_origin(&self, client: &Client) -> Result<()> {
+        if let ProgressMode::Origin { .. } = &self.mode {
             client
                 .execute(
                     "SELECT pg_catalog.pg_replication_origin_session_reset()",

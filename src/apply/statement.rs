@@ -329,7 +329,10 @@ fn row_filter(
                     // binary values (--binary) are read correctly, and both sides print alike
                     // (time zone, a json's or a point's own form) whatever the source's settings.
                     let ty = target.map_or("text", |t| t.type_name.as_str());
-                    conditions.push(format!("{column}::text = (${}::{ty})::text", next()));
+                    conditions.push(format!(
+                        "{column}::text COLLATE \"C\" = (${}::{ty})::text COLLATE \"C\"",
+                        next()
+                    ));
                 } else if let Some(t) = target {
                     // `=` finds the candidates (an index may serve it); the text form then tells
                     // apart values that `=` calls equal but that differ (1.0 and 1.00, 0 and -0,
@@ -337,8 +340,10 @@ fn row_filter(
                     // another that only compares equal. The cast names the type: a composite's
                     // parameter would otherwise be an anonymous record, which has no input.
                     let (n, ty) = (next(), &t.type_name);
+                    // ("C": a nondeterministic collation of the column would call 'A' and 'a' equal
+                    // in the text form too.)
                     conditions.push(format!(
-                        "{column} = ${n}::{ty} AND {column}::text = (${n}::{ty})::text"
+                        "{column} = ${n}::{ty} AND {column}::text COLLATE \"C\" = (${n}::{ty})::text COLLATE \"C\""
                     ));
                 } else {
                     conditions.push(format!("{column} = ${}", next()));

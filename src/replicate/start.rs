@@ -239,26 +239,48 @@ pub(super) async fn target_tables_exist(
         .collect();
     let partitions = source
         .query(
-            "SELECT s, pg_catalog.format('%I.%I', pn.nspname, p.relname) \
+            // (The root: partitions may be partitioned again.)
+            "SELECT pg_catalog.format('%I.%I', cn.nspname, c.relname), pg_catalog.format('%I.%I', pn.nspname, p.relname), \
+                    pg_catalog.current_setting('server_version_num')::int >= 130000 \
              FROM unnest($1::text[]) s \
              JOIN pg_catalog.pg_class c ON c.oid = s::pg_catalog.regclass AND c.relispartition \
-             JOIN pg_catalog.pg_inherits i ON i.inhrelid = c.oid \
-             JOIN pg_catalog.pg_class p ON p.oid = i.inhparent \
+             JOIN pg_catalog.pg_namespace cn ON cn.oid = c.relnamespace \
+             CROSS JOIN LATERAL ( \
+               WITH RECURSIVE up(rel) AS ( \
+                 SELECT c.oid UNION ALL \
+                 SELECT i.inhparent FROM pg_catalog.pg_inherits i JOIN up ON i.inhrelid = up.rel) \
+               SELECT u.rel FROM up u \
+               WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i2 WHERE i2.inhrelid = u.rel)) root \
+             JOIN pg_catalog.pg_class p ON p.oid = root.rel \
              JOIN pg_catalog.pg_namespace pn ON pn.oid = p.relnamespace",
             &[&missing_sources],
         )
         .await
         .map_err(|e| Error::postgres("looking up partitions on the source", e))?;
     if let Some(row) = partitions.first() {
-        let (partition, parent): (String, String) = (row.get(0), row.get(1));
+        let (partition, root, via_root): (String, String, bool) =
+            (row.get(0), row.get(1), row.get(2));
+        // As a TOML key or value (quoted names keep their quotes, escaped).
+        let toml = |name: &str| name.replace('\\', "\\\\").replace('"', "\\\"");
         return Err(Error::definite(format!(
-            "table {partition} is a partition of {parent} on the source, published under its own name (publish_via_partition_root = false, or the publication lists the partition), and the target has no table of that name{}: to apply its rows to the target's {parent}, publish it through its root (ALTER PUBLICATION ... SET (publish_via_partition_root = true)) or map it in the config file ([tables.\"{}\"] target = \"{parent}\"); or create it on the target; then start pgapply again",
+            "table {partition} is a partition of {root} on the source, published under its own name ({}), and the target has no table of that name{}: to apply its rows to the target's {root}, {}map it in the config file ([tables.\"{}\"] target = \"{}\"); or create it on the target; then start pgapply again",
+            if via_root {
+                "publish_via_partition_root = false, or the publication lists the partition"
+            } else {
+                "PostgreSQL before 13 publishes partitions so"
+            },
             if partitions.len() > 1 {
                 format!(" ({} partitions in all)", partitions.len())
             } else {
                 String::new()
             },
-            partition.replace('"', "")
+            if via_root {
+                "publish it through its root (ALTER PUBLICATION ... SET (publish_via_partition_root = true)) or "
+            } else {
+                ""
+            },
+            toml(&partition),
+            toml(&root)
         )));
     }
     match missing.as_slice() {

@@ -180,7 +180,7 @@ fn stream_error_hint(e: &ServerError) -> Option<&'static str> {
             "if the publication exists now (dropped and created again, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot (--create-slot --copy-data --truncate-target), or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance(slot, pg_current_wal_lsn()) on the source, with pgapply stopped)",
         ),
         "22021" => Some(
-            "the source sent text that is not valid in its own encoding, so it cannot be converted to UTF-8 (a SQL_ASCII database with bytes above 127?): fix those values on the source, or use a database encoding that says what the bytes are",
+            "the source has text that cannot be converted to UTF-8 (in a SQL_ASCII database, bytes above 127 have no known encoding): fix those values on the source, or move the data to a database whose encoding says what the bytes are",
         ),
         _ => None,
     }

@@ -454,7 +454,7 @@ impl Applier {
                 continue;
             }
             return Err(Error::definite(format!(
-                "source table {} was truncated, but target table {} also holds the rows of source table{} {} (mapped onto it under [tables] in the config file), which a TRUNCATE there would remove too: nothing of this transaction was applied. Delete the rows that came from {} on the target yourself (for a partition: the rows within its bounds on the source), then skip this transaction: {}",
+                "source table {} was truncated, but target table {} also holds the rows of source table{} {} (mapped onto it under [tables] in the config file), which a TRUNCATE there would remove too: nothing of this transaction was applied. Delete the rows that came from {} on the target yourself (for a partition: the rows within its bounds on the source), then skip this transaction, which drops all of its changes (apply its other changes by hand, if it has any): {}",
                 entry.display_name(),
                 entry.target.qualified,
                 if others.len() == 1 { "" } else { "s" },
