@@ -250,6 +250,19 @@ async fn check_source(
     tables: &mut Vec<crate::copy::PublishedTable>,
     truncated: &mut Vec<bool>,
 ) {
+    if let (Some(dst), Ok(Some(row))) = (
+        dst,
+        src.query_opt(
+            "SELECT system_identifier::text, current_database()::text FROM pg_catalog.pg_control_system()",
+            &[],
+        )
+        .await,
+    ) {
+        let (system_id, database): (String, String) = (row.get(0), row.get(1));
+        if let Err(e) = crate::replicate::refuse_same_database(dst, &system_id, &database).await {
+            report.problem(e.to_string());
+        }
+    }
     if let Ok(row) = src
         .query_one(
             "SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'wal_sender_timeout'",

@@ -41,6 +41,7 @@ mod start;
 pub use heartbeat::HEARTBEAT_MAX_EVERY;
 use heartbeat::*;
 use reader::*;
+pub use start::refuse_same_database;
 use start::*;
 
 #[derive(Debug, Clone)]
@@ -399,6 +400,7 @@ async fn run_in_span(
     let mut session =
         session.map_err(|e| e.context(format!("source {}", conninfo::describe(&config.source))))?;
     let identity = session.identify_system().await?;
+    refuse_same_database(&setup, &identity.system_id, &identity.database).await?;
     session.check_publications(&config.publications).await?;
     let wal_sender_timeout_ms = session.wal_sender_timeout_ms().await?;
     let config = match status_interval_problem(config.status_interval, wal_sender_timeout_ms) {

@@ -1177,3 +1177,47 @@ async fn a_publication_created_again_says_why_the_source_stops() {
         "{err}"
     );
 }
+
+/// The source's own database as the target: every applied change would be published again and
+/// applied once more, without end. Refused by `check` and `run`, before anything is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_database_as_the_target_is_refused() {
+    let db = TestDb::new("selfloop").await;
+    db.source_sql("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let source = db.source_conninfo();
+    let slot = db.slot();
+    let mut check = common::pgapply_command(&[
+        "check",
+        "--source",
+        &source,
+        "--target",
+        &source,
+        "--publication",
+        "p",
+        "--slot",
+        &slot,
+        "--create-slot",
+    ]);
+    check.env_remove("PGAPPLY_TARGET");
+    let out = run_with_deadline(check, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("--target is the source's own database"),
+        "{text}"
+    );
+    let out = run_with_deadline(
+        db.pgapply_via(&source, &source, &slot, "p", &["--create-slot"]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--target is the source's own database"),
+        "{err}"
+    );
+    assert_eq!(db.count(&db.source, "SELECT count(*) FROM t").await, 1);
+}

@@ -196,6 +196,30 @@ impl ApplyStart {
     }
 }
 
+/// The target must not be the source's own database: every change applied there would be
+/// published again and applied once more, without end. (Another database of the same cluster
+/// is fine.) Not known when the target role may not read the control data: then not checked.
+pub async fn refuse_same_database(
+    target: &tokio_postgres::Client,
+    system_id: &str,
+    database: &str,
+) -> Result<()> {
+    let row = target
+        .query_opt(
+            "SELECT system_identifier::text, current_database()::text FROM pg_catalog.pg_control_system()",
+            &[],
+        )
+        .await;
+    if let Ok(Some(row)) = row {
+        if row.get::<_, String>(0) == system_id && row.get::<_, String>(1) == database {
+            return Err(Error::definite(format!(
+                "--target is the source's own database {database:?} (the same cluster: system identifier {system_id}): every change applied there would be published again and applied once more, without end; point --target at another database or cluster"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Every published table must exist on the target. Checked at the start, a missing one is named
 /// at once, not at its first change (which may come hours later). Returns the target tables
 /// that several published tables are mapped onto (`ApplierOptions::shared_targets`).
