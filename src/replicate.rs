@@ -773,7 +773,12 @@ async fn run_in_span(
         binary_values: negotiated.binary,
     };
     let applied_at_end = applied_tx.subscribe();
-    let apply = ApplyStart::prepare(&config, &pool, &store, resume, applied_tx, options).await?;
+    // (It may wait for a previous session of the slot to end: a stop asked meanwhile ends it.)
+    let preparing = ApplyStart::prepare(&config, &pool, &store, resume, applied_tx, options);
+    let Some(apply) = unless_stopped(&mut shutdown, preparing).await else {
+        return Ok(stopped());
+    };
+    let apply = apply?;
     let mut stream = session
         .start(&config.slot, resume, &negotiated, &config.publications)
         .await?;

@@ -257,7 +257,27 @@ pub async fn schema(
             conninfo::describe(target_config)
         ))
     })?;
-    // Schemas that already exist on the target (public) are fine.
+    // Schemas that already exist on the target (public) are fine, and their comments are the
+    // target's own (a COMMENT ON SCHEMA public needs its owner, which the target role rarely is).
+    let existing: Vec<String> = target
+        .query(
+            "SELECT pg_catalog.quote_ident(nspname) FROM pg_catalog.pg_namespace",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the target's schemas", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let sql = sql
+        .lines()
+        .filter(|l| {
+            l.strip_prefix("COMMENT ON SCHEMA ")
+                .and_then(|rest| rest.split(" IS ").next())
+                .is_none_or(|name| !existing.iter().any(|e| e == name))
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
     let sql = sql.replace("CREATE SCHEMA ", "CREATE SCHEMA IF NOT EXISTS ");
     let known: Vec<String> = target
         .query("SELECT name FROM pg_catalog.pg_settings", &[])

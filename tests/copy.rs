@@ -2382,3 +2382,53 @@ async fn a_cutover_back_names_the_roles_still_frozen_there() {
         "{text}"
     );
 }
+
+/// `pgapply schema` as a target role that does not own schema public: the dump's comment on it
+/// (the target's own business) is left out, not refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_as_a_role_that_does_not_own_public() {
+    if !pg_dump_usable() {
+        return;
+    }
+    let db = TestDb::new("schemarole").await;
+    db.source_sql(
+        "COMMENT ON SCHEMA public IS 'commented on the source'; \
+         CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE t;",
+    )
+    .await;
+    let user = format!("owner_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {user} LOGIN PASSWORD 'schema-secret'; GRANT CREATE ON DATABASE {} TO {user}; \
+         GRANT CREATE ON SCHEMA public TO {user};",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={user} password=schema-secret dbname={}",
+        db.target_port, db.name
+    );
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "schema",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--section",
+            "pre-data",
+        ]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_class WHERE relname = 't'"
+        )
+        .await,
+        1
+    );
+}

@@ -161,6 +161,13 @@ impl std::error::Error for ServerError {}
 
 impl ServerError {
     fn into_error(self, context: &str) -> Error {
+        // No walsender at all is a setting, not a passing shortage: retrying cannot help.
+        if self.code == "53300" && self.message.contains("max_wal_senders (currently 0)") {
+            let message = format!(
+                "{context}: {self}: the source allows no replication connections: set max_wal_senders above 0 (and wal_level = logical) in its postgresql.conf and restart it"
+            );
+            return Error::definite(message).with_source(self);
+        }
         let transient = crate::error::is_transient_sqlstate(&self.code);
         let message = format!("{context}: {self}");
         let err = if transient {
