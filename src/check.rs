@@ -340,6 +340,7 @@ async fn check_source(
     match src
         .query_opt(
             "SELECT plugin::text, database::text = current_database(), active_pid, \
+                    coalesce(database::text, ''), \
                     coalesce(to_jsonb(s) ->> 'wal_status', '') = 'lost' OR coalesce(to_jsonb(s) ->> 'invalidation_reason', '') <> '' \
              FROM pg_replication_slots s WHERE slot_name = $1",
             &[&config.slot],
@@ -350,16 +351,33 @@ async fn check_source(
             let plugin: Option<String> = row.get(0);
             let same_db: Option<bool> = row.get(1);
             let active_pid: Option<i32> = row.get(2);
-            let lost: Option<bool> = row.get(3);
+            let lost: Option<bool> = row.get(4);
+            let slot_db: String = row.get(3);
+            let drop = format!(
+                "SELECT pg_drop_replication_slot({}) on the source if nothing else uses it, or give another --slot",
+                crate::sql::quote_literal(&config.slot)
+            );
             if lost == Some(true) {
                 report.problem(format!(
                     "slot {:?} was invalidated (the source removed WAL it needed): drop it and start over with --copy-data --truncate-target",
                     config.slot
                 ));
             } else if plugin.as_deref() != Some("pgoutput") {
-                report.problem(format!("slot {:?} uses plugin {:?}; pgapply needs pgoutput", config.slot, plugin));
+                report.problem(match plugin {
+                    Some(plugin) => format!(
+                        "slot {:?} is a logical slot of plugin {plugin:?}; pgapply needs one of pgoutput: {drop}",
+                        config.slot
+                    ),
+                    None => format!(
+                        "slot {:?} is a physical slot; pgapply needs a logical one of pgoutput: {drop}",
+                        config.slot
+                    ),
+                });
             } else if same_db != Some(true) {
-                report.problem(format!("slot {:?} belongs to another database than the source connection", config.slot));
+                report.problem(format!(
+                    "slot {:?} belongs to database {slot_db:?}, not the source connection's: connect --source to dbname={slot_db}, or give another --slot",
+                    config.slot
+                ));
             } else if let Some(pid) = active_pid {
                 // The worker this check describes, running: its heartbeat on the target is
                 // fresh, and the target's progress is from this source.
@@ -630,13 +648,19 @@ async fn check_target(
 ) {
     let can_create = query_bool(
         dst,
-        "SELECT has_database_privilege(current_database(), 'CREATE') OR EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'pgapply' AND has_schema_privilege(oid, 'CREATE'))",
+        // (A schema pgapply that exists already is what counts then: another role's may refuse.)
+        "SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'pgapply') \
+                     THEN (SELECT has_schema_privilege(oid, 'CREATE') AND has_schema_privilege(oid, 'USAGE') \
+                                  AND NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relkind = 'r' \
+                                                  AND NOT has_table_privilege(c.oid, 'SELECT, INSERT, UPDATE, DELETE')) \
+                           FROM pg_namespace n WHERE nspname = 'pgapply') \
+                     ELSE has_database_privilege(current_database(), 'CREATE') END",
         &[],
     )
     .await;
     match can_create {
         Ok(true) => report.ok("target role may keep pgapply's state (schema pgapply)"),
-        Ok(false) => report.problem("the target role may not create schema pgapply: GRANT CREATE ON DATABASE ... TO ..., or create the schema for it"),
+        Ok(false) => report.problem("the target role may not create schema pgapply, or may not use the one there (made by another role): GRANT CREATE ON DATABASE ... TO it, or have the owner of schema pgapply grant it USAGE and CREATE on the schema and SELECT, INSERT, UPDATE, DELETE on its tables (or drop it if no other pgapply uses it)"),
         Err(e) => report.problem(format!("target: cannot read the role's privileges: {e}")),
     }
     for (i, table) in tables.iter().enumerate() {

@@ -1221,3 +1221,53 @@ async fn the_source_database_as_the_target_is_refused() {
     );
     assert_eq!(db.count(&db.source, "SELECT count(*) FROM t").await, 1);
 }
+
+/// `check` names a slot that is not a logical pgoutput one with the way out, and a schema
+/// pgapply made by another role that the target role may not use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_a_physical_slot_and_another_roles_schema() {
+    let db = TestDb::new("checkslotkind").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql(&format!(
+        "CREATE PUBLICATION p FOR TABLE t; SELECT pg_create_physical_replication_slot('{}')",
+        db.slot()
+    ))
+    .await;
+    let user = format!("chk_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE SCHEMA pgapply; CREATE TABLE pgapply.progress (slot_name text); \
+         CREATE ROLE {user} LOGIN PASSWORD 'chk-secret'; GRANT CREATE ON DATABASE {} TO {user}; \
+         GRANT ALL ON t TO {user};",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={user} password=chk-secret dbname={}",
+        db.target_port, db.name
+    );
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "check",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+        ]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    for expected in [
+        "is a physical slot; pgapply needs a logical one of pgoutput: SELECT pg_drop_replication_slot(",
+        "may not use the one there (made by another role)",
+    ] {
+        assert!(text.contains(expected), "{expected:?} not in:\n{text}");
+    }
+    db.source_sql(&format!("SELECT pg_drop_replication_slot('{}')", db.slot()))
+        .await;
+}
