@@ -265,6 +265,17 @@ async fn check_source(
     }
     if let Ok(row) = src
         .query_one(
+            "SELECT pg_catalog.pg_is_in_recovery(), current_setting('server_version_num')::int",
+            &[],
+        )
+        .await
+    {
+        if row.get::<_, bool>(0) && row.get::<_, i32>(1) < 160000 {
+            report.problem("the source is a standby (in recovery), where PostgreSQL before 16 cannot decode changes: point --source at the primary");
+        }
+    }
+    if let Ok(row) = src
+        .query_one(
             "SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'wal_sender_timeout'",
             &[],
         )
@@ -435,6 +446,9 @@ async fn check_source(
     }
     if tables.is_empty() {
         report.problem(crate::copy::no_tables_message(&existing));
+    }
+    for problem in crate::replicate::unmatched_table_settings(config, tables) {
+        report.warning(problem);
     }
     // Several source tables mapped onto one target table: the rows there are not told apart.
     let mut sources_of: std::collections::BTreeMap<String, Vec<String>> = Default::default();

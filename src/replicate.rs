@@ -41,8 +41,8 @@ mod start;
 pub use heartbeat::HEARTBEAT_MAX_EVERY;
 use heartbeat::*;
 use reader::*;
-pub use start::refuse_same_database;
 use start::*;
+pub use start::{refuse_same_database, unmatched_table_settings};
 
 #[derive(Debug, Clone)]
 pub struct RunConfig {

@@ -1132,8 +1132,25 @@ async fn check_names_publication_rules_the_source_would_refuse() {
          CREATE PUBLICATION q FOR TABLE two (id, y);",
     )
     .await;
+    // A conflict policy for a table that is not published (a misspelt name): said.
+    let config = std::env::temp_dir().join(format!("pgapply-{}.toml", db.name));
+    std::fs::write(
+        &config,
+        "[tables.\"public.F\".conflicts]\ninsert_exists = \"skip\"\n",
+    )
+    .unwrap();
     let out = run_with_deadline(
-        db.on_both("check", &["--slot", &db.slot(), "--publication", "p,q"]),
+        db.on_both(
+            "check",
+            &[
+                "--slot",
+                &db.slot(),
+                "--publication",
+                "p,q",
+                "--config",
+                config.to_str().unwrap(),
+            ],
+        ),
         60,
     )
     .await;
@@ -1144,6 +1161,7 @@ async fn check_names_publication_rules_the_source_would_refuse() {
         "the column list of publication \"p\" on \"public\".\"c\" leaves out replica identity column(s) id",
         "the publications publish different column lists of \"public\".\"two\" ((id, x) and (id, y))",
         "WARNING  column \"d\" of \"public\".\"g\" is generated on the source, which does not publish its values",
+        "WARNING  the config file's [tables.\"public.F\"] names no table the publications publish",
     ] {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }

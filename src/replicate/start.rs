@@ -220,6 +220,31 @@ pub async fn refuse_same_database(
     Ok(())
 }
 
+/// Entries of the config file's `[tables]` (renames, conflict policies) that name no published
+/// table: a misspelt name would otherwise be ignored without a word.
+pub fn unmatched_table_settings(
+    config: &RunConfig,
+    tables: &[copy::PublishedTable],
+) -> Vec<String> {
+    let published =
+        |key: &(String, String)| tables.iter().any(|t| t.schema == key.0 && t.name == key.1);
+    let mut keys: Vec<&(String, String)> = config
+        .table_map
+        .keys()
+        .chain(config.policies.tables.keys())
+        .filter(|k| !published(k))
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys.iter()
+        .map(|(schema, name)| {
+            format!(
+                "the config file's [tables.\"{schema}.{name}\"] names no table the publications publish (names are case-sensitive): its settings are not used; check the name against the source's tables"
+            )
+        })
+        .collect()
+}
+
 /// Every published table must exist on the target. Checked at the start, a missing one is named
 /// at once, not at its first change (which may come hours later). Returns the target tables
 /// that several published tables are mapped onto (`ApplierOptions::shared_targets`).
@@ -231,6 +256,15 @@ pub(super) async fn target_tables_exist(
         .await
         .map_err(|e| e.into_error("connecting to the source"))?;
     let tables = copy::published_tables(&source, &config.publications, &config.table_map).await?;
+    if tables.is_empty() {
+        tracing::warn!(
+            "{}: nothing is replicated until tables are added to it",
+            copy::no_tables_message(&config.publications)
+        );
+    }
+    for problem in unmatched_table_settings(config, &tables) {
+        tracing::warn!("{problem}");
+    }
     // (A partition listed beside its partitioned root, whose changes come as the root's, is not
     // in the list: `published_tables` leaves it out. Those left come under their own names.)
     let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();

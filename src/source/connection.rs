@@ -168,6 +168,12 @@ impl ServerError {
             );
             return Error::definite(message).with_source(self);
         }
+        if self.code == "0A000" && self.message.contains("while in recovery") {
+            let message = format!(
+                "{context}: {self}: the source is a standby, where PostgreSQL before 16 cannot decode changes: point --source at the primary"
+            );
+            return Error::definite(message).with_source(self);
+        }
         let transient = crate::error::is_transient_sqlstate(&self.code);
         let message = format!("{context}: {self}");
         let err = if transient {
