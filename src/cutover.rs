@@ -162,6 +162,32 @@ pub async fn cutover(
         sequence_problems(&source, &target, &sequences, settings.all_sequences).await?;
     problems.extend(freeze_problems(&source, &settings.freeze_roles).await?);
     problems.extend(read_problems(&source, &target, &run_config).await?);
+    // The worker's publications decide what it applied: a cutover of others would verify and
+    // carry sequences over for the wrong tables, and call it done.
+    let recorded: Option<Vec<String>> = target
+        .query_opt(
+            "SELECT publications FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+        .and_then(|r| r.get(0));
+    if let Some(recorded) = recorded {
+        let sorted = |list: &[String]| {
+            let mut l = list.to_vec();
+            l.sort();
+            l.dedup();
+            l
+        };
+        if sorted(&recorded) != sorted(&run_config.publications) {
+            problems.push(format!(
+                "slot {slot:?} replicates publication(s) {}, not {}: give the cutover the worker's --publication {}",
+                recorded.join(", "),
+                run_config.publications.join(", "),
+                recorded.join(",")
+            ));
+        }
+    }
     if settings.reverse && run_config.slot.len() + "_reverse".len() > 63 {
         problems.push(format!(
             "--reverse names its slot and publication {:?}, longer than PostgreSQL's 63 characters: use a --slot of at most 55",

@@ -76,6 +76,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "last_error",
         include_str!("../migrations/0014_last_error.sql"),
     ),
+    (
+        15,
+        "publications",
+        include_str!("../migrations/0015_publications.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

@@ -2432,3 +2432,52 @@ async fn schema_as_a_role_that_does_not_own_public() {
         1
     );
 }
+
+/// The publications a slot's worker replicates are recorded: a cutover given others is refused
+/// (it would verify the wrong tables and call the migration done), and a run given others says
+/// which way it changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_publications_than_the_slots_are_named() {
+    let db = TestDb::new("otherpub").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE u (id int PRIMARY KEY)")
+        .await;
+    db.source_sql(
+        "INSERT INTO t VALUES (1); CREATE PUBLICATION p FOR TABLE t; CREATE PUBLICATION q FOR TABLE u;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    let slot = db.slot();
+    let mut cutover = common::pgapply_command(&[
+        "cutover",
+        "--source",
+        &db.source_conninfo(),
+        "--target",
+        &db.target_conninfo(),
+        "--publication",
+        "q",
+        "--slot",
+        &slot,
+        "--timeout",
+        "30s",
+    ]);
+    cutover.env_remove("PGAPPLY_PUBLICATION");
+    let out = run_with_deadline(cutover, 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "replicates publication(s) p, not q: give the cutover the worker's --publication p"
+        ) && err.contains("nothing was done"),
+        "{err}"
+    );
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("q", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("this slot was replicated with other publications until now")
+            && err.contains("give --publication p"),
+        "{err}"
+    );
+}

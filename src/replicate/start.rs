@@ -220,6 +220,48 @@ pub async fn refuse_same_database(
     Ok(())
 }
 
+/// Records the publications this run replicates for the slot; says so when the slot's previous
+/// run gave others (a typo would otherwise leave tables out, and move the slot past their
+/// changes, without a word).
+pub(super) async fn record_publications(
+    target: &tokio_postgres::Client,
+    slot: &str,
+    publications: &[String],
+) -> Result<()> {
+    let context = |e| Error::postgres("recording the slot's publications on the target", e);
+    let previous: Option<Vec<String>> = target
+        .query_opt(
+            "SELECT publications FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?
+        .and_then(|r| r.get(0));
+    let sorted = |list: &[String]| {
+        let mut l = list.to_vec();
+        l.sort();
+        l.dedup();
+        l
+    };
+    if let Some(previous) = previous.filter(|p| sorted(p) != sorted(publications)) {
+        tracing::warn!(
+            slot,
+            before = %previous.join(","),
+            now = %publications.join(","),
+            "this slot was replicated with other publications until now: tables only those published are not applied by this run, and the slot moves past their changes; if that is a mistake, stop pgapply and give --publication {}",
+            previous.join(",")
+        );
+    }
+    target
+        .execute(
+            "UPDATE pgapply.progress SET publications = $2 WHERE slot_name = $1",
+            &[&slot, &publications],
+        )
+        .await
+        .map_err(context)?;
+    Ok(())
+}
+
 /// Entries of the config file's `[tables]` (renames, conflict policies) that name no published
 /// table: a misspelt name would otherwise be ignored without a word.
 pub fn unmatched_table_settings(
