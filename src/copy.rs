@@ -173,9 +173,9 @@ pub async fn published_tables(
     }
     let version = crate::sql::server_version(source).await.map_err(context)?;
     let sql = if version >= 150000 {
-        "SELECT schemaname::text, tablename::text, attnames::text[], rowfilter FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1)"
+        "SELECT schemaname::text, tablename::text, attnames::text[], rowfilter FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1) AND schemaname <> 'pgapply'"
     } else {
-        "SELECT schemaname::text, tablename::text, NULL::text[], NULL::text FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1)"
+        "SELECT schemaname::text, tablename::text, NULL::text[], NULL::text FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1) AND schemaname <> 'pgapply'"
     };
     let rows = source.query(sql, &[&publications]).await.map_err(context)?;
     // One table may be in several publications: columns are the union, filters are ORed, and

@@ -1274,3 +1274,47 @@ async fn a_trigger_that_reads_another_table_sees_the_updates_before_it() {
     assert_eq!(seen, vec![100, 110, 111], "the balances the trigger saw");
     db.assert_same("acct").await;
 }
+
+/// A source that holds a pgapply schema of its own (it was a target once, say for the way back
+/// after a cutover), published FOR ALL TABLES: that state is neither copied nor applied over
+/// this target's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sources_own_pgapply_schema_is_not_replicated() {
+    let db = TestDb::new("ownstate").await;
+    db.source_sql(
+        "CREATE SCHEMA pgapply; CREATE TABLE pgapply.progress (slot_name text PRIMARY KEY, lsn text); \
+         INSERT INTO pgapply.progress VALUES ('from_the_source', '0/1'); \
+         CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1); \
+         CREATE PUBLICATION p FOR ALL TABLES;",
+    )
+    .await;
+    db.target_sql("CREATE TABLE t (id int PRIMARY KEY)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql(
+        "INSERT INTO pgapply.progress VALUES ('later', '0/2'); UPDATE pgapply.progress SET lsn = '0/3'; \
+         TRUNCATE pgapply.progress; INSERT INTO t VALUES (2);",
+    )
+    .await;
+    db.sync("p").await;
+    db.assert_same("t").await;
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE slot_name IN ('from_the_source', 'later')"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM pgapply.progress")
+            .await,
+        1,
+        "this target's own progress row"
+    );
+}

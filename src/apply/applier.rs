@@ -453,6 +453,9 @@ pub struct Applier {
     binary_values: bool,
     /// `ApplierOptions::shared_targets`.
     shared_targets: Arc<SharedTargets>,
+    /// Source relations of schema pgapply (a source that was a target once, published FOR ALL
+    /// TABLES): pgapply's own state there, never applied over this target's.
+    own_state: HashSet<Oid>,
     policies: Arc<PolicyMap>,
     policy_updates: Option<watch::Receiver<Arc<PolicyMap>>>,
     /// The commit LSN of a transaction to skip on purpose (`pgapply skip`).
@@ -558,6 +561,10 @@ pub struct ApplierOptions {
 /// Target table (quoted, qualified) -> the published source tables mapped onto it, when more
 /// than one is.
 pub type SharedTargets = HashMap<String, Vec<(String, String)>>;
+
+/// The schema of pgapply's own state: left out of what is replicated, on either side (a source
+/// that was a target once has it, and a FOR ALL TABLES publication would publish it).
+pub const OWN_SCHEMA: &str = "pgapply";
 
 /// Tables (slot, relation) already named by `Applier::entry` in this process: parallel workers
 /// and retries share it.
@@ -735,6 +742,7 @@ impl Applier {
             log_messages: options.log_messages,
             binary_values: options.binary_values,
             shared_targets: options.shared_targets,
+            own_state: HashSet::new(),
             policies: options.policies,
             policy_updates: options.policy_updates,
             skip_lsn: options.skip_lsn,
@@ -1027,6 +1035,22 @@ impl Applier {
         match message {
             LogicalMessage::Begin(b) => self.begin(b),
             LogicalMessage::Commit(c) => self.on_commit(c),
+            LogicalMessage::Relation(r) if r.namespace == OWN_SCHEMA => {
+                self.own_state.insert(r.oid);
+                Ok(())
+            }
+            LogicalMessage::Insert(i) if self.own_state.contains(&i.relation) => Ok(()),
+            LogicalMessage::Update(u) if self.own_state.contains(&u.relation) => Ok(()),
+            LogicalMessage::Delete(d) if self.own_state.contains(&d.relation) => Ok(()),
+            LogicalMessage::Truncate(mut t)
+                if t.relations.iter().any(|r| self.own_state.contains(r)) =>
+            {
+                t.relations.retain(|r| !self.own_state.contains(r));
+                if t.relations.is_empty() {
+                    return Ok(());
+                }
+                self.truncate(t).await
+            }
             LogicalMessage::Relation(r) => {
                 // Held updates were built for the relation as it was.
                 self.flush_held_updates(None).await?;
