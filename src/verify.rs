@@ -559,60 +559,67 @@ async fn verify_table(
         note,
         error: None,
     };
-    for (index, chunk) in chunks.iter().enumerate() {
-        let mut attempt = 0;
-        loop {
-            if let Some((s, t)) = first_pass.as_ref().filter(|_| attempt == 0) {
-                let empty = (0, String::new());
-                let s = s.get(&(index as i64)).unwrap_or(&empty);
-                let t = t.get(&(index as i64)).unwrap_or(&empty);
-                attempt += 1;
-                if s == t || settings.attempts <= 1 {
-                    result.source_rows += s.0;
-                    result.target_rows += t.0;
-                    if s != t {
-                        result.ok = false;
-                        let show = |b: &Option<Vec<String>>| b.as_ref().map(|v| key_text(v));
-                        result.mismatches.push((show(&chunk.from), show(&chunk.to)));
-                    }
-                    break;
+    // Chunks that differ are checked again together, round after round (one pause a round,
+    // not one a chunk: a table of many differing chunks would otherwise take minutes of
+    // pauses), each with both sides read at once.
+    let mut pending: Vec<usize> = (0..chunks.len()).collect();
+    let mut differing: Vec<usize> = Vec::new();
+    let mut attempt = 0;
+    while !pending.is_empty() {
+        attempt += 1;
+        let mut again = Vec::new();
+        for &index in &pending {
+            let chunk = &chunks[index];
+            let (s, t) = match first_pass.as_ref().filter(|_| attempt == 1) {
+                Some((s, t)) => (
+                    s.get(&(index as i64)).cloned().unwrap_or_default(),
+                    t.get(&(index as i64)).cloned().unwrap_or_default(),
+                ),
+                None => {
+                    let (s, t) = tokio::join!(
+                        chunk_digest(
+                            &source,
+                            "source",
+                            &source_table,
+                            &columns,
+                            &keys,
+                            table.row_filter.as_deref(),
+                            chunk,
+                        ),
+                        chunk_digest(
+                            &target,
+                            "target",
+                            &target_table,
+                            &columns,
+                            &target_keys,
+                            None,
+                            chunk,
+                        ),
+                    );
+                    (s?, t?)
                 }
-                tokio::time::sleep(settings.retry_delay).await;
-                continue;
-            }
-            let s = chunk_digest(
-                &source,
-                "source",
-                &source_table,
-                &columns,
-                &keys,
-                table.row_filter.as_deref(),
-                chunk,
-            )
-            .await?;
-            let t = chunk_digest(
-                &target,
-                "target",
-                &target_table,
-                &columns,
-                &target_keys,
-                None,
-                chunk,
-            )
-            .await?;
-            attempt += 1;
+            };
             if s == t || attempt >= settings.attempts {
                 result.source_rows += s.0;
                 result.target_rows += t.0;
                 if s != t {
-                    result.ok = false;
-                    let show = |b: &Option<Vec<String>>| b.as_ref().map(|v| key_text(v));
-                    result.mismatches.push((show(&chunk.from), show(&chunk.to)));
+                    differing.push(index);
                 }
-                break;
+            } else {
+                again.push(index);
             }
+        }
+        pending = again;
+        if !pending.is_empty() {
             tokio::time::sleep(settings.retry_delay).await;
         }
+    }
+    differing.sort_unstable();
+    let show = |b: &Option<Vec<String>>| b.as_ref().map(|v| key_text(v));
+    for index in differing {
+        result.ok = false;
+        let chunk = &chunks[index];
+        result.mismatches.push((show(&chunk.from), show(&chunk.to)));
     }
     Ok(result)
 }
