@@ -775,7 +775,12 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
     loop {
         match run_once_until(config.clone(), deadline, step).await {
             Err(e) if e.is_transient() && Instant::now() + Duration::from_secs(1) < deadline => {
-                crate::out!("{step}: {e}; trying again");
+                let text = e.to_string();
+                if text.starts_with(step) {
+                    crate::out!("{text}; trying again");
+                } else {
+                    crate::out!("{step}: {text}; trying again");
+                }
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
             outcome => return outcome,
