@@ -175,6 +175,14 @@ pub fn describe_postgres(err: &tokio_postgres::Error) -> String {
             if let Some(hint) = db.hint() {
                 text.push_str(&format!("; hint: {hint}"));
             }
+            // A COPY names the row and column a value failed in there ("COPY t, line 3, column
+            // v: ..."): the column is what the user must change.
+            if let Some(place) = db
+                .where_()
+                .and_then(|w| w.lines().find(|l| l.starts_with("COPY ")))
+            {
+                text.push_str(&format!("; where: {place}"));
+            }
             // pgapply's reading sessions set row_security = off, so that policies cannot hide
             // rows from a copy or a comparison without a word.
             // (PostgreSQL's own hint, when it gives one, is for a table owner under FORCE ROW

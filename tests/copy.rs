@@ -2481,3 +2481,29 @@ async fn other_publications_than_the_slots_are_named() {
         "{err}"
     );
 }
+
+/// A value the target's narrower column refuses during the initial copy: the error names the
+/// column (from the COPY's own context), as the same error while streaming does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_refused_by_a_narrower_column_names_the_column() {
+    let db = TestDb::new("copynarrow").await;
+    db.source_sql(
+        "CREATE TABLE t (id int PRIMARY KEY, v text); INSERT INTO t VALUES (1, 'abcdef'); \
+         CREATE PUBLICATION p FOR TABLE t;",
+    )
+    .await;
+    db.target_sql("CREATE TABLE t (id int PRIMARY KEY, v varchar(3))")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("value too long for type character varying(3)") && err.contains("column v"),
+        "{err}"
+    );
+}
