@@ -273,11 +273,15 @@ pub async fn cutover(
             if below && answering {
                 break;
             }
-            if Instant::now() > deadline {
-                if below {
+            // A worker writes its heartbeat every 10 s at most: three times that without one,
+            // and it is not coming.
+            let silent =
+                !answering && started.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY;
+            if Instant::now() > deadline || silent {
+                if !answering {
                     return Err(Error::definite(format!(
-                        "step 1: the worker streaming slot {slot:?} wrote no heartbeat on the target in {} (--timeout; it writes one every status interval, 10 s at most): is it stopped or hung? See its log and pgapply status, then run the cutover again (nothing was changed yet)",
-                        humantime::format_duration(settings.timeout)
+                        "step 1: the worker streaming slot {slot:?} wrote no heartbeat on the target in {} (it writes one every status interval, 10 s at most): is it stopped or hung? See its log and pgapply status, then run the cutover again (nothing was changed yet)",
+                        humantime::format_duration(Duration::from_secs(started.elapsed().as_secs()))
                     )));
                 }
                 let hint = match settings.max_lag {

@@ -2260,7 +2260,7 @@ async fn cutover_does_not_trust_a_worker_that_stopped_answering() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("wrote no heartbeat on the target in 4s")
+        err.contains("wrote no heartbeat on the target in ")
             && err.contains("nothing was changed yet"),
         "{err}"
     );
