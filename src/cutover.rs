@@ -776,10 +776,25 @@ async fn again(
 /// retried until then, as `pgapply run` does (a worker that just stopped may still hold the
 /// slot or the origin for a moment).
 async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<RunOutcome> {
+    // Since when a session of another process has held the slot's replication origin: a worker
+    // that stopped answering (SIGSTOP, a hang) keeps it for ever, and waiting for --timeout
+    // would only keep the writes frozen longer.
+    let mut origin_held_since: Option<Instant> = None;
     loop {
         match run_once_until(config.clone(), deadline, step).await {
             Err(e) if e.is_transient() && Instant::now() + Duration::from_secs(1) < deadline => {
                 let text = e.to_string();
+                if let Some(pid) = origin_holder(&text) {
+                    let since = *origin_held_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY {
+                        return Err(Error::definite(format!(
+                            "{step}: the target session of process {pid} (another pgapply, likely the worker that stopped answering) has held the slot's replication origin for {} s: end that pgapply process, or that session on the target (SELECT pg_terminate_backend({pid})), and run the cutover again",
+                            since.elapsed().as_secs()
+                        )));
+                    }
+                } else {
+                    origin_held_since = None;
+                }
                 if text.starts_with(step) {
                     crate::out!("{text}; trying again");
                 } else {
@@ -790,6 +805,17 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
             outcome => return outcome,
         }
     }
+}
+
+/// The target backend named by "replication origin ... is already active for PID N" or "... in
+/// use by PID N", if the error says so.
+fn origin_holder(text: &str) -> Option<u32> {
+    let rest = text
+        .split("is already active for PID ")
+        .nth(1)
+        .or_else(|| text.split("in use by PID ").nth(1))?;
+    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+    digits.parse().ok()
 }
 
 async fn run_once_until(
@@ -1280,6 +1306,22 @@ async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_session_holding_an_origin_is_read_from_the_error() {
+        use super::origin_holder;
+        assert_eq!(
+            origin_holder("step 3: binding the apply session to replication origin \"pgapply_m2\" (is another pgapply running for this slot?): replication origin with ID 5 is already active for PID 29929 (SQLSTATE 55006)"),
+            Some(29929)
+        );
+        assert_eq!(
+            origin_holder(
+                "could not drop replication origin with ID 3, in use by PID 2830 (SQLSTATE 55006)"
+            ),
+            Some(2830)
+        );
+        assert_eq!(origin_holder("connection refused"), None);
+    }
+
     #[test]
     fn sizes() {
         assert_eq!(super::parse_size("16MB").unwrap(), 16 << 20);
