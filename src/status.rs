@@ -84,7 +84,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
     let (source, source_error) = match &source_config {
         Some(s) => match connect("source", s).await {
             Ok(client) => (Some(client), None),
-            Err(e) => (None, Some(e.to_string())),
+            Err(e) => (None, Some(format!("the source cannot be reached: {e}"))),
         },
         None => (None, None),
     };
@@ -92,7 +92,25 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
     for row in rows {
         let slot: String = row.get(0);
         let applied: Option<String> = row.get(3);
-        let lag_bytes = match &source {
+        // The slot must be on this source: another cluster's WAL position would give a lag
+        // that means nothing.
+        let mut slot_error = source_error.clone();
+        if let Some(src) = &source {
+            let here = src
+                .query_opt(
+                    "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map_err(|e| Error::postgres("reading the slots of the source", e))?
+                .is_some();
+            if !here {
+                slot_error = Some(format!(
+                    "slot {slot:?} does not exist on this source: is --source the cluster the worker replicates from?"
+                ));
+            }
+        }
+        let lag_bytes = match source.as_ref().filter(|_| slot_error.is_none()) {
             // From what the slot has confirmed too: pgapply confirms WAL without published
             // changes (an idle source) without applying anything; and a run that has not
             // applied anything yet has only that. (greatest() passes over a NULL.)
@@ -135,7 +153,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             heartbeat_age_seconds: row.get(5),
             lag_seconds: row.get(6),
             lag_bytes,
-            source_error: source_error.clone(),
+            source_error: slot_error,
             transactions: row.get(7),
             inserts: row.get(8),
             updates: row.get(9),
@@ -197,7 +215,7 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
         );
         let bytes = match (&s.lag_bytes, &s.source_error) {
             (Some(b), _) => format!("{b} bytes"),
-            (None, Some(e)) => format!("? bytes (the source cannot be reached: {e})"),
+            (None, Some(e)) => format!("? bytes ({e})"),
             (None, None) => "? bytes (give --source)".into(),
         };
         // The seconds are the worker's own figure, as of its last heartbeat.

@@ -491,6 +491,31 @@ async fn status_and_metrics_move_with_the_workload() {
             && text.contains("? bytes (the source cannot be reached: connecting to source"),
         "{text}"
     );
+    // Another cluster than the slot's (here the target's): no lag made up from its WAL.
+    let out = run_with_deadline(
+        {
+            let mut c = pgapply();
+            c.args([
+                "status",
+                "--target",
+                &db.target_conninfo(),
+                "--source",
+                &db.target_conninfo(),
+            ]);
+            c
+        },
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains(&format!(
+            "? bytes (slot \"{}\" does not exist on this source: is --source the cluster",
+            db.slot()
+        )),
+        "{text}"
+    );
     // Its output cut short (`pgapply status | head -1`): no panic on the closed pipe.
     {
         let mut c = pgapply();
