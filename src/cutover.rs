@@ -173,13 +173,7 @@ pub async fn cutover(
         .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
         .and_then(|r| r.get(0));
     if let Some(recorded) = recorded {
-        let sorted = |list: &[String]| {
-            let mut l = list.to_vec();
-            l.sort();
-            l.dedup();
-            l
-        };
-        if sorted(&recorded) != sorted(&run_config.publications) {
+        if !crate::replicate::same_publications(&recorded, &run_config.publications) {
             problems.push(format!(
                 "slot {slot:?} replicates publication(s) {}, not {}: give the cutover the worker's --publication {}",
                 recorded.join(", "),

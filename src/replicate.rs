@@ -42,7 +42,7 @@ pub use heartbeat::HEARTBEAT_MAX_EVERY;
 use heartbeat::*;
 use reader::*;
 use start::*;
-pub use start::{refuse_same_database, unmatched_table_settings};
+pub use start::{refuse_same_database, same_publications, unmatched_table_settings};
 
 #[derive(Debug, Clone)]
 pub struct RunConfig {

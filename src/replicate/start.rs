@@ -220,6 +220,17 @@ pub async fn refuse_same_database(
     Ok(())
 }
 
+/// Whether two lists name the same publications, in any order.
+pub fn same_publications(a: &[String], b: &[String]) -> bool {
+    let sorted = |list: &[String]| {
+        let mut l = list.to_vec();
+        l.sort();
+        l.dedup();
+        l
+    };
+    sorted(a) == sorted(b)
+}
+
 /// Records the publications this run replicates for the slot; says so when the slot's previous
 /// run gave others (a typo would otherwise leave tables out, and move the slot past their
 /// changes, without a word).
@@ -237,13 +248,7 @@ pub(super) async fn record_publications(
         .await
         .map_err(context)?
         .and_then(|r| r.get(0));
-    let sorted = |list: &[String]| {
-        let mut l = list.to_vec();
-        l.sort();
-        l.dedup();
-        l
-    };
-    if let Some(previous) = previous.filter(|p| sorted(p) != sorted(publications)) {
+    if let Some(previous) = previous.filter(|p| !same_publications(p, publications)) {
         tracing::warn!(
             slot,
             before = %previous.join(","),
