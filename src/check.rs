@@ -849,10 +849,48 @@ async fn check_target(
                 }
             }
         }
+        if let Some(advice) = key_advice(dst, source, table, &qualified).await {
+            fine = false;
+            report.warning(advice);
+        }
         if fine {
             report.ok(format!("table {qualified} matches on the target"));
         }
     }
+}
+
+/// `relation::key_index_advice` for one published table: its key read from the source's replica
+/// identity (nothing said for REPLICA IDENTITY NOTHING, or without the source).
+async fn key_advice(
+    dst: &Client,
+    source: Option<&Client>,
+    table: &crate::copy::PublishedTable,
+    qualified: &str,
+) -> Option<String> {
+    let row = source?
+        .query_one(
+            "SELECT c.relreplident::text, ARRAY(SELECT a.attname::text FROM pg_catalog.pg_index i \
+                      JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
+                      WHERE i.indrelid = c.oid \
+                        AND ((c.relreplident = 'd' AND i.indisprimary) OR (c.relreplident = 'i' AND i.indisreplident)) \
+                      ORDER BY array_position(i.indkey::int2[], a.attnum)) \
+             FROM pg_catalog.pg_class c WHERE c.oid = $1::text::pg_catalog.regclass",
+            &[&table.qualified()],
+        )
+        .await
+        .ok()?;
+    let (identity, key): (String, Vec<String>) = (row.get(0), row.get(1));
+    let key = match identity.as_str() {
+        "f" => Vec::new(),
+        // No key (or none to find rows by): UPDATE and DELETE are refused on the source anyway.
+        _ if key.is_empty() => return None,
+        _ => key,
+    };
+    let target = crate::relation::load_target_table(dst, &table.target_schema, &table.target_name)
+        .await
+        .ok()??;
+    debug_assert_eq!(target.qualified, qualified);
+    crate::relation::key_index_advice(dst, &target, &key).await
 }
 
 /// The rest of a source column's definition for ADD COLUMN on the target: its default and NOT

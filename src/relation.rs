@@ -318,6 +318,17 @@ impl RelationCache {
             }
         }
         self.generation += 1;
+        if relation.replica_identity != ReplicaIdentity::Nothing {
+            let key: Vec<String> = relation
+                .columns
+                .iter()
+                .filter(|c| c.is_key() && relation.replica_identity != ReplicaIdentity::Full)
+                .map(|c| c.name.clone())
+                .collect();
+            if let Some(advice) = key_index_advice(catalog, &target, &key).await {
+                tracing::warn!(relation = %shown, "{advice}");
+            }
+        }
         let type_differs = relation
             .columns
             .iter()
@@ -340,7 +351,7 @@ impl RelationCache {
     }
 }
 
-async fn load_target_table(
+pub async fn load_target_table(
     catalog: &Client,
     schema: &str,
     name: &str,
@@ -400,6 +411,61 @@ async fn load_target_table(
         });
     }
     Ok(Some(table))
+}
+
+/// Why finding rows of target table `target` by the source's key is slow or ambiguous, if it is:
+/// no unique index on the key columns `key` (an UPDATE or DELETE by key changes every row with
+/// that key), or no index that can serve the lookup at all (each one scans the table). With an
+/// empty `key` (REPLICA IDENTITY FULL: rows are found by all their values) only the latter.
+/// Typical cause: `schema --section pre-data` without `--section post-data`. `None` also when the
+/// catalog cannot be read: this is advice, not a condition for applying.
+pub async fn key_index_advice(
+    catalog: &Client,
+    target: &TargetTable,
+    key: &[String],
+) -> Option<String> {
+    // indnkeyatts (11+): the columns after it are INCLUDEd, not part of the key. An expression
+    // column is 0 in indkey.
+    let row = catalog
+        .query_one(
+            "SELECT coalesce(bool_or(i.indisunique AND i.indpred IS NULL AND NOT 0 = ANY (k.cols) \
+                                     AND cardinality(k.names) > 0 AND k.names <@ $2::text[]), false), \
+                    coalesce(bool_or(k.names[1] = ANY ($2::text[]) \
+                                     OR (cardinality($2::text[]) = 0 AND k.names[1] IS NOT NULL)), false) \
+             FROM pg_catalog.pg_index i \
+             CROSS JOIN LATERAL (SELECT (i.indkey::int2[])[0:coalesce((to_jsonb(i) ->> 'indnkeyatts')::int, i.indnatts) - 1] AS cols) c \
+             CROSS JOIN LATERAL (SELECT c.cols, ARRAY(SELECT a.attname::text FROM unnest(c.cols) WITH ORDINALITY u(n, o) \
+                                                      JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = u.n \
+                                                      ORDER BY u.o) AS names) k \
+             WHERE i.indrelid = $1 AND i.indisvalid",
+            &[&target.oid, &key],
+        )
+        .await
+        .ok()?;
+    let (unique, indexed): (bool, bool) = (row.get(0), row.get(1));
+    let table = &target.qualified;
+    let post_data = "(`pgapply schema --section post-data` creates the source's keys and indexes)";
+    if key.is_empty() {
+        return (!indexed).then(|| format!(
+            "target table {table} has no index, and the source finds its rows by all their values (REPLICA IDENTITY FULL): every UPDATE and DELETE replicated to it reads the whole table; create an index on the target on a column whose values are (nearly) unique {post_data}"
+        ));
+    }
+    if unique {
+        return None;
+    }
+    let columns = key
+        .iter()
+        .map(|c| quote_ident(c))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let scans = if indexed {
+        ""
+    } else {
+        " and reads the whole table to find it"
+    };
+    Some(format!(
+        "target table {table} has no primary key or unique index on the source's key ({columns}): every UPDATE and DELETE replicated to it changes each target row with that key{scans}; add it on the target (ALTER TABLE {table} ADD PRIMARY KEY ({columns})) {post_data}"
+    ))
 }
 
 /// What changed in the target table since `entry` read it, if anything that a statement's

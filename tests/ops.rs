@@ -1038,3 +1038,67 @@ async fn status_and_skip_take_the_config_file() {
     );
     let _ = std::fs::remove_file(&config);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
+    let db = TestDb::new("nokey").await;
+    // The target made from pre-data only: no primary key, no index.
+    db.source_sql(
+        "CREATE TABLE k (id int PRIMARY KEY, v text); \
+         CREATE TABLE f (x int, v text); ALTER TABLE f REPLICA IDENTITY FULL; \
+         CREATE TABLE ok (id int PRIMARY KEY, v text);",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE k (id int, v text); CREATE TABLE f (x int, v text); \
+         CREATE TABLE ok (id int PRIMARY KEY, v text);",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k, f, ok").await;
+    let out = run_with_deadline(
+        db.on_both("check", &["--slot", &db.slot(), "--create-slot"]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let warning = |table: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("WARNING")
+                    && l.contains(&format!("target table \"public\".\"{table}\" has no"))
+            })
+            .map(str::to_owned)
+    };
+    let k = warning("k").unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        k.contains("ADD PRIMARY KEY (\"id\")") && k.contains("reads the whole table"),
+        "{text}"
+    );
+    let f = warning("f").unwrap_or_else(|| panic!("{text}"));
+    assert!(f.contains("REPLICA IDENTITY FULL"), "{text}");
+    assert!(warning("ok").is_none(), "{text}");
+    assert!(
+        text.contains("table \"public\".\"ok\" matches on the target"),
+        "{text}"
+    );
+
+    db.source_sql(
+        "INSERT INTO k SELECT g, 'a' FROM generate_series(1, 5) g; \
+         INSERT INTO f SELECT g, 'a' FROM generate_series(1, 5) g; \
+         UPDATE k SET v = 'b' WHERE id = 2; DELETE FROM f WHERE x = 3;",
+    )
+    .await;
+    let run = db.sync("p").await;
+    let log = String::from_utf8_lossy(&run.stderr).to_string();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("target table \"public\".\"k\" has no primary key")),
+        "{log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains("WARN") && l.contains("target table \"public\".\"f\" has no index")),
+        "{log}"
+    );
+    db.assert_same("k").await;
+    db.assert_same("f").await;
+}
