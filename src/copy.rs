@@ -93,6 +93,65 @@ impl PublishedTable {
     }
 }
 
+/// Tables published after the slot's initial copy whose copy (`plan_copy` with `late`) began
+/// but did not finish: streamed into as they are, they would miss rows.
+pub async fn late_unfinished(target: &Client, slot: &str) -> Result<Vec<String>> {
+    let rows = target
+        .query(
+            "SELECT schema_name, table_name FROM pgapply.copy_state \
+             WHERE slot_name = $1 AND synced_lsn IS NOT NULL AND state <> 'done' ORDER BY 1, 2",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+    Ok(rows
+        .iter()
+        .map(|r| qualified_name(&r.get::<_, String>(0), &r.get::<_, String>(1)))
+        .collect())
+}
+
+/// Per source table (schema, name) copied after the initial copy: the position before which the
+/// stream drops its changes (committed before that copy's snapshot, so already in its rows),
+/// where that is past `from`.
+pub async fn copied_since(
+    target: &Client,
+    slot: &str,
+    from: crate::protocol::Lsn,
+) -> Result<HashMap<(String, String), crate::protocol::Lsn>> {
+    let rows = target
+        .query(
+            "SELECT schema_name, table_name, synced_lsn::text FROM pgapply.copy_state \
+             WHERE slot_name = $1 AND state = 'done' AND synced_lsn > $2::text::pg_lsn",
+            &[&slot, &from.to_string()],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+    let mut map = HashMap::new();
+    for r in rows {
+        let text: String = r.get(2);
+        let lsn = text.parse().map_err(|e| {
+            Error::definite(format!(
+                "pgapply.copy_state on the target holds an unreadable position {text:?}: {e}"
+            ))
+        })?;
+        map.insert((r.get(0), r.get(1)), lsn);
+    }
+    Ok(map)
+}
+
+/// Records the snapshot position of a copy of tables published after the initial copy.
+pub async fn set_synced_lsn(target: &Client, slot: &str, at: crate::protocol::Lsn) -> Result<()> {
+    target
+        .execute(
+            "UPDATE pgapply.copy_state SET synced_lsn = $2::text::pg_lsn \
+             WHERE slot_name = $1 AND synced_lsn IS NOT NULL AND state <> 'done'",
+            &[&slot, &at.to_string()],
+        )
+        .await
+        .map_err(|e| Error::postgres("recording the copy's snapshot position on the target", e))?;
+    Ok(())
+}
+
 /// What the target says about a slot's initial copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyStatus {
@@ -106,7 +165,7 @@ pub enum CopyStatus {
 pub async fn status(target: &Client, slot: &str) -> Result<CopyStatus> {
     let row = target
         .query_one(
-            "SELECT count(*), count(*) FILTER (WHERE state <> 'done') FROM pgapply.copy_state WHERE slot_name = $1",
+            "SELECT count(*), count(*) FILTER (WHERE state <> 'done') FROM pgapply.copy_state WHERE slot_name = $1 AND synced_lsn IS NULL",
             &[&slot],
         )
         .await
@@ -388,6 +447,7 @@ async fn prepare_target(
     tables: &[PublishedTable],
     truncate: bool,
     same_major: bool,
+    late: bool,
 ) -> Result<Vec<bool>> {
     let mut binary = Vec::with_capacity(tables.len());
     let mut not_empty = Vec::new();
@@ -445,8 +505,13 @@ async fn prepare_target(
     }
     if !not_empty.is_empty() {
         if !truncate {
+            let why = if late {
+                "published after the initial copy, they are copied into empty tables (the rows the stream brought since they were published are in the copy too)"
+            } else {
+                "the initial copy needs empty tables"
+            };
             return Err(Error::definite(format!(
-                "target table{} {} {} not empty: the initial copy needs empty tables; empty them, or run with --truncate-target to let pgapply do it",
+                "target table{} {} {} not empty: {why}; empty them, or run with --truncate-target to let pgapply do it",
                 if not_empty.len() == 1 { "" } else { "s" },
                 not_empty.join(", "),
                 if not_empty.len() == 1 { "is" } else { "are" }
@@ -500,42 +565,6 @@ pub(crate) async fn copied_tables(
         .collect())
 }
 
-/// After a finished copy, names the tables published since: their earlier rows were never copied
-/// (their changes are streamed from when they joined the publication). Only a warning: the run
-/// goes on.
-pub async fn warn_tables_not_copied(
-    source_config: &tokio_postgres::Config,
-    target: &Client,
-    slot: &str,
-    publications: &[String],
-    table_map: &crate::config::TableMap,
-) {
-    let check = async {
-        let source = connect_source(source_config).await?;
-        let tables = published_tables(&source, publications, table_map).await?;
-        let copied = copied_tables(target, slot)
-            .await
-            .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
-        Ok::<_, Error>(
-            tables
-                .into_iter()
-                .filter(|t| !copied.contains(&(t.schema.clone(), t.name.clone())))
-                .map(|t| t.qualified())
-                .collect::<Vec<_>>(),
-        )
-    };
-    match check.await {
-        Ok(missing) if !missing.is_empty() => tracing::warn!(
-            tables = %missing.join(", "),
-            "published now but not part of the initial copy (added to the publication later): their rows from before are not on the target. Copy them as the README says (\"A table added to the publication later\"), or start over with a new slot and --copy-data --truncate-target"
-        ),
-        Ok(_) => {}
-        Err(e) => {
-            tracing::debug!(error = %e, "could not compare the published tables with the initial copy")
-        }
-    }
-}
-
 /// Empties the tables a previous, interrupted copy wrote into, and forgets its state.
 pub async fn reset_interrupted(
     target: &Client,
@@ -581,6 +610,13 @@ pub async fn reset_interrupted(
     Ok(())
 }
 
+/// A copy of the tables published after the slot's initial copy (`plan_copy`).
+#[derive(Debug, Clone, Copy)]
+pub struct LateCopy {
+    /// The slot decodes two-phase transactions: refused.
+    pub two_phase: bool,
+}
+
 /// The tables an initial copy takes and the page ranges they are split into.
 pub struct CopyPlan {
     tables: Vec<PublishedTable>,
@@ -603,7 +639,8 @@ pub async fn plan_copy(
     settings: &CopySettings,
     table_map: &crate::config::TableMap,
     source_major: u32,
-) -> Result<CopyPlan> {
+    late: Option<LateCopy>,
+) -> Result<Option<CopyPlan>> {
     let source = connect_source(source_config).await?;
     let target = crate::replicate::target_connection(target_pool, target_config).await?;
     let target_major: u32 = target
@@ -614,13 +651,85 @@ pub async fn plan_copy(
         .await
         .map_err(|e| Error::postgres("reading the target's version", e))?
         .get::<_, i32>(0) as u32;
-    let tables = published_tables(&source, publications, table_map).await?;
+    let mut tables = published_tables(&source, publications, table_map).await?;
+    if let Some(late) = late {
+        // Tables published after the initial copy: those it did not take in, and those whose
+        // own copy did not finish (their rows, from that copy, are pgapply's: emptied).
+        let recorded: Vec<(String, String, bool)> = target
+            .query(
+                "SELECT schema_name, table_name, state = 'done' OR synced_lsn IS NULL \
+                 FROM pgapply.copy_state WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
+        tables.retain(|t| {
+            !recorded
+                .iter()
+                .any(|(schema, name, done)| *done && *schema == t.schema && *name == t.name)
+        });
+        if tables.is_empty() {
+            return Ok(None);
+        }
+        let names: Vec<String> = tables.iter().map(PublishedTable::qualified).collect();
+        if late.two_phase {
+            // A transaction prepared before the copy's snapshot and committed after it is in
+            // neither the copy nor, for these tables, the stream (applied at PREPARE).
+            return Err(Error::definite(format!(
+                "{} {} published after the initial copy, and --copy-data cannot copy {} on a two-phase slot: run without --copy-data (changes of {} are applied from now on) and copy {} earlier rows by hand (README: \"A table added to the publication later\")",
+                names.join(", "),
+                if names.len() == 1 { "was" } else { "were" },
+                if names.len() == 1 { "it" } else { "them" },
+                if names.len() == 1 { "it" } else { "them" },
+                if names.len() == 1 { "its" } else { "their" },
+            )));
+        }
+        let unfinished: Vec<&PublishedTable> = tables
+            .iter()
+            .filter(|t| {
+                recorded
+                    .iter()
+                    .any(|(schema, name, _)| *schema == t.schema && *name == t.name)
+            })
+            .collect();
+        let mut emptied = Vec::new();
+        for table in unfinished {
+            let qualified = table.target_qualified();
+            let exists: bool = target
+                .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+                .await
+                .map_err(|e| {
+                    Error::postgres(format!("reading table {qualified} on the target"), e)
+                })?
+                .get(0);
+            if exists {
+                let own = own_rows(&target, &qualified, "target").await?;
+                if !emptied.contains(&own) {
+                    emptied.push(own);
+                }
+            }
+        }
+        if !emptied.is_empty() {
+            target
+                .batch_execute(&format!("TRUNCATE {}", emptied.join(", ")))
+                .await
+                .map_err(|e| {
+                    Error::postgres("emptying the tables of an unfinished copy on the target", e)
+                })?;
+            tracing::warn!(tables = %emptied.join(", "), "the copy of these tables (published after the initial copy) did not finish: starting it over");
+        }
+        tracing::info!(tables = %names.join(", "), "published after the initial copy: copying their rows in a snapshot of their own; the stream then skips their changes that the copy holds");
+    }
     warn_of_loud_triggers(&target, &tables).await?;
     let binary = prepare_target(
         &target,
         &tables,
         settings.truncate_target,
         source_major == target_major,
+        late.is_some(),
     )
     .await?;
     // Large tables are split by page ranges; TID range scans make that cheap from PostgreSQL 14.
@@ -652,32 +761,39 @@ pub async fn plan_copy(
     // The plan replaces whatever an earlier copy for this slot recorded: a table recorded there
     // but no longer published would be emptied if this copy were interrupted and started over.
     let record = |e| Error::postgres("recording the initial copy on the target", e);
+    // (A copy of tables published later keeps what the initial copy recorded; its own rows get
+    // a snapshot position, 0/0 until its slot exists: `set_synced_lsn`.)
     target.batch_execute("BEGIN").await.map_err(record)?;
-    target
-        .execute(
-            "DELETE FROM pgapply.copy_state WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .map_err(record)?;
+    if late.is_none() {
+        target
+            .execute(
+                "DELETE FROM pgapply.copy_state WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(record)?;
+    }
+    let synced: Option<String> = late.map(|_| "0/0".to_owned());
     for (i, table) in tables.iter().enumerate() {
         let jobs_total = jobs.iter().filter(|j| j.table == i).count() as i32;
         target
             .execute(
-                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total) VALUES ($1, $2, $3, 'pending', $4) \
+                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total, synced_lsn) \
+                 VALUES ($1, $2, $3, 'pending', $4, $5::text::pg_lsn) \
                  ON CONFLICT (slot_name, schema_name, table_name) DO UPDATE \
-                 SET state = 'pending', rows_copied = 0, bytes_copied = 0, jobs_total = $4, jobs_done = 0",
-                &[&slot, &table.schema, &table.name, &jobs_total],
+                 SET state = 'pending', rows_copied = 0, bytes_copied = 0, jobs_total = $4, jobs_done = 0, \
+                     synced_lsn = $5::text::pg_lsn, started_at = NULL, finished_at = NULL",
+                &[&slot, &table.schema, &table.name, &jobs_total, &synced],
             )
             .await
             .map_err(record)?;
     }
     target.batch_execute("COMMIT").await.map_err(record)?;
-    Ok(CopyPlan {
+    Ok(Some(CopyPlan {
         tables,
         jobs,
         binary,
-    })
+    }))
 }
 
 /// Tasks of the copy, aborted when it ends or is dropped.

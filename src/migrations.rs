@@ -81,6 +81,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "publications",
         include_str!("../migrations/0015_publications.sql"),
     ),
+    (
+        16,
+        "late_copy",
+        include_str!("../migrations/0016_late_copy.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

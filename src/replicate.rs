@@ -311,6 +311,81 @@ async fn drop_copy_slot(session: &mut crate::source::ReplicationSession, slot: &
     }
 }
 
+/// `--copy-data` after a finished initial copy: copies the tables published since (and those
+/// whose such copy did not finish) as of the snapshot of a temporary slot of their own, and
+/// records its position, before which the stream drops their changes (the copy holds them).
+/// The main slot is not touched: every other table goes on from where it was. Returns false if
+/// a stop request ended the copy (the next --copy-data run starts it over).
+async fn copy_late_tables(
+    config: &RunConfig,
+    pool: &deadpool_postgres::Pool,
+    late: copy::LateCopy,
+    source_major: u32,
+    shutdown: &watch::Receiver<bool>,
+) -> Result<bool> {
+    let Some(plan) = copy::plan_copy(
+        &config.source,
+        pool,
+        &config.target,
+        &config.slot,
+        &config.publications,
+        &config.copy,
+        &config.table_map,
+        source_major,
+        Some(late),
+    )
+    .await?
+    else {
+        return Ok(true);
+    };
+    let mut stop = shutdown.clone();
+    let stopped = async move {
+        let _ = stop.wait_for(|stopping| *stopping).await;
+    };
+    tokio::pin!(stopped);
+    let client = target_connection(pool, &config.target).await?;
+    let slot = config.slot.clone();
+    let beat = Background::spawn(|quit| copy_heartbeat(client, slot, quit));
+    let copied = async {
+        // Its own replication session: the temporary slot, and the snapshot it exports, last
+        // as long as the session, which stays idle until the copy is done.
+        let mut session =
+            ReplicationSession::connect(&config.source, config.max_message_bytes).await?;
+        let temporary = format!("pgapply_copy_{}", std::process::id());
+        let snapshot = session
+            .create_temporary_slot_with_snapshot(&temporary)
+            .await?;
+        let setup = target_connection(pool, &config.target).await?;
+        copy::set_synced_lsn(&setup, &config.slot, snapshot.consistent_point).await?;
+        drop(setup);
+        copy::copy_tables(
+            plan,
+            &config.source,
+            pool,
+            &config.target,
+            &config.slot,
+            &snapshot.snapshot_name,
+            &config.copy,
+        )
+        .await?;
+        // (The temporary slot goes with the session.)
+        drop(session);
+        tracing::info!(consistent_point = %snapshot.consistent_point, "copied the tables published after the initial copy; their changes from transactions committed before that position are skipped");
+        Ok::<_, Error>(())
+    };
+    let outcome = tokio::select! {
+        biased;
+        c = copied => Some(c),
+        () = &mut stopped => None,
+    };
+    beat.stop().await;
+    match outcome {
+        Some(Ok(())) => Ok(true),
+        Some(Err(e)) => Err(e),
+        None => Ok(false),
+    }
+}
+
 /// The run's outcome when a stop was asked for during the initial copy.
 async fn copy_interrupted(
     setup: &tokio_postgres::Client,
@@ -531,8 +606,10 @@ async fn run_in_span(
             &config.copy,
             &config.table_map,
             session.server_version() / 10000,
+            None,
         )
-        .await?;
+        .await?
+        .ok_or_else(|| Error::definite(copy::no_tables_message(&config.publications)))?;
         // The slot of the interrupted copy: nothing was applied from it, and the copy starts over
         // with a new one (only now, once the target tables were found ready for it).
         if slot_exists {
@@ -607,7 +684,6 @@ async fn run_in_span(
         // (Its session ends: the copy lock goes with it.)
         drop(copy_lock);
     } else {
-        drop(copy_lock);
         if copy_status == CopyStatus::Incomplete {
             return Err(Error::definite(format!(
                 "the initial copy for slot {:?} was interrupted and cannot continue: rerun with --copy-data to start it over",
@@ -648,16 +724,6 @@ async fn run_in_span(
             );
             negotiated.two_phase = true;
         }
-        if config.copy_data && copy_status == CopyStatus::Done {
-            copy::warn_tables_not_copied(
-                &config.source,
-                &setup,
-                &config.slot,
-                &config.publications,
-                &config.table_map,
-            )
-            .await;
-        }
         session
             .ensure_slot(
                 &config.slot,
@@ -668,6 +734,28 @@ async fn run_in_span(
                 config.apply_workers > 1,
             )
             .await?;
+        if config.copy_data && copy_status == CopyStatus::Done {
+            let late = copy::LateCopy {
+                two_phase: negotiated.two_phase,
+            };
+            let source_major = session.server_version() / 10000;
+            if !copy_late_tables(&config, &pool, late, source_major, &shutdown).await? {
+                return copy_interrupted(&setup, &config, resume).await;
+            }
+        } else {
+            let unfinished = copy::late_unfinished(&setup, &config.slot).await?;
+            if !unfinished.is_empty() {
+                return Err(Error::definite(format!(
+                    "the copy of {} (published after the initial copy) did not finish: run with --copy-data to copy {} again; streamed into as {} now, {} would miss rows",
+                    unfinished.join(", "),
+                    if unfinished.len() == 1 { "it" } else { "them" },
+                    if unfinished.len() == 1 { "it is" } else { "they are" },
+                    if unfinished.len() == 1 { "it" } else { "they" },
+                )));
+            }
+        }
+        // (Its session ends: the copy lock goes with it.)
+        drop(copy_lock);
     }
     if config.copy_only {
         // `pgapply status` says stopped, not a copy whose process went away.
@@ -695,6 +783,12 @@ async fn run_in_span(
         && config.apply_workers.max(1) == 1;
     if negotiated.streaming == Streaming::Parallel && !live_possible {
         tracing::info!("--streaming parallel with --two-phase or --apply-workers above 1: streamed transactions are spooled and applied at commit");
+    }
+    // Tables copied after the initial copy whose snapshot this run's stream has not passed yet.
+    let copied_since = Arc::new(copy::copied_since(&setup, &config.slot, resume).await?);
+    let live_now = live_possible && copied_since.is_empty();
+    if live_possible && !live_now {
+        tracing::info!("--streaming parallel: streamed transactions are spooled and applied at commit until the stream passes the snapshot of the tables copied after the initial copy");
     }
     let origins_in_use = if live_possible {
         LIVE_HELPER_INDEX + 1
@@ -769,8 +863,9 @@ async fn run_in_span(
             }
         },
         worker: None,
-        live_streaming: live_possible,
+        live_streaming: live_now,
         copied_tables,
+        copied_since,
         binary_values: negotiated.binary,
     };
     let applied_at_end = applied_tx.subscribe();

@@ -186,7 +186,7 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
         assert_eq!(db.count(&db.target, sql).await, want, "{sql}");
     }
 
-    // A table published after the copy: named, as its earlier rows are not on the target.
+    // A table published after the copy: copied by the next --copy-data run, alone.
     db.both("CREATE TABLE later (id int PRIMARY KEY)").await;
     db.source_sql("INSERT INTO later VALUES (1); ALTER PUBLICATION p ADD TABLE later")
         .await;
@@ -194,10 +194,13 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
-        stderr(&out).contains("not part of the initial copy") && stderr(&out).contains("later"),
+        stderr(&out).contains("published after the initial copy: copying")
+            && stderr(&out).contains("\"public\".\"later\""),
         "{}",
         stderr(&out)
     );
+    db.assert_same("later").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM dogs").await, 20);
 
     // The slot is lost: a new one would skip what the old one held. Refused, with the way out.
     db.source
@@ -1308,6 +1311,105 @@ async fn a_table_published_after_the_copy_is_named_when_its_changes_arrive() {
         .collect();
     assert_eq!(named.len(), 1, "{log}");
     assert!(named[0].contains("\"public\".\"late\""), "{log}");
+}
+
+/// A table published after the initial copy is copied by the next `run --copy-data`, in a
+/// snapshot of its own, without touching the other tables or the slot: its changes the copy
+/// holds are skipped (an INSERT of a copied row would fail, a TRUNCATE would empty it), later
+/// ones applied. An unfinished such copy is not streamed into, and starts over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_published_after_the_copy_is_copied_by_the_next_copy_data_run() {
+    let db = TestDb::new("latecopy").await;
+    db.both(
+        "CREATE TABLE early (id int PRIMARY KEY, v text); CREATE TABLE late (id int PRIMARY KEY, v text);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO early SELECT g, 'e' FROM generate_series(1, 20) g; \
+         INSERT INTO late SELECT g, 'before' FROM generate_series(1, 50) g; \
+         CREATE PUBLICATION p FOR TABLE early;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE late").await;
+    db.source_sql(
+        "INSERT INTO late VALUES (51, 'after'); UPDATE late SET v = 'u' WHERE id <= 10; \
+         DELETE FROM late WHERE id BETWEEN 11 AND 20; UPDATE early SET v = 'f' WHERE id = 1;",
+    )
+    .await;
+    // Streamed without --copy-data: only what changed since it was published.
+    db.sync("p").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM late").await, 1);
+
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("\"public\".\"late\" is not empty: published after the initial copy")
+            && err.contains("--truncate-target"),
+        "{err}"
+    );
+    db.target_sql("TRUNCATE late").await;
+
+    // Changes while pgapply is stopped: in the stream from its position, and in the copy.
+    db.source_sql(
+        "UPDATE late SET v = 'w' WHERE id = 51; INSERT INTO late VALUES (52, 'x'); \
+         INSERT INTO late VALUES (60, 'y'); UPDATE late SET v = 'z' WHERE id = 60; \
+         DELETE FROM late WHERE id BETWEEN 21 AND 50; \
+         INSERT INTO early VALUES (21, 'e');",
+    )
+    .await;
+
+    // Interrupted: the target table is locked, the copy waits, and is stopped.
+    let holder = connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE late IN SHARE MODE")
+        .await
+        .unwrap();
+    let mut worker = spawn(db.pgapply("p", &["--copy-data"]));
+    wait_for("the copy to wait for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    common::signal(&worker, libc::SIGTERM);
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), worker.wait())
+        .await
+        .expect("the stopped copy ends")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    holder.batch_execute("COMMIT").await.unwrap();
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("the copy of \"public\".\"late\" (published after the initial copy) did not finish: run with --copy-data"),
+        "{err}"
+    );
+
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("published after the initial copy: copying"),
+        "{err}"
+    );
+    db.assert_same("late").await;
+    // Later changes of the table are applied over the copy; the other table went on as before.
+    db.source_sql(
+        "UPDATE late SET v = 'later' WHERE id = 1; DELETE FROM late WHERE id = 2; \
+         INSERT INTO late VALUES (100, 'new'); UPDATE early SET v = 'g' WHERE id = 2;",
+    )
+    .await;
+    db.sync("p").await;
+    db.assert_same("late").await;
+    db.assert_same("early").await;
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM late WHERE v = 'u'")
+            .await,
+        8
+    );
 }
 
 /// The migration flow with indexes built after the rows and before streaming: definitions

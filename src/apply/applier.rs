@@ -500,6 +500,9 @@ pub struct Applier {
     copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
     /// Relations `entry` has looked up in `copied_tables` already.
     copy_checked: HashSet<Oid>,
+    copied_since: Arc<HashMap<(String, String), Lsn>>,
+    /// `copied_since` by source OID, as looked up.
+    copied_since_by_oid: HashMap<Oid, Option<Lsn>>,
 }
 
 /// Prepared statements of the turn steps.
@@ -548,6 +551,10 @@ pub struct ApplierOptions {
     pub live_streaming: bool,
     /// After a finished initial copy: the source tables (schema, name) it copied.
     pub copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
+    /// Source tables (schema, name) copied after the initial copy (published later), with that
+    /// copy's snapshot position: their changes from transactions committed before it are in the
+    /// copied rows, and are dropped.
+    pub copied_since: Arc<HashMap<(String, String), Lsn>>,
     /// Values arrive in binary form (`--binary`, negotiated): the server reads a parameter by
     /// the type the statement was prepared with, so a target column whose type changed while
     /// pgapply runs must be noticed before a statement prepared against it is used.
@@ -765,7 +772,30 @@ impl Applier {
             permit: None,
             copied_tables: options.copied_tables,
             copy_checked: HashSet::new(),
+            copied_since: options.copied_since,
+            copied_since_by_oid: HashMap::new(),
         })
+    }
+
+    /// A change of a table copied after the initial copy, from a source transaction that
+    /// committed before that copy's snapshot: the copied rows hold it already.
+    pub(super) fn in_later_copy(&mut self, entry: &RelationEntry, commit_lsn: Lsn) -> bool {
+        if self.copied_since.is_empty() {
+            return false;
+        }
+        let copied = &self.copied_since;
+        let since = *self
+            .copied_since_by_oid
+            .entry(entry.source.oid)
+            .or_insert_with(|| {
+                copied
+                    .get(&(
+                        crate::relation::source_schema(&entry.source).to_owned(),
+                        entry.source.name.clone(),
+                    ))
+                    .copied()
+            });
+        since.is_some_and(|s| commit_lsn < s)
     }
 
     /// The relation a change is for. After an initial copy, a table it did not take in (added to
@@ -787,7 +817,7 @@ impl Applier {
                 if first {
                     tracing::warn!(
                         table = %entry.display_name(),
-                        "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. Copy them as the README says (\"A table added to the publication later\"), or start over with a new slot and --copy-data --truncate-target"
+                        "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. To copy them, start pgapply again with --copy-data (with --truncate-target if the target table holds rows already: the copy has them too)"
                     );
                 }
             }

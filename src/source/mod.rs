@@ -249,7 +249,24 @@ impl ReplicationSession {
     ) -> Result<ExportedSnapshot> {
         self.check_failover(failover, two_phase)?;
         let sql = create_slot_sql(slot, "export", two_phase, failover);
-        let r = self.create_slot(slot, &sql).await?;
+        self.exported_snapshot(slot, &sql).await
+    }
+
+    /// A temporary slot (gone with this session) for its exported snapshot and consistent point
+    /// only: the copy of tables published after the initial copy (its changes are never read).
+    pub async fn create_temporary_slot_with_snapshot(
+        &mut self,
+        slot: &str,
+    ) -> Result<ExportedSnapshot> {
+        let sql = format!(
+            "CREATE_REPLICATION_SLOT {} TEMPORARY LOGICAL pgoutput EXPORT_SNAPSHOT",
+            quote_ident(slot)
+        );
+        self.exported_snapshot(slot, &sql).await
+    }
+
+    async fn exported_snapshot(&mut self, slot: &str, sql: &str) -> Result<ExportedSnapshot> {
+        let r = self.create_slot(slot, sql).await?;
         let consistent_point = r
             .first("consistent_point")
             .unwrap_or_default()

@@ -43,6 +43,9 @@ impl Applier {
             return Ok(());
         };
         let entry = self.entry(insert.relation)?;
+        if self.in_later_copy(&entry, commit_lsn) {
+            return Ok(());
+        }
         Self::check_width(&entry, &insert.new)?;
         self.before_change(&entry).await?;
         let mut params = Vec::with_capacity(insert.new.len());
@@ -389,6 +392,9 @@ impl Applier {
             return Ok(());
         };
         let entry = self.entry(delete.relation)?;
+        if self.in_later_copy(&entry, commit_lsn) {
+            return Ok(());
+        }
         Self::check_binary(&entry, delete.old.tuple())?;
         self.before_change(&entry).await?;
         let mut params = Vec::new();
@@ -470,6 +476,16 @@ impl Applier {
         let Some((xid, commit_lsn, commit_time)) = self.in_transaction("Truncate")? else {
             return Ok(());
         };
+        let mut relations = Vec::with_capacity(truncate.relations.len());
+        for oid in &truncate.relations {
+            let entry = self.entry(*oid)?;
+            if !self.in_later_copy(&entry, commit_lsn) {
+                relations.push(*oid);
+            }
+        }
+        if relations.is_empty() {
+            return Ok(());
+        }
         self.flush_held_updates(None).await?;
         let mut tables = Vec::new();
         let mut names = Vec::new();
@@ -477,7 +493,7 @@ impl Applier {
         // (Each table once: the list comes from the network, and a repeated OID would only
         // make the statement longer.)
         let mut seen = std::collections::HashSet::new();
-        for oid in &truncate.relations {
+        for oid in &relations {
             if !seen.insert(*oid) {
                 continue;
             }
@@ -491,7 +507,7 @@ impl Applier {
                 entry.target.qualified
             ));
         }
-        self.refuse_partial_truncate(&truncate.relations, commit_lsn)?;
+        self.refuse_partial_truncate(&relations, commit_lsn)?;
         let mut sql = format!("TRUNCATE {}", names.join(", "));
         if truncate.restart_identity() {
             sql.push_str(" RESTART IDENTITY");

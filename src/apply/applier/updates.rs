@@ -9,6 +9,9 @@ impl Applier {
             return Ok(());
         };
         let entry = self.entry(update.relation)?;
+        if self.in_later_copy(&entry, commit_lsn) {
+            return Ok(());
+        }
         Self::check_width(&entry, &update.new)?;
         let policies = self.policies_for(&entry);
         // The common case first: an update that keeps its key, held for a batched statement.
