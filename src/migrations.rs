@@ -86,6 +86,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "late_copy",
         include_str!("../migrations/0016_late_copy.sql"),
     ),
+    (
+        17,
+        "reported_lsn",
+        include_str!("../migrations/0017_reported_lsn.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

@@ -784,6 +784,7 @@ async fn run_in_span(
     if negotiated.streaming == Streaming::Parallel && !live_possible {
         tracing::info!("--streaming parallel with --two-phase or --apply-workers above 1: streamed transactions are spooled and applied at commit");
     }
+    let report_recorded = refuse_lost_changes(&setup, &mut session, &config.slot, resume).await?;
     // Tables copied after the initial copy whose snapshot this run's stream has not passed yet.
     let copied_since = Arc::new(copy::copied_since(&setup, &config.slot, resume).await?);
     let live_now = live_possible && copied_since.is_empty();
@@ -880,6 +881,8 @@ async fn run_in_span(
         .await?;
 
     let (durable_tx, durable_rx) = watch::channel(resume);
+    let (report_wanted_tx, report_wanted_rx) = watch::channel(Lsn::INVALID);
+    let report_recorded_tx = Arc::new(watch::Sender::new(report_recorded));
     let tracker_conn = target_connection(&pool, &config.target).await?;
     let tracker = tokio::spawn(
         track_durable(
@@ -902,7 +905,10 @@ async fn run_in_span(
             config.status_interval,
             reported.clone(),
         );
-        Background::spawn(|quit| heartbeat(client, target, slot, every, reported, stop_tx, quit))
+        let report = (report_wanted_rx, report_recorded_tx.clone());
+        Background::spawn(|quit| {
+            heartbeat(client, target, slot, every, reported, stop_tx, report, quit)
+        })
     };
 
     let (tx, rx) = mpsc::unbounded_channel();
@@ -919,6 +925,8 @@ async fn run_in_span(
         in_transaction: false,
         forwarded_end: resume,
         keepalive_end: Lsn::INVALID,
+        report_recorded: report_recorded_tx.subscribe(),
+        report_wanted: report_wanted_tx,
         received: resume,
         endpos: config.endpos,
         stop_request: stop_rx,
@@ -972,13 +980,22 @@ async fn run_in_span(
     tracker.abort();
     heartbeat.stop().await;
 
-    // Last word to the source: what is durable now.
+    // Last word to the source: what is durable now (and the last keepalive's position, once
+    // recorded).
     let durable = match target_connection(&pool, &config.target).await {
-        Ok(client) => match store.durable_position(&client).await {
-            // (Never past what was answered as committed: see `track_durable`.)
-            Ok(lsn) => lsn.min(*applied_at_end.borrow()).max(*durable_rx.borrow()),
-            Err(_) => *durable_rx.borrow(),
-        },
+        Ok(client) => {
+            let wanted = reader.keepalive_end;
+            if wanted > *report_recorded_tx.borrow()
+                && record_reported(&client, &config.slot, wanted).await.is_ok()
+            {
+                report_recorded_tx.send_replace(wanted);
+            }
+            match store.durable_position(&client).await {
+                // (Never past what was answered as committed: see `track_durable`.)
+                Ok(lsn) => lsn.min(*applied_at_end.borrow()).max(*durable_rx.borrow()),
+                Err(_) => *durable_rx.borrow(),
+            }
+        }
         Err(_) => *durable_rx.borrow(),
     };
     let flushed = reader.flush_position(durable);

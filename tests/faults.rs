@@ -246,9 +246,67 @@ async fn idle_publication_lets_the_slot_advance() {
         db.count(&db.target, "SELECT count(*) FROM published").await == 2
     })
     .await;
+    // Idle again: the slot confirms past the last applied commit; killed there, the next run
+    // knows the target recorded that position before it was reported, and goes on.
+    db.source_sql("INSERT INTO other SELECT generate_series(1, 20000)")
+        .await;
+    let wal = db.source_wal().await;
+    wait_for("the slot to confirm past the unpublished WAL", 60, || {
+        db.slot_confirmed(&wal)
+    })
+    .await;
     child.start_kill().unwrap();
     let _ = child.wait().await;
+    db.source_sql("INSERT INTO published VALUES (3)").await;
+    db.sync("p").await;
     db.assert_same("published").await;
+}
+
+/// A slot confirmed past what the target applied (here: dropped and made again while pgapply was
+/// stopped, as after a target restored from an older backup) no longer holds the changes between:
+/// refused, naming both positions, instead of going on without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_confirmed_past_the_target_is_refused() {
+    let db = TestDb::new("lostslot").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.sync("p").await;
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    db.source
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
+        .await
+        .unwrap();
+    db.source
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&db.slot()],
+        )
+        .await
+        .unwrap();
+    db.source_sql("INSERT INTO t VALUES (3)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "replication slot \"{}\" on the source has confirmed changes up to",
+            db.slot()
+        )) && err.contains("are missing here")
+            && err.contains("--copy-data --truncate-target"),
+        "{err}"
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 1);
+    // Accepted by hand: the run takes the slot's position and goes on from there.
+    db.target_sql(&format!(
+        "UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = '{}'",
+        db.slot()
+    ))
+    .await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

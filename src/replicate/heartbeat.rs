@@ -119,7 +119,9 @@ pub const HEARTBEAT_MAX_EVERY: Duration = Duration::from_secs(10);
 pub(super) const HEARTBEAT_ANSWER_WITHIN: Duration = Duration::from_secs(30);
 
 /// Records the worker's state on the target every status interval (at most 10 s), and every
-/// second reads whether `pgapply cutover` asked it to stop at a position.
+/// second reads whether `pgapply cutover` asked it to stop at a position and records the
+/// position the reader wants to report (`record_reported`).
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn heartbeat(
     client: Object,
     (pool, target): (Pool, tokio_postgres::Config),
@@ -127,6 +129,7 @@ pub(super) async fn heartbeat(
     every: Duration,
     reported: Arc<tokio::sync::Mutex<HeartbeatCounts>>,
     stop: watch::Sender<Option<Lsn>>,
+    (report_wanted, report_recorded): (watch::Receiver<Lsn>, Arc<watch::Sender<Lsn>>),
     mut quit: watch::Receiver<bool>,
 ) {
     let every = every.min(HEARTBEAT_MAX_EVERY);
@@ -180,6 +183,18 @@ pub(super) async fn heartbeat(
                     }
                 }
             }
+            // Recorded before the reader may report it (see `Reader::report_recorded`).
+            let wanted = *report_wanted.borrow();
+            if wanted > *report_recorded.borrow() {
+                match record_reported(&client, &slot, wanted).await {
+                    Ok(()) => {
+                        report_recorded.send_replace(wanted);
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "could not record the position to report on the target")
+                    }
+                }
+            }
             match stop_position(&client, &slot).await {
                 Ok(lsn) => {
                     stop.send_if_modified(|current| {
@@ -213,6 +228,24 @@ pub(super) async fn heartbeat(
         }
         session = Some(client);
     }
+}
+
+/// Records on the target (durably, before it is reported) that pgapply may report `lsn` to the
+/// source as flushed although nothing was applied up to there: the WAL end of a keepalive.
+pub(super) async fn record_reported(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    lsn: Lsn,
+) -> Result<()> {
+    client
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL synchronous_commit = on; \
+             UPDATE pgapply.progress SET reported_lsn = greatest(coalesce(reported_lsn, '0/0'), '{lsn}'::pg_lsn) \
+             WHERE slot_name = {}; COMMIT",
+            crate::sql::quote_literal(slot)
+        ))
+        .await
+        .map_err(|e| Error::postgres("recording the position to report on the target", e))
 }
 
 pub(super) async fn write_heartbeat(

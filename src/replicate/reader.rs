@@ -20,6 +20,12 @@ pub(super) struct Reader<'a> {
     pub(super) forwarded_end: Lsn,
     /// WAL end from the last keepalive.
     pub(super) keepalive_end: Lsn,
+    /// How far past the applied position the target has recorded that pgapply may report
+    /// (`pgapply.progress.reported_lsn`, written by the heartbeat before it is reported): a
+    /// restart then knows a slot confirmed beyond it lost changes.
+    pub(super) report_recorded: watch::Receiver<Lsn>,
+    /// The keepalive position the reader would report, for the heartbeat to record.
+    pub(super) report_wanted: watch::Sender<Lsn>,
     /// Highest WAL position received.
     pub(super) received: Lsn,
     pub(super) endpos: Option<Lsn>,
@@ -51,7 +57,15 @@ pub(super) enum Step {
 impl Reader<'_> {
     pub(super) fn flush_position(&self, durable: Lsn) -> Lsn {
         if !self.in_transaction && durable >= self.forwarded_end {
-            durable.max(self.keepalive_end)
+            let wanted = self.keepalive_end;
+            self.report_wanted.send_if_modified(|w| {
+                let more = wanted > *w;
+                if more {
+                    *w = wanted;
+                }
+                more
+            });
+            durable.max(wanted.min(*self.report_recorded.borrow()))
         } else {
             durable
         }

@@ -220,6 +220,53 @@ pub async fn refuse_same_database(
     Ok(())
 }
 
+/// Refuses a slot the source has confirmed past everything this target applied or was told it
+/// could report: the changes between are gone from the slot and missing on the target (a target
+/// restored from an older backup, a slot dropped and made again, another consumer of the slot).
+/// Returns how far past the applied position pgapply may report (`Reader::report_recorded`).
+pub(super) async fn refuse_lost_changes(
+    setup: &tokio_postgres::Client,
+    session: &mut ReplicationSession,
+    slot: &str,
+    resume: Lsn,
+) -> Result<Lsn> {
+    let context = |e| Error::postgres("reading pgapply.progress on the target", e);
+    let recorded: Option<String> = setup
+        .query_opt(
+            "SELECT reported_lsn::text FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?
+        .and_then(|r| r.get(0));
+    let recorded: Option<Lsn> = match recorded {
+        Some(text) => Some(text.parse().map_err(|e| {
+            Error::definite(format!(
+                "pgapply.progress on the target holds an unreadable reported_lsn {text:?}: {e}"
+            ))
+        })?),
+        None => None,
+    };
+    let Some(confirmed) = session.slot_confirmed(slot).await? else {
+        return Ok(recorded.unwrap_or(resume));
+    };
+    let Some(recorded) = recorded else {
+        // A row from before pgapply recorded this (or set back by hand): the slot's position is
+        // taken as it is, once.
+        record_reported(setup, slot, confirmed).await?;
+        return Ok(confirmed);
+    };
+    if resume.is_valid() && confirmed > resume.max(recorded) {
+        return Err(Error::definite(format!(
+            "replication slot {slot:?} on the source has confirmed changes up to {confirmed}, but this target applied them only up to {resume} (and pgapply never reported more than {}): the changes between are no longer in the slot and are missing here. That happens when the target was restored from an older backup, when the slot was dropped and made again, or when another pgapply or client consumed the slot. Start over with a new slot and the initial copy (drop this slot: SELECT pg_drop_replication_slot({}); then run with --copy-data --truncate-target), or, if the target is known to hold those changes, accept the slot's position: UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {} on the target, and start again",
+            recorded.max(resume),
+            crate::sql::quote_literal(slot),
+            crate::sql::quote_literal(slot),
+        )));
+    }
+    Ok(recorded)
+}
+
 /// Whether two lists name the same publications, in any order.
 pub fn same_publications(a: &[String], b: &[String]) -> bool {
     let sorted = |list: &[String]| {
