@@ -25,6 +25,13 @@ pub struct TargetColumn {
     pub type_name: String,
     /// `atttypmod` (-1: none): with the type, what the source's column is compared with.
     pub type_modifier: i32,
+    /// The type for casts of a value that is compared with the column. For the types whose
+    /// modifier is a length (character, varchar, bit, varbit and their arrays) without it,
+    /// schema-qualified: `pg_catalog.varchar`, not `character varying(5)`, which would cut a
+    /// longer value (the column may have been widened since it was read) so that it matches
+    /// nothing; and not `character`, which means `character(1)`. Others as `type_name`: a
+    /// numeric's scale or a timestamp's precision round the value as the column does.
+    pub cast_type: String,
     pub generated: bool,
     /// `GENERATED ALWAYS AS IDENTITY`: an INSERT needs OVERRIDING SYSTEM VALUE to write the
     /// source's value, and an UPDATE may not set it at all.
@@ -367,11 +374,16 @@ pub async fn load_target_table(
     };
     let sql = format!(
         "SELECT c.oid, c.relkind::text, a.attname::text, a.atttypid, \
-                pg_catalog.format_type(a.atttypid, a.atttypmod), {generated}, a.attidentity::text, a.atttypmod \
+                pg_catalog.format_type(a.atttypid, a.atttypmod), {generated}, a.attidentity::text, a.atttypmod, \
+                CASE WHEN a.atttypid IN (1042, 1043, 1560, 1562, 1014, 1015, 1561, 1563) \
+                     THEN pg_catalog.quote_ident(tn.nspname) || '.' || pg_catalog.quote_ident(ty.typname) \
+                     ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END \
          FROM pg_catalog.pg_class c \
          JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
          LEFT JOIN pg_catalog.pg_attribute a \
                 ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped \
+         LEFT JOIN pg_catalog.pg_type ty ON ty.oid = a.atttypid \
+         LEFT JOIN pg_catalog.pg_namespace tn ON tn.oid = ty.typnamespace \
          WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p') \
          ORDER BY a.attnum"
     );
@@ -406,6 +418,9 @@ pub async fn load_target_table(
             type_oid: row.get(3),
             type_name: row.get(4),
             type_modifier: row.get::<_, Option<i32>>(7).unwrap_or(-1),
+            cast_type: row
+                .get::<_, Option<String>>(8)
+                .unwrap_or_else(|| "pg_catalog.text".to_owned()),
             generated: generated.is_some_and(|g| !g.is_empty()),
             identity_always: identity.as_deref() == Some("a"),
         });

@@ -122,6 +122,53 @@ async fn replica_identity_full_tells_apart_values_that_compare_equal() {
     db.assert_same("e").await;
 }
 
+/// A REPLICA IDENTITY FULL row is found after its target column was widened while pgapply runs
+/// (the value is not cut to the length read at start), and padded and bit-string columns of a
+/// fixed length still match.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_identity_full_finds_rows_after_a_target_column_is_widened() {
+    let db = TestDb::new("fullwide").await;
+    db.source_sql(
+        "CREATE TABLE w (id int, v varchar(20), c char(4), b bit(3), a varchar(20)[]); \
+         ALTER TABLE w REPLICA IDENTITY FULL;",
+    )
+    .await;
+    db.target_sql("CREATE TABLE w (id int, v varchar(5), c char(4), b bit(3), a varchar(5)[])")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE w").await;
+    db.source_sql("INSERT INTO w VALUES (1, 'abc', 'ab', B'101', '{x}')")
+        .await;
+    let mut worker = common::spawn(db.pgapply("p", &[]));
+    wait_for("the first row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM w").await == 1
+    })
+    .await;
+    db.target_sql("ALTER TABLE w ALTER v TYPE varchar(20), ALTER a TYPE varchar(20)[]")
+        .await;
+    db.source_sql("INSERT INTO w VALUES (10, 'abcdefgh', 'cd', B'011', '{abcdefgh}')")
+        .await;
+    wait_for("the long row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM w").await == 2
+    })
+    .await;
+    db.source_sql("UPDATE w SET id = 11 WHERE id = 10; UPDATE w SET id = 2 WHERE id = 1")
+        .await;
+    wait_for("the updates", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM w WHERE id IN (2, 11)")
+            .await
+            == 2
+    })
+    .await;
+    db.source_sql("DELETE FROM w WHERE id = 11").await;
+    wait_for("the delete", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM w").await == 1
+    })
+    .await;
+    worker.start_kill().unwrap();
+    let _ = worker.wait().await;
+    db.assert_same("w").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_columns_generated_always_on_the_target() {
     let db = TestDb::new("identity").await;

@@ -351,6 +351,7 @@ mod tests {
             type_oid: 23,
             type_name: "integer".into(),
             type_modifier: -1,
+            cast_type: "integer".into(),
             generated: false,
             identity_always: false,
         };

@@ -328,7 +328,7 @@ fn row_filter(
                     // The value is read as the column's type and printed again, in this session:
                     // binary values (--binary) are read correctly, and both sides print alike
                     // (time zone, a json's or a point's own form) whatever the source's settings.
-                    let ty = target.map_or("text", |t| t.type_name.as_str());
+                    let ty = target.map_or("text", |t| t.cast_type.as_str());
                     conditions.push(format!(
                         "{column}::text COLLATE \"C\" = (${}::{ty})::text COLLATE \"C\"",
                         next()
@@ -339,7 +339,7 @@ fn row_filter(
                     // '1 day' and '24 hours', a domain over box): the row the source changed, not
                     // another that only compares equal. The cast names the type: a composite's
                     // parameter would otherwise be an anonymous record, which has no input.
-                    let (n, ty) = (next(), &t.type_name);
+                    let (n, ty) = (next(), &t.cast_type);
                     // ("C": a nondeterministic collation of the column would call 'A' and 'a' equal
                     // in the text form too.)
                     conditions.push(format!(
