@@ -593,7 +593,10 @@ async fn publication_rule_problems(
     let lists = match src
         .query(
             "SELECT DISTINCT array_to_string(attnames, ', ') FROM pg_catalog.pg_publication_tables \
-             WHERE pubname = ANY ($1) AND format('%I.%I', schemaname, tablename)::regclass = $2::text::regclass",
+             WHERE pubname = ANY ($1) \
+               AND (schemaname, tablename) = (SELECT n.nspname, c.relname FROM pg_catalog.pg_class c \
+                                               JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                                               WHERE c.oid = $2::text::pg_catalog.regclass)",
             &[&publications, &qualified],
         )
         .await

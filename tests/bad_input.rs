@@ -1289,3 +1289,37 @@ async fn check_names_a_physical_slot_and_another_roles_schema() {
     db.source_sql(&format!("SELECT pg_drop_replication_slot('{}')", db.slot()))
         .await;
 }
+
+/// `check` with the source role the README asks for (LOGIN REPLICATION, SELECT on the tables,
+/// not a superuser) reads the publications' rules without touching schemas it may not use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_as_a_replication_role_that_is_not_a_superuser() {
+    let db = TestDb::new("chkrepl").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let user = format!("repl_{}", db.name);
+    db.source_sql(&format!(
+        "CREATE ROLE {user} LOGIN REPLICATION PASSWORD 'r-secret'; GRANT SELECT ON t TO {user};"
+    ))
+    .await;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    cmd.arg("check")
+        .arg("--source")
+        .arg(format!(
+            "host=127.0.0.1 port={} user={user} dbname={}",
+            db.source_port, db.name
+        ))
+        .arg("--target")
+        .arg(db.target_conninfo())
+        .args(["--publication", "p", "--slot", &db.slot(), "--create-slot"])
+        .env("PGPASSWORD", "r-secret")
+        .kill_on_drop(true);
+    let out = run_with_deadline(cmd, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        !text.contains("PROBLEM"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+}
