@@ -771,6 +771,45 @@ async fn a_relation_sent_again_unchanged_keeps_its_prepared_statements() {
     assert!(fresh.get(4242).is_err());
 }
 
+/// A column renamed on the source while pgapply was stopped: the transactions before the rename
+/// are applied (they need the old name on the target), and the one after it stops with the
+/// rename to make; after it, the rest follows. (In one group, neither name let both commit.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_renamed_while_stopped_commits_what_came_before() {
+    let db = TestDb::new("renlag").await;
+    db.both("CREATE TABLE r (id int PRIMARY KEY, a int, b text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE r").await;
+    db.source_sql("INSERT INTO r VALUES (1, 1, 'one')").await;
+    db.sync("p").await;
+    db.source_sql("INSERT INTO r VALUES (2, 2, 'two')").await;
+    db.source_sql("UPDATE r SET b = 'uno' WHERE id = 1").await;
+    db.source_sql("ALTER TABLE r RENAME b TO b2").await;
+    db.source_sql("INSERT INTO r VALUES (3, 3, 'three')").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--retry-min", "10ms"]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("RENAME COLUMN \"b\" TO \"b2\""), "{err}");
+    // What came before the rename is there.
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM r WHERE id = 2 OR b = 'uno'"
+        )
+        .await,
+        2
+    );
+    db.target_sql("ALTER TABLE r RENAME b TO b2").await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("r").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_type_changed_while_binary_values_arrive_stops_with_what_to_do() {
     let c = common::clusters();

@@ -1099,10 +1099,22 @@ impl Applier {
                 self.relations.remember_type(t);
                 Ok(())
             }
-            LogicalMessage::Insert(i) => self.insert(i).await,
-            LogicalMessage::Update(u) => self.update(u).await,
-            LogicalMessage::Delete(d) => self.delete(d).await,
-            LogicalMessage::Truncate(t) => self.truncate(t).await,
+            LogicalMessage::Insert(i) => {
+                let r = self.insert(i).await;
+                self.alone_if_grouped(r)
+            }
+            LogicalMessage::Update(u) => {
+                let r = self.update(u).await;
+                self.alone_if_grouped(r)
+            }
+            LogicalMessage::Delete(d) => {
+                let r = self.delete(d).await;
+                self.alone_if_grouped(r)
+            }
+            LogicalMessage::Truncate(t) => {
+                let r = self.truncate(t).await;
+                self.alone_if_grouped(r)
+            }
             LogicalMessage::Origin(o) => {
                 tracing::debug!(origin = %o.name, commit_lsn = %o.commit_lsn, "transaction from origin");
                 Ok(())
@@ -1205,6 +1217,29 @@ impl Applier {
             skip_requested,
         });
         Ok(())
+    }
+
+    /// A change that cannot be applied (its table's description does not fit the target, say)
+    /// while the open group holds earlier source transactions: those must not go down with it.
+    /// A column or table renamed on the source while pgapply was behind is the case: the
+    /// transactions before the rename need the old name on the target, the one after it the new,
+    /// and in one group neither order of fixing it lets both commit. So the group is applied
+    /// again one transaction at a time, after which the error is this transaction's alone.
+    fn alone_if_grouped(&mut self, result: Result<()>) -> Result<()> {
+        match result {
+            Err(e)
+                if !e.is_transient()
+                    && self.worker.is_none()
+                    && self.group.as_ref().is_some_and(|g| g.transactions > 0) =>
+            {
+                let through = self.unbatch(None);
+                Err(Error::transient(format!(
+                    "{}; applying the source transactions up to commit {through} again one at a time, so that those before it are committed",
+                    e.message()
+                )))
+            }
+            other => other,
+        }
     }
 
     fn on_commit(&mut self, c: Commit) -> Result<()> {
