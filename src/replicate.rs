@@ -418,9 +418,9 @@ async fn copy_interrupted(
 }
 
 /// A run that ended with an error says so in `pgapply status` (`failed`, and the error; the log also says
-/// whether it is retried), instead of leaving `streaming` or `copying` behind. Only the row this
-/// process wrote (its pid, or none once the run's last heartbeat said `failed`): the error may be
-/// that another worker holds the slot. Best effort.
+/// whether it is retried), instead of leaving `streaming`, `copying` or the `stopped` of an earlier
+/// run behind. Only a row no other process holds (this one's pid, or none): the error may be that
+/// another worker holds the slot. Best effort.
 async fn record_failure(target: &tokio_postgres::Config, slot: &str, error: &str) {
     let attempt = async {
         let client = crate::tls::connect(target).await.ok()?;
@@ -428,7 +428,7 @@ async fn record_failure(target: &tokio_postgres::Config, slot: &str, error: &str
             .execute(
                 "UPDATE pgapply.progress SET state = 'failed', pid = NULL, heartbeat_at = now(), \
                         last_error = $3 \
-                 WHERE slot_name = $1 AND (pid = $2 OR (pid IS NULL AND state = 'failed'))",
+                 WHERE slot_name = $1 AND (pid = $2 OR pid IS NULL)",
                 &[&slot, &(std::process::id() as i32), &error],
             )
             .await

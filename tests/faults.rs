@@ -789,3 +789,33 @@ async fn status_updates_go_on_while_the_applier_finishes_after_the_end_position(
         .await;
     assert_eq!(confirmed, 1, "the slot learnt what was applied");
 }
+
+/// A run that fails as it starts, after a clean stop, says `failed` in `pgapply status`, with
+/// its error, not the earlier run's `stopped`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_failing_at_start_after_a_clean_stop_is_failed_in_status() {
+    let db = TestDb::new("failstart").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.sync("p").await;
+    let state = || async {
+        let row = db
+            .target
+            .query_one(
+                "SELECT state, coalesce(last_error, '') FROM pgapply.progress",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, String>(0), row.get::<_, String>(1))
+    };
+    assert_eq!(state().await.0, "stopped");
+    db.target_sql("DROP TABLE t").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(!out.status.success(), "{}", stderr(&out));
+    let (now, error) = state().await;
+    assert_eq!(now, "failed", "{}", stderr(&out));
+    assert!(error.contains("does not exist on the target"), "{error}");
+}

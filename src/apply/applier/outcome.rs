@@ -336,6 +336,23 @@ impl Applier {
                 None => format!("target table {table} is a partition whose bounds do not take the source's row (the target's partitions differ from the source's): make its bounds match the source's, or apply into the partitioned table (`[tables]` in the config file), then start pgapply again"),
                 Some(name) => format!("the CHECK constraint {} of target table {table} refuses the source's row: drop or change it on the target, then start pgapply again; or {}", quote_ident(name), self.skip_hint(about.commit_lsn)),
             },
+            // A row the target has and the source does not know of: fixing that row keeps the
+            // transaction, skipping loses all of it.
+            Some("23505") if matches!(about.operation, "INSERT" | "UPDATE") => {
+                let (kind, take) = if about.operation == "INSERT" {
+                    ("insert_exists", "apply_remote (replace the target's row with the source's), skip or keep_local (keep the target's)")
+                } else {
+                    ("update_exists", "apply_remote (delete the target's other row), skip or keep_local (keep it and leave this update out)")
+                };
+                format!(
+                    "a row of target table {table} already holds that key (written on the target, or by another source): delete or change that row on the target and start pgapply again, or give the table a conflict policy in the config file ([tables.\"...\".conflicts] or [conflicts] {kind} = {take}); or, losing the whole source transaction, its other changes too: {}",
+                    self.skip_hint(about.commit_lsn)
+                )
+            }
+            // The target table went away under the prepared statements.
+            Some("42P01") => format!(
+                "target table {table} no longer exists (dropped or renamed on the target while pgapply ran): create it again or rename it back, then start pgapply again"
+            ),
             // A target foreign key from a table the source did not truncate.
             Some("0A000") if about.operation == "TRUNCATE" => format!(
                 "the source truncated {table}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber). Empty or drop the referencing table on the target (or drop its foreign key), or publish it, then start pgapply again"
