@@ -785,6 +785,7 @@ async fn run_in_span(
         tracing::info!("--streaming parallel with --two-phase or --apply-workers above 1: streamed transactions are spooled and applied at commit");
     }
     let report_recorded = refuse_lost_changes(&setup, &mut session, &config.slot, resume).await?;
+    restore_applied_metrics(&setup, &config.slot, resume).await;
     // Tables copied after the initial copy whose snapshot this run's stream has not passed yet.
     let copied_since = Arc::new(copy::copied_since(&setup, &config.slot, resume).await?);
     let live_now = live_possible && copied_since.is_empty();

@@ -1102,3 +1102,47 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     db.assert_same("k").await;
     db.assert_same("f").await;
 }
+
+/// After a restart, before anything is applied (the target table locked), the lag in seconds is
+/// the age of the last commit the target recorded, and the applied position is the recorded one,
+/// not 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_after_a_restart_start_from_the_recorded_position() {
+    let db = TestDb::new("obsrestart").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.sync("p").await;
+    let holder = common::connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    let port = common::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = spawn(db.pgapply("p", &["--metrics-addr", &addr]));
+    wait_for("a lag in seconds while the table is locked", 60, || async {
+        let Ok(m) = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                Ok(_) => Some(http_get(port, "/metrics").await),
+                Err(_) => None,
+            }
+        })
+        .await
+        else {
+            return false;
+        };
+        m.is_some_and(|m| {
+            metric(&m, "pgapply_lag_seconds") > 0.0 && metric(&m, "pgapply_applied_lsn") > 0.0
+        })
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    wait_for("the row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 2
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+}

@@ -267,6 +267,34 @@ pub(super) async fn refuse_lost_changes(
     Ok(recorded)
 }
 
+/// The applied position and the time of the last applied commit, as the target recorded them,
+/// into the metrics of a process that has applied nothing yet: the lag in seconds after a restart
+/// (a large first transaction, a locked table) is then the age of that commit, not 0, and the
+/// applied position does not drop to 0 on graphs. Best effort.
+pub(super) async fn restore_applied_metrics(
+    setup: &tokio_postgres::Client,
+    slot: &str,
+    resume: Lsn,
+) {
+    METRICS.applied_lsn.set_max(resume.0);
+    if METRICS.last_commit_time.get() != 0 {
+        return;
+    }
+    // (Microseconds since 2000-01-01, PostgreSQL's epoch, as `PgTimestamp`.)
+    let row = setup
+        .query_opt(
+            "SELECT ((extract(epoch FROM coalesce(last_commit_time, commit_time)) - 946684800) * 1000000)::bigint \
+             FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await;
+    if let Ok(Some(row)) = row {
+        if let Some(micros) = row.get::<_, Option<i64>>(0).filter(|m| *m > 0) {
+            METRICS.last_commit_time.set(micros as u64);
+        }
+    }
+}
+
 /// Whether two lists name the same publications, in any order.
 pub fn same_publications(a: &[String], b: &[String]) -> bool {
     let sorted = |list: &[String]| {
