@@ -697,6 +697,23 @@ async fn table_mode_waits_for_a_previous_session_still_committing() {
     child.stdout(std::process::Stdio::null());
     child.stderr(std::process::Stdio::piped());
     let mut child = child.spawn().expect("spawn");
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let mut pipe = child.stderr.take().expect("stderr");
+    let log_task = tokio::spawn({
+        let log = log.clone();
+        async move {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                log.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        }
+    });
     // (Before the fix the new run did not wait: it applied the transaction and ended.)
     let mut exited = false;
     common::wait_for("the new run to wait for the previous session", 60, || {
@@ -719,6 +736,21 @@ async fn table_mode_waits_for_a_previous_session_still_committing() {
         }
     })
     .await;
+    // Said while it waits, with the session that holds the lock.
+    let old_pid: i32 = old
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    common::wait_for("the wait to be said", 30, || {
+        let said = log
+            .lock()
+            .unwrap()
+            .lines()
+            .any(|l| l.contains(&format!("(process {old_pid}) holds this slot's apply lock")));
+        async move { said }
+    })
+    .await;
     old.execute(
         "UPDATE pgapply.progress SET lsn = $2::text::pg_lsn WHERE slot_name = $1",
         &[&db.slot(), &endpos],
@@ -729,17 +761,18 @@ async fn table_mode_waits_for_a_previous_session_still_committing() {
     old.execute(&format!("SELECT pg_advisory_unlock({key})"), &[&db.slot()])
         .await
         .unwrap();
-    let out = tokio::time::timeout(std::time::Duration::from_secs(90), child.wait_with_output())
+    let status = tokio::time::timeout(std::time::Duration::from_secs(90), child.wait())
         .await
         .expect("pgapply did not finish")
         .expect("wait");
-    assert!(out.status.success(), "{}", stderr(&out));
+    let _ = log_task.await;
+    let text = log.lock().unwrap().clone();
+    assert!(status.success(), "{text}");
     assert_eq!(
         db.count(&db.target, "SELECT count(*) FROM h WHERE v = 2")
             .await,
         1,
-        "applied twice:\n{}",
-        stderr(&out)
+        "applied twice:\n{text}"
     );
     db.assert_same("h").await;
 }

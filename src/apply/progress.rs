@@ -232,8 +232,8 @@ impl ProgressStore {
                 name: origin.clone(),
             },
             Err(e) if e.code().is_some_and(|c| c.code() == INSUFFICIENT_PRIVILEGE) => {
-                tracing::info!(
-                    "the target role may not use replication origins; recording progress in pgapply.progress instead (synchronous_commit stays on)"
+                tracing::warn!(
+                    "the target role may not use replication origins; recording progress in pgapply.progress instead (synchronous_commit stays on). The changes applied here carry no origin, so a stream from this database back to the source (a reverse or two-way set-up) cannot leave them out with --origin none, and would send them back: for that, use a target role that may use replication origins (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions)"
                 );
                 ProgressMode::Table
             }
@@ -498,7 +498,9 @@ impl ProgressStore {
     async fn check_resume_in_table(&self, client: &Client, resume: Lsn) -> Result<()> {
         let context = |e| Error::postgres("taking the apply session's lock on the target", e);
         let key = "('x' || left(md5('pgapply progress ' || $1), 16))::bit(64)::bigint";
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let started = std::time::Instant::now();
+        let deadline = started + std::time::Duration::from_secs(60);
+        let mut said = false;
         loop {
             let row = client
                 .query_one(
@@ -509,6 +511,28 @@ impl ProgressStore {
                 .map_err(context)?;
             if row.get::<_, bool>(0) {
                 break;
+            }
+            if !said && started.elapsed() >= std::time::Duration::from_secs(2) {
+                said = true;
+                // (A bigint advisory lock is classid = high half, objid = low half, objsubid 1.)
+                let holder: Option<i32> = client
+                    .query_opt(
+                        &format!(
+                            "SELECT l.pid FROM pg_catalog.pg_locks l, (SELECT {key} AS k) x \
+                             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+                               AND l.classid::bigint = (x.k >> 32) & 4294967295 AND l.objid::bigint = x.k & 4294967295 LIMIT 1"
+                        ),
+                        &[&self.slot],
+                    )
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|r| r.get(0));
+                let who = holder.map_or_else(String::new, |p| format!(" (process {p})"));
+                tracing::warn!(
+                    slot = %self.slot,
+                    "another target session{who} holds this slot's apply lock: a previous run finishing what it was sent, or a second pgapply on the same slot (then stop one of them); waiting up to 60 s for it to end"
+                );
             }
             if std::time::Instant::now() > deadline {
                 return Err(Error::transient(format!(
