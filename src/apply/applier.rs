@@ -875,7 +875,17 @@ impl Applier {
                         self.next_turn = envelope.turn;
                     }
                     self.permit = envelope.permit;
-                    self.dispatch(envelope.message, envelope.raw).await?;
+                    if let Err(e) = self.dispatch(envelope.message, envelope.raw).await {
+                        // Groups closed before it (their COMMIT sent, its answer not in yet)
+                        // are not the failing transaction's: their answers are waited for, so
+                        // they count as applied, instead of the process ending first. (Not on
+                        // a parallel worker: its statements may wait for others'.)
+                        if self.worker.is_none() && !self.committing.is_empty() {
+                            self.drain_to(0).await;
+                            self.settle_committed().await;
+                        }
+                        return Err(e);
+                    }
                     self.permit = None;
                     // Between source transactions a finished group may commit: right after a
                     // commit, or when other messages (stream blocks, non-transactional messages)
