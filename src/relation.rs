@@ -220,8 +220,10 @@ impl RelationCache {
                 }
                 _ => {
                     return Err(Error::definite(format!(
-                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); otherwise create it on the target with the same columns (pg_dump --schema-only --table='{}' from the source), then start pgapply again",
+                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); if it was renamed there already, and these are changes from before the source's rename, map the old name onto it until pgapply is past them ([tables.\"{}.{}\"] target = \"<schema>.<new name>\" in the config file); otherwise create it on the target with the same columns (pg_dump --schema-only --table='{}' from the source), then start pgapply again",
                         qualified_name(&target_schema, &target_name),
+                        schema.replace('\\', "\\\\").replace('"', "\\\""),
+                        relation.name.replace('\\', "\\\\").replace('"', "\\\""),
                         shown
                     )))
                 }

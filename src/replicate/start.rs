@@ -361,7 +361,7 @@ pub fn unmatched_table_settings(
     keys.iter()
         .map(|(schema, name)| {
             format!(
-                "the config file's [tables.\"{schema}.{name}\"] names no table the publications publish (names are case-sensitive): its settings are not used; check the name against the source's tables"
+                "the config file's [tables.\"{schema}.{name}\"] names no table the publications publish now (names are case-sensitive): its settings are used only by changes still to apply that name it (made before the table was renamed on the source); otherwise check the name against the source's tables"
             )
         })
         .collect()

@@ -30,8 +30,9 @@ impl Applier {
         else {
             return Ok(());
         };
-        Err(Error::definite(format!(
-            "column {} of table {} has type {} on the target, which the source's binary values (--binary) may not fit (the source's column has another type, or a user-defined one): start pgapply again (it then checks the types and receives text values where they differ)",
+        // Transient: the run that starts again checks the types and has text values sent.
+        Err(Error::transient(format!(
+            "column {} of table {} has type {} on the target, which the source's binary values (--binary) may not fit (the source's column has another type, or a user-defined one): starting again, with text values where the types differ",
             quote_ident(&entry.source.columns[c].name),
             entry.display_name(),
             entry.target_column(c).map_or("?", |t| t.type_name.as_str())
