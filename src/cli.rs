@@ -267,7 +267,8 @@ pub struct SkipArgs {
     /// The slot whose worker should skip the transaction.
     #[arg(long, env = "PGAPPLY_SLOT")]
     pub slot: Option<String>,
-    /// Commit LSN of the source transaction to skip.
+    /// Commit LSN of the source transaction to skip (as the error printed it), or `none` to
+    /// take back a request not carried out yet.
     #[arg(long)]
     pub lsn: String,
 }

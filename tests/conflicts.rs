@@ -829,3 +829,81 @@ async fn a_truncate_of_one_of_two_tables_mapped_onto_one_stops_and_says_what_to_
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM ab").await, 0);
 }
+
+/// `pgapply skip` with another LSN than the last error names is refused, naming the right one;
+/// `--lsn none` takes a request back; and a request the stream passes without a transaction
+/// committing exactly there is taken back by the worker, which says so and applies on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skip_for_the_wrong_lsn_is_refused_or_taken_back() {
+    let db = TestDb::new("skipwrong").await;
+    db.both("CREATE TABLE k (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k").await;
+    db.target_sql("INSERT INTO k VALUES (1, 'local')").await;
+    db.source_sql("INSERT INTO k VALUES (1, 'a'), (2, 'b')")
+        .await;
+    let out = sync_with(&db, &[]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    let named: String = err
+        .split("--lsn ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{err}"))
+        .to_owned();
+    let skip = |lsn: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+        cmd.args([
+            "skip",
+            "--target",
+            &db.target_conninfo(),
+            "--slot",
+            &db.slot(),
+            "--lsn",
+            lsn,
+        ]);
+        cmd
+    };
+    // One byte off: refused, with the LSN to give.
+    let wrong: pgapply::protocol::Lsn = named.parse().unwrap();
+    let wrong = pgapply::protocol::Lsn(wrong.0 - 1).to_string();
+    let out = run_with_deadline(skip(&wrong), 30).await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains(&format!("give --lsn {named}")),
+        "{}",
+        stderr(&out)
+    );
+    // A request made and taken back.
+    let out = run_with_deadline(skip(&named), 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run_with_deadline(skip("none"), 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&format!(
+            "took back the request to skip the transaction committed at {named}"
+        )),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // A request for an LSN nothing commits at (set by hand, past the check): taken back by the
+    // worker when the stream passes it; the conflict stops the run again.
+    db.target_sql(&format!("UPDATE pgapply.progress SET skip_lsn = '{wrong}'"))
+        .await;
+    let out = sync_with(&db, &[]).await;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains(&format!(
+            "the request to skip the source transaction committed at {wrong} matched none"
+        )),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE skip_lsn IS NOT NULL"
+        )
+        .await,
+        0
+    );
+}

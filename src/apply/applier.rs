@@ -1073,7 +1073,12 @@ impl Applier {
 
     async fn handle(&mut self, message: LogicalMessage) -> Result<()> {
         match message {
-            LogicalMessage::Begin(b) => self.begin(b),
+            LogicalMessage::Begin(b) => {
+                let final_lsn = b.final_lsn;
+                self.begin(b)?;
+                self.drop_passed_skip(final_lsn).await;
+                Ok(())
+            }
             LogicalMessage::Commit(c) => self.on_commit(c),
             LogicalMessage::Relation(r) if r.namespace == OWN_SCHEMA => {
                 self.own_state.insert(r.oid);
@@ -1227,6 +1232,37 @@ impl Applier {
             skip_requested,
         });
         Ok(())
+    }
+
+    /// A `pgapply skip` request for a commit LSN that the stream has passed without a
+    /// transaction committing exactly there (a mistyped LSN) can never be carried out:
+    /// transactions come in commit order. It is taken back, said, and the transactions are
+    /// applied (as PostgreSQL's own subscriber does with a SKIP LSN that matched nothing).
+    async fn drop_passed_skip(&mut self, final_lsn: Lsn) {
+        // (A parallel worker sees only its share of the transactions: the one asked for may be
+        // another worker's.)
+        let Some(requested) = self
+            .skip_lsn
+            .filter(|s| final_lsn > *s && self.worker.is_none())
+        else {
+            return;
+        };
+        self.skip_lsn = None;
+        tracing::warn!(
+            requested = %requested,
+            next_commit = %final_lsn,
+            "the request to skip the source transaction committed at {requested} matched none (the stream is past it): taken back; give the commit LSN an error printed"
+        );
+        if let Err(e) = self
+            .catalog
+            .execute(
+                "UPDATE pgapply.progress SET skip_lsn = NULL WHERE slot_name = $1 AND skip_lsn = $2::text::pg_lsn",
+                &[&self.slot, &requested.to_string()],
+            )
+            .await
+        {
+            tracing::debug!(error = %e, "could not take back the skip request on the target");
+        }
     }
 
     /// A change that cannot be applied (its table's description does not fit the target, say)
