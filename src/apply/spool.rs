@@ -171,14 +171,14 @@ pub fn private_dir(dir: &std::path::Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => {
             return Err(Error::definite(format!(
-                "cannot create spool directory {}: {e} (set --spool-dir)",
+                "cannot create spool directory {}: {e} (--spool-dir, or PGAPPLY_SPOOL_DIR, chooses where spooled transactions go: point it at a directory this user may create and write)",
                 dir.display()
             )))
         }
     }
     let meta = std::fs::symlink_metadata(dir).map_err(|e| {
         Error::definite(format!(
-            "spool directory {}: {e} (set --spool-dir)",
+            "spool directory {}: {e} (--spool-dir, or PGAPPLY_SPOOL_DIR, chooses where spooled transactions go: point it at a directory this user may create and write)",
             dir.display()
         ))
     })?;
@@ -194,7 +194,7 @@ pub fn private_dir(dir: &std::path::Path) -> Result<()> {
         // Made by an earlier version with the default umask.
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
             Error::definite(format!(
-                "spool directory {}: {e} (set --spool-dir)",
+                "spool directory {}: {e} (--spool-dir, or PGAPPLY_SPOOL_DIR, chooses where spooled transactions go: point it at a directory this user may create and write)",
                 dir.display()
             ))
         })?;
@@ -225,7 +225,7 @@ impl Spool {
             .create(&dir)
             .map_err(|e| {
                 Error::definite(format!(
-                    "cannot create spool directory {}: {e} (set --spool-dir)",
+                    "cannot create spool directory {}: {e} (--spool-dir, or PGAPPLY_SPOOL_DIR, chooses where spooled transactions go: point it at a directory this user may create and write)",
                     dir.display()
                 ))
             })?;

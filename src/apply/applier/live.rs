@@ -121,6 +121,7 @@ impl Watchdog {
         self.task = Some(tokio::spawn(tracing::Instrument::in_current_span(
             async move {
                 let mut seen = 0;
+                let mut warned: Option<std::time::Instant> = None;
                 loop {
                     tokio::time::sleep(WATCHDOG_EVERY).await;
                     let idle = queued.load(Ordering::SeqCst) == 0;
@@ -130,13 +131,24 @@ impl Watchdog {
                             .await
                             .map(|r| r.get::<_, bool>(0))
                             .map_err(|e| crate::error::describe_postgres(&e)),
+                        // (The pool's own text hides the server's reason: "db error".)
+                        Err(deadpool_postgres::PoolError::Backend(e)) => {
+                            Err(crate::error::describe_postgres(&e))
+                        }
                         Err(e) => Err(e.to_string()),
                     };
                     match blocked {
                         Ok(true) if idle => seen += 1,
                         Ok(_) => seen = 0,
                         Err(e) => {
-                            tracing::warn!(error = %e, "the deadlock watchdog could not ask the target; trying again");
+                            // Once in a while: it asks every WATCHDOG_EVERY, and a target that
+                            // restarts is said by the heartbeat too.
+                            if warned.is_none_or(|at: std::time::Instant| at.elapsed() >= std::time::Duration::from_secs(30)) {
+                                warned = Some(std::time::Instant::now());
+                                tracing::warn!(error = %e, "the deadlock watchdog could not ask the target; trying again");
+                            } else {
+                                tracing::debug!(error = %e, "the deadlock watchdog could not ask the target");
+                            }
                             seen = 0;
                         }
                     }
