@@ -1028,14 +1028,31 @@ impl Applier {
             abort_info: false,
         };
         let mut count = 0u64;
+        // A large one takes minutes on the target, while the stream's position does not move:
+        // said every 10 s, so that it does not look stuck.
+        let started = Instant::now();
+        let mut said = started;
         while let Some(raw) = replay.next_message()? {
             let message = crate::protocol::pgoutput::decode(raw, context).map_err(|e| {
                 Error::definite(format!("replaying streamed transaction {xid}: {e}"))
             })?;
             self.handle(message).await?;
             count += 1;
+            if count % 1024 == 0 && said.elapsed() >= Duration::from_secs(10) {
+                said = Instant::now();
+                tracing::info!(
+                    xid,
+                    messages = count,
+                    seconds = started.elapsed().as_secs(),
+                    "applying a large streamed transaction"
+                );
+            }
         }
-        tracing::debug!(xid, messages = count, "replayed streamed transaction");
+        if started.elapsed() >= Duration::from_secs(10) {
+            tracing::info!(xid, messages = count, seconds = started.elapsed().as_secs(), "applied the streamed transaction's changes; committing");
+        } else {
+            tracing::debug!(xid, messages = count, "replayed streamed transaction");
+        }
         Ok(())
     }
 

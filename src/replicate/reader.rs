@@ -346,7 +346,23 @@ impl Reader<'_> {
         METRICS.queue_bytes.set(self.queued() as u64);
         let mut status = tokio::time::interval(self.status_interval);
         status.tick().await;
+        let started = Instant::now();
+        let mut said: Option<Instant> = None;
         loop {
+            // A full queue for long (a slow target, a large transaction applied): said, or the
+            // log would look stuck; every 60 s after the first 30.
+            if started.elapsed() >= Duration::from_secs(30)
+                && said.is_none_or(|at| at.elapsed() >= Duration::from_secs(60))
+            {
+                said = Some(Instant::now());
+                tracing::info!(
+                    queued_bytes = self.queued(),
+                    received_lsn = %self.received,
+                    durable_lsn = %*self.durable.borrow(),
+                    waited_seconds = started.elapsed().as_secs(),
+                    "the apply queue is full: reading from the source waits for the target to apply what it has"
+                );
+            }
             tokio::select! {
                 permit = self.budget.clone().acquire_many_owned(cost) => {
                     // Nothing was read meanwhile: the source's silence counts from now.
