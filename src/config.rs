@@ -466,13 +466,12 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     config.spool_dir = args.spool_dir.clone().or_else(|| file.spool_dir.clone());
     if let Some(size) = args.queue_size.as_ref().or(file.queue_size.as_ref()) {
         let bytes = crate::cutover::parse_size(size)
-            .ok()
-            .filter(|b| (MIN_QUEUE_BYTES..=MAX_QUEUE_BYTES).contains(b))
-            .ok_or_else(|| {
-                Error::usage(format!(
-                    "queue_size {size:?}: give a size from 64kB to 1024GB, such as 64MB or 512kB"
-                ))
-            })?;
+            .map_err(|e| Error::usage(format!("queue_size: {}", e.message())))?;
+        if !(MIN_QUEUE_BYTES..=MAX_QUEUE_BYTES).contains(&bytes) {
+            return Err(Error::usage(format!(
+                "queue_size {size:?}: give a size from 64kB to 1024GB, such as 64MB or 512kB"
+            )));
+        }
         config.queue_bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
     }
     if let Some(max) = args.max_message_bytes.or(file.max_message_bytes) {

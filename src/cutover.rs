@@ -108,27 +108,38 @@ async fn copy_under_way(target: &Client, slot: &str) -> Result<bool> {
 /// Sizes like "16MB", "512kB", "1GB" or plain bytes.
 pub fn parse_size(text: &str) -> Result<u64> {
     let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let n: u64 = number.parse().map_err(|_| {
-        Error::definite(format!(
-            "invalid size {text:?}: write it like 16MB, 512kB or 1048576"
-        ))
-    })?;
-    let factor = match unit.trim().to_ascii_lowercase().as_str() {
+    let n: f64 = number
+        .parse()
+        .ok()
+        .filter(|n: &f64| n.is_finite())
+        .ok_or_else(|| {
+            Error::definite(format!(
+                "invalid size {text:?}: write it like 16MB, 1.5GB, 512kB or 1048576"
+            ))
+        })?;
+    // Powers of 1024, as PostgreSQL's own settings; the binary prefixes (MiB) mean the same.
+    let factor: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         // No one-letter units: "5m" is five minutes (humantime), not five megabytes.
-        "kb" => 1024,
-        "mb" => 1024 * 1024,
-        "gb" => 1024 * 1024 * 1024,
+        "kb" | "kib" => 1 << 10,
+        "mb" | "mib" => 1 << 20,
+        "gb" | "gib" => 1 << 30,
+        "tb" | "tib" => 1 << 40,
         _ => {
             return Err(Error::definite(format!(
-                "invalid size {text:?}: units are B, kB, MB, GB"
+                "invalid size {text:?}: units are B, kB, MB, GB, TB (or KiB, MiB, GiB, TiB)"
             )))
         }
     };
-    n.checked_mul(factor)
-        .ok_or_else(|| Error::usage(format!("invalid size {text:?}: too large")))
+    let bytes = (n * factor as f64).round();
+    if bytes >= u64::MAX as f64 {
+        return Err(Error::usage(format!("invalid size {text:?}: too large")));
+    }
+    Ok(bytes as u64)
 }
 
 pub async fn cutover(
@@ -1322,6 +1333,11 @@ mod tests {
         assert_eq!(super::parse_size("512kB").unwrap(), 512 << 10);
         assert_eq!(super::parse_size("100").unwrap(), 100);
         assert!(super::parse_size("lots").is_err());
+        assert_eq!(super::parse_size("1.5GB").unwrap(), 3 << 29);
+        assert_eq!(super::parse_size("64MiB").unwrap(), 64 << 20);
+        assert_eq!(super::parse_size("2 kib").unwrap(), 2048);
+        assert!(super::parse_size("1.2.3MB").is_err());
+        assert!(super::parse_size("5m").is_err());
         assert!(
             matches!(super::MaxLag::parse("5m"), Ok(super::MaxLag::Time(t)) if t.as_secs() == 300)
         );
