@@ -1356,3 +1356,35 @@ async fn check_as_a_replication_role_that_is_not_a_superuser() {
     );
     assert!(out.status.success(), "{text}");
 }
+
+/// A slot name whose progress on the target belongs to another source: a running worker of that
+/// source is not to be disturbed (only "use another slot name"); a stopped one's row may be
+/// deleted, said with the statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_name_of_another_source_on_the_target() {
+    let db = TestDb::new("othersrc").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.sync("p").await;
+    db.target_sql("UPDATE pgapply.progress SET source_system_id = '42', state = 'stopped'")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("from another source (system identifier 42")
+            && err.contains("DELETE FROM pgapply.progress WHERE slot_name"),
+        "{err}"
+    );
+    db.target_sql("UPDATE pgapply.progress SET state = 'streaming', heartbeat_at = now()")
+        .await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("is in use on this target by a running worker of another source")
+            && !err.contains("DELETE FROM"),
+        "{err}"
+    );
+}

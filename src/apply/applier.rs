@@ -1049,7 +1049,12 @@ impl Applier {
             }
         }
         if started.elapsed() >= Duration::from_secs(10) {
-            tracing::info!(xid, messages = count, seconds = started.elapsed().as_secs(), "applied the streamed transaction's changes; committing");
+            tracing::info!(
+                xid,
+                messages = count,
+                seconds = started.elapsed().as_secs(),
+                "applied the streamed transaction's changes; committing"
+            );
         } else {
             tracing::debug!(xid, messages = count, "replayed streamed transaction");
         }

@@ -279,16 +279,25 @@ impl ProgressStore {
         }
         let row = client
             .query_one(
-                "SELECT source_system_id, lsn::text FROM pgapply.progress WHERE slot_name = $1",
+                "SELECT source_system_id, lsn::text, \
+                        state IN ('streaming', 'copying') AND heartbeat_at > now() - interval '30 seconds' \
+                 FROM pgapply.progress WHERE slot_name = $1",
                 &[&slot],
             )
             .await
             .map_err(context)?;
         let recorded_system: Option<String> = row.get(0);
+        let alive = row.get::<_, Option<bool>>(2).unwrap_or(false);
         match recorded_system.as_deref() {
+            Some(id) if id != source_system_id && alive => {
+                return Err(Error::definite(format!(
+                    "slot name {slot:?} is in use on this target by a running worker of another source (system identifier {id}; this source is {source_system_id}): each source needs its own slot name here, give this one another --slot"
+                )))
+            }
             Some(id) if id != source_system_id => {
                 return Err(Error::definite(format!(
-                    "the target holds progress for slot {slot:?} from another source (system identifier {id}, this source is {source_system_id}): use another slot name, or delete the row from pgapply.progress if the target should start over"
+                    "the target holds progress for slot {slot:?} from another source (system identifier {id}, this source is {source_system_id}): give this source another --slot; only if that other source's worker is gone for good and the target should start over for this one, delete the slot's row (DELETE FROM pgapply.progress WHERE slot_name = '{}')",
+                    slot.replace('\'', "''")
                 )))
             }
             Some(_) => {}

@@ -143,7 +143,9 @@ impl Watchdog {
                         Err(e) => {
                             // Once in a while: it asks every WATCHDOG_EVERY, and a target that
                             // restarts is said by the heartbeat too.
-                            if warned.is_none_or(|at: std::time::Instant| at.elapsed() >= std::time::Duration::from_secs(30)) {
+                            if warned.is_none_or(|at: std::time::Instant| {
+                                at.elapsed() >= std::time::Duration::from_secs(30)
+                            }) {
                                 warned = Some(std::time::Instant::now());
                                 tracing::warn!(error = %e, "the deadlock watchdog could not ask the target; trying again");
                             } else {
