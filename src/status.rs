@@ -73,7 +73,8 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                     extract(epoch FROM now() - heartbeat_at)::float8, lag_seconds, \
                     transactions, inserts, updates, deletes, truncates, conflicts::text, \
                     to_jsonb(p) ->> 'stop_lsn', to_jsonb(p) ->> 'skip_lsn', \
-                    CASE WHEN state = 'failed' THEN to_jsonb(p) ->> 'last_error' END \
+                    CASE WHEN state = 'failed' THEN to_jsonb(p) ->> 'last_error' END, \
+                    source_system_id \
              FROM pgapply.progress p WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
             &[&args.slot.clone().or_else(|| file.slot.clone())],
         )
@@ -96,18 +97,38 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
         // that means nothing.
         let mut slot_error = source_error.clone();
         if let Some(src) = &source {
+            let recorded: Option<String> = row.get(16);
             let here = src
                 .query_opt(
                     "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
                     &[&slot],
                 )
                 .await
-                .map_err(|e| Error::postgres("reading the slots of the source", e))?
-                .is_some();
-            if !here {
-                slot_error = Some(format!(
-                    "slot {slot:?} does not exist on this source: is --source the cluster the worker replicates from?"
-                ));
+                .map_err(|e| Error::postgres("reading the slots of the source", e))?;
+            match here {
+                None => {
+                    slot_error = Some(format!(
+                        "slot {slot:?} does not exist on this source: is --source the cluster the worker replicates from?"
+                    ));
+                }
+                Some(_) => {
+                    // (A role that may not read the control data: not compared.)
+                    let system: Option<String> = src
+                        .query_one(
+                            "SELECT system_identifier::text FROM pg_catalog.pg_control_system()",
+                            &[],
+                        )
+                        .await
+                        .ok()
+                        .map(|r| r.get(0));
+                    if let (Some(system), Some(recorded)) = (system, recorded) {
+                        if system != recorded {
+                            slot_error = Some(format!(
+                                "slot {slot:?} replicates from another cluster (system identifier {recorded}) than --source ({system}), which has a slot of that name too: give the worker's source"
+                            ));
+                        }
+                    }
+                }
             }
         }
         let lag_bytes = match source.as_ref().filter(|_| slot_error.is_none()) {

@@ -516,6 +516,38 @@ async fn status_and_metrics_move_with_the_workload() {
         )),
         "{text}"
     );
+    // ... also when that cluster has a slot of the same name.
+    db.target
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&db.slot()],
+        )
+        .await
+        .unwrap();
+    let out = run_with_deadline(
+        {
+            let mut c = pgapply();
+            c.args([
+                "status",
+                "--target",
+                &db.target_conninfo(),
+                "--source",
+                &db.target_conninfo(),
+            ]);
+            c
+        },
+        30,
+    )
+    .await;
+    db.target
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains("replicates from another cluster (system identifier"),
+        "{text}"
+    );
     // Its output cut short (`pgapply status | head -1`): no panic on the closed pipe.
     {
         let mut c = pgapply();
