@@ -35,6 +35,9 @@ pub enum Command {
     Status(StatusArgs),
     /// Skip one failing source transaction on purpose (by its commit LSN, printed by the error).
     Skip(SkipArgs),
+    /// Forget a slot on the target: its progress, copy state and replication origins (a worker
+    /// retired, or a misspelt slot's leftovers); --drop-slot drops the slot on the source too.
+    Forget(ForgetArgs),
     /// Compare the published tables on source and target, chunk by chunk.
     Verify(VerifyArgs),
     /// Finish a migration: wait for lag, optionally freeze writes, drain, copy sequences, verify.
@@ -271,6 +274,21 @@ pub struct SkipArgs {
     /// take back a request not carried out yet.
     #[arg(long)]
     pub lsn: String,
+}
+
+/// `pgapply forget`.
+#[derive(Debug, Args)]
+pub struct ForgetArgs {
+    /// Target (where pgapply keeps its state), --config and password files as for `run`; the
+    /// source only with --drop-slot.
+    #[command(flatten)]
+    pub servers: ServersArgs,
+    /// The slot whose state to forget.
+    #[arg(long, env = "PGAPPLY_SLOT")]
+    pub slot: Option<String>,
+    /// Also drop the replication slot on the source (its changes not applied yet are lost).
+    #[arg(long)]
+    pub drop_slot: bool,
 }
 
 /// `pgapply status`.

@@ -44,6 +44,7 @@ fn main() -> ExitCode {
         Command::Schema(a) => a.servers.config.clone(),
         Command::Status(a) => a.servers.config.clone(),
         Command::Skip(a) => a.servers.config.clone(),
+        Command::Forget(a) => a.servers.config.clone(),
         _ => None,
     };
     let file = match config_path.as_deref().map(FileConfig::load).transpose() {
@@ -140,6 +141,7 @@ fn main() -> ExitCode {
             Command::Check(args) => check::check_command(&args, &file).await,
             Command::Status(args) => status::status_command(&args, &file).await,
             Command::Skip(args) => skip::skip_command(&args, &file).await,
+            Command::Forget(args) => skip::forget_command(&args, &file).await,
             Command::Verify(args) => verify_command(args, file).await,
             Command::Cutover(args) => cutover_command(args, file).await,
             Command::Schema(args) => schema_command(args, file).await,

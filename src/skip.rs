@@ -99,6 +99,140 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
     Ok(())
 }
 
+/// `pgapply forget`: removes what the target holds for a slot (progress, copy state, its origins'
+/// commit rows, its replication origins), so that a retired worker or a misspelt slot leaves no
+/// row in `status` and no origin state taken. Refused while a worker of the slot runs. Conflict
+/// records stay (they are history). With --drop-slot, the source's slot goes too.
+pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) -> Result<()> {
+    let slot = args
+        .slot
+        .clone()
+        .or_else(|| file.slot.clone())
+        .ok_or_else(|| {
+            Error::usage("no slot given: use --slot, PGAPPLY_SLOT or slot in the config file")
+        })?;
+    let source = if args.drop_slot {
+        Some(
+            crate::config::resolve_optional_source(&args.servers, file)?.ok_or_else(|| {
+                Error::usage(
+                    "--drop-slot needs the source: give --source (or source in the config file)",
+                )
+            })?,
+        )
+    } else {
+        None
+    };
+    let config = crate::config::resolve_target(&args.servers, file)?;
+    let mut client = crate::tls::connect(&config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to target {}",
+            conninfo::describe(&config)
+        ))
+    })?;
+    let context = |e| Error::postgres("forgetting the slot on the target", e);
+    let has_state: bool = client
+        .query_one("SELECT to_regclass('pgapply.progress') IS NOT NULL", &[])
+        .await
+        .map_err(context)?
+        .get(0);
+    let row = if has_state {
+        client
+            .query_opt(
+                "SELECT state IN ('streaming', 'copying') AND heartbeat_at > now() - interval '30 seconds', pid \
+                 FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(context)?
+    } else {
+        None
+    };
+    if let Some(row) = &row {
+        if row.get::<_, Option<bool>>(0) == Some(true) {
+            let pid: Option<i32> = row.get(1);
+            return Err(Error::definite(format!(
+                "a worker runs for slot {slot:?}{}: stop it first, then forget the slot",
+                pid.map_or_else(String::new, |p| format!(" (process {p})"))
+            )));
+        }
+    }
+    // Its origins: the slot's, its parallel workers' and helper's (`-wN`), and the claim of its
+    // name by a database (`.db<oid>`). Slot names have neither '-' nor '.', so these prefixes
+    // name no other slot's origins.
+    let origin = format!("pgapply_{slot}");
+    let origins: Vec<String> = client
+        .query(
+            "SELECT roname::text FROM pg_catalog.pg_replication_origin \
+             WHERE roname = $1 OR left(roname, length($1) + 2) = $1 || '-w' OR left(roname, length($1) + 3) = $1 || '.db'",
+            &[&origin],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let tx = client.transaction().await.map_err(context)?;
+    let mut rows = 0;
+    if has_state {
+        for table in ["progress", "copy_state"] {
+            rows += tx
+                .execute(
+                    &format!("DELETE FROM pgapply.{table} WHERE slot_name = $1"),
+                    &[&slot],
+                )
+                .await
+                .map_err(context)?;
+        }
+        // (Keyed by origin name: the slot's and its workers'.)
+        rows += tx
+            .execute(
+                "DELETE FROM pgapply.origin_commit WHERE origin_name = ANY ($1)",
+                &[&origins],
+            )
+            .await
+            .map_err(context)?;
+    }
+    for name in &origins {
+        tx.execute("SELECT pg_catalog.pg_replication_origin_drop($1)", &[name])
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    format!("dropping replication origin {name:?} on the target (is a session of a pgapply still using it?)"),
+                    e,
+                )
+            })?;
+    }
+    tx.commit().await.map_err(context)?;
+    if rows == 0 && origins.is_empty() {
+        crate::out!("the target holds nothing for slot {slot}");
+    } else {
+        crate::out!(
+            "forgot slot {slot} on the target: {rows} row(s) of pgapply's state and {} replication origin(s); its conflict records stay in pgapply.conflicts",
+            origins.len()
+        );
+    }
+    if let Some(source) = source {
+        let src = crate::tls::connect(&source).await.map_err(|e| {
+            e.into_error(format!(
+                "connecting to source {}",
+                conninfo::describe(&source)
+            ))
+        })?;
+        let dropped = src
+            .query_opt(
+                "SELECT pg_catalog.pg_drop_replication_slot(slot_name) FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("dropping replication slot {slot:?} on the source (is a pgapply still streaming from it?)"), e))?;
+        match dropped {
+            Some(_) => crate::out!("dropped replication slot {slot} on the source"),
+            None => crate::out!("the source has no replication slot {slot}"),
+        }
+    }
+    Ok(())
+}
+
 /// The LSN in "--lsn X" of an apply error's hint.
 fn named_lsn(error: &str) -> Option<Lsn> {
     let rest = error.split("pgapply skip ").nth(1)?;

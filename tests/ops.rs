@@ -1178,3 +1178,76 @@ async fn metrics_after_a_restart_start_from_the_recorded_position() {
     child.start_kill().unwrap();
     let _ = child.wait().await;
 }
+
+/// `pgapply forget` removes a retired slot's state and origins from the target (refused while a
+/// worker of it runs), and with --drop-slot its slot on the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forget_removes_a_slots_state_and_origins() {
+    let db = TestDb::new("forget").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let mut worker = spawn(db.pgapply("p", &["--apply-workers", "2"]));
+    wait_for("the worker to apply", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 1
+            && db
+                .count(
+                    &db.target,
+                    "SELECT count(*) FROM pgapply.progress WHERE state = 'streaming'",
+                )
+                .await
+                == 1
+    })
+    .await;
+    let forget = |extra: &[&str]| {
+        let mut c = pgapply();
+        c.args([
+            "forget",
+            "--target",
+            &db.target_conninfo(),
+            "--slot",
+            &db.slot(),
+        ])
+        .args(extra);
+        c
+    };
+    let out = run_with_deadline(forget(&[]), 30).await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("a worker runs for slot"),
+        "{}",
+        stderr(&out)
+    );
+    common::signal(&worker, libc::SIGTERM);
+    assert!(worker.wait().await.unwrap().success());
+    let origins = format!(
+        "SELECT count(*) FROM pg_replication_origin WHERE roname LIKE 'pgapply\\_{}%'",
+        db.slot().replace('_', "\\_")
+    );
+    assert!(db.count(&db.target, &origins).await >= 2);
+    let out = run_with_deadline(
+        forget(&["--drop-slot", "--source", &db.source_conninfo()]),
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("dropped replication slot"), "{text}");
+    assert_eq!(db.count(&db.target, &origins).await, 0);
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM pgapply.progress")
+            .await,
+        0
+    );
+    assert_eq!(db.slot_count().await, 0);
+    // A new start from scratch works.
+    db.target_sql("TRUNCATE t").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("t").await;
+}
