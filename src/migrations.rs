@@ -97,6 +97,17 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 const LOCK_KEY: i64 = 0x0070_6761_7070_6c79;
 
 pub async fn apply(client: &mut Client) -> Result<()> {
+    match apply_migrations(client).await {
+        // Another role's schema pgapply: what to grant, not only "permission denied".
+        Err(e) if e.sqlstate() == Some("42501") => Err(e.context_after(
+            "schema pgapply (pgapply's state on the target) was made by another role, whose grants this role lacks: have its owner or a superuser run GRANT USAGE, CREATE ON SCHEMA pgapply TO this role; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA pgapply TO it; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA pgapply TO it, or give this role a database of its own"
+                .to_owned(),
+        )),
+        other => other,
+    }
+}
+
+async fn apply_migrations(client: &mut Client) -> Result<()> {
     let context = |e| Error::postgres("setting up pgapply's schema on the target", e);
     refuse_read_only(client).await?;
     let tx = client.transaction().await.map_err(context)?;

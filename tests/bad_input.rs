@@ -1388,3 +1388,29 @@ async fn a_slot_name_of_another_source_on_the_target() {
         "{err}"
     );
 }
+
+/// A role without grants on a schema pgapply another role made is told what to grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_roles_pgapply_schema_says_what_to_grant() {
+    let db = TestDb::new("schemaother").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.sync("p").await;
+    let role = format!("second_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 's'; GRANT ALL ON t TO {role};"
+    ))
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_as_target_user(&role, "s", &["--endpos", &endpos]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("permission denied") && err.contains("GRANT USAGE, CREATE ON SCHEMA pgapply"),
+        "{err}"
+    );
+}
