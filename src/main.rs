@@ -246,23 +246,28 @@ fn reload_on_sighup(
                     continue;
                 }
             }
-            // Said before the level changes, so that it is seen whatever the new level.
-            if reload.level_from_file {
-                tracing::info!("SIGHUP: reloaded log level and conflict policies");
-            } else {
-                tracing::info!("SIGHUP: reloaded conflict policies (the log level stays as --log-level, PGAPPLY_LOG_LEVEL or RUST_LOG set it)");
-            }
-            if reload.level_from_file {
-                if let Some(level) = &file.log_level {
-                    match log_filter(level) {
-                        Ok(f) => {
-                            let _ = reload.log.reload(f);
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "SIGHUP: invalid log_level; keeping the current one")
-                        }
+            // The level first checked, then said (before it changes, so that it is seen
+            // whatever the new level), then set.
+            let filter = match (reload.level_from_file, &file.log_level) {
+                (true, Some(level)) => match log_filter(level) {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "SIGHUP: reloaded the conflict policies; the log_level is not valid, so the current level stays");
+                        None
                     }
+                },
+                _ => None,
+            };
+            match (&filter, reload.level_from_file) {
+                (Some(_), _) => tracing::info!("SIGHUP: reloaded log level and conflict policies"),
+                (None, true) if file.log_level.is_none() => {
+                    tracing::info!("SIGHUP: reloaded conflict policies (the file sets no log_level)")
                 }
+                (None, true) => {}
+                (None, false) => tracing::info!("SIGHUP: reloaded conflict policies (the log level stays as --log-level, PGAPPLY_LOG_LEVEL or RUST_LOG set it)"),
+            }
+            if let Some(f) = filter {
+                let _ = reload.log.reload(f);
             }
         }
     });
