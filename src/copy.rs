@@ -139,12 +139,59 @@ pub async fn copied_since(
     Ok(map)
 }
 
+/// After the initial copy, forgets the copy state of tables no longer published (as `REFRESH
+/// PUBLICATION` does): published again later, such a table is copied again by a `--copy-data`
+/// run, instead of being taken as copied with the changes made while it was out missing. A copy
+/// of such a table that did not finish no longer blocks the runs either. The last row stays:
+/// it is what says that the slot's initial copy was made.
+pub async fn forget_unpublished(
+    target: &Client,
+    source_config: &tokio_postgres::Config,
+    slot: &str,
+    publications: &[String],
+    table_map: &crate::config::TableMap,
+) -> Result<()> {
+    let source = connect_source(source_config).await?;
+    let published: Vec<(String, String)> = published_tables(&source, publications, table_map)
+        .await?
+        .into_iter()
+        .map(|t| (t.schema, t.name))
+        .collect();
+    let context = |e| Error::postgres("reading pgapply.copy_state on the target", e);
+    let recorded: Vec<(String, String)> = target
+        .query(
+            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let gone: Vec<&(String, String)> = recorded.iter().filter(|t| !published.contains(t)).collect();
+    if gone.is_empty() || gone.len() == recorded.len() {
+        return Ok(());
+    }
+    for (schema, name) in &gone {
+        target
+            .execute(
+                "DELETE FROM pgapply.copy_state WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
+                &[&slot, schema, name],
+            )
+            .await
+            .map_err(context)?;
+    }
+    let names: Vec<String> = gone.iter().map(|(s, n)| qualified_name(s, n)).collect();
+    tracing::info!(tables = %names.join(", "), "no longer published: their copy state is forgotten (published again, a run with --copy-data copies them again)");
+    Ok(())
+}
+
 /// Records the snapshot position of a copy of tables published after the initial copy.
 pub async fn set_synced_lsn(target: &Client, slot: &str, at: crate::protocol::Lsn) -> Result<()> {
     target
         .execute(
             "UPDATE pgapply.copy_state SET synced_lsn = $2::text::pg_lsn \
-             WHERE slot_name = $1 AND synced_lsn IS NOT NULL AND state <> 'done'",
+             WHERE slot_name = $1 AND synced_lsn = '0/0' AND state <> 'done'",
             &[&slot, &at.to_string()],
         )
         .await
@@ -165,7 +212,9 @@ pub enum CopyStatus {
 pub async fn status(target: &Client, slot: &str) -> Result<CopyStatus> {
     let row = target
         .query_one(
-            "SELECT count(*), count(*) FILTER (WHERE state <> 'done') FROM pgapply.copy_state WHERE slot_name = $1 AND synced_lsn IS NULL",
+            // (Rows of tables copied later count only as "a copy was made": the initial copy's
+            // tables may all have left the publication since, their rows forgotten.)
+            "SELECT count(*), count(*) FILTER (WHERE state <> 'done' AND synced_lsn IS NULL) FROM pgapply.copy_state WHERE slot_name = $1",
             &[&slot],
         )
         .await

@@ -734,7 +734,29 @@ async fn run_in_span(
                 config.apply_workers > 1,
             )
             .await?;
+        if copy_status == CopyStatus::Done {
+            copy::forget_unpublished(
+                &setup,
+                &config.source,
+                &config.slot,
+                &config.publications,
+                &config.table_map,
+            )
+            .await?;
+        }
         if config.copy_data && copy_status == CopyStatus::Done {
+            // Not under a worker that streams the slot: it would apply the copied tables'
+            // changes the copy holds (it knows nothing of the copy's position).
+            if let Some(pid) = session.slot_active_pid(&config.slot).await? {
+                return Err(Error::transient(format!(
+                    "replication slot {:?} is in use by process {pid} on the source (another pgapply streaming it?): stop that one before a run with --copy-data copies the tables published since; waiting for it to end",
+                    config.slot
+                )));
+            }
+            let probe = target_connection(&pool, &config.target).await?;
+            store.probe_origin(&probe).await?;
+            store.release_origin(&probe).await?;
+            drop(probe);
             let late = copy::LateCopy {
                 two_phase: negotiated.two_phase,
             };
@@ -790,7 +812,7 @@ async fn run_in_span(
     let copied_since = Arc::new(copy::copied_since(&setup, &config.slot, resume).await?);
     let live_now = live_possible && copied_since.is_empty();
     if live_possible && !live_now {
-        tracing::info!("--streaming parallel: streamed transactions are spooled and applied at commit until the stream passes the snapshot of the tables copied after the initial copy");
+        tracing::info!("--streaming parallel: streamed transactions are spooled and applied at commit in this run, as the stream starts before the snapshot of tables copied after the initial copy (a run started after it applies them as they arrive)");
     }
     let origins_in_use = if live_possible {
         LIVE_HELPER_INDEX + 1

@@ -1412,6 +1412,76 @@ async fn a_table_published_after_the_copy_is_copied_by_the_next_copy_data_run() 
     );
 }
 
+/// A table that leaves the publication and comes back is copied again by the next `--copy-data`
+/// run (its copy state was forgotten at a start in between, as `REFRESH PUBLICATION` does), and
+/// that copy is refused while a worker streams the slot (it would apply the changes the copy
+/// holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_published_again_is_copied_again_and_not_under_a_running_worker() {
+    let db = TestDb::new("latereadd").await;
+    db.both(
+        "CREATE TABLE a (id int PRIMARY KEY, n int); CREATE TABLE h (id int PRIMARY KEY, n int);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO a VALUES (1, 0); INSERT INTO h SELECT g, 0 FROM generate_series(1, 100) g; \
+         CREATE PUBLICATION p FOR TABLE a, h;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    db.source_sql("ALTER PUBLICATION p DROP TABLE h").await;
+    db.source_sql("UPDATE h SET n = 9 WHERE id <= 10; DELETE FROM h WHERE id = 50")
+        .await;
+    // A start while it is out of the publication forgets its copy.
+    db.sync("p").await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE h").await;
+    db.source_sql("UPDATE h SET n = 10 WHERE id = 1").await;
+    // Not while a worker streams the slot.
+    let mut worker = spawn(db.pgapply("p", &[]));
+    db.wait_slot_active().await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--copy-data",
+                "--truncate-target",
+                "--endpos",
+                &endpos,
+                "--max-retries",
+                "1",
+                "--retry-min",
+                "10ms",
+            ],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("is in use by process"), "{err}");
+    common::signal(&worker, libc::SIGTERM);
+    assert!(worker.wait().await.unwrap().success());
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &["--copy-data", "--truncate-target", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("published after the initial copy: copying"),
+        "{err}"
+    );
+    db.source_sql("UPDATE h SET n = 11 WHERE id = 2").await;
+    db.sync("p").await;
+    db.assert_same("h").await;
+    db.assert_same("a").await;
+}
+
 /// The migration flow with indexes built after the rows and before streaming: definitions
 /// without indexes, `--copy-only`, then the indexes, then `run` streams what changed meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -247,6 +247,13 @@ pub(super) async fn refuse_lost_changes(
         })?),
         None => None,
     };
+    // Another process streaming from the slot moves it under this comparison: that is what
+    // to say (the run waits for it as for a previous run's session), not lost changes.
+    if let Some(pid) = session.slot_active_pid(slot).await? {
+        return Err(Error::transient(format!(
+            "replication slot {slot:?} is in use by process {pid} on the source (another pgapply streaming it, or the session of a run that just ended): waiting for it to end"
+        )));
+    }
     let Some(confirmed) = session.slot_confirmed(slot).await? else {
         return Ok(recorded.unwrap_or(resume));
     };

@@ -229,6 +229,17 @@ impl ReplicationSession {
         Ok(!self.conn.simple_query(&sql).await?.rows.is_empty())
     }
 
+    /// The process streaming from the slot now, if one is (another pgapply, or a walsender of
+    /// a run that just ended and has not noticed yet).
+    pub async fn slot_active_pid(&mut self, slot: &str) -> Result<Option<i32>> {
+        let sql = format!(
+            "SELECT active_pid::text AS pid FROM pg_catalog.pg_replication_slots WHERE slot_name = {} AND active",
+            quote_literal(slot)
+        );
+        let r = self.conn.simple_query(&sql).await?;
+        Ok(r.first("pid").and_then(|p| p.parse().ok()))
+    }
+
     /// Whether the slot exists and decodes two-phase transactions (15+; made so by a
     /// `--two-phase` run). PostgreSQL keeps that once enabled, whatever a start asks for.
     pub async fn slot_is_two_phase(&mut self, slot: &str) -> Result<bool> {
@@ -262,7 +273,13 @@ impl ReplicationSession {
             "CREATE_REPLICATION_SLOT {} TEMPORARY LOGICAL pgoutput EXPORT_SNAPSHOT",
             quote_ident(slot)
         );
-        self.exported_snapshot(slot, &sql).await
+        self.exported_snapshot(slot, &sql).await.map_err(|e| {
+            if e.sqlstate() == Some("53400") {
+                e.context_after("copying tables published after the initial copy takes one more replication slot on the source for as long as the copy runs (a temporary one): raise max_replication_slots there, or drop a slot nothing uses")
+            } else {
+                e
+            }
+        })
     }
 
     async fn exported_snapshot(&mut self, slot: &str, sql: &str) -> Result<ExportedSnapshot> {
