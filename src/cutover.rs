@@ -193,6 +193,9 @@ pub async fn cutover(
             ));
         }
     }
+    if settings.reverse {
+        problems.extend(reverse_problems(&target, &run_config.slot).await?);
+    }
     if settings.reverse && run_config.slot.len() + "_reverse".len() > 63 {
         problems.push(format!(
             "--reverse names its slot and publication {:?}, longer than PostgreSQL's 63 characters: use a --slot of at most 55",
@@ -269,6 +272,19 @@ pub async fn cutover(
                 .await
                 .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?
                 .get(0);
+            // The walsender's flush_lag counts until the worker's next status update: for a
+            // quiet publication on a busy cluster it never falls below the status interval
+            // (10 s by default). The worker's own figure (the age of the last applied commit
+            // while it is behind, 0 when it is not: recorded by its heartbeat) does.
+            let worker: Option<f64> = target
+                .query_opt(
+                    "SELECT lag_seconds FROM pgapply.progress WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map_err(|e| Error::postgres("step 1: reading the worker's lag on the target", e))?
+                .and_then(|r| r.get(0));
+            let seconds = worker.map_or(seconds, |w| seconds.min(w.max(0.0)));
             let answering = heartbeat().await? != first_heartbeat;
             crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed})");
             let below = match settings.max_lag {
@@ -1214,6 +1230,35 @@ async fn target_sequence(
 }
 
 /// Publication and slot on the target (the new primary), for replication back to the source.
+/// What would stop `--reverse` on the target (step 6, after writes are frozen): a slot cannot
+/// be made there (wal_level, no free slot), the role may not make one or a publication.
+async fn reverse_problems(target: &Client, slot: &str) -> Result<Vec<String>> {
+    let reverse = format!("{slot}_reverse");
+    let row = target
+        .query_one(
+            "SELECT current_setting('wal_level'),                     (SELECT rolsuper OR rolreplication FROM pg_catalog.pg_roles WHERE rolname = current_user),                     has_database_privilege(current_database(), 'CREATE'),                     current_setting('max_replication_slots')::int                       - (SELECT count(*) FROM pg_catalog.pg_replication_slots)::int                       + (SELECT count(*) FROM pg_catalog.pg_replication_slots WHERE slot_name = $1)::int",
+            &[&reverse],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading what --reverse needs on the target", e))?;
+    let (wal_level, replication, create, free): (String, Option<bool>, bool, i32) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    let mut problems = Vec::new();
+    if wal_level != "logical" {
+        problems.push(format!("--reverse makes a logical replication slot on the target, whose wal_level is {wal_level}: set wal_level = logical there and restart it, or cut over without --reverse"));
+    }
+    if replication != Some(true) {
+        problems.push("--reverse makes a replication slot on the target, which its role may not (it needs REPLICATION, or superuser): ALTER ROLE ... REPLICATION there, or cut over without --reverse".to_owned());
+    }
+    if !create {
+        problems.push("--reverse makes a publication on the target, in a database where its role may not create objects: GRANT CREATE ON DATABASE ... TO it, or cut over without --reverse".to_owned());
+    }
+    if free < 1 {
+        problems.push("--reverse makes a replication slot on the target, which has no free one (max_replication_slots): raise it and restart the target, or drop a slot nothing uses".to_owned());
+    }
+    Ok(problems)
+}
+
 async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
     let tables = {
         let source = crate::tls::connect(&config.source)

@@ -718,6 +718,58 @@ async fn cutover_while_the_application_writes_and_parallel_workers_apply() {
     );
 }
 
+/// What `--reverse` needs on the target is checked before anything is frozen or changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_reverse_needs_are_checked_before_anything_is_done() {
+    let db = TestDb::new("cutrevpre").await;
+    db.both("CREATE TABLE t (id serial PRIMARY KEY, v text)")
+        .await;
+    db.source_sql("INSERT INTO t (v) VALUES ('a'); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    copy_up_to_now(&db).await;
+    let role = format!("cut_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 'c'; GRANT USAGE, CREATE ON SCHEMA pgapply TO {role}; \
+         GRANT ALL ON ALL TABLES IN SCHEMA pgapply TO {role}; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA pgapply TO {role}; \
+         GRANT ALL ON t, t_id_seq TO {role}; GRANT CREATE ON DATABASE {} TO {role};",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={role} password=c dbname={}",
+        db.target_port, db.name
+    );
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "cutover",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+            "--timeout",
+            "30s",
+            "--reverse",
+        ]),
+        90,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("nothing was done") && err.contains("(it needs REPLICATION, or superuser)"),
+        "{err}"
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM pg_publication")
+            .await,
+        0
+    );
+}
+
 /// `cutover --reverse`: the new primary gets a publication and a slot, and the command the
 /// cutover prints replicates what the application then writes there back to the old primary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
