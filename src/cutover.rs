@@ -208,6 +208,19 @@ pub async fn cutover(
             problems.join("; ")
         )));
     }
+    if !sequences.left_out.is_empty() {
+        // Said before anything is frozen: an application that calls one by name would reissue
+        // its values on the new primary.
+        let shown = sequences.left_out.len().min(20);
+        crate::out!(
+            "before the cutover: sequence(s) no published table uses are not copied: {}{} (if the application calls any by name, stop here and run with --all-sequences; step 4 also prints the setval statements)",
+            sequences.left_out[..shown].join(", "),
+            match sequences.left_out.len() - shown {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            }
+        );
+    }
     again(&source, &target, &slot, settings.again, &sequences).await?;
     if slot_state(&source, &slot).await?.0 && !has_progress(&target, &slot).await? {
         return Err(Error::definite(format!(
@@ -487,6 +500,30 @@ pub async fn cutover(
             "step 4: not copied, as no published table uses them: {}{more} (--all-sequences copies every sequence)",
             sequences.left_out[..shown].join(", ")
         );
+        // Their values as of now (writes frozen or drained): what to run on the target if the
+        // application calls one by name, which only the user knows.
+        let mut statements = Vec::new();
+        for name in &sequences.left_out[..shown] {
+            let row = source
+                .query_opt(
+                    &format!("SELECT last_value::text, is_called FROM {name}"),
+                    &[],
+                )
+                .await;
+            if let Ok(Some(row)) = row {
+                let (value, called): (String, bool) = (row.get(0), row.get(1));
+                statements.push(format!(
+                    "SELECT setval({}, {value}, {called});",
+                    crate::sql::quote_literal(name)
+                ));
+            }
+        }
+        if !statements.is_empty() {
+            crate::out!(
+                "step 4: if the application uses any of them (by name, or from a table that is not published), set it on the target as on the source now: {}",
+                statements.join(" ")
+            );
+        }
     }
 
     // 5. Verify. Everything up to the end is applied and nothing after it will be: a chunk that

@@ -476,6 +476,8 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         text.contains("step 4: copied 3 sequence(s)")
             && text
                 .contains("not copied, as no published table uses them: \"public\".\"unused_seq\"")
+            && text.contains("before the cutover: sequence(s) no published table uses are not copied: \"public\".\"unused_seq\"")
+            && text.contains("SELECT setval(E'\"public\".\"unused_seq\"', 1, false);")
             && text.contains("cutover done"),
         "{text}"
     );
