@@ -522,7 +522,7 @@ async fn run_in_span(
             (resume.is_valid() && resume >= fence) || confirmed.is_some_and(|c| c >= fence);
         if reached || confirmed.is_none() {
             if !config.by_cutover {
-                fenced_warning(&config.slot, fence);
+                fenced_warning(&setup, &config.slot, fence).await;
             }
             return Ok(RunOutcome {
                 reason: StopReason::EndPosition,
@@ -1048,7 +1048,9 @@ async fn run_in_span(
     if let (Ok(StopReason::EndPosition), Some(stop)) = (&read_result, reader_stop_requested) {
         // The request stays: a run started again stops there too (see `stop_position`).
         if !config.by_cutover {
-            fenced_warning(&config.slot, stop);
+            if let Ok(client) = target_connection(&pool, &config.target).await {
+                fenced_warning(&client, &config.slot, stop).await;
+            }
         }
     }
 

@@ -257,7 +257,7 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
         crate::out!("  conflicts {}", s.conflicts);
         if let Some(stop) = &s.stop_lsn {
             crate::out!(
-                "  stopped at {stop} by `pgapply cutover`: what the source committed before it is applied (the last commit may come earlier), nothing after it (clear pgapply.progress.stop_lsn to replicate again)"
+                "  stopped at {stop} by `pgapply cutover`: what the source committed before it is applied (the last commit may come earlier), nothing after it (only if that cutover was given up before it finished: clear pgapply.progress.stop_lsn to replicate again)"
             );
         }
         if let Some(skip) = &s.skip_lsn {

@@ -509,7 +509,13 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         .await;
     let out = run_with_deadline(db.pgapply("p", &[]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stderr(&out).contains("stopped at"), "{}", stderr(&out));
+    // After a finished cutover, not an invitation to replicate into the new primary again.
+    assert!(
+        stderr(&out).contains("by a finished `pgapply cutover`: the target is the new primary")
+            && !stderr(&out).contains("SET stop_lsn = NULL"),
+        "{}",
+        stderr(&out)
+    );
     assert_eq!(
         db.count(
             &db.target,

@@ -14,12 +14,31 @@ pub(super) struct HeartbeatCounts {
     conflicts: std::collections::BTreeMap<&'static str, u64>,
 }
 
-/// Tells a worker's operator that `pgapply cutover` stopped the slot, and how to undo that.
-pub(super) fn fenced_warning(slot: &str, fence: Lsn) {
+/// Tells a worker's operator that `pgapply cutover` stopped the slot: after a finished cutover
+/// (the target is the new primary) that this worker is done; otherwise (a cutover given up
+/// half-way) how to undo the stop.
+pub(super) async fn fenced_warning(target: &tokio_postgres::Client, slot: &str, fence: Lsn) {
+    let done = target
+        .query_opt(
+            "SELECT cutover_done_at IS NOT NULL FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ok()
+        .flatten()
+        .is_some_and(|r| r.get::<_, Option<bool>>(0) == Some(true));
+    if done {
+        tracing::info!(
+            slot,
+            stop_lsn = %fence,
+            "this slot was stopped at {fence} by a finished `pgapply cutover`: the target is the new primary, and this worker has nothing more to apply; stop it (and `pgapply forget --drop-slot` the slot once you no longer need a way back)"
+        );
+        return;
+    }
     tracing::warn!(
         slot,
         stop_lsn = %fence,
-        "this slot was stopped at {fence} by `pgapply cutover`: nothing after it is applied. To replicate from it again, clear that on the target: UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}'",
+        "this slot was stopped at {fence} by `pgapply cutover`: nothing after it is applied. If that cutover was given up before it finished, replicate from it again by clearing that on the target: UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}'",
         slot.replace('\'', "''")
     );
 }
