@@ -566,6 +566,25 @@ pub async fn cutover(
         "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target",
         started.elapsed().as_secs_f64()
     );
+    // Going back (slot `<forward>_reverse`): the forward slot on the old primary, the target
+    // now, has held its WAL since the first cutover, and will until dropped.
+    if let Some(forward) = slot.strip_suffix("_reverse").filter(|f| !f.is_empty()) {
+        let held = target
+            .query_opt(
+                "SELECT pg_size_pretty(pg_current_wal_lsn() - restart_lsn) FROM pg_catalog.pg_replication_slots                  WHERE slot_name = $1 AND NOT active",
+                &[&forward],
+            )
+            .await
+            .ok()
+            .flatten()
+            .map(|r| r.get::<_, Option<String>>(0).unwrap_or_default());
+        if let Some(held) = held {
+            crate::out!(
+                "the forward slot {forward:?} on the target (the old primary, primary again) holds {held} of its WAL, more every minute: unless you go forward again with it, drop it there: SELECT pg_drop_replication_slot({})",
+                crate::sql::quote_literal(forward)
+            );
+        }
+    }
     // Going back to an old primary (a cutover in the other direction): the roles an earlier
     // cutover froze there are read-only still, and the applications would fail on it.
     let still_frozen: Vec<String> = target

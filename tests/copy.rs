@@ -2617,6 +2617,14 @@ async fn a_cutover_back_names_the_roles_still_frozen_there() {
             && text.contains(&format!("ALTER ROLE \"{role}\" IN DATABASE")),
         "{text}"
     );
+    // The forward slot, on the old primary again, is named with how to drop it.
+    assert!(
+        text.contains(&format!(
+            "the forward slot \"{}\" on the target (the old primary, primary again) holds",
+            db.slot()
+        )) && text.contains("pg_drop_replication_slot("),
+        "{text}"
+    );
 }
 
 /// `pgapply schema` as a target role that does not own schema public: the dump's comment on it
