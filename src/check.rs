@@ -210,11 +210,13 @@ fn finish(report: Report) -> Result<()> {
         crate::out!("no problems found");
         Ok(())
     } else {
-        Err(Error::definite(format!(
-            "{} problem(s) found: {}",
-            report.problems.len(),
-            report.problems.join("; ")
-        )))
+        // Each is on its PROBLEM line above: the error names the count and the first only, or
+        // a target without the tables would print its long list three times.
+        let first = &report.problems[0];
+        Err(Error::definite(match report.problems.len() {
+            1 => format!("1 problem found: {first}"),
+            n => format!("{n} problems found (the PROBLEM lines above), the first: {first}"),
+        }))
     }
 }
 
@@ -679,6 +681,25 @@ async fn check_target(
         Ok(true) => report.ok("target role may keep pgapply's state (schema pgapply)"),
         Ok(false) => report.problem("the target role may not create schema pgapply, or may not use the one there (made by another role): GRANT CREATE ON DATABASE ... TO it, or have the owner of schema pgapply grant it USAGE and CREATE on the schema and SELECT, INSERT, UPDATE, DELETE on its tables (or drop it if no other pgapply uses it)"),
         Err(e) => report.problem(format!("target: cannot read the role's privileges: {e}")),
+    }
+    // A target without any of the tables (a new cluster) is one problem, not one per table.
+    let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    let none_there = !names.is_empty()
+        && dst
+            .query_one(
+                "SELECT bool_and(pg_catalog.to_regclass(n) IS NULL) FROM unnest($1::text[]) n",
+                &[&names],
+            )
+            .await
+            .ok()
+            .and_then(|r| r.get::<_, Option<bool>>(0))
+            .unwrap_or(false);
+    if none_there {
+        report.problem(format!(
+            "none of the {} published tables exists on the target: create them first, for example with `pgapply schema --source ... --target ... --publication ... --section pre-data` (and `--section post-data` after the initial copy, for the keys and indexes)",
+            names.len()
+        ));
+        return;
     }
     for (i, table) in tables.iter().enumerate() {
         let truncates = truncated.get(i).copied().unwrap_or(false);

@@ -1251,3 +1251,30 @@ async fn forget_removes_a_slots_state_and_origins() {
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("t").await;
 }
+
+/// `check` against a target without any of the published tables says so once, with the way to
+/// create them, and its error line does not repeat every problem.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_of_an_empty_target_points_to_schema() {
+    let db = TestDb::new("chkempty").await;
+    db.source_sql(
+        "CREATE TABLE a (id int PRIMARY KEY); CREATE TABLE b (id int PRIMARY KEY); \
+         CREATE PUBLICATION p FOR TABLE a, b;",
+    )
+    .await;
+    let out = run_with_deadline(
+        db.on_both("check", &["--slot", &db.slot(), "--create-slot"]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let problems: Vec<&str> = text.lines().filter(|l| l.starts_with("PROBLEM")).collect();
+    assert_eq!(problems.len(), 1, "{text}");
+    assert!(
+        problems[0].contains("none of the 2 published tables exists on the target")
+            && problems[0].contains("pgapply schema"),
+        "{text}"
+    );
+    assert!(stderr(&out).contains("1 problem found"), "{}", stderr(&out));
+}
