@@ -181,6 +181,39 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         } else {
             Vec::new()
         };
+        // After the initial copy: tables published since, which a run with --copy-data copies
+        // (and one without leaves without their earlier rows), and such copies that did not
+        // finish, which a run without --copy-data refuses.
+        if status == CopyStatus::Done && slot_exists == Some(true) && !fenced {
+            let recorded = crate::copy::copied_tables(dst, &config.slot)
+                .await
+                .unwrap_or_default();
+            let not_copied: Vec<String> = tables
+                .iter()
+                .filter(|t| !recorded.contains(&(t.schema.clone(), t.name.clone())))
+                .map(|t| t.qualified())
+                .collect();
+            if !not_copied.is_empty() {
+                let how = if config.copy_data {
+                    "this run copies them (--copy-data): their target tables must be empty, or give --truncate-target"
+                } else {
+                    "their rows from before are not on the target: a run with --copy-data copies them"
+                };
+                report.warning(format!(
+                    "published after the initial copy: {}; {how}",
+                    not_copied.join(", ")
+                ));
+            }
+            let unfinished = crate::copy::late_unfinished(dst, &config.slot)
+                .await
+                .unwrap_or_default();
+            if !unfinished.is_empty() && !config.copy_data {
+                report.problem(format!(
+                    "the copy of {} (published after the initial copy) did not finish: a run without --copy-data refuses to stream into it; run with --copy-data",
+                    unfinished.join(", ")
+                ));
+            }
+        }
         let must_be_empty = copy_pending && !config.copy.truncate_target;
         check_target(
             dst,

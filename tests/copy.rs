@@ -1400,6 +1400,15 @@ async fn a_table_published_after_the_copy_is_copied_by_the_next_copy_data_run() 
     // Streamed without --copy-data: only what changed since it was published.
     db.sync("p").await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM late").await, 1);
+    // `check` names it.
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.lines().any(|l| l.starts_with("WARNING")
+            && l.contains("published after the initial copy: \"public\".\"late\"")
+            && l.contains("a run with --copy-data copies them")),
+        "{text}"
+    );
 
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
@@ -1446,6 +1455,15 @@ async fn a_table_published_after_the_copy_is_copied_by_the_next_copy_data_run() 
     assert!(
         err.contains("the copy of \"public\".\"late\" (published after the initial copy) did not finish: run with --copy-data"),
         "{err}"
+    );
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.lines().any(|l| l.starts_with("PROBLEM")
+            && l.contains(
+                "the copy of \"public\".\"late\" (published after the initial copy) did not finish"
+            )),
+        "{text}"
     );
 
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
