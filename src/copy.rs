@@ -890,7 +890,7 @@ pub async fn copy_tables(
         tables = tables.len(),
         jobs = total_jobs,
         workers = settings.jobs,
-        "starting the initial copy"
+        "starting the copy"
     );
     let queue = Arc::new(Mutex::new(jobs.into_iter()));
     let tables = Arc::new(tables);
@@ -999,7 +999,7 @@ pub async fn copy_tables(
         rows,
         megabytes = bytes / 1_000_000,
         seconds = format!("{:.1}", started.elapsed().as_secs_f64()),
-        "initial copy done"
+        "copy done"
     );
     Ok(Arc::try_unwrap(tables).unwrap_or_else(|t| (*t).clone()))
 }
