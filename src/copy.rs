@@ -150,6 +150,7 @@ pub async fn forget_unpublished(
     slot: &str,
     publications: &[String],
     table_map: &crate::config::TableMap,
+    resume: crate::protocol::Lsn,
 ) -> Result<()> {
     let source = connect_source(source_config).await?;
     let published: Vec<(String, String)> = published_tables(&source, publications, table_map)
@@ -158,10 +159,13 @@ pub async fn forget_unpublished(
         .map(|t| (t.schema, t.name))
         .collect();
     let context = |e| Error::postgres("reading pgapply.copy_state on the target", e);
+    // (A copied table whose copy's position the stream has not passed yet stays: its changes
+    // from before that position, still to come, are to be dropped.)
     let recorded: Vec<(String, String)> = target
         .query(
-            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1",
-            &[&slot],
+            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1 \
+             AND NOT (state = 'done' AND synced_lsn IS NOT NULL AND synced_lsn > $2::text::pg_lsn)",
+            &[&slot, &resume.to_string()],
         )
         .await
         .map_err(context)?
@@ -701,6 +705,10 @@ pub async fn plan_copy(
         .map_err(|e| Error::postgres("reading the target's version", e))?
         .get::<_, i32>(0) as u32;
     let mut tables = published_tables(&source, publications, table_map).await?;
+    let all_targets: Vec<String> = tables
+        .iter()
+        .map(PublishedTable::target_qualified)
+        .collect();
     if let Some(late) = late {
         // Tables published after the initial copy: those it did not take in, and those whose
         // own copy did not finish (their rows, from that copy, are pgapply's: emptied).
@@ -724,18 +732,73 @@ pub async fn plan_copy(
             return Ok(None);
         }
         let names: Vec<String> = tables.iter().map(PublishedTable::qualified).collect();
+        // What is not copied is said, and the run goes on streaming: a worker kept running
+        // with copy_data on (and started again by its retries) must not stop over it.
         if late.two_phase {
             // A transaction prepared before the copy's snapshot and committed after it is in
             // neither the copy nor, for these tables, the stream (applied at PREPARE).
-            return Err(Error::definite(format!(
-                "{} {} published after the initial copy, and --copy-data cannot copy {} on a two-phase slot: run without --copy-data (changes of {} are applied from now on) and copy {} earlier rows by hand (README: \"A table added to the publication later\")",
-                names.join(", "),
-                if names.len() == 1 { "was" } else { "were" },
-                if names.len() == 1 { "it" } else { "them" },
-                if names.len() == 1 { "it" } else { "them" },
-                if names.len() == 1 { "its" } else { "their" },
-            )));
+            tracing::warn!(
+                tables = %names.join(", "),
+                "published after the initial copy, but not copied: --copy-data cannot copy them on a two-phase slot; their changes are applied from now on, and their earlier rows can be copied by hand (README: \"A table added to the publication later\")"
+            );
+            return Ok(None);
         }
+        let mut kept = Vec::with_capacity(tables.len());
+        for table in std::mem::take(&mut tables) {
+            let qualified = table.target_qualified();
+            let unfinished = recorded
+                .iter()
+                .any(|(schema, name, _)| *schema == table.schema && *name == table.name);
+            // Never what would empty rows that are not this table's: a target table other
+            // published tables are applied into too (partitions mapped onto their root under
+            // [tables], say), or a partitioned one a plain source table is mapped onto.
+            let shared = all_targets.iter().filter(|t| **t == qualified).count() > 1;
+            let partitioned_target = !table.partitioned
+                && target
+                    .query_one(
+                        "SELECT coalesce((SELECT relkind = 'p' FROM pg_catalog.pg_class WHERE oid = pg_catalog.to_regclass($1)), false)",
+                        &[&qualified],
+                    )
+                    .await
+                    .map_err(|e| Error::postgres(format!("reading table {qualified} on the target"), e))?
+                    .get::<_, bool>(0);
+            let why = if shared || partitioned_target {
+                Some(format!("its target table {qualified} also holds rows of other tables, which the copy would empty"))
+            } else if !unfinished && !settings.truncate_target {
+                let exists: bool = target
+                    .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+                    .await
+                    .map_err(|e| {
+                        Error::postgres(format!("reading table {qualified} on the target"), e)
+                    })?
+                    .get(0);
+                let has_rows = exists && {
+                    let own = own_rows(&target, &qualified, "target").await?;
+                    target
+                        .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {own})"), &[])
+                        .await
+                        .map_err(|e| {
+                            Error::postgres(format!("reading table {qualified} on the target"), e)
+                        })?
+                        .get::<_, bool>(0)
+                };
+                has_rows.then(|| format!("its target table {qualified} is not empty (the stream brought rows since it was published, and the copy has them too): empty it, or run with --truncate-target, to have it copied"))
+            } else {
+                None
+            };
+            match why {
+                Some(why) => tracing::warn!(
+                    table = %table.qualified(),
+                    "published after the initial copy, but not copied: {why}; its changes are applied from now on"
+                ),
+                None => kept.push(table),
+            }
+        }
+        tables = kept;
+        if tables.is_empty() {
+            return Ok(None);
+        }
+        let names: Vec<String> = tables.iter().map(PublishedTable::qualified).collect();
         let unfinished: Vec<&PublishedTable> = tables
             .iter()
             .filter(|t| {

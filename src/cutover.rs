@@ -276,15 +276,21 @@ pub async fn cutover(
             let (_, confirmed, current) = slot_state(&source, &slot).await?;
             let bytes = current.0.saturating_sub(confirmed.0);
             // flush_lag is NULL while the worker is idle and caught up.
-            let seconds: f64 = source
+            let row = source
                 .query_one(
-                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8 FROM pg_replication_slots s \
+                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8, \
+                            (pg_current_wal_lsn() - r.sent_lsn)::float8 \
+                     FROM pg_replication_slots s \
                      LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1",
                     &[&slot],
                 )
                 .await
-                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?
-                .get(0);
+                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?;
+            let seconds: f64 = row.get(0);
+            // How far the walsender's sending trails the source's WAL: while it is still
+            // decoding a backlog it sends nothing, and the worker, with nothing in flight,
+            // would say 0 s.
+            let unsent: Option<f64> = row.get(1);
             // The walsender's flush_lag counts until the worker's next status update: for a
             // quiet publication on a busy cluster it never falls below the status interval
             // (10 s by default). The worker's own figure (the age of the last applied commit
@@ -297,7 +303,11 @@ pub async fn cutover(
                 .await
                 .map_err(|e| Error::postgres("step 1: reading the worker's lag on the target", e))?
                 .and_then(|r| r.get(0));
-            let seconds = worker.map_or(seconds, |w| seconds.min(w.max(0.0)));
+            let caught_up = unsent.is_some_and(|u| u <= 16.0 * 1024.0 * 1024.0);
+            let seconds = match worker {
+                Some(w) if caught_up => seconds.min(w.max(0.0)),
+                _ => seconds,
+            };
             let answering = heartbeat().await? != first_heartbeat;
             crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed})");
             let below = match settings.max_lag {
@@ -1292,7 +1302,7 @@ async fn reverse_problems(target: &Client, slot: &str) -> Result<Vec<String>> {
     let reverse = format!("{slot}_reverse");
     let row = target
         .query_one(
-            "SELECT current_setting('wal_level'),                     (SELECT rolsuper OR rolreplication FROM pg_catalog.pg_roles WHERE rolname = current_user),                     has_database_privilege(current_database(), 'CREATE'),                     current_setting('max_replication_slots')::int                       - (SELECT count(*) FROM pg_catalog.pg_replication_slots)::int                       + (SELECT count(*) FROM pg_catalog.pg_replication_slots WHERE slot_name = $1)::int",
+            "SELECT current_setting('wal_level'),                     (SELECT rolsuper OR rolreplication FROM pg_catalog.pg_roles WHERE rolname = current_user) OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles g WHERE g.rolname = 'rds_replication' AND pg_catalog.pg_has_role(current_user, g.oid, 'MEMBER')),                     has_database_privilege(current_database(), 'CREATE'),                     current_setting('max_replication_slots')::int                       - (SELECT count(*) FROM pg_catalog.pg_replication_slots)::int                       + (SELECT count(*) FROM pg_catalog.pg_replication_slots WHERE slot_name = $1)::int",
             &[&reverse],
         )
         .await
@@ -1304,7 +1314,7 @@ async fn reverse_problems(target: &Client, slot: &str) -> Result<Vec<String>> {
         problems.push(format!("--reverse makes a logical replication slot on the target, whose wal_level is {wal_level}: set wal_level = logical there and restart it, or cut over without --reverse"));
     }
     if replication != Some(true) {
-        problems.push("--reverse makes a replication slot on the target, which its role may not (it needs REPLICATION, or superuser): ALTER ROLE ... REPLICATION there, or cut over without --reverse".to_owned());
+        problems.push("--reverse makes a replication slot on the target, which its role may not (it needs REPLICATION, or superuser; on Amazon RDS, rds_replication): ALTER ROLE ... REPLICATION there, or cut over without --reverse".to_owned());
     }
     if !create {
         problems.push("--reverse makes a publication on the target, in a database where its role may not create objects: GRANT CREATE ON DATABASE ... TO it, or cut over without --reverse".to_owned());

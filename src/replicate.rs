@@ -351,6 +351,16 @@ async fn copy_late_tables(
         // as long as the session, which stays idle until the copy is done.
         let mut session =
             ReplicationSession::connect(&config.source, config.max_message_bytes).await?;
+        // Once more now that the plan is recorded (a worker starting from here on sees the copy
+        // unfinished and refuses): one that started streaming the slot meanwhile would apply
+        // the changes the copy holds. The plan stays, unfinished: the tables are copied by the
+        // next run with --copy-data, and not streamed into by one without.
+        if let Some(pid) = session.slot_active_pid(&config.slot).await? {
+            return Err(Error::transient(format!(
+                "replication slot {:?} is in use by process {pid} on the source (another pgapply started streaming it): stop that one before a run with --copy-data copies the tables published since; waiting for it to end",
+                config.slot
+            )));
+        }
         let temporary = format!("pgapply_copy_{}", std::process::id());
         let snapshot = session
             .create_temporary_slot_with_snapshot(&temporary)
@@ -741,10 +751,12 @@ async fn run_in_span(
                 &config.slot,
                 &config.publications,
                 &config.table_map,
+                resume,
             )
             .await?;
         }
-        if config.copy_data && copy_status == CopyStatus::Done {
+        // (Not under a cutover's stop position: what it stops at is decided.)
+        if config.copy_data && copy_status == CopyStatus::Done && fence.is_none() {
             // Not under a worker that streams the slot: it would apply the copied tables'
             // changes the copy holds (it knows nothing of the copy's position).
             if let Some(pid) = session.slot_active_pid(&config.slot).await? {

@@ -36,7 +36,8 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
     // A transaction already applied never comes again: its request would wait for ever.
     let row = client
         .query_opt(
-            "SELECT greatest(lsn, applied_lsn)::text, skip_lsn::text, last_error FROM pgapply.progress WHERE slot_name = $1",
+            "SELECT greatest(lsn, applied_lsn)::text, skip_lsn::text, \
+                    CASE WHEN state = 'failed' THEN last_error END FROM pgapply.progress WHERE slot_name = $1",
             &[&slot],
         )
         .await
@@ -137,8 +138,10 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
         .get(0);
     let row = if has_state {
         client
+            // (Any state but a clean stop: a worker backing off after a failure, or starting,
+            // still runs.)
             .query_opt(
-                "SELECT state IN ('streaming', 'copying') AND heartbeat_at > now() - interval '30 seconds', pid \
+                "SELECT coalesce(state, '') <> 'stopped' AND heartbeat_at > now() - interval '30 seconds', pid \
                  FROM pgapply.progress WHERE slot_name = $1",
                 &[&slot],
             )
@@ -151,10 +154,27 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
         if row.get::<_, Option<bool>>(0) == Some(true) {
             let pid: Option<i32> = row.get(1);
             return Err(Error::definite(format!(
-                "a worker runs for slot {slot:?}{}: stop it first, then forget the slot",
+                "a worker runs for slot {slot:?}{} (its heartbeat is less than 30 s old): stop it first, then forget the slot",
                 pid.map_or_else(String::new, |p| format!(" (process {p})"))
             )));
         }
+    }
+    // Replication origins belong to the whole target cluster: the slot name claimed by another
+    // database's pgapply (`pgapply_<slot>.db<oid>`) is that database's to forget.
+    let other: Option<String> = client
+        .query_opt(
+            "SELECT d.datname::text FROM pg_catalog.pg_replication_origin o \
+             JOIN pg_catalog.pg_database d ON o.roname = $1 || '.db' || d.oid::text \
+             WHERE d.datname <> current_database() LIMIT 1",
+            &[&format!("pgapply_{slot}")],
+        )
+        .await
+        .map_err(context)?
+        .map(|r| r.get(0));
+    if let Some(other) = other {
+        return Err(Error::definite(format!(
+            "slot name {slot:?} is used by pgapply in database {other:?} of the target cluster: forget it there (--target with dbname={other})"
+        )));
     }
     // Its origins: the slot's, its parallel workers' and helper's (`-wN`), and the claim of its
     // name by a database (`.db<oid>`). Slot names have neither '-' nor '.', so these prefixes

@@ -880,9 +880,14 @@ impl Applier {
                         // are not the failing transaction's: their answers are waited for, so
                         // they count as applied, instead of the process ending first. (Not on
                         // a parallel worker: its statements may wait for others'.)
+                        // (Bounded: the failing group's own statements may wait on a lock.)
                         if self.worker.is_none() && !self.committing.is_empty() {
-                            self.drain_to(0).await;
-                            self.settle_committed().await;
+                            let drained =
+                                tokio::time::timeout(Duration::from_secs(30), self.drain_to(0))
+                                    .await;
+                            if drained.is_ok() {
+                                self.settle_committed().await;
+                            }
                         }
                         return Err(e);
                     }

@@ -256,15 +256,24 @@ pub(super) async fn record_reported(
     slot: &str,
     lsn: Lsn,
 ) -> Result<()> {
-    client
+    let result = client
         .batch_execute(&format!(
             "BEGIN; SET LOCAL synchronous_commit = on; \
              UPDATE pgapply.progress SET reported_lsn = greatest(coalesce(reported_lsn, '0/0'), '{lsn}'::pg_lsn) \
              WHERE slot_name = {}; COMMIT",
             crate::sql::quote_literal(slot)
         ))
-        .await
-        .map_err(|e| Error::postgres("recording the position to report on the target", e))
+        .await;
+    if let Err(e) = result {
+        // A failed statement leaves the session in an aborted transaction (the COMMIT of the
+        // same message is not run): ended, or every later use of the session would fail.
+        let _ = client.batch_execute("ROLLBACK").await;
+        return Err(Error::postgres(
+            "recording the position to report on the target",
+            e,
+        ));
+    }
+    Ok(())
 }
 
 pub(super) async fn write_heartbeat(
