@@ -734,16 +734,20 @@ async fn run_in_span(
             );
             negotiated.two_phase = true;
         }
-        session
-            .ensure_slot(
-                &config.slot,
-                config.create_slot,
-                &identity.database,
-                negotiated.two_phase,
-                config.failover_slot,
-                config.apply_workers > 1,
-            )
-            .await?;
+        // (A new slot waits for the transactions open on the source: a stop asked meanwhile
+        // ends the wait, and the slot not yet made goes with the session.)
+        let ensured = session.ensure_slot(
+            &config.slot,
+            config.create_slot,
+            &identity.database,
+            negotiated.two_phase,
+            config.failover_slot,
+            config.apply_workers > 1,
+        );
+        match unless_stopped(&mut shutdown, ensured).await {
+            Some(result) => result?,
+            None => return Ok(stopped()),
+        }
         if copy_status == CopyStatus::Done {
             copy::forget_unpublished(
                 &setup,

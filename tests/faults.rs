@@ -819,3 +819,36 @@ async fn a_run_failing_at_start_after_a_clean_stop_is_failed_in_status() {
     assert_eq!(now, "failed", "{}", stderr(&out));
     assert!(error.contains("does not exist on the target"), "{error}");
 }
+
+/// A stop asked while a new slot waits for a transaction open on the source ends the wait at
+/// once (exit 0), and no slot is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_the_slot_waits_for_open_transactions_ends_at_once() {
+    let db = TestDb::new("slotwait").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    // (Without the slot `publish` makes: the run makes it.)
+    db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
+    let holder = common::connect(db.source_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; INSERT INTO t VALUES (1)")
+        .await
+        .unwrap();
+    let mut worker = spawn(db.pgapply("p", &["--create-slot"]));
+    wait_for("the slot's creation to wait for the open transaction", 60, || async {
+        db.count(
+            &db.source,
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender' AND wait_event_type = 'Lock'",
+        )
+        .await
+            > 0
+    })
+    .await;
+    common::signal(&worker, libc::SIGTERM);
+    let status = tokio::time::timeout(Duration::from_secs(15), worker.wait())
+        .await
+        .expect("the stop ends the wait")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    wait_for("no slot left", 30, || async { db.slot_count().await == 0 }).await;
+}
