@@ -19,20 +19,8 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
             .parse()
             .map_err(|e| Error::usage(format!("--lsn: {e} (or none, to take back a request)")))?
     };
-    let slot = args
-        .slot
-        .clone()
-        .or_else(|| file.slot.clone())
-        .ok_or_else(|| {
-            Error::usage("no slot given: use --slot, PGAPPLY_SLOT or slot in the config file")
-        })?;
-    let config = crate::config::resolve_target(&args.servers, file)?;
-    let client = crate::tls::connect(&config).await.map_err(|e| {
-        e.into_error(format!(
-            "connecting to target {}",
-            conninfo::describe(&config)
-        ))
-    })?;
+    let slot = slot_of(args.slot.as_ref(), file)?;
+    let client = connect_target(&args.servers, file).await?;
     // A transaction already applied never comes again: its request would wait for ever.
     let row = client
         .query_opt(
@@ -105,13 +93,7 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
 /// row in `status` and no origin state taken. Refused while a worker of the slot runs. Conflict
 /// records stay (they are history). With --drop-slot, the source's slot goes too.
 pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) -> Result<()> {
-    let slot = args
-        .slot
-        .clone()
-        .or_else(|| file.slot.clone())
-        .ok_or_else(|| {
-            Error::usage("no slot given: use --slot, PGAPPLY_SLOT or slot in the config file")
-        })?;
+    let slot = slot_of(args.slot.as_ref(), file)?;
     let source = if args.drop_slot {
         Some(
             crate::config::resolve_optional_source(&args.servers, file)?.ok_or_else(|| {
@@ -123,13 +105,7 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
     } else {
         None
     };
-    let config = crate::config::resolve_target(&args.servers, file)?;
-    let mut client = crate::tls::connect(&config).await.map_err(|e| {
-        e.into_error(format!(
-            "connecting to target {}",
-            conninfo::describe(&config)
-        ))
-    })?;
+    let mut client = connect_target(&args.servers, file).await?;
     let context = |e| Error::postgres("forgetting the slot on the target", e);
     let has_state: bool = client
         .query_one("SELECT to_regclass('pgapply.progress') IS NOT NULL", &[])
@@ -251,6 +227,26 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
         }
     }
     Ok(())
+}
+
+/// The slot a command is about: --slot (or PGAPPLY_SLOT), else the config file's.
+fn slot_of(given: Option<&String>, file: &FileConfig) -> Result<String> {
+    given.or(file.slot.as_ref()).cloned().ok_or_else(|| {
+        Error::usage("no slot given: use --slot, PGAPPLY_SLOT or slot in the config file")
+    })
+}
+
+async fn connect_target(
+    servers: &crate::cli::ServersArgs,
+    file: &FileConfig,
+) -> Result<tokio_postgres::Client> {
+    let config = crate::config::resolve_target(servers, file)?;
+    crate::tls::connect(&config).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to target {}",
+            conninfo::describe(&config)
+        ))
+    })
 }
 
 /// The LSN in "--lsn X" of an apply error's hint.
