@@ -14,6 +14,10 @@
 #   COPY_SCALE       pgbench scale of the copy dataset (default SCALE)
 #   COPY_JOBS        pgapply --copy-jobs for the copy phase (default 4)
 #   COPY_ROUNDS      copies by each applier, alternating which goes first (default ROUNDS)
+#   COPY_INDEXES     how pgapply copies: into tables with their primary keys in place ("before", as
+#                    the built-in does), by the README's migration flow with the keys built after the
+#                    rows ("after": tables without keys, `run --copy-data --copy-only`, then `schema
+#                    --section post-data`, both timed), or each way in every round ("both", default)
 #   LATENCY_BENCH=1  also apply one backlog with pgapply directly and through examples/delay_proxy.rs
 #                    (DELAY_MS each way in front of the target, and 0 ms to show the proxy's own
 #                    cost); 0 skips it
@@ -47,6 +51,7 @@ COPY_BENCH="${COPY_BENCH:-1}"
 COPY_SCALE="${COPY_SCALE:-$SCALE}"
 COPY_JOBS="${COPY_JOBS:-4}"
 COPY_ROUNDS="${COPY_ROUNDS:-$ROUNDS}"
+COPY_INDEXES="${COPY_INDEXES:-both}"
 LATENCY_BENCH="${LATENCY_BENCH:-1}"
 LATENCY_TXNS="${LATENCY_TXNS:-$TXNS}"
 DELAY_MS="${DELAY_MS:-1}"
@@ -64,6 +69,7 @@ die() { log "error: $*"; exit 1; }
 for v in COPY_BENCH LATENCY_BENCH LAG_BENCH BIGTXN_BENCH PROFILE; do
     [[ "${!v}" =~ ^[01]$ ]] || die "$v must be 0 or 1 (got '${!v}')"
 done
+[[ "$COPY_INDEXES" =~ ^(before|after|both)$ ]] || die "COPY_INDEXES must be before, after or both (got '$COPY_INDEXES')"
 [[ "$DELAY_MS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "DELAY_MS must be a number of milliseconds (got '$DELAY_MS')"
 [ -z "$RATE" ] || [[ "$RATE" =~ ^[1-9][0-9]*$ ]] || die "RATE must be a positive integer (got '$RATE')"
 for v in SCALE TXNS ROUNDS CLIENTS CATCHUP_TIMEOUT COPY_SCALE COPY_JOBS COPY_ROUNDS LATENCY_TXNS LAG_SECONDS BIGTXN_ROWS LAT_WORKERS; do
@@ -535,13 +541,14 @@ if [ "$COPY_BENCH" = 1 ]; then
     q "$SRC_PORT" copysrc "CREATE PUBLICATION copypub FOR ALL TABLES" >/dev/null
     IDX_SQL="SELECT string_agg(tablename || '.' || indexname, ' ' ORDER BY indexname) FROM pg_indexes WHERE schemaname = 'public'"
     idx_src="$(q "$SRC_PORT" copysrc "$IDX_SQL")"
-    copy_fresh_target() {  # db: an empty copy of the tables, with their primary keys
+    copy_fresh_target() {  # db [steps]: an empty copy of the tables, with their primary keys unless steps say otherwise
+        local steps="${2:-dtp}"
         q "$TGT_PORT" postgres "DROP DATABASE IF EXISTS $1" >/dev/null
         q "$TGT_PORT" postgres "CREATE DATABASE $1" >/dev/null
         # d: drop, t: create tables, p: primary keys -- no data
-        "$PG_BIN/pgbench" -i -q -s 1 -I dtp -h 127.0.0.1 -p "$TGT_PORT" -U postgres "$1" >"$WORK/init-$1.log" 2>&1 ||
-            { cat "$WORK/init-$1.log" >&2; die "pgbench -i -I dtp failed for $1"; }
-        [ "$(q "$TGT_PORT" "$1" "$IDX_SQL")" = "$idx_src" ] || die "indexes of $1 differ from copysrc"
+        "$PG_BIN/pgbench" -i -q -s 1 -I "$steps" -h 127.0.0.1 -p "$TGT_PORT" -U postgres "$1" >"$WORK/init-$1.log" 2>&1 ||
+            { cat "$WORK/init-$1.log" >&2; die "pgbench -i -I $steps failed for $1"; }
+        [ "$steps" != dtp ] || [ "$(q "$TGT_PORT" "$1" "$IDX_SQL")" = "$idx_src" ] || die "indexes of $1 differ from copysrc"
         [ "$(q "$TGT_PORT" "$1" "SELECT count(*) FROM pgbench_accounts")" = 0 ] || die "$1 is not empty"
     }
     COPY_TABLES="$(q "$SRC_PORT" copysrc "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'copypub'")"
@@ -594,66 +601,103 @@ SQL
         PGOPTIONS="-c client_min_messages=warning" q "$TGT_PORT" copy_target_builtin "DROP SUBSCRIPTION copy_sub" >/dev/null   # also drops slot copy_builtin
         log "initial copy, round $1: built-in $COPY_SECS_builtin s"
     }
-    copy_pgapply() {  # round: sets COPY_SECS_pgapply, COPY_RES_pgapply
-        copy_fresh_target copy_target_pgapply
+    copy_pgapply() {  # round mode (before|after): sets COPY_SECS_<mode>, COPY_RES_<mode>
+        local tgt="host=127.0.0.1 port=$TGT_PORT user=postgres dbname=copy_target_pgapply" secs post_secs
+        local args=(--copy-data --copy-jobs "$COPY_JOBS")
+        if [ "$2" = after ]; then
+            copy_fresh_target copy_target_pgapply dt   # tables without their keys (pre-data)
+            args+=(--copy-only)
+        else
+            copy_fresh_target copy_target_pgapply
+            args+=(--endpos "$(q "$SRC_PORT" copysrc "SELECT pg_current_wal_lsn()")")
+        fi
         q "$TGT_PORT" postgres "CHECKPOINT" >/dev/null
-        copy_end="$(q "$SRC_PORT" copysrc "SELECT pg_current_wal_lsn()")"
         rc=0
         TIMEFORMAT='%3R %3U %3S'
-        { time "$BIN" run --source "$COPY_SRC_CONN" \
-            --target "host=127.0.0.1 port=$TGT_PORT user=postgres dbname=copy_target_pgapply" \
-            --publication copypub --slot copy_pgapply --copy-data --copy-jobs "$COPY_JOBS" --endpos "$copy_end" \
+        { time "$BIN" run --source "$COPY_SRC_CONN" --target "$tgt" --publication copypub --slot copy_pgapply "${args[@]}" \
             >"$WORK/pgapply-copy.log" 2>&1; } 2>"$WORK/time-copy" || rc=$?
+        if [ "$rc" = 0 ] && [ "$2" = after ]; then
+            { time PGAPPLY_PG_DUMP="$PG_BIN/pg_dump" "$BIN" schema --source "$COPY_SRC_CONN" --target "$tgt" \
+                --publication copypub --section post-data >"$WORK/pgapply-postdata.log" 2>&1; } 2>"$WORK/time-postdata" || rc=$?
+        fi
         unset TIMEFORMAT
         if [ "$rc" != 0 ]; then
             tail -n 30 "$WORK/pgapply-copy.log" >&2
-            die "initial copy: pgapply exited with status $rc (log above)"
+            [ "$2" != after ] || tail -n 30 "$WORK/pgapply-postdata.log" >&2 2>/dev/null || true
+            die "initial copy ($2): pgapply exited with status $rc (log above)"
         fi
-        read -r COPY_SECS_pgapply copy_user copy_sys <"$WORK/time-copy"
-        COPY_RES_pgapply="$(q "$TGT_PORT" copy_target_pgapply "$COPY_CHECK_SQL")"
+        read -r secs copy_user copy_sys <"$WORK/time-copy"
+        if [ "$2" = after ]; then
+            read -r post_secs _ _ <"$WORK/time-postdata"
+            log "initial copy, round $1: pgapply copy $secs s, then the keys (schema --section post-data) $post_secs s"
+            secs="$(calc "$secs + $post_secs" 3)"
+            [ "$(q "$TGT_PORT" copy_target_pgapply "$IDX_SQL")" = "$idx_src" ] || die "indexes of copy_target_pgapply differ from copysrc after post-data"
+        fi
+        printf -v "COPY_SECS_$2" '%s' "$secs"
+        printf -v "COPY_RES_$2" '%s' "$(q "$TGT_PORT" copy_target_pgapply "$COPY_CHECK_SQL")"
         wait_slot_inactive copy_pgapply
         q "$SRC_PORT" copysrc "SELECT pg_drop_replication_slot('copy_pgapply')" >/dev/null
-        log "initial copy, round $1: pgapply $COPY_SECS_pgapply s (pgapply process CPU $(calc "$copy_user + $copy_sys" 2) s)"
+        log "initial copy, round $1: pgapply (keys $2) $secs s (pgapply process CPU $(calc "$copy_user + $copy_sys" 2) s)"
     }
 
     COPY_VERDICT=MATCH
-    copy_ratios=""
-    COPY_TABLE="| round | order | built-in s | pgapply s | built-in MB/s | pgapply MB/s | built-in s / pgapply s |"$'\n'
-    COPY_TABLE+="|------:|-------|-----------:|----------:|--------------:|-------------:|-----------------------:|"$'\n'
+    if [ "$COPY_INDEXES" = both ]; then COPY_MODES=(before after); else COPY_MODES=("$COPY_INDEXES"); fi
+    copy_ratios_before=""
+    copy_ratios_after=""
+    COPY_TABLE="| round | order | built-in s | pgapply s, keys in place | pgapply s, keys after | built-in s / pgapply s, keys in place | built-in s / pgapply s, keys after |"$'\n'
+    COPY_TABLE+="|------:|-------|-----------:|-------------------------:|----------------------:|--------------------------------------:|-----------------------------------:|"$'\n'
     for ((r = 1; r <= COPY_ROUNDS; r++)); do
         # The order alternates, as in the catch-up rounds: neither always goes first.
+        COPY_SECS_before=""
+        COPY_SECS_after=""
         if ((r % 2)); then
             order="built-in, pgapply"
             copy_builtin "$r"
-            copy_pgapply "$r"
+            for m in "${COPY_MODES[@]}"; do copy_pgapply "$r" "$m"; done
         else
             order="pgapply, built-in"
-            copy_pgapply "$r"
+            for m in "${COPY_MODES[@]}"; do copy_pgapply "$r" "$m"; done
             copy_builtin "$r"
         fi
-        if [ "$COPY_RES_builtin" != "$COPY_SRC_RES" ] || [ "$COPY_RES_pgapply" != "$COPY_SRC_RES" ]; then
-            COPY_VERDICT=MISMATCH
-        fi
-        ratio="$(calc "$COPY_SECS_builtin / $COPY_SECS_pgapply" 2)"
-        copy_ratios+=" $ratio"
-        COPY_TABLE+="$(printf '| %5s | %-17s | %10.2f | %9.2f | %13.1f | %12.1f | %22s |' "$r" "$order" "$COPY_SECS_builtin" "$COPY_SECS_pgapply" \
-            "$(calc "$COPY_MB / $COPY_SECS_builtin" 2)" "$(calc "$COPY_MB / $COPY_SECS_pgapply" 2)" "x$ratio")"$'\n'
+        [ "$COPY_RES_builtin" = "$COPY_SRC_RES" ] || COPY_VERDICT=MISMATCH
+        cells=()
+        for m in before after; do
+            secs_var="COPY_SECS_$m"
+            res_var="COPY_RES_$m"
+            if [ -n "${!secs_var}" ]; then
+                [ "${!res_var}" = "$COPY_SRC_RES" ] || COPY_VERDICT=MISMATCH
+                ratio="$(calc "$COPY_SECS_builtin / ${!secs_var}" 2)"
+                if [ "$m" = before ]; then copy_ratios_before+=" $ratio"; else copy_ratios_after+=" $ratio"; fi
+                cells+=("$(printf '%.2f' "${!secs_var}")" "x$ratio")
+            else
+                cells+=("-" "-")
+            fi
+        done
+        COPY_TABLE+="$(printf '| %5s | %-17s | %10.2f | %24s | %21s | %37s | %34s |' "$r" "$order" "$COPY_SECS_builtin" \
+            "${cells[0]}" "${cells[2]}" "${cells[1]}" "${cells[3]}")"$'\n'
     done
-    COPY_RATIO="$(echo "$copy_ratios" | median)"
-    COPY_SUMMARY="Median built-in seconds / pgapply seconds over $COPY_ROUNDS round(s): x$COPY_RATIO (above 1: pgapply faster)"
-    COPY_CORRECT="Correctness (count(*) sum(abalance) of pgbench_accounts, every round): $COPY_VERDICT (source [$COPY_SRC_RES], last round: built-in [$COPY_RES_builtin] pgapply [$COPY_RES_pgapply])"
+    COPY_SUMMARY=""
+    if [ -n "$copy_ratios_before" ]; then
+        COPY_RATIO="$(echo "$copy_ratios_before" | median)"
+        COPY_SUMMARY+="Median built-in seconds / pgapply seconds over $COPY_ROUNDS round(s), keys in place: x$COPY_RATIO (above 1: pgapply faster)"$'\n'
+    fi
+    if [ -n "$copy_ratios_after" ]; then
+        COPY_RATIO_AFTER="$(echo "$copy_ratios_after" | median)"
+        COPY_SUMMARY+="Median built-in seconds / pgapply seconds over $COPY_ROUNDS round(s), keys built after the rows: x$COPY_RATIO_AFTER"$'\n'
+    fi
+    COPY_CORRECT="Correctness (count(*) sum(abalance) of pgbench_accounts, every copy): $COPY_VERDICT (source [$COPY_SRC_RES], last round: built-in [$COPY_RES_builtin] pgapply [${COPY_RES_before:-${COPY_RES_after:-}}])"
     {
         echo
         echo "## Initial copy"
         echo
-        echo "- COPY_SCALE=$COPY_SCALE: $COPY_TABLES tables (pgbench, pgbench_history empty), $COPY_MB MB = sum of pg_total_relation_size of the published tables on the source (heap + primary key indexes); MB/s = that / seconds"
+        echo "- COPY_SCALE=$COPY_SCALE: $COPY_TABLES tables (pgbench, pgbench_history empty), $COPY_MB MB = sum of pg_total_relation_size of the published tables on the source (heap + primary key indexes)"
         echo "- $COPY_ROUNDS round(s), the order alternating (built-in first in odd rounds); each copy into new empty tables with the same primary keys (\`pgbench -i -I dtp\`); source tables prewarmed; target CHECKPOINT before each"
         echo "- built-in: timed from CREATE SUBSCRIPTION (copy_data = true, create_slot = true) until every table's srsubstate is 'r' or 's' (polled every 50 ms); max_sync_workers_per_subscription = $COPY_SYNC_WORKERS (default), so at most $COPY_SYNC_WORKERS tables copy at once, each by one worker"
-        echo "- pgapply: \`pgapply run --copy-data --copy-jobs $COPY_JOBS --endpos <source WAL LSN just before>\`, timed until it exits"
+        echo "- pgapply, keys in place: \`pgapply run --copy-data --copy-jobs $COPY_JOBS --endpos <source WAL LSN just before>\` into the same tables as the built-in's, timed until it exits"
+        echo "- pgapply, keys after (the README's migration flow): tables without their primary keys (\`pgbench -i -I dt\`), \`pgapply run --copy-data --copy-only --copy-jobs $COPY_JOBS\`, then \`pgapply schema --section post-data\` (pg_dump, then the keys built on the target), timed from the start of the first to the end of the second"
         echo
         echo "$COPY_TABLE"
         echo "$COPY_SUMMARY"
-        echo
         echo "$COPY_CORRECT"
     } >>"$RESULTS"
     echo
