@@ -181,6 +181,13 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         } else {
             Vec::new()
         };
+        if status == CopyStatus::Incomplete && !config.copy_data {
+            report.problem(format!(
+                "the initial copy for slot {:?} was interrupted and cannot continue: run with --copy-data to start it over (it empties the tables it had copied: {})",
+                config.slot,
+                if emptied.is_empty() { "none yet".to_owned() } else { emptied.join(", ") }
+            ));
+        }
         // After the initial copy: tables published since, which a run with --copy-data copies
         // (and one without leaves without their earlier rows), and such copies that did not
         // finish, which a run without --copy-data refuses.
@@ -197,7 +204,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
                 let how = if config.copy_data {
                     "this run copies them (--copy-data): their target tables must be empty, or give --truncate-target"
                 } else {
-                    "their rows from before are not on the target: a run with --copy-data copies them"
+                    "rows they held before they were published are not on the target (none if they were empty then): a run with --copy-data copies them"
                 };
                 report.warning(format!(
                     "published after the initial copy: {}; {how}",
@@ -463,7 +470,7 @@ async fn check_source(
             report.ok(format!("slot {:?} will be created", config.slot))
         }
         Ok(None) => report.problem(format!(
-            "replication slot {:?} does not exist on the source: run with --create-slot",
+            "replication slot {:?} does not exist on the source: run with --create-slot (streams changes from now on), or --copy-data (copies the tables' rows first, then streams)",
             config.slot
         )),
         Err(e) => report.problem(format!("source: cannot read pg_replication_slots: {}", describe_postgres(&e))),
@@ -728,6 +735,15 @@ async fn check_target(
             .and_then(|r| r.get::<_, Option<bool>>(0))
             .unwrap_or(false);
     if none_there {
+        // Partitions published under their own names, the target keeping their rows in the
+        // parent: said as `run` says it.
+        if let Some(src) = source {
+            let sources: Vec<String> = tables.iter().map(|t| t.qualified()).collect();
+            if let Ok(Some(hint)) = crate::replicate::missing_partition_hint(src, &sources).await {
+                report.problem(hint);
+                return;
+            }
+        }
         report.problem(format!(
             "none of the {} published tables exists on the target: create them first, for example with `pgapply schema --source ... --target ... --publication ... --section pre-data` (and `--section post-data` after the initial copy, for the keys and indexes)",
             names.len()
@@ -743,7 +759,8 @@ async fn check_target(
                         coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '', \
                         has_table_privilege(a.attrelid, 'INSERT') AND has_table_privilege(a.attrelid, 'UPDATE') AND has_table_privilege(a.attrelid, 'DELETE'), \
                         a.attnotnull AND NOT a.atthasdef AND coalesce(to_jsonb(a) ->> 'attidentity', '') = '', \
-                        has_table_privilege(a.attrelid, 'TRUNCATE') \
+                        has_table_privilege(a.attrelid, 'TRUNCATE'), \
+                        (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_catalog.pg_enum e WHERE e.enumtypid = a.atttypid) \
                  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
                  WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
                     crate::sql::type_name_sql("a.atttypid", "a.atttypmod")),
@@ -880,6 +897,50 @@ async fn check_target(
                 }
             }
         }
+        // An enum's values: ALTER TYPE .. ADD VALUE is not replicated, and a value the target's
+        // type lacks stops the apply when a row brings it.
+        let target_enums: Vec<(String, Vec<String>)> = rows
+            .iter()
+            .filter_map(|r| Some((r.get::<_, String>(0), r.get::<_, Option<Vec<String>>>(7)?)))
+            .filter(|(c, _)| table.columns.iter().any(|(p, _)| p == c))
+            .collect();
+        if let (Some(src), false) = (source, target_enums.is_empty()) {
+            let source_enums = src
+                .query(
+                    "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, NULL), \
+                            (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_catalog.pg_enum e WHERE e.enumtypid = a.atttypid) \
+                     FROM pg_catalog.pg_attribute a \
+                     WHERE a.attrelid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped",
+                    &[&table.qualified()],
+                )
+                .await
+                .unwrap_or_default();
+            for (column, labels) in &target_enums {
+                let Some(source_row) = source_enums
+                    .iter()
+                    .find(|r| r.get::<_, String>(0) == *column)
+                else {
+                    continue;
+                };
+                let Some(source_labels) = source_row.get::<_, Option<Vec<String>>>(2) else {
+                    continue;
+                };
+                let lacking: Vec<String> = source_labels
+                    .iter()
+                    .filter(|l| !labels.contains(l))
+                    .map(|l| crate::sql::shown_literal(l))
+                    .collect();
+                if !lacking.is_empty() {
+                    fine = false;
+                    report.problem(format!(
+                        "column {} of {qualified}: its enum type on the target lacks value(s) the source's type {} has: {} (ALTER TYPE .. ADD VALUE is not replicated; a row bringing one would stop pgapply): add them on the target (ALTER TYPE ... ADD VALUE ..., in the source's order)",
+                        quote_ident(column),
+                        source_row.get::<_, String>(1),
+                        lacking.join(", ")
+                    ));
+                }
+            }
+        }
         // A column generated on the source is not published (before 18, or without
         // publish_generated_columns): a plain target column of that name is never filled.
         if let Some(src) = source {
@@ -996,17 +1057,7 @@ async fn source_column_definition(
 /// How a target type of the same family holds less than the source's, if it does: what then
 /// happens to the values that do not fit (refused, or rounded without a word).
 fn narrower(source: &str, target: &str) -> Option<&'static str> {
-    // "numeric(10,2)" -> ("numeric", [10, 2]); "character varying" -> (.., []).
-    let parse = |t: &str| -> (String, Vec<u32>) {
-        let (base, rest) = t.split_once('(').unwrap_or((t, ""));
-        let modifiers = rest
-            .trim_end_matches(')')
-            .split(',')
-            .filter_map(|m| m.trim().parse().ok())
-            .collect();
-        (base.trim().to_owned(), modifiers)
-    };
-    let ((s, s_mod), (t, t_mod)) = (parse(source), parse(target));
+    let ((s, s_mod), (t, t_mod)) = (split_type(source), split_type(target));
     let integer_rank = |t: &str| match t {
         "smallint" => Some(1),
         "integer" => Some(2),
@@ -1038,6 +1089,20 @@ fn narrower(source: &str, target: &str) -> Option<&'static str> {
                 _ => None,
             };
         }
+        // Fractional digits of seconds (6 without a precision): fewer round.
+        (
+            "timestamp with time zone"
+            | "timestamp without time zone"
+            | "time with time zone"
+            | "time without time zone"
+            | "interval",
+            _,
+        ) if s == t => {
+            let digits = |m: &[u32]| m.first().copied().unwrap_or(6);
+            return (digits(&t_mod) < digits(&s_mod)).then_some(
+                "rounds the source's values to fewer fractional digits of a second without a word",
+            );
+        }
         _ => {}
     }
     let text = ["text", "character varying", "character"];
@@ -1057,11 +1122,28 @@ fn narrower(source: &str, target: &str) -> Option<&'static str> {
     None
 }
 
+/// A type as `format_type` names it, without its modifiers, and the modifiers:
+/// "numeric(10,2)" -> ("numeric", [10, 2]); "timestamp(3) with time zone" -> ("timestamp with
+/// time zone", [3]); "character varying" -> (.., []). (An array's "[]" stays in the name.)
+fn split_type(t: &str) -> (String, Vec<u32>) {
+    match (t.find('('), t.find(')')) {
+        (Some(open), Some(close)) if open < close => {
+            let modifiers = t[open + 1..close]
+                .split(',')
+                .filter_map(|m| m.trim().parse().ok())
+                .collect();
+            let base = format!("{} {}", t[..open].trim_end(), t[close + 1..].trim_start());
+            (base.trim().to_owned(), modifiers)
+        }
+        _ => (t.trim().to_owned(), Vec::new()),
+    }
+}
+
 /// Different type names that still take each other's text form: same family of numbers, text or
 /// times (by the target type's category), a length/precision change of the same type, or the
 /// same type name in another schema (an extension installed elsewhere on the target, say).
 fn compatible(source: &str, target: &str, target_category: &str) -> bool {
-    let base = |t: &str| t.split('(').next().unwrap_or(t).trim().to_owned();
+    let base = |t: &str| split_type(t).0;
     if base(source) == base(target) {
         return true;
     }
@@ -1125,5 +1207,24 @@ mod tests {
         assert!(narrower("character varying(10)", "text").is_none());
         assert!(narrower("character(3)", "character varying(5)").is_none());
         assert!(!compatible("public.mood", "public.feeling", "E"));
+        // A precision of fractional seconds: the same type, fewer digits round.
+        assert!(compatible(
+            "timestamp with time zone",
+            "timestamp(0) with time zone",
+            "D"
+        ));
+        assert!(narrower("timestamp with time zone", "timestamp(0) with time zone").is_some());
+        assert!(narrower(
+            "timestamp(3) without time zone",
+            "timestamp without time zone"
+        )
+        .is_none());
+        assert!(narrower("interval", "interval(2)").is_some());
+        assert!(narrower("time(2) with time zone", "time(4) with time zone").is_none());
+        assert!(!compatible(
+            "timestamp with time zone",
+            "time with time zone",
+            "D"
+        ));
     }
 }

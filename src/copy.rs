@@ -64,10 +64,12 @@ pub struct PublishedTable {
     pub pages: i64,
     /// A partitioned table (published through its root): its rows are in its partitions.
     pub partitioned: bool,
-    /// A published column has a type not built into PostgreSQL (an enum, a domain, an extension's
-    /// type, an array or composite of one) or an OID alias type (regclass ...): binary COPY
-    /// would carry the source's OIDs.
-    pub user_types: bool,
+    /// A published column has a type whose values cannot be copied in binary form
+    /// (`sql::binary_unsafe_type_sql`): one not built into PostgreSQL (an enum, a domain, an
+    /// extension's type, an array or composite of one) or an OID alias type (regclass ...),
+    /// whose binary form carries the source's OIDs; aclitem, which has none; tsquery, whose
+    /// empty value does not read back.
+    pub binary_unsafe: bool,
 }
 
 impl PublishedTable {
@@ -110,14 +112,33 @@ pub async fn late_unfinished(target: &Client, slot: &str) -> Result<Vec<String>>
         .collect())
 }
 
-/// Per source table (schema, name) copied after the initial copy: the position before which the
-/// stream drops its changes (committed before that copy's snapshot, so already in its rows),
-/// where that is past `from`.
+/// Tables copied after the initial copy (published later), with that copy's snapshot position:
+/// changes from transactions committed before it are in the copied rows, and are dropped.
+#[derive(Debug, Default)]
+pub struct LaterCopies {
+    /// By source table (schema, name).
+    pub by_source: HashMap<(String, String), crate::protocol::Lsn>,
+    /// By target table OID: the copied table's target table and the partitions under it. A
+    /// change may reach the copied rows under another source relation than the one copied: a
+    /// partition published under its own name before the publication went through its root
+    /// (or the other way round), or a source table mapped onto the same target table.
+    pub by_target: HashMap<u32, crate::protocol::Lsn>,
+}
+
+impl LaterCopies {
+    pub fn is_empty(&self) -> bool {
+        self.by_source.is_empty()
+    }
+}
+
+/// The tables copied after the initial copy whose snapshot position is past `from`.
 pub async fn copied_since(
     target: &Client,
     slot: &str,
     from: crate::protocol::Lsn,
-) -> Result<HashMap<(String, String), crate::protocol::Lsn>> {
+    table_map: &crate::config::TableMap,
+) -> Result<LaterCopies> {
+    let context = |e| Error::postgres("reading pgapply.copy_state on the target", e);
     let rows = target
         .query(
             "SELECT schema_name, table_name, synced_lsn::text FROM pgapply.copy_state \
@@ -125,18 +146,42 @@ pub async fn copied_since(
             &[&slot, &from.to_string()],
         )
         .await
-        .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
-    let mut map = HashMap::new();
+        .map_err(context)?;
+    let mut copies = LaterCopies::default();
     for r in rows {
         let text: String = r.get(2);
-        let lsn = text.parse().map_err(|e| {
+        let lsn: crate::protocol::Lsn = text.parse().map_err(|e| {
             Error::definite(format!(
                 "pgapply.copy_state on the target holds an unreadable position {text:?}: {e}"
             ))
         })?;
-        map.insert((r.get(0), r.get(1)), lsn);
+        let source: (String, String) = (r.get(0), r.get(1));
+        let (schema, name) = table_map
+            .get(&source)
+            .cloned()
+            .unwrap_or_else(|| source.clone());
+        // The target table and its partitions, at every level (not tables inheriting from it
+        // otherwise: COPY reads a table's own rows only).
+        let covered = target
+            .query(
+                "WITH RECURSIVE t(oid) AS ( \
+                     SELECT pg_catalog.to_regclass($1)::oid \
+                     UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits i \
+                     JOIN t ON i.inhparent = t.oid \
+                     JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid AND c.relispartition) \
+                 SELECT oid FROM t WHERE oid IS NOT NULL",
+                &[&qualified_name(&schema, &name)],
+            )
+            .await
+            .map_err(context)?;
+        for c in covered {
+            let oid: u32 = c.get(0);
+            let at = copies.by_target.entry(oid).or_insert(lsn);
+            *at = (*at).max(lsn);
+        }
+        copies.by_source.insert(source, lsn);
     }
-    Ok(map)
+    Ok(copies)
 }
 
 /// After the initial copy, forgets the copy state of tables no longer published (as `REFRESH
@@ -340,7 +385,7 @@ pub async fn published_tables(
                      WHERE c.oid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped \
                      ORDER BY a.attnum",
                     crate::sql::type_name_sql("a.atttypid", "a.atttypmod"),
-                    crate::sql::cluster_specific_type_sql("a.atttypid"),
+                    crate::sql::binary_unsafe_type_sql("a.atttypid"),
                 ),
                 &[&qualified],
             )
@@ -364,7 +409,7 @@ pub async fn published_tables(
                 }
             })
             .collect();
-        let user_types = published.iter().any(|r| r.get::<_, bool>(4));
+        let binary_unsafe = published.iter().any(|r| r.get::<_, bool>(4));
         let columns = published
             .iter()
             .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
@@ -388,7 +433,7 @@ pub async fn published_tables(
             row_filter,
             pages,
             partitioned,
-            user_types,
+            binary_unsafe,
         });
     }
     // A partition listed beside its partitioned root (a publication through the root and another
@@ -524,7 +569,7 @@ async fn prepare_target(
                 "table {qualified} is published by the source but does not exist on the target: create it first (for example with `pgapply schema` or pg_dump --schema-only)"
             )));
         }
-        let mut same_types = same_major && !table.user_types;
+        let mut same_types = same_major && !table.binary_unsafe;
         for (column, source_type) in &table.columns {
             let found = rows.iter().find(|r| r.get::<_, String>(0) == *column);
             let Some(found) = found else {
@@ -578,7 +623,7 @@ async fn prepare_target(
             .await
             .map_err(|e| {
                 Error::postgres(
-                    format!("emptying {} on the target (--truncate-target; a table outside the publication that references one of them by a foreign key must be emptied first, or the key dropped)", not_empty.join(", ")),
+                    format!("emptying {} on the target (--truncate-target; PostgreSQL refuses to empty a table that another one, not emptied in the same statement, references by a foreign key, even an empty one: drop that foreign key on the target for the copy and add it back after, or empty the tables by hand)", not_empty.join(", ")),
                     e,
                 )
             })?;
@@ -1374,15 +1419,18 @@ async fn copy_one(
     progress.rows.fetch_add(rows, Ordering::Relaxed);
     // (Its bytes: `record_bytes`.)
     crate::metrics::METRICS.copied(&table.label(), rows, 0);
-    // The table is done when its last range commits, counted here under the row's lock.
+    // The table is done when its last range commits, counted here under the row's lock; its
+    // bytes so far too (the periodic `record_bytes` may not come again: a kill, the end).
+    let bytes_so_far = progress.bytes.load(Ordering::Relaxed) as i64;
     target_tx
         .execute(
             "UPDATE pgapply.copy_state SET rows_copied = rows_copied + $4, \
+                    bytes_copied = greatest(bytes_copied, $5), \
                     jobs_done = jobs_done + 1, \
                     state = CASE WHEN jobs_done + 1 >= jobs_total THEN 'done' ELSE state END, \
-                    finished_at = CASE WHEN jobs_done + 1 >= jobs_total THEN now() ELSE finished_at END \
+                    finished_at = CASE WHEN jobs_done + 1 >= jobs_total THEN clock_timestamp() ELSE finished_at END \
              WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
-            &[&slot, &table.schema, &table.name, &(rows as i64)],
+            &[&slot, &table.schema, &table.name, &(rows as i64), &bytes_so_far],
         )
         .await
         .map_err(dst_err)?;

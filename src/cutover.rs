@@ -213,13 +213,21 @@ pub async fn cutover(
         // its values on the new primary.
         let shown = sequences.left_out.len().min(20);
         crate::out!(
-            "before the cutover: sequence(s) no published table uses are not copied: {}{} (if the application calls any by name, stop here and run with --all-sequences; step 4 also prints the setval statements)",
+            "before the cutover: sequence(s) no published table uses are not copied: {}{} (if the application calls any by name: interrupt this cutover now, with Ctrl-C or SIGTERM before step 2 freezes the writes, and run it with --all-sequences; or let it go on and run on the target the setval statements step 4 prints for them)",
             sequences.left_out[..shown].join(", "),
             match sequences.left_out.len() - shown {
                 0 => String::new(),
                 n => format!(" and {n} more"),
             }
         );
+    }
+    // Roles and grants are not replicated: an application role the cutover freezes on the
+    // source should be able to do there, on the target, what it does here, or the applications
+    // meet "permission denied" once pointed at it. Said, not refused: they may log in as
+    // another role there.
+    let grants = role_grant_warnings(&source, &target, &run_config, &settings.freeze_roles).await?;
+    for warning in &grants {
+        crate::out!("before the cutover: WARNING: {warning}");
     }
     again(&source, &target, &slot, settings.again, &sequences).await?;
     if slot_state(&source, &slot).await?.0 && !has_progress(&target, &slot).await? {
@@ -309,11 +317,16 @@ pub async fn cutover(
                 _ => seconds,
             };
             let answering = heartbeat().await? != first_heartbeat;
-            crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed})");
             let below = match settings.max_lag {
                 MaxLag::Bytes(max) => bytes <= max,
                 MaxLag::Time(max) => seconds <= max.as_secs_f64(),
             };
+            let waiting = if below && !answering {
+                ": below --max-lag, waiting for the worker's next heartbeat on the target (every 10 s at most) to see it alive"
+            } else {
+                ""
+            };
+            crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed}){waiting}");
             if below && answering {
                 break;
             }
@@ -573,8 +586,13 @@ pub async fn cutover(
             ))
         })?;
     crate::out!(
-        "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target",
-        started.elapsed().as_secs_f64()
+        "cutover done in {:.1}s: the target holds everything committed on the source up to {end}; point the applications at the target{}",
+        started.elapsed().as_secs_f64(),
+        if grants.is_empty() {
+            ""
+        } else {
+            " (first give the frozen roles there the rights they lack: see the warnings before step 1)"
+        }
     );
     // Going back (slot `<forward>_reverse`): the forward slot on the old primary, the target
     // now, has held its WAL since the first cutover, and will until dropped.
@@ -735,19 +753,47 @@ async fn drain(
     if active {
         crate::out!("step 3: asked the running worker to stop at {end}");
         let mut inactive_since: Option<Instant> = None;
+        // A worker that stopped answering (SIGSTOP, a hang) keeps the slot until the source's
+        // wal_sender_timeout, and its target session the slot's replication origin for ever:
+        // its heartbeat on the target (every 10 s at most) tells it apart from a busy one.
+        let heartbeat = || async {
+            target
+                .query_opt(
+                    "SELECT heartbeat_at::text FROM pgapply.progress WHERE slot_name = $1",
+                    &[slot],
+                )
+                .await
+                .map(|r| r.and_then(|r| r.get::<_, Option<String>>(0)))
+                .map_err(|e| {
+                    Error::postgres("step 3: reading the worker's heartbeat on the target", e)
+                })
+        };
+        let mut last_heartbeat = (heartbeat().await?, Instant::now());
         loop {
             let (active, confirmed, _) = slot_state(source, slot).await?;
             if !active && confirmed >= end {
                 crate::out!("step 3: the worker confirmed {end} and stopped");
                 return Ok(end);
             }
+            let beat = heartbeat().await?;
+            if beat != last_heartbeat.0 {
+                last_heartbeat = (beat, Instant::now());
+            } else if active
+                && last_heartbeat.1.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY
+            {
+                return Err(Error::definite(format!(
+                    "step 3: the worker streaming slot {slot:?} wrote no heartbeat on the target in {} s while asked to stop at {end} (confirmed {confirmed}): it seems hung. Stop that pgapply process (kill it if SIGTERM does nothing), then run the cutover again: it applies the rest itself",
+                    last_heartbeat.1.elapsed().as_secs()
+                )));
+            }
             if active {
                 inactive_since = None;
             } else if inactive_since.get_or_insert_with(Instant::now).elapsed()
                 > Duration::from_secs(5)
             {
-                // Gone before the end (stopped, or failed and not back within 5 s).
-                crate::out!("step 3: the worker stopped at {confirmed}, before {end}: applying the rest here");
+                // Gone before the end (stopped, failed and not back within 5 s, or timed out
+                // by the source).
+                crate::out!("step 3: the worker let go of the slot at {confirmed}, before {end} (it stopped, failed, or the source ended its connection): applying the rest here");
                 break;
             }
             if Instant::now() > deadline {
@@ -869,16 +915,19 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
     let mut origin_held_since: Option<Instant> = None;
     loop {
         match run_once_until(config.clone(), deadline, step).await {
-            Err(e) if e.is_transient() && Instant::now() + Duration::from_secs(1) < deadline => {
+            Err(e) if e.is_transient() => {
                 let text = e.to_string();
                 if let Some(pid) = origin_holder(&text) {
                     let since = *origin_held_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY {
+                    let out_of_time = Instant::now() + Duration::from_secs(1) >= deadline;
+                    if out_of_time || since.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY {
                         return Err(Error::definite(format!(
-                            "{step}: the target session of process {pid} (another pgapply, likely the worker that stopped answering) has held the slot's replication origin for {} s: end that pgapply process, or that session on the target (SELECT pg_terminate_backend({pid})), and run the cutover again",
+                            "{step}: target session {pid} (of another pgapply, likely the worker that stopped answering) has held the slot's replication origin for {} s: end that pgapply process, or that session on the target (SELECT pg_terminate_backend({pid})), and run the cutover again",
                             since.elapsed().as_secs()
                         )));
                     }
+                } else if Instant::now() + Duration::from_secs(1) >= deadline {
+                    return Err(e);
                 } else {
                     origin_held_since = None;
                 }
@@ -940,6 +989,98 @@ pub struct SequencePlan {
 
 /// What would stop step 2 half-way: a role that does not exist (a typo), or a source role that
 /// may not alter roles or end their sessions.
+/// For each role `--freeze-writes` names: missing on the target, or lacking there a right on a
+/// published table (SELECT, INSERT, UPDATE, DELETE) that it has on the source.
+async fn role_grant_warnings(
+    source: &Client,
+    target: &Client,
+    config: &RunConfig,
+    roles: &[String],
+) -> Result<Vec<String>> {
+    if roles.is_empty() {
+        return Ok(Vec::new());
+    }
+    let tables = published_tables(source, &config.publications, &config.table_map).await?;
+    let source_names: Vec<String> = tables.iter().map(|t| t.qualified()).collect();
+    let target_names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    // Per table (in the order given): the rights the role has on it, NULL where the role or
+    // the table does not exist.
+    let rights_sql = "SELECT (SELECT pg_catalog.array_to_string(ARRAY( \
+                         SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) p \
+                         WHERE pg_catalog.has_table_privilege($1, t.n, p)), ',') \
+                       WHERE EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = $1) \
+                         AND pg_catalog.to_regclass(t.n) IS NOT NULL) \
+                      FROM unnest($2::text[]) WITH ORDINALITY t(n, i) ORDER BY t.i";
+    let mut warnings = Vec::new();
+    for role in roles {
+        let exists = target
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = $1)",
+                &[role],
+            )
+            .await
+            .map_err(|e| Error::postgres("looking up the frozen roles on the target", e))?
+            .get::<_, bool>(0);
+        if !exists {
+            warnings.push(format!(
+                "role {role:?} does not exist on the target (roles belong to a cluster and are not replicated): create it there, with the rights it has on the source (pg_dumpall --roles-only lists the roles), before the applications log in as it"
+            ));
+            continue;
+        }
+        let rights = |rows: Vec<tokio_postgres::Row>| -> Vec<String> {
+            rows.iter()
+                .map(|r| r.get::<_, Option<String>>(0).unwrap_or_default())
+                .collect()
+        };
+        let here = rights(
+            source
+                .query(rights_sql, &[role, &source_names])
+                .await
+                .map_err(|e| {
+                    Error::postgres("reading the frozen roles' rights on the source", e)
+                })?,
+        );
+        let there = rights(
+            target
+                .query(rights_sql, &[role, &target_names])
+                .await
+                .map_err(|e| {
+                    Error::postgres("reading the frozen roles' rights on the target", e)
+                })?,
+        );
+        let lacking: Vec<String> = here
+            .iter()
+            .zip(&there)
+            .zip(&target_names)
+            .filter_map(|((here, there), table)| {
+                let missing: Vec<&str> = here
+                    .split(',')
+                    .filter(|p| !p.is_empty() && !there.split(',').any(|q| q == *p))
+                    .collect();
+                (!missing.is_empty()).then(|| {
+                    format!(
+                        "GRANT {} ON {table} TO {};",
+                        missing.join(", "),
+                        crate::sql::quote_ident(role)
+                    )
+                })
+            })
+            .collect();
+        if !lacking.is_empty() {
+            let shown = lacking.len().min(5);
+            warnings.push(format!(
+                "role {role:?} may do less on the target than on the source (rights are not replicated): on the target, {}{}",
+                lacking[..shown].join(" "),
+                match lacking.len() - shown {
+                    0 => String::new(),
+                    n => format!(" and the same for {n} more table(s)"),
+                }
+            ));
+        }
+    }
+    Ok(warnings)
+}
+
 async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String>> {
     if roles.is_empty() {
         return Ok(Vec::new());
@@ -1286,7 +1427,10 @@ async fn target_sequence(
     let (schema, table) = table_map.get(&key).cloned().unwrap_or(key);
     let on_target = target
         .query_one(
-            "SELECT pg_catalog.pg_get_serial_sequence($1, $2)",
+            // Written as the other names are, schema and name quoted.
+            "SELECT (SELECT format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c \
+                     JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                     WHERE c.oid = pg_catalog.pg_get_serial_sequence($1, $2)::pg_catalog.regclass)",
             &[&crate::sql::qualified_name(&schema, &table), &column],
         )
         .await

@@ -220,8 +220,10 @@ impl RelationCache {
                 }
                 _ => {
                     return Err(Error::definite(format!(
-                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); if it was renamed there already, and these are changes from before the source's rename, map the old name onto it until pgapply is past them ([tables.\"{}.{}\"] target = \"<schema>.<new name>\" in the config file); otherwise create it on the target with the same columns (pg_dump --schema-only --table='{}' from the source), then start pgapply again",
+                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); if it was renamed there already, and these are changes from before the source's rename, map the old name onto it until pgapply is past them ([tables.\"{}.{}\"] target = \"<schema>.<new name>\" in the config file); if it is a partition on the source, published under its own name (publish_via_partition_root = false), whose rows the target keeps in another table, map it onto that one ([tables.\"{}.{}\"] target = \"<schema>.<table>\"); otherwise create it on the target with the same columns (pg_dump --schema-only --table='{}' from the source), then start pgapply again",
                         qualified_name(&target_schema, &target_name),
+                        schema.replace('\\', "\\\\").replace('"', "\\\""),
+                        relation.name.replace('\\', "\\\\").replace('"', "\\\""),
                         schema.replace('\\', "\\\\").replace('"', "\\\""),
                         relation.name.replace('\\', "\\\\").replace('"', "\\\""),
                         shown
@@ -327,13 +329,15 @@ impl RelationCache {
             }
         }
         self.generation += 1;
-        if relation.replica_identity != ReplicaIdentity::Nothing {
-            let key: Vec<String> = relation
-                .columns
-                .iter()
-                .filter(|c| c.is_key() && relation.replica_identity != ReplicaIdentity::Full)
-                .map(|c| c.name.clone())
-                .collect();
+        let key: Vec<String> = relation
+            .columns
+            .iter()
+            .filter(|c| c.is_key() && relation.replica_identity != ReplicaIdentity::Full)
+            .map(|c| c.name.clone())
+            .collect();
+        // No key and not FULL (identity NOTHING, or a default identity without a primary key):
+        // the source refuses UPDATE and DELETE on the table, so no change ever looks a row up.
+        if relation.replica_identity == ReplicaIdentity::Full || !key.is_empty() {
             if let Some(advice) = key_index_advice(catalog, &target, &key).await {
                 tracing::warn!(relation = %shown, "{advice}");
             }
@@ -464,7 +468,7 @@ pub async fn key_index_advice(
     let post_data = "(`pgapply schema --section post-data` creates the source's keys and indexes)";
     if key.is_empty() {
         return (!indexed).then(|| format!(
-            "target table {table} has no index, and the source finds its rows by all their values (REPLICA IDENTITY FULL): every UPDATE and DELETE replicated to it reads the whole table; create an index on the target on a column whose values are (nearly) unique {post_data}"
+            "target table {table} has no index, and the source finds its rows by all their values (REPLICA IDENTITY FULL): every UPDATE and DELETE replicated to it reads the whole table; create an index on the target on a column whose values are (nearly) unique (if the source has one, `pgapply schema --section post-data` creates it there)"
         ));
     }
     if unique {

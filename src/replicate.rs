@@ -41,6 +41,7 @@ mod start;
 pub use heartbeat::HEARTBEAT_MAX_EVERY;
 use heartbeat::*;
 use reader::*;
+pub(crate) use start::missing_partition_hint;
 use start::*;
 pub use start::{refuse_same_database, same_publications, unmatched_table_settings};
 
@@ -825,7 +826,8 @@ async fn run_in_span(
     let report_recorded = refuse_lost_changes(&setup, &mut session, &config.slot, resume).await?;
     restore_applied_metrics(&setup, &config.slot, resume).await;
     // Tables copied after the initial copy whose snapshot this run's stream has not passed yet.
-    let copied_since = Arc::new(copy::copied_since(&setup, &config.slot, resume).await?);
+    let copied_since =
+        Arc::new(copy::copied_since(&setup, &config.slot, resume, &config.table_map).await?);
     let live_now = live_possible && copied_since.is_empty();
     if live_possible && !live_now {
         tracing::info!("--streaming parallel: streamed transactions are spooled and applied at commit in this run, as the stream starts before the snapshot of tables copied after the initial copy (a run started after it applies them as they arrive)");

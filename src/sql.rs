@@ -21,12 +21,24 @@ pub fn qualified_name(schema: &str, table: &str) -> String {
     format!("{}.{}", quote_ident(schema), quote_ident(table))
 }
 
-/// SQL: whether a column type's binary form holds OIDs of the cluster it comes from, which mean
-/// nothing (or something else) in another one: a type not built in (an enum, a domain, a
-/// composite; or an array of one), or an OID alias type (regclass, regtype, regproc ... and their
-/// arrays), whose text form is a name but whose binary form is the OID.
-pub fn cluster_specific_type_sql(type_oid: &str) -> String {
-    format!("({type_oid} >= 10000 OR pg_catalog.format_type({type_oid}, NULL) LIKE 'reg%')")
+/// SQL: whether a column type's values cannot go from one cluster to another in binary form:
+/// - its binary form holds OIDs of the cluster it comes from, which mean nothing (or something
+///   else) in another one: a type not built in (an enum, a domain, a composite; or an array of
+///   one), or an OID alias type (regclass, regtype, regproc ... and their arrays), whose text
+///   form is a name but whose binary form is the OID;
+/// - it has no binary form (aclitem; or an array of it);
+/// - PostgreSQL does not read back all it writes: an empty tsquery (`''`) is sent, and its
+///   receive function refuses it ("malformed tsquery: operand not found"; tsquery and its array).
+pub fn binary_unsafe_type_sql(type_oid: &str) -> String {
+    format!(
+        "({type_oid} >= 10000 OR pg_catalog.format_type({type_oid}, NULL) LIKE 'reg%' \
+          OR {type_oid} IN (3615, 3645) \
+          OR EXISTS (SELECT FROM pg_catalog.pg_type ty \
+                     LEFT JOIN pg_catalog.pg_type el ON el.oid = ty.typelem AND ty.typlen = -1 \
+                     WHERE ty.oid = {type_oid} \
+                       AND (ty.typsend::oid = 0 OR ty.typreceive::oid = 0 \
+                            OR el.typsend::oid = 0 OR el.typreceive::oid = 0)))"
+    )
 }
 
 /// SQL for a type's name as `format_type` gives it, schema-qualified unless the type is
@@ -59,6 +71,17 @@ pub fn quote_literal(value: &str) -> String {
     }
     out.push('\'');
     out
+}
+
+/// A string literal to show in a message for the user to run: plain `'...'` (quotes doubled)
+/// unless the value has a backslash, which only `quote_literal`'s form keeps whatever the
+/// server's settings.
+pub fn shown_literal(value: &str) -> String {
+    if value.contains('\\') {
+        quote_literal(value)
+    } else {
+        format!("'{}'", value.replace('\'', "''"))
+    }
 }
 
 /// A string literal for replication commands (START_REPLICATION options): their grammar knows only

@@ -138,6 +138,53 @@ async fn column_too_narrow_on_target() {
     assert!(!last.contains("pgapply skip"), "{last}");
 }
 
+/// An enum value added on the source only, and a domain's CHECK only the target has: `check`
+/// names the missing value, and each stop says what to change on the target (not to skip).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enum_value_and_a_domain_check_only_one_side_has_are_named() {
+    let db = TestDb::new("enumdom").await;
+    db.both(
+        "CREATE TYPE mood AS ENUM ('sad', 'happy'); CREATE DOMAIN short_text AS text; \
+         CREATE TABLE e (id int PRIMARY KEY, m mood, d short_text)",
+    )
+    .await;
+    db.target_sql("ALTER DOMAIN short_text ADD CONSTRAINT short CHECK (length(VALUE) < 3)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE e").await;
+    db.source_sql("ALTER TYPE mood ADD VALUE 'ecstatic'").await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.lines().any(|l| l.starts_with("PROBLEM")
+            && l.contains("column \"m\" of \"public\".\"e\"")
+            && l.contains("'ecstatic'")),
+        "{text}"
+    );
+    db.source_sql("INSERT INTO e VALUES (1, 'ecstatic', 'ok')")
+        .await;
+    let last = expect_failure(
+        db.pgapply("p", &[]),
+        &["enum type mood", "ALTER TYPE mood ADD VALUE 'ecstatic'"],
+    )
+    .await;
+    assert!(!last.contains("pgapply skip"), "{last}");
+    db.target_sql("ALTER TYPE mood ADD VALUE 'ecstatic'").await;
+    db.source_sql("INSERT INTO e VALUES (2, 'sad', 'too long')")
+        .await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "CHECK constraint \"short\" of domain \"public\".\"short_text\"",
+            "ALTER DOMAIN \"public\".\"short_text\" DROP CONSTRAINT \"short\"",
+        ],
+    )
+    .await;
+    db.target_sql("ALTER DOMAIN short_text DROP CONSTRAINT short")
+        .await;
+    db.sync("p").await;
+    db.assert_same("e").await;
+}
+
 /// A column dropped on the source that is NOT NULL without a default on the target: the error
 /// names it and says what to change there, not to skip the transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

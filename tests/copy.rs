@@ -291,6 +291,17 @@ async fn interrupted_copy_starts_over() {
     let out = run_with_deadline(db.pgapply("p", &[]), 60).await;
     assert!(!out.status.success());
     assert!(stderr(&out).contains("interrupted"), "{}", stderr(&out));
+    // check says so too, and which tables a run with --copy-data empties again.
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with("PROBLEM")
+            && l.contains("interrupted")
+            && l.contains("--copy-data")
+            && l.contains("\"public\".\"t")),
+        "{text}"
+    );
     db.source_sql("UPDATE t1 SET pad = 'changed' WHERE id < 100")
         .await;
     let endpos = db.source_wal().await;
@@ -404,7 +415,7 @@ async fn schema_then_copy_then_cutover_with_sequences() {
          INSERT INTO orders (note) SELECT 'n' || g FROM generate_series(1, 500) g; \
          INSERT INTO items (order_id) SELECT g FROM generate_series(1, 500) g; \
          CREATE PUBLICATION p FOR TABLE orders, items; \
-         CREATE ROLE {role} LOGIN;"
+         CREATE ROLE {role} LOGIN; GRANT SELECT, INSERT ON orders TO {role};"
     ))
     .await;
     // No pg_dump, or one older than the source: said, with what to install, before anything.
@@ -469,8 +480,18 @@ async fn schema_then_copy_then_cutover_with_sequences() {
     })
     .await;
     db.wait_slot_active().await;
-    // Cutover with the worker running: lag, freeze, drain, sequences, verify.
+    // Cutover with the worker running: lag, freeze, drain, sequences, verify. The frozen role
+    // is on the target too, without the rights it has on the source: said before anything.
+    db.target_sql(&format!("CREATE ROLE {role} LOGIN")).await;
     let text = db.cutover(&["--freeze-writes", &role]).await;
+    assert!(
+        text.contains(&format!(
+            "before the cutover: WARNING: role \"{role}\" may do less on the target than on the source"
+        )) && text.contains(&format!("GRANT SELECT, INSERT ON \"public\".\"orders\" TO \"{role}\";"))
+            && !text.contains("ON \"public\".\"items\"")
+            && text.contains("first give the frozen roles there the rights they lack"),
+        "{text}"
+    );
     // The serial and identity sequences, and the one a column default names; not the unused.
     assert!(
         text.contains("step 4: copied 3 sequence(s)")
@@ -864,7 +885,7 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
         stderr(&out).contains("the target has handed out sequence values of its own")
-            && stderr(&out).contains("t_id_seq at 11, the source's at 10"),
+            && stderr(&out).contains("\"public\".\"t_id_seq\" at 11, the source's at 10"),
         "{}",
         stderr(&out)
     );
@@ -1565,6 +1586,53 @@ async fn a_table_published_again_is_copied_again_and_not_under_a_running_worker(
 /// A table published later whose target table also holds another published table's rows
 /// (`[tables]` maps both onto it) is not copied, even with --truncate-target: emptying it would
 /// lose the other's rows. Said, and the run streams on.
+/// The publication switched to publishing a partitioned table through its root while changes
+/// to a partition, sent under the partition's name, were still to be applied: the root's copy
+/// (published later) holds them, and they must not be applied over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_under_a_partitions_name_do_not_overwrite_its_roots_later_copy() {
+    if common::clusters().source_major < 13 {
+        return; // publish_via_partition_root: 13+
+    }
+    let db = TestDb::new("latepart").await;
+    db.both(
+        "CREATE TABLE m (id int PRIMARY KEY, v int) PARTITION BY RANGE (id); \
+         CREATE TABLE m_a PARTITION OF m FOR VALUES FROM (0) TO (100); \
+         CREATE TABLE m_b PARTITION OF m FOR VALUES FROM (100) TO (200);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO m SELECT g, 0 FROM generate_series(1, 150) g WHERE g <> 50; \
+         CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = false);",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    db.assert_same("m").await;
+    // Sent as changes of m_a and m_b; then, through the root, changes of m.
+    db.source_sql("UPDATE m SET v = 5 WHERE id IN (11, 111); DELETE FROM m WHERE id = 12; INSERT INTO m VALUES (50, 5)")
+        .await;
+    db.source_sql("ALTER PUBLICATION p SET (publish_via_partition_root = true)")
+        .await;
+    db.source_sql("UPDATE m SET v = 6 WHERE id IN (11, 111); INSERT INTO m VALUES (12, 6)")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &["--copy-data", "--truncate-target", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("m").await;
+    // And the stream goes on from there.
+    db.source_sql("UPDATE m SET v = 7 WHERE id = 11; DELETE FROM m WHERE id = 111")
+        .await;
+    db.sync("p").await;
+    db.assert_same("m").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_table_sharing_its_target_table_is_not_copied() {
     let db = TestDb::new("lateshared").await;

@@ -1078,15 +1078,19 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     db.source_sql(
         "CREATE TABLE k (id int PRIMARY KEY, v text); \
          CREATE TABLE f (x int, v text); ALTER TABLE f REPLICA IDENTITY FULL; \
+         CREATE TABLE n (x int, v text); \
          CREATE TABLE ok (id int PRIMARY KEY, v text);",
     )
     .await;
     db.target_sql(
         "CREATE TABLE k (id int, v text); CREATE TABLE f (x int, v text); \
-         CREATE TABLE ok (id int PRIMARY KEY, v text);",
+         CREATE TABLE n (x int, v text); CREATE TABLE ok (id int PRIMARY KEY, v text);",
     )
     .await;
-    db.publish("CREATE PUBLICATION p FOR TABLE k, f, ok").await;
+    // n: no key and the default identity, so the source allows only INSERTs into it: no row is
+    // ever looked up there, and nothing is to be said about its indexes.
+    db.publish("CREATE PUBLICATION p FOR TABLE k, f, n, ok")
+        .await;
     let out = run_with_deadline(
         db.on_both("check", &["--slot", &db.slot(), "--create-slot"]),
         60,
@@ -1109,6 +1113,7 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     let f = warning("f").unwrap_or_else(|| panic!("{text}"));
     assert!(f.contains("REPLICA IDENTITY FULL"), "{text}");
     assert!(warning("ok").is_none(), "{text}");
+    assert!(warning("n").is_none(), "{text}");
     assert!(
         text.contains("table \"public\".\"ok\" matches on the target"),
         "{text}"
@@ -1117,6 +1122,7 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     db.source_sql(
         "INSERT INTO k SELECT g, 'a' FROM generate_series(1, 5) g; \
          INSERT INTO f SELECT g, 'a' FROM generate_series(1, 5) g; \
+         INSERT INTO n SELECT g, 'a' FROM generate_series(1, 5) g; \
          UPDATE k SET v = 'b' WHERE id = 2; DELETE FROM f WHERE x = 3;",
     )
     .await;
@@ -1131,7 +1137,9 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
         log.lines().any(|l| l.contains("WARN") && l.contains("target table \"public\".\"f\" has no index")),
         "{log}"
     );
+    assert!(!log.contains("\"public\".\"n\" has no"), "{log}");
     db.assert_same("k").await;
+    db.assert_same("n").await;
     db.assert_same("f").await;
 }
 

@@ -868,6 +868,51 @@ async fn binary_falls_back_to_text_for_user_types_and_messages_are_logged() {
     db.assert_same("e").await;
 }
 
+/// aclitem has no binary form, and an empty tsquery's binary form does not read back: the copy
+/// (binary between servers of one major version) and `--binary` take text for such tables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_copy_and_binary_take_text_for_types_without_a_binary_form_that_reads_back() {
+    if !pgapply_version_or_skip("binary", 140000).await {
+        return;
+    }
+    let db = TestDb::new("binaryunsafe").await;
+    db.both(
+        "CREATE TABLE m (id int PRIMARY KEY, q tsquery, qs tsquery[], a aclitem, aa aclitem[])",
+    )
+    .await;
+    let row = |id: i32| {
+        format!(
+            "INSERT INTO m VALUES ({id}, '', ARRAY[''::tsquery, 'a & b'], (acldefault('r', 10))[1], acldefault('r', 10))"
+        )
+    };
+    db.source_sql(&format!("{}; CREATE PUBLICATION p FOR TABLE m", row(1)))
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--binary", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql(&format!(
+        "{}; UPDATE m SET q = '', a = (acldefault('r', 10))[1] WHERE id = 1",
+        row(2)
+    ))
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--binary", "--endpos", &endpos]), 60).await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    let c = common::clusters();
+    if c.source_major == c.target_major {
+        assert!(
+            log.contains("binary transfer off") && log.contains("aclitem, tsquery"),
+            "{log}"
+        );
+    }
+    db.assert_same("m").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_transactions_land_while_a_big_one_streams() {
     if !pgapply_version_or_skip("streaming", 140000).await {

@@ -500,9 +500,9 @@ pub struct Applier {
     copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
     /// Relations `entry` has looked up in `copied_tables` already.
     copy_checked: HashSet<Oid>,
-    copied_since: Arc<HashMap<(String, String), Lsn>>,
-    /// `copied_since` by source OID, as looked up.
-    copied_since_by_oid: HashMap<Oid, Option<Lsn>>,
+    copied_since: Arc<crate::copy::LaterCopies>,
+    /// `copied_since` by source OID and target table OID, as looked up.
+    copied_since_by_oid: HashMap<(Oid, u32), Option<Lsn>>,
 }
 
 /// Prepared statements of the turn steps.
@@ -551,10 +551,10 @@ pub struct ApplierOptions {
     pub live_streaming: bool,
     /// After a finished initial copy: the source tables (schema, name) it copied.
     pub copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
-    /// Source tables (schema, name) copied after the initial copy (published later), with that
-    /// copy's snapshot position: their changes from transactions committed before it are in the
-    /// copied rows, and are dropped.
-    pub copied_since: Arc<HashMap<(String, String), Lsn>>,
+    /// Tables copied after the initial copy (published later), with that copy's snapshot
+    /// position: their changes from transactions committed before it are in the copied rows,
+    /// and are dropped.
+    pub copied_since: Arc<crate::copy::LaterCopies>,
     /// Values arrive in binary form (`--binary`, negotiated): the server reads a parameter by
     /// the type the statement was prepared with, so a target column whose type changed while
     /// pgapply runs must be noticed before a statement prepared against it is used.
@@ -784,16 +784,21 @@ impl Applier {
             return false;
         }
         let copied = &self.copied_since;
+        // Under its own name, or into a target table (or a partition of one) that a copy
+        // filled: the later of the two copies holds the rows as of its snapshot.
         let since = *self
             .copied_since_by_oid
-            .entry(entry.source.oid)
+            .entry((entry.source.oid, entry.target.oid))
             .or_insert_with(|| {
-                copied
+                let by_source = copied
+                    .by_source
                     .get(&(
                         crate::relation::source_schema(&entry.source).to_owned(),
                         entry.source.name.clone(),
                     ))
-                    .copied()
+                    .copied();
+                let by_target = copied.by_target.get(&entry.target.oid).copied();
+                by_source.max(by_target)
             });
         since.is_some_and(|s| commit_lsn < s)
     }
@@ -817,7 +822,7 @@ impl Applier {
                 if first {
                     tracing::warn!(
                         table = %entry.display_name(),
-                        "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. To copy them, start pgapply again with --copy-data (with --truncate-target if the target table holds rows already: the copy has them too)"
+                        "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. To copy them, start pgapply again with --copy-data (with --truncate-target if the target table holds rows already: the copy has them too; a target table that also holds other tables' rows is not copied into: copy such rows by hand)"
                     );
                 }
             }

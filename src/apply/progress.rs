@@ -813,7 +813,7 @@ async fn bind_origin(client: &Client, name: &str) -> Result<()> {
         .map_err(|e| {
             let why = match e.code().map(|c| c.code()) {
                 Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or drop unused pgapply_* origins with pg_replication_origin_drop",
-                _ => "is another pgapply running for this slot?",
+                _ => "is another pgapply running for this slot, or hung? The PID below is its session on the target",
             };
             Error::postgres(
                 format!("binding the apply session to replication origin {name:?} ({why})"),

@@ -424,51 +424,8 @@ pub(super) async fn target_tables_exist(
         .filter(|t| missing.contains(&t.target_qualified()))
         .map(|t| t.qualified())
         .collect();
-    let partitions = source
-        .query(
-            // (The root: partitions may be partitioned again.)
-            "SELECT pg_catalog.format('%I.%I', cn.nspname, c.relname), pg_catalog.format('%I.%I', pn.nspname, p.relname), \
-                    pg_catalog.current_setting('server_version_num')::int >= 130000 \
-             FROM unnest($1::text[]) s \
-             JOIN pg_catalog.pg_class c ON c.oid = s::pg_catalog.regclass AND c.relispartition \
-             JOIN pg_catalog.pg_namespace cn ON cn.oid = c.relnamespace \
-             CROSS JOIN LATERAL ( \
-               WITH RECURSIVE up(rel) AS ( \
-                 SELECT c.oid UNION ALL \
-                 SELECT i.inhparent FROM pg_catalog.pg_inherits i JOIN up ON i.inhrelid = up.rel) \
-               SELECT u.rel FROM up u \
-               WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i2 WHERE i2.inhrelid = u.rel)) root \
-             JOIN pg_catalog.pg_class p ON p.oid = root.rel \
-             JOIN pg_catalog.pg_namespace pn ON pn.oid = p.relnamespace",
-            &[&missing_sources],
-        )
-        .await
-        .map_err(|e| Error::postgres("looking up partitions on the source", e))?;
-    if let Some(row) = partitions.first() {
-        let (partition, root, via_root): (String, String, bool) =
-            (row.get(0), row.get(1), row.get(2));
-        // As a TOML key or value (quoted names keep their quotes, escaped).
-        let toml = |name: &str| name.replace('\\', "\\\\").replace('"', "\\\"");
-        return Err(Error::definite(format!(
-            "table {partition} is a partition of {root} on the source, published under its own name ({}), and the target has no table of that name{}: to apply its rows to the target's {root}, {}map it in the config file ([tables.\"{}\"] target = \"{}\"); or create it on the target; then start pgapply again",
-            if via_root {
-                "publish_via_partition_root = false, or the publication lists the partition"
-            } else {
-                "PostgreSQL before 13 publishes partitions so"
-            },
-            if partitions.len() > 1 {
-                format!(" ({} partitions in all)", partitions.len())
-            } else {
-                String::new()
-            },
-            if via_root {
-                "publish it through its root (ALTER PUBLICATION ... SET (publish_via_partition_root = true)) or "
-            } else {
-                ""
-            },
-            toml(&partition),
-            toml(&root)
-        )));
+    if let Some(hint) = missing_partition_hint(&source, &missing_sources).await? {
+        return Err(Error::definite(hint));
     }
     match missing.as_slice() {
         [] => Ok(sources_of),
@@ -513,7 +470,7 @@ pub(super) async fn binary_unsafe(
                 &format!(
                     "SELECT a.attname::text, NOT {} FROM pg_catalog.pg_attribute a \
                      WHERE a.attrelid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped",
-                    crate::sql::cluster_specific_type_sql("a.atttypid")
+                    crate::sql::binary_unsafe_type_sql("a.atttypid")
                 ),
                 &[&table.qualified()],
             )
@@ -522,7 +479,7 @@ pub(super) async fn binary_unsafe(
         for row in rows {
             if !row.get::<_, bool>(1) {
                 return Ok(Some(format!(
-                    "column {} of {} has a user-defined type, or an OID alias type (regclass, regtype and the like): its binary form holds the source's OIDs",
+                    "column {} of {} has a user-defined type or an OID alias type (regclass, regtype and the like), whose binary form holds the source's OIDs, or a type PostgreSQL cannot read back in binary form (aclitem, tsquery)",
                     crate::sql::quote_ident(&row.get::<_, String>(0)),
                     table.qualified()
                 )));
@@ -551,4 +508,63 @@ pub(super) async fn binary_unsafe(
         }
     }
     Ok(None)
+}
+
+/// Of source tables published under their own names whose target tables are missing: a
+/// partition, said as such (its rows are most likely in the target's parent, or the
+/// publication's publish_via_partition_root was turned off; creating the partition would not
+/// serve), with the ways to apply it there.
+pub(crate) async fn missing_partition_hint(
+    source: &tokio_postgres::Client,
+    missing_sources: &[String],
+) -> Result<Option<String>> {
+    let partitions = source
+        .query(
+            // (The root: partitions may be partitioned again.)
+            "SELECT pg_catalog.format('%I.%I', cn.nspname, c.relname), pg_catalog.format('%I.%I', pn.nspname, p.relname), \
+                    pg_catalog.current_setting('server_version_num')::int >= 130000 \
+             FROM unnest($1::text[]) s \
+             JOIN pg_catalog.pg_class c ON c.oid = s::pg_catalog.regclass AND c.relispartition \
+             JOIN pg_catalog.pg_namespace cn ON cn.oid = c.relnamespace \
+             CROSS JOIN LATERAL ( \
+               WITH RECURSIVE up(rel) AS ( \
+                 SELECT c.oid UNION ALL \
+                 SELECT i.inhparent FROM pg_catalog.pg_inherits i JOIN up ON i.inhrelid = up.rel) \
+               SELECT u.rel FROM up u \
+               WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i2 WHERE i2.inhrelid = u.rel)) root \
+             JOIN pg_catalog.pg_class p ON p.oid = root.rel \
+             JOIN pg_catalog.pg_namespace pn ON pn.oid = p.relnamespace",
+            &[&missing_sources],
+        )
+        .await
+        .map_err(|e| Error::postgres("looking up partitions on the source", e))?;
+    let Some(row) = partitions.first() else {
+        return Ok(None);
+    };
+    {
+        let (partition, root, via_root): (String, String, bool) =
+            (row.get(0), row.get(1), row.get(2));
+        // As a TOML key or value (quoted names keep their quotes, escaped).
+        let toml = |name: &str| name.replace('\\', "\\\\").replace('"', "\\\"");
+        Ok(Some(format!(
+            "table {partition} is a partition of {root} on the source, published under its own name ({}), and the target has no table of that name{}: to apply its rows to the target's {root}, {}map it in the config file ([tables.\"{}\"] target = \"{}\"); or create it on the target; then start pgapply again",
+            if via_root {
+                "publish_via_partition_root = false, or the publication lists the partition"
+            } else {
+                "PostgreSQL before 13 publishes partitions so"
+            },
+            if partitions.len() > 1 {
+                format!(" ({} partitions in all)", partitions.len())
+            } else {
+                String::new()
+            },
+            if via_root {
+                "publish it through its root (ALTER PUBLICATION ... SET (publish_via_partition_root = true)) or "
+            } else {
+                ""
+            },
+            toml(&partition),
+            toml(&root)
+        )))
+    }
 }

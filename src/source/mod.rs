@@ -107,7 +107,7 @@ impl ReplicationSession {
         if r.rows.is_empty() {
             if !create {
                 return Err(Error::definite(format!(
-                    "replication slot {slot:?} does not exist on the source {}: run with --create-slot, or create it with SELECT pg_create_logical_replication_slot({}, 'pgoutput')",
+                    "replication slot {slot:?} does not exist on the source {}: run with --create-slot (or --copy-data, to copy the tables' rows first), or create it with SELECT pg_create_logical_replication_slot({}, 'pgoutput')",
                     self.conn.endpoint,
                     quote_literal(slot)
                 )));

@@ -133,8 +133,15 @@ pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiate
     if requested.two_phase {
         needs("--two-phase", 15)?;
     }
-    if requested.binary {
-        needs("--binary", 14)?;
+    // Binary values are a way to go faster, and text is what `--binary` falls back to for
+    // tables it cannot serve: a source too old for it gets text too (a config file shared by
+    // sources of several versions keeps working).
+    let binary = requested.binary && major >= 14;
+    if requested.binary && !binary {
+        tracing::warn!(
+            source_major = major,
+            "--binary needs a PostgreSQL 14 or later source: values arrive in text form"
+        );
     }
     if requested.messages {
         needs("--messages", 14)?;
@@ -146,7 +153,7 @@ pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiate
         protocol_version,
         streaming,
         two_phase: requested.two_phase,
-        binary: requested.binary,
+        binary,
         messages: requested.messages,
         origin_none: requested.origin_none,
     })
@@ -205,15 +212,15 @@ mod tests {
                 .contains("--two-phase needs a PostgreSQL 15"),
             "{err}"
         );
-        let err = negotiate(
+        let n = negotiate(
             130000,
             &Requested {
                 binary: true,
                 ..Default::default()
             },
         )
-        .unwrap_err();
-        assert!(err.to_string().contains("--binary"), "{err}");
+        .unwrap();
+        assert!(!n.binary, "text values from a source before 14");
     }
 
     #[test]

@@ -310,6 +310,21 @@ impl Applier {
         let table = &about.relation.target.qualified;
         let db = e.as_db_error();
         match e.code().map(|c| c.code()) {
+            // An enum label added on the source (ALTER TYPE .. ADD VALUE is not replicated).
+            Some("22P02")
+                if db.is_some_and(|d| d.message().starts_with("invalid input value for enum ")) =>
+            {
+                let detail = db.map(|d| d.message()).unwrap_or_default();
+                let (enum_type, value) = detail
+                    .trim_start_matches("invalid input value for enum ")
+                    .split_once(": ")
+                    .unwrap_or(("...", "..."));
+                let label = value.trim_matches('"');
+                format!(
+                    "the source's enum type {enum_type} has a value the target's lacks ({value}; ALTER TYPE .. ADD VALUE on the source is not replicated): add it on the target (ALTER TYPE {enum_type} ADD VALUE {}, at the same place as on the source: BEFORE or AFTER another label), then start pgapply again",
+                    crate::sql::shown_literal(label)
+                )
+            }
             // A value the target refuses: name the columns it can come from.
             Some(c) if value_refused(c) => match about.relation.narrower_candidates().as_slice() {
                 [] => target_table_hint(c, table).unwrap_or_default(),
@@ -332,6 +347,16 @@ impl Applier {
             // No partition takes the row (a partition only the source has), a leaf partition's
             // bounds, or a CHECK constraint only the target has.
             Some("23514") => match db.and_then(|d| d.constraint()).filter(|n| !n.is_empty()) {
+                // A domain's CHECK (the error names the domain as its data type), not the table's.
+                Some(name) if db.and_then(|d| d.datatype()).is_some() => {
+                    let domain = db
+                        .map(|d| match (d.schema(), d.datatype()) {
+                            (Some(schema), Some(t)) => crate::sql::qualified_name(schema, t),
+                            (_, t) => quote_ident(t.unwrap_or_default()),
+                        })
+                        .unwrap_or_default();
+                    format!("the CHECK constraint {} of domain {domain} on the target refuses the source's value for a column of target table {table}: drop or change it on the target (ALTER DOMAIN {domain} DROP CONSTRAINT {}), then start pgapply again; or {}", quote_ident(name), quote_ident(name), self.skip_hint(about.commit_lsn))
+                }
                 None if db.is_some_and(|d| d.message().starts_with("no partition")) => format!("no partition of target table {table} takes the source's row: create the partition on the target (as on the source), then start pgapply again"),
                 None => format!("target table {table} is a partition whose bounds do not take the source's row (the target's partitions differ from the source's): make its bounds match the source's, or apply into the partitioned table (`[tables]` in the config file), then start pgapply again"),
                 Some(name) => format!("the CHECK constraint {} of target table {table} refuses the source's row: drop or change it on the target, then start pgapply again; or {}", quote_ident(name), self.skip_hint(about.commit_lsn)),
@@ -355,7 +380,7 @@ impl Applier {
             ),
             // A target foreign key from a table the source did not truncate.
             Some("0A000") if about.operation == "TRUNCATE" => format!(
-                "the source truncated {table}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber). Empty or drop the referencing table on the target (or drop its foreign key), or publish it, then start pgapply again"
+                "the source truncated {table}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber), and PostgreSQL refuses to truncate a referenced table alone even when the referencing one is empty. Drop the foreign key of the referencing table on the target (or that table), then start pgapply again"
             ),
             c => c
                 .and_then(|c| target_table_hint(c, table))
