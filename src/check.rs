@@ -757,10 +757,14 @@ async fn check_target(
             .query(
                 &format!("SELECT a.attname::text, {}, t.typcategory::text, \
                         coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '', \
-                        has_table_privilege(a.attrelid, 'INSERT') AND has_table_privilege(a.attrelid, 'UPDATE') AND has_table_privilege(a.attrelid, 'DELETE'), \
+                        array_to_string(ARRAY(SELECT p FROM unnest(ARRAY['INSERT', 'UPDATE', 'DELETE']) p \
+                                              WHERE NOT has_table_privilege(a.attrelid, p)), ', '), \
                         a.attnotnull AND NOT a.atthasdef AND coalesce(to_jsonb(a) ->> 'attidentity', '') = '', \
                         has_table_privilege(a.attrelid, 'TRUNCATE'), \
-                        (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_catalog.pg_enum e WHERE e.enumtypid = a.atttypid) \
+                        (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_catalog.pg_enum e WHERE e.enumtypid = a.atttypid), \
+                        (SELECT c.relrowsecurity AND (c.relforcerowsecurity OR c.relowner <> r.oid) AND NOT (r.rolsuper OR r.rolbypassrls) \
+                         FROM pg_catalog.pg_class c, pg_catalog.pg_roles r WHERE c.oid = a.attrelid AND r.rolname = current_user), \
+                        current_user::text \
                  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
                  WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
                     crate::sql::type_name_sql("a.atttypid", "a.atttypmod")),
@@ -784,14 +788,21 @@ async fn check_target(
                 continue;
             }
         };
-        if !rows[0].get::<_, bool>(4) {
+        let me = quote_ident(&rows[0].get::<_, String>(9));
+        let lacking: String = rows[0].get(4);
+        if !lacking.is_empty() {
             report.problem(format!(
-                "the target role may not INSERT, UPDATE and DELETE on {qualified}: GRANT INSERT, UPDATE, DELETE ON {qualified} TO ..."
+                "the target role may not {lacking} on {qualified}: GRANT {lacking} ON {qualified} TO {me}"
+            ));
+        }
+        if rows[0].get::<_, Option<bool>>(8) == Some(true) {
+            report.problem(format!(
+                "target table {qualified} has row-level security, which would hide rows from pgapply's changes: give the target role BYPASSRLS (ALTER ROLE {me} BYPASSRLS), or connect as the table's owner"
             ));
         }
         if truncates && !rows[0].get::<_, bool>(6) {
             report.problem(format!(
-                "the publications replicate TRUNCATE, but the target role may not truncate {qualified}: GRANT TRUNCATE ON {qualified} TO ..."
+                "the publications replicate TRUNCATE, but the target role may not truncate {qualified}: GRANT TRUNCATE ON {qualified} TO {me}"
             ));
         }
         if copy_pending && !emptied.contains(&qualified) {

@@ -1427,15 +1427,15 @@ async fn target_sequence(
     let (schema, table) = table_map.get(&key).cloned().unwrap_or(key);
     let on_target = target
         .query_one(
-            // Written as the other names are, schema and name quoted.
-            "SELECT (SELECT format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c \
-                     JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-                     WHERE c.oid = pg_catalog.pg_get_serial_sequence($1, $2)::pg_catalog.regclass)",
+            "SELECT n.nspname::text, c.relname::text FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid = pg_catalog.pg_get_serial_sequence($1, $2)::pg_catalog.regclass",
             &[&crate::sql::qualified_name(&schema, &table), &column],
         )
         .await
         .ok()
-        .and_then(|r| r.get::<_, Option<String>>(0));
+        // Written as the other names are, schema and name always quoted.
+        .map(|r| crate::sql::qualified_name(&r.get::<_, String>(0), &r.get::<_, String>(1)));
     on_target.unwrap_or_else(|| name.to_owned())
 }
 

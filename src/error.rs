@@ -183,6 +183,14 @@ pub fn describe_postgres(err: &tokio_postgres::Error) -> String {
             {
                 text.push_str(&format!("; where: {place}"));
             }
+            // A function's RAISE (a target trigger refusing a row, say): the function is what
+            // the user must look at, and the message alone may not say which one it is.
+            if let Some(place) = db.where_().and_then(|w| {
+                w.lines()
+                    .find(|l| l.starts_with("PL/pgSQL function ") || l.starts_with("SQL function "))
+            }) {
+                text.push_str(&format!("; in {place}"));
+            }
             // pgapply's reading sessions set row_security = off, so that policies cannot hide
             // rows from a copy or a comparison without a word.
             // (PostgreSQL's own hint, when it gives one, is for a table owner under FORCE ROW

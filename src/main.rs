@@ -311,11 +311,20 @@ fn log_filter(level: &str) -> Result<EnvFilter, String> {
             ));
         }
     }
-    let directives = if level.contains("deadpool") {
+    let mut directives = if level.contains("deadpool") {
         level.to_owned()
     } else {
         format!("{level},deadpool=error")
     };
+    // The servers' notices, which the client library logs as info lines of its own (a ROLLBACK
+    // after a failed COMMIT: "WARNING: there is no transaction in progress"; a target trigger's
+    // RAISE NOTICE): noise beside what pgapply says, shown from the debug level on.
+    if !["tokio_postgres", "debug", "trace"]
+        .iter()
+        .any(|w| level.contains(w))
+    {
+        directives.push_str(",tokio_postgres::connection=warn");
+    }
     EnvFilter::try_new(directives).map_err(|e| e.to_string())
 }
 

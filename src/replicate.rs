@@ -517,6 +517,15 @@ async fn run_in_span(
         target_takes_prepared_transactions(&setup, "--two-phase needs").await?;
     }
 
+    // Whether this target has seen the slot before (`open` makes its row).
+    let known_slot = setup
+        .query_opt(
+            "SELECT 1 FROM pgapply.progress WHERE slot_name = $1",
+            &[&config.slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+        .is_some();
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
     record_publications(&setup, &config.slot, &config.publications).await?;
@@ -714,6 +723,20 @@ async fn run_in_span(
                 "replication slot {:?} no longer exists on the source, but the initial copy was made from it: a new slot would start after the changes made since the copy. Start over with --copy-data --truncate-target (copies the published tables again into a new slot)",
                 config.slot
             )));
+        }
+        // A slot of the source, and no state for it on this target: the first run on a slot made
+        // by hand, or a target made again (database re-created, restored from before the first
+        // run) whose rows are gone while the slot went on without them. Said, not refused: only
+        // the user knows which.
+        if slot_exists && !known_slot && !resume.is_valid() && copy_status == CopyStatus::None {
+            if let Some(confirmed) = session.slot_confirmed(&config.slot).await? {
+                tracing::warn!(
+                    slot = %config.slot,
+                    %confirmed,
+                    "replication slot {:?} exists on the source (confirmed up to {confirmed}) and this target has no pgapply state for it: applying starts at the slot's position, and nothing from before it (rows, or changes the slot passed) comes to this target. Right for a slot made by hand for this target; if the target should hold the source's data already (its database made again, or restored), stop now, drop the slot and start over with --copy-data (--truncate-target if the tables have rows)",
+                    config.slot
+                );
+            }
         }
         // A slot made two-phase by an earlier --two-phase run goes on sending prepared
         // transactions: applied as such (and the target checked for them) whether or not

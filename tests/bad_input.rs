@@ -1008,12 +1008,90 @@ async fn a_read_only_target_role_is_named_with_the_way_back() {
         db.pgapply_as_target_user(&role, "f", &[]),
         &[
             "read-only by default",
-            &format!("ALTER ROLE \"{role}\" RESET default_transaction_read_only"),
+            &format!("set for role \"{role}\""),
+            &format!(
+                "BEGIN READ WRITE; ALTER ROLE \"{role}\" RESET default_transaction_read_only; COMMIT;"
+            ),
         ],
     )
     .await;
     assert!(!out.contains("needs CREATE"), "{out}");
+    // Set for the database instead: said so, with the way back there.
+    db.target_sql(&format!(
+        "ALTER ROLE {role} RESET default_transaction_read_only; \
+         ALTER DATABASE {} SET default_transaction_read_only = on",
+        db.name
+    ))
+    .await;
+    expect_failure(
+        db.pgapply_as_target_user(&role, "f", &[]),
+        &[
+            &format!("set for database \"{}\"", db.name),
+            &format!(
+                "BEGIN READ WRITE; ALTER DATABASE \"{}\" RESET default_transaction_read_only; COMMIT;",
+                db.name
+            ),
+        ],
+    )
+    .await;
+    db.target_sql(&format!(
+        "ALTER DATABASE {} RESET default_transaction_read_only",
+        db.name
+    ))
+    .await;
     db.target_sql(&format!("DROP ROLE {role}")).await;
+}
+
+/// `check` as a target role that lacks some rights and meets row-level security: each is named,
+/// with the GRANT (or ALTER ROLE) for that role, as `run` would fail on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_missing_rights_and_row_security_on_the_target() {
+    let db = TestDb::new("checkrights").await;
+    db.both("CREATE TABLE a (id int PRIMARY KEY); CREATE TABLE b (id int PRIMARY KEY)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE a, b").await;
+    let role = format!("limited_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 'l'; GRANT CREATE ON DATABASE {} TO {role}; \
+         GRANT SELECT, DELETE ON a TO {role}; GRANT SELECT, INSERT, UPDATE, DELETE ON b TO {role}; \
+         ALTER TABLE b ENABLE ROW LEVEL SECURITY;",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={role} password=l dbname={}",
+        db.target_port, db.name
+    );
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "check",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+        ]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!(
+            "the target role may not INSERT, UPDATE on \"public\".\"a\": GRANT INSERT, UPDATE ON \"public\".\"a\" TO \"{role}\""
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("target table \"public\".\"b\" has row-level security")
+            && text.contains(&format!("ALTER ROLE \"{role}\" BYPASSRLS")),
+        "{text}"
+    );
+    db.target_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+        .await;
 }
 
 /// `check` on tables that changed on the source: a new column is to be added with the source's

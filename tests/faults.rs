@@ -309,6 +309,47 @@ async fn a_slot_confirmed_past_the_target_is_refused() {
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 2);
 }
 
+/// The target made again (its database re-created: pgapply's state gone with the rows) while
+/// the slot went on: a run on that slot without --copy-data is told that nothing from before
+/// the slot's position comes to this target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_used_slot_on_a_target_without_state_is_said() {
+    let db = TestDb::new("remade").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.sync("p").await;
+    db.target_sql(&format!(
+        "DROP SCHEMA pgapply CASCADE; TRUNCATE t; \
+         SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE '%{}%'",
+        db.slot()
+    ))
+    .await;
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.lines().any(|l| l.contains("WARN")
+            && l.contains(&format!(
+                "replication slot \"{}\" exists on the source",
+                db.slot()
+            ))
+            && l.contains("this target has no pgapply state for it")
+            && l.contains("--copy-data")),
+        "{err}"
+    );
+    // Once: the next run knows the slot.
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        !stderr(&out).contains("no pgapply state"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn target_errors_definite_and_transient() {
     let db = TestDb::new("trigger").await;
@@ -332,7 +373,8 @@ async fn target_errors_definite_and_transient() {
     assert_eq!(out.status.code(), Some(1), "definite: exit 1");
     assert!(
         stderr(&out).contains("row refused by target trigger")
-            && stderr(&out).contains("\"public\".\"g\""),
+            && stderr(&out).contains("\"public\".\"g\"")
+            && stderr(&out).contains("in PL/pgSQL function refuse()"),
         "{}",
         stderr(&out)
     );

@@ -1143,6 +1143,72 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     db.assert_same("f").await;
 }
 
+/// A target user's lock holds applying up: said in the log after a few seconds, naming the
+/// table and the process holding it, even under a role's lock_timeout and statement_timeout
+/// (which must not make pgapply give up: it waits), and said again when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_users_lock_is_waited_for_and_named() {
+    let db = TestDb::new("lockwait").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.target_sql(&format!(
+        "ALTER DATABASE {} SET lock_timeout = '500ms'; ALTER DATABASE {} SET statement_timeout = '1s'",
+        db.name, db.name
+    ))
+    .await;
+    db.source_sql("INSERT INTO t VALUES (1, 'a')").await;
+    db.sync("p").await;
+    let holder = common::connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("SET lock_timeout = 0; SET statement_timeout = 0; BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let holder_pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let (mut child, log) = common::spawn_logged(db.pgapply("p", &[]));
+    db.source_sql("INSERT INTO t VALUES (2, 'b'); UPDATE t SET v = 'c' WHERE id = 1")
+        .await;
+    wait_for("the lock wait to be said", 60, || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.lines().any(|l| {
+            l.contains("applying waits for a lock on table t on the target")
+                && l.contains(&format!("held by target process(es) {holder_pid}"))
+        })
+    })
+    .await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "pgapply gave up: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    holder.batch_execute("COMMIT").await.unwrap();
+    wait_for("the changes after the lock", 60, || async {
+        let (s, t) = db.digest("t").await;
+        s == t
+    })
+    .await;
+    wait_for("the end of the wait to be said", 30, || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("applying no longer waits for a lock on the target")
+    })
+    .await;
+    common::signal(&child, libc::SIGTERM);
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), child.wait())
+        .await
+        .expect("pgapply stops")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !text.contains("lock timeout") && !text.contains("statement timeout"),
+        "{text}"
+    );
+}
+
 /// After a restart, before anything is applied (the target table locked), the lag in seconds is
 /// the age of the last commit the target recorded, and the applied position is the recorded one,
 /// not 0.

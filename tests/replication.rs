@@ -583,7 +583,9 @@ async fn unique_violation_stops_and_is_retried_after_fix() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let err = stderr(&out);
     assert!(
-        err.contains("duplicate key") && err.contains("\"public\".\"k\""),
+        err.contains("duplicate key")
+            && err.contains("\"public\".\"k\"")
+            && err.contains("[tables.\"public.k\".conflicts] or [conflicts] insert_exists"),
         "{err}"
     );
     // The failing transaction left nothing behind; the one before it is applied.

@@ -654,18 +654,20 @@ impl Applier {
             .batch_execute("SET default_transaction_isolation = 'read committed'")
             .await
             .map_err(|e| Error::postgres("configuring the target apply session", e))?;
-        if options.worker.is_some() {
-            // Waits for other workers' commits are part of the plan: a role's statement, lock or
-            // transaction timeouts must not turn them into errors.
-            client
-                .batch_execute(
-                    "SET statement_timeout = 0; SET lock_timeout = 0; \
-                     SET idle_in_transaction_session_timeout = 0; \
-                     SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
-                )
-                .await
-                .map_err(|e| Error::postgres("configuring the target apply session", e))?;
-        }
+        // A role's or database's statement, lock or transaction timeouts (meant for the
+        // applications) must not turn waiting into errors: a change held up by a target user's
+        // lock is applied once the lock goes (the heartbeat names the blocker meanwhile), and
+        // waits for other workers' commits are part of the plan. As PostgreSQL's own apply
+        // worker, which such settings do not reach either.
+        client
+            .batch_execute(
+                "SET statement_timeout = 0; SET lock_timeout = 0; \
+                 SET idle_in_transaction_session_timeout = 0; \
+                 SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
+            )
+            .await
+            .map_err(|e| Error::postgres("configuring the target apply session", e))?;
+        crate::apply::sessions::register(&client).await;
         if version >= 120000 {
             client
                 .batch_execute("SET plan_cache_mode = force_generic_plan")

@@ -10,6 +10,7 @@
 //! - [`parallel`]: `--apply-workers N`: transactions spread over N connections, committed in
 //!   source order.
 //! - [`progress`]: the applied position, written atomically with each target commit.
+//! - [`sessions`]: the apply sessions, for saying when one waits for a target user's lock.
 //! - [`conflict`]: conflict types and policies; [`unique`]: the target rows a unique violation is
 //!   about.
 
@@ -17,6 +18,7 @@ pub mod applier;
 pub mod batch;
 pub mod parallel;
 pub mod progress;
+pub mod sessions;
 pub mod statement;
 
 pub use applier::{Applier, ApplierOptions, ApplySettings};

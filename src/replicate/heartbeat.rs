@@ -156,6 +156,8 @@ pub(super) async fn heartbeat(
     let mut beaten: Option<Instant> = None;
     // None after the target stopped answering on it: a new one at the next tick.
     let mut session = Some(client);
+    let mut lock_waits = crate::apply::sessions::LockWaits::default();
+    let mut locks_seen: Option<Instant> = None;
     let said = |beaten: &mut Option<Instant>, e: &dyn std::fmt::Display| {
         METRICS.target_ok.set(0);
         if beaten.is_none_or(|at| at.elapsed() >= every) {
@@ -213,6 +215,10 @@ pub(super) async fn heartbeat(
                         tracing::debug!(error = %e, "could not record the position to report on the target")
                     }
                 }
+            }
+            if locks_seen.is_none_or(|at| at.elapsed() >= Duration::from_secs(5)) {
+                locks_seen = Some(Instant::now());
+                lock_waits.check(&client).await;
             }
             match stop_position(&client, &slot).await {
                 Ok(lsn) => {

@@ -370,8 +370,15 @@ impl Applier {
                     ("update_exists", "apply_remote (delete the target's other row), skip or keep_local (keep it and leave this update out)")
                 };
                 format!(
-                    "a row of target table {table} already holds that key (written on the target, or by another source): delete or change that row on the target and start pgapply again, or give the table a conflict policy in the config file ([tables.\"...\".conflicts] or [conflicts] {kind} = {take}); or, losing the whole source transaction, its other changes too: {}",
-                    self.skip_hint(about.commit_lsn)
+                    "a row of target table {table} already holds that key (written on the target, or by another source): delete or change that row on the target and start pgapply again, or give the table a conflict policy in the config file ([tables.\"{key}\".conflicts] or [conflicts] {kind} = {take}); or, losing the whole source transaction, its other changes too: {skip}",
+                    key = format!(
+                        "{}.{}",
+                        crate::relation::source_schema(&about.relation.source),
+                        about.relation.source.name
+                    )
+                    .replace('\\', "\\\\")
+                    .replace('"', "\\\""),
+                    skip = self.skip_hint(about.commit_lsn)
                 )
             }
             // The target table went away under the prepared statements.
