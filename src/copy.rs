@@ -181,7 +181,75 @@ pub async fn copied_since(
         }
         copies.by_source.insert(source, lsn);
     }
+    if !copies.by_target.is_empty() {
+        cover_parents(target, &mut copies.by_target)
+            .await
+            .map_err(context)?;
+    }
     Ok(copies)
+}
+
+/// Adds to `by_target` each partitioned table above the covered ones whose every leaf partition
+/// is covered, at the earliest of their positions: a change that comes under the parent's name
+/// (a publication through the root before it switched to publishing the partitions) lands in
+/// those leaves, whose copies hold it if it committed before all of them.
+async fn cover_parents(
+    target: &Client,
+    by_target: &mut HashMap<u32, crate::protocol::Lsn>,
+) -> std::result::Result<(), tokio_postgres::Error> {
+    let edges = target
+        .query(
+            "SELECT i.inhrelid, i.inhparent, c.relkind = 'p' \
+             FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid \
+             WHERE c.relispartition",
+            &[],
+        )
+        .await?;
+    let mut parent_of: HashMap<u32, u32> = HashMap::new();
+    let mut children: HashMap<u32, Vec<(u32, bool)>> = HashMap::new();
+    for e in &edges {
+        let (child, parent, partitioned): (u32, u32, bool) = (e.get(0), e.get(1), e.get(2));
+        parent_of.insert(child, parent);
+        children.entry(parent).or_default().push((child, partitioned));
+    }
+    // The earliest position of the leaves under a table, if every one is covered.
+    fn leaves_covered(
+        table: u32,
+        children: &HashMap<u32, Vec<(u32, bool)>>,
+        by_target: &HashMap<u32, crate::protocol::Lsn>,
+        depth: usize,
+    ) -> Option<crate::protocol::Lsn> {
+        let mut earliest: Option<crate::protocol::Lsn> = None;
+        for &(child, partitioned) in children.get(&table)? {
+            let at = if partitioned && depth < 64 {
+                leaves_covered(child, children, by_target, depth + 1)?
+            } else {
+                *by_target.get(&child)?
+            };
+            earliest = Some(earliest.map_or(at, |e| e.min(at)));
+        }
+        earliest
+    }
+    let mut ancestors: Vec<u32> = Vec::new();
+    for &oid in by_target.keys() {
+        let mut at = oid;
+        while let Some(&parent) = parent_of.get(&at) {
+            if ancestors.contains(&parent) || ancestors.len() > 10_000 {
+                break;
+            }
+            ancestors.push(parent);
+            at = parent;
+        }
+    }
+    for parent in ancestors {
+        if by_target.contains_key(&parent) {
+            continue;
+        }
+        if let Some(at) = leaves_covered(parent, &children, by_target, 0) {
+            by_target.insert(parent, at);
+        }
+    }
+    Ok(())
 }
 
 /// After the initial copy, forgets the copy state of tables no longer published (as `REFRESH

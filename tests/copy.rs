@@ -1631,6 +1631,22 @@ async fn changes_under_a_partitions_name_do_not_overwrite_its_roots_later_copy()
         .await;
     db.sync("p").await;
     db.assert_same("m").await;
+    // The other way: changes under the root's name, then the partitions published under
+    // theirs, copied again; the root's older changes land in their rows and are left out.
+    db.source_sql("UPDATE m SET v = 8 WHERE id IN (11, 112); DELETE FROM m WHERE id = 13")
+        .await;
+    db.source_sql("ALTER PUBLICATION p SET (publish_via_partition_root = false)")
+        .await;
+    db.source_sql("UPDATE m SET v = 9 WHERE id IN (11, 112); INSERT INTO m VALUES (13, 9)")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--truncate-target", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("m").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
