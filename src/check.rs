@@ -329,6 +329,26 @@ async fn check_source(
             None => report.ok("status interval within the source's wal_sender_timeout"),
         }
     }
+    // Options this source's version cannot serve, as `run` refuses them (or warns).
+    {
+        let version = server_version(src).await;
+        if version > 0 {
+            if let Err(e) = crate::source::options::negotiate(version, &config.requested) {
+                report.problem(e.to_string());
+            }
+            if config.failover_slot && version < 170000 {
+                report.problem(format!(
+                    "--failover-slot needs a PostgreSQL 17 or later source; this source runs PostgreSQL {}: leave it out",
+                    version / 10000
+                ));
+            }
+            if config.requested.streaming == Some(crate::cli::Streaming::Parallel)
+                && (140000..160000).contains(&version)
+            {
+                report.warning("--streaming parallel needs a PostgreSQL 16 or later source: large transactions are streamed with --streaming on instead");
+            }
+        }
+    }
     // (As `run` warns: a TRUNCATE on such a source leaves the target's rows in place.)
     {
         let version = server_version(src).await;
@@ -757,12 +777,14 @@ async fn check_target(
             .query(
                 &format!("SELECT a.attname::text, {}, t.typcategory::text, \
                         coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '', \
-                        array_to_string(ARRAY(SELECT p FROM unnest(ARRAY['INSERT', 'UPDATE', 'DELETE']) p \
-                                              WHERE NOT has_table_privilege(a.attrelid, p)), ', '), \
+                        array_to_string(ARRAY(SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) p \
+                                              WHERE NOT has_table_privilege(a.attrelid, p) \
+                                                AND NOT (p <> 'DELETE' AND has_any_column_privilege(a.attrelid, p))), ', '), \
                         a.attnotnull AND NOT a.atthasdef AND coalesce(to_jsonb(a) ->> 'attidentity', '') = '', \
                         has_table_privilege(a.attrelid, 'TRUNCATE'), \
                         (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_catalog.pg_enum e WHERE e.enumtypid = a.atttypid), \
-                        (SELECT c.relrowsecurity AND (c.relforcerowsecurity OR c.relowner <> r.oid) AND NOT (r.rolsuper OR r.rolbypassrls) \
+                        (SELECT c.relrowsecurity AND (c.relforcerowsecurity OR NOT pg_catalog.pg_has_role(c.relowner, 'USAGE')) \
+                                AND NOT (r.rolsuper OR r.rolbypassrls) \
                          FROM pg_catalog.pg_class c, pg_catalog.pg_roles r WHERE c.oid = a.attrelid AND r.rolname = current_user), \
                         current_user::text \
                  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
@@ -797,7 +819,7 @@ async fn check_target(
         }
         if rows[0].get::<_, Option<bool>>(8) == Some(true) {
             report.problem(format!(
-                "target table {qualified} has row-level security, which would hide rows from pgapply's changes: give the target role BYPASSRLS (ALTER ROLE {me} BYPASSRLS), or connect as the table's owner"
+                "target table {qualified} has row-level security, which applies to the target role: pgapply's changes would fail on it (\"query would be affected by row-level security policy\"), as they must reach every row: give the role BYPASSRLS (ALTER ROLE {me} BYPASSRLS), or connect as the table's owner (if the table says FORCE ROW LEVEL SECURITY, that is not enough: ALTER TABLE {qualified} NO FORCE ROW LEVEL SECURITY)"
             ));
         }
         if truncates && !rows[0].get::<_, bool>(6) {

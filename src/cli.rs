@@ -108,7 +108,7 @@ pub struct RunArgs {
     /// stream from that point.
     #[arg(long, env = "PGAPPLY_COPY_DATA", value_parser = BoolishValueParser::new())]
     pub copy_data: bool,
-    /// Tables (or parts of large tables) copied at once during --copy-data [default: 4].
+    /// Tables (or parts of large tables) copied at once during --copy-data, 1 to 64 [default: 4].
     #[arg(long, env = "PGAPPLY_COPY_JOBS")]
     pub copy_jobs: Option<usize>,
     /// With --copy-data: tables larger than this many 8 kB pages are copied in parallel page
@@ -179,7 +179,7 @@ pub struct RunArgs {
     /// pgapply reads nothing more from the source until the target has caught up [default: 64MB].
     #[arg(long, env = "PGAPPLY_QUEUE_SIZE", value_name = "SIZE")]
     pub queue_size: Option<String>,
-    /// Serve Prometheus metrics (/metrics) and liveness (/healthz) on this address.
+    /// Serve Prometheus metrics (/metrics), liveness (/healthz) and readiness (/readyz) on this address.
     #[arg(long, env = "PGAPPLY_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
 }

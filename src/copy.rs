@@ -210,7 +210,10 @@ async fn cover_parents(
     for e in &edges {
         let (child, parent, partitioned): (u32, u32, bool) = (e.get(0), e.get(1), e.get(2));
         parent_of.insert(child, parent);
-        children.entry(parent).or_default().push((child, partitioned));
+        children
+            .entry(parent)
+            .or_default()
+            .push((child, partitioned));
     }
     // The earliest position of the leaves under a table, if every one is covered.
     fn leaves_covered(

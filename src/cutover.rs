@@ -1023,7 +1023,7 @@ async fn role_grant_warnings(
             .get::<_, bool>(0);
         if !exists {
             warnings.push(format!(
-                "role {role:?} does not exist on the target (roles belong to a cluster and are not replicated): create it there, with the rights it has on the source (pg_dumpall --roles-only lists the roles), before the applications log in as it"
+                "role {} does not exist on the target (roles belong to a cluster and are not replicated): create it there, with the rights it has on the source (pg_dumpall --roles-only lists the roles, and pg_dump --schema-only the grants), before the applications log in as it", crate::sql::quote_ident(role)
             ));
             continue;
         }
@@ -1069,7 +1069,8 @@ async fn role_grant_warnings(
         if !lacking.is_empty() {
             let shown = lacking.len().min(5);
             warnings.push(format!(
-                "role {role:?} may do less on the target than on the source (rights are not replicated): on the target, {}{}",
+                "role {} may do less on the target than on the source (rights are not replicated): on the target, {}{} (and USAGE on the tables' schemas and sequences, if it lacks it there)",
+                crate::sql::quote_ident(role),
                 lacking[..shown].join(" "),
                 match lacking.len() - shown {
                     0 => String::new(),

@@ -172,13 +172,6 @@ pub async fn refuse_read_only(client: &Client) -> Result<()> {
             "SELECT pg_catalog.pg_is_in_recovery(), \
                     pg_catalog.current_setting('default_transaction_read_only') = 'on', \
                     current_user::text, current_database()::text, \
-                    (SELECT CASE WHEN s.setrole <> 0 AND s.setdatabase <> 0 THEN 'role in database' \
-                                 WHEN s.setrole <> 0 THEN 'role' ELSE 'database' END \
-                     FROM pg_catalog.pg_db_role_setting s \
-                     WHERE s.setrole IN (0, (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user)) \
-                       AND s.setdatabase IN (0, (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())) \
-                       AND 'default_transaction_read_only=on' = ANY (s.setconfig) \
-                     ORDER BY (s.setrole <> 0 AND s.setdatabase <> 0) DESC, s.setrole <> 0 DESC LIMIT 1), \
                     (SELECT source FROM pg_catalog.pg_settings WHERE name = 'default_transaction_read_only')",
             &[],
         )
@@ -186,7 +179,9 @@ pub async fn refuse_read_only(client: &Client) -> Result<()> {
         .map_err(|e| Error::postgres("reading whether the target takes writes", e))?;
     let (standby, read_only, role, database): (bool, bool, String, String) =
         (row.get(0), row.get(1), row.get(2), row.get(3));
-    let (set_for, source): (Option<String>, Option<String>) = (row.get(4), row.get(5));
+    // Where the session's value comes from: "database user" (ALTER ROLE .. IN DATABASE),
+    // "user", "database", "client" (the connection's options), else the server's configuration.
+    let source: Option<String> = row.get(4);
     if standby {
         return Err(Error::definite(
             "the target is a standby in recovery, which takes no writes: point --target at the primary",
@@ -197,30 +192,30 @@ pub async fn refuse_read_only(client: &Client) -> Result<()> {
         let database = crate::sql::quote_ident(&database);
         // Where it is set, and how to undo it there (in a read-write transaction: the session
         // running it may be read-only by the same setting).
-        let (where_, undo) = match (set_for.as_deref(), source.as_deref()) {
-            (Some("role in database"), _) => (
+        let (where_, undo) = match source.as_deref() {
+            Some("database user") => (
                 format!("for role {role} in database {database}, as pgapply cutover --freeze-writes does"),
                 format!("BEGIN READ WRITE; ALTER ROLE {role} IN DATABASE {database} RESET default_transaction_read_only; COMMIT;"),
             ),
-            (Some("role"), _) => (
+            Some("user") => (
                 format!("for role {role}"),
                 format!("BEGIN READ WRITE; ALTER ROLE {role} RESET default_transaction_read_only; COMMIT;"),
             ),
-            (Some(_), _) => (
+            Some("database") => (
                 format!("for database {database}"),
                 format!("BEGIN READ WRITE; ALTER DATABASE {database} RESET default_transaction_read_only; COMMIT;"),
             ),
-            (None, Some("client")) => (
+            Some("client") => (
                 "by the connection (options in --target)".to_owned(),
                 "leave it out of --target".to_owned(),
             ),
-            (None, _) => (
+            _ => (
                 "in the server's configuration (postgresql.conf or ALTER SYSTEM)".to_owned(),
                 "change it there and reload the server (SELECT pg_reload_conf())".to_owned(),
             ),
         };
         return Err(Error::definite(format!(
-            "the target's sessions are read-only by default (default_transaction_read_only = on, set {where_}): connect as a role that writes, or undo it: {undo} Then start pgapply again"
+            "the target's sessions are read-only by default (default_transaction_read_only = on, set {where_}): connect as a role that writes, or undo it ({undo}), then start pgapply again"
         )));
     }
     Ok(())

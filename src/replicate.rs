@@ -168,6 +168,20 @@ pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool>
         .create_timeout(Some(crate::tls::handshake_timeout(target)))
         .recycle_timeout(Some(crate::tls::handshake_timeout(target)))
         .runtime(deadpool_postgres::Runtime::Tokio1)
+        // A role's or database's idle_session_timeout (14+) would end pgapply's sessions between
+        // two quiet moments of the source (the heartbeat's, the apply sessions'), and each end
+        // is a restart of the run. (Set by name from pg_settings: older servers do not know it.)
+        .post_create(deadpool_postgres::Hook::async_fn(|client, _| {
+            Box::pin(async move {
+                let _ = client
+                    .batch_execute(
+                        "SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings \
+                         WHERE name = 'idle_session_timeout'",
+                    )
+                    .await;
+                Ok(())
+            })
+        }))
         .build()
         .map_err(|e| Error::definite(format!("building the target connection pool: {e}")))
 }
@@ -728,7 +742,14 @@ async fn run_in_span(
         // by hand, or a target made again (database re-created, restored from before the first
         // run) whose rows are gone while the slot went on without them. Said, not refused: only
         // the user knows which.
-        if slot_exists && !known_slot && !resume.is_valid() && copy_status == CopyStatus::None {
+        // (Not for the slot `cutover --reverse` makes for the way back: the old primary holds
+        // the data up to it.)
+        if slot_exists
+            && !known_slot
+            && !resume.is_valid()
+            && copy_status == CopyStatus::None
+            && !config.slot.ends_with("_reverse")
+        {
             if let Some(confirmed) = session.slot_confirmed(&config.slot).await? {
                 tracing::warn!(
                     slot = %config.slot,

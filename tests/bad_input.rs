@@ -460,6 +460,28 @@ async fn features_the_source_lacks_and_bad_values_are_refused() {
         )
         .await;
     }
+    // `check` says what `run` would refuse.
+    if version < 170000 {
+        let (option, needs): (&[&str], &str) = if version < 160000 {
+            (&["--origin", "none"], "--origin none needs a PostgreSQL 16")
+        } else {
+            (
+                &["--failover-slot"],
+                "--failover-slot needs a PostgreSQL 17",
+            )
+        };
+        let slot = db.slot();
+        let mut args = vec!["--slot", slot.as_str()];
+        args.extend_from_slice(option);
+        let out = run_with_deadline(db.on_both("check", &args), 60).await;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(!out.status.success(), "{text}");
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("PROBLEM") && l.contains(needs)),
+            "{text}"
+        );
+    }
     expect_failure(
         db.pgapply("p", &["--endpos", "zz"]),
         &["--endpos", "invalid LSN"],

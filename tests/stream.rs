@@ -911,6 +911,56 @@ async fn the_copy_and_binary_take_text_for_types_without_a_binary_form_that_read
         );
     }
     db.assert_same("m").await;
+    // Such tables published while a --binary run streams others: it starts again with text.
+    for (table, columns, value) in [
+        ("q2", "q tsquery", "''"),
+        ("a2", "a aclitem[]", "acldefault('r', 10)"),
+    ] {
+        db.both(&format!(
+            "CREATE TABLE only_binary_{table} (id int PRIMARY KEY); CREATE TABLE {table} (id int PRIMARY KEY, {columns})"
+        ))
+        .await;
+        db.source_sql(&format!(
+            "ALTER PUBLICATION p SET TABLE only_binary_{table}; INSERT INTO only_binary_{table} VALUES (1)"
+        ))
+        .await;
+        let (mut child, log) = common::spawn_logged(db.pgapply("p", &["--binary"]));
+        wait_for("the first row", 60, || async {
+            db.count(
+                &db.target,
+                &format!("SELECT count(*) FROM only_binary_{table}"),
+            )
+            .await
+                == 1
+        })
+        .await;
+        db.source_sql(&format!(
+            "ALTER PUBLICATION p ADD TABLE {table}; INSERT INTO {table} VALUES (1, {value}); \
+             INSERT INTO only_binary_{table} VALUES (2)"
+        ))
+        .await;
+        wait_for("the new table's row", 60, || async {
+            db.count(&db.target, &format!("SELECT count(*) FROM {table}"))
+                .await
+                == 1
+        })
+        .await;
+        common::signal(&child, libc::SIGTERM);
+        let status = tokio::time::timeout(std::time::Duration::from_secs(60), child.wait())
+            .await
+            .expect("pgapply stops")
+            .unwrap();
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(status.success(), "{text}");
+        if c.source_major == c.target_major {
+            assert!(
+                text.contains("starting again, with values in text form"),
+                "{text}"
+            );
+        }
+        db.assert_same(table).await;
+        db.assert_same(&format!("only_binary_{table}")).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

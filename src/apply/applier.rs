@@ -1134,6 +1134,21 @@ impl Applier {
                 // Held updates were built for the relation as it was.
                 self.flush_held_updates(None).await?;
                 let name = format!("{}.{}", r.namespace, r.name);
+                // A table published since the start whose values do not come back from their
+                // binary form (tsquery, and arrays of it or of aclitem; `sql::binary_unsafe_type_sql`):
+                // the run starts again, and the start sees it and asks for text.
+                if self.binary_values {
+                    if let Some(c) = r
+                        .columns
+                        .iter()
+                        .find(|c| matches!(c.type_oid, 3615 | 3645 | 1034))
+                    {
+                        return Err(Error::transient(format!(
+                            "table {name} has column {} of a type whose binary form PostgreSQL does not read back (tsquery, aclitem[]): starting again, with values in text form",
+                            crate::sql::quote_ident(&c.name)
+                        )));
+                    }
+                }
                 match self.relations.update(r, &self.catalog).await {
                     Ok(_) => Ok(()),
                     // Raised by the first change of it, if one comes (see `RelationCache`).

@@ -6,8 +6,9 @@ use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
-/// (pid, backend_start as text): a pid alone may be reused by another backend once ours ends.
-static SESSIONS: LazyLock<Mutex<Vec<(i32, String)>>> = LazyLock::new(Mutex::default);
+/// (pid, backend_start in microseconds since 1970): a pid alone may be reused by another backend
+/// once ours ends. (A number, not text, whose form would follow each session's DateStyle.)
+static SESSIONS: LazyLock<Mutex<Vec<(i32, i64)>>> = LazyLock::new(Mutex::default);
 
 /// How long a session waits before the wait is said.
 const SAY_AFTER: Duration = Duration::from_secs(5);
@@ -16,12 +17,13 @@ const SAY_AFTER: Duration = Duration::from_secs(5);
 pub async fn register(client: &tokio_postgres::Client) {
     let row = client
         .query_one(
-            "SELECT pid, backend_start::text FROM pg_catalog.pg_stat_activity WHERE pid = pg_catalog.pg_backend_pid()",
+            "SELECT pid, (extract(epoch FROM backend_start) * 1000000)::int8 \
+             FROM pg_catalog.pg_stat_activity WHERE pid = pg_catalog.pg_backend_pid()",
             &[],
         )
         .await;
     if let Ok(row) = row {
-        let session = (row.get::<_, i32>(0), row.get::<_, String>(1));
+        let session = (row.get::<_, i32>(0), row.get::<_, i64>(1));
         if let Ok(mut sessions) = SESSIONS.lock() {
             // Sessions of earlier runs of this process are gone, or will be: the last few do.
             if sessions.len() >= 64 {
@@ -44,7 +46,7 @@ impl LockWaits {
     /// says one that has lasted `SAY_AFTER`, naming the table and the blocking processes, and
     /// its end.
     pub async fn check(&mut self, client: &tokio_postgres::Client) {
-        let (pids, starts): (Vec<i32>, Vec<String>) = match SESSIONS.lock() {
+        let (pids, starts): (Vec<i32>, Vec<i64>) = match SESSIONS.lock() {
             Ok(sessions) => sessions.iter().cloned().unzip(),
             Err(_) => return,
         };
@@ -57,10 +59,17 @@ impl LockWaits {
                 "SELECT a.pid, a.wait_event, \
                         (SELECT l.relation::pg_catalog.regclass::text FROM pg_catalog.pg_locks l \
                          WHERE l.pid = a.pid AND NOT l.granted AND l.relation IS NOT NULL LIMIT 1), \
-                        pg_catalog.pg_blocking_pids(a.pid) \
+                        pg_catalog.pg_blocking_pids(a.pid), \
+                        (SELECT pg_catalog.string_agg(b.pid || CASE WHEN b.application_name <> '' \
+                                THEN ' (' || b.application_name || ')' ELSE '' END, ', ' ORDER BY b.pid) \
+                         FROM pg_catalog.pg_stat_activity b WHERE b.pid = ANY (pg_catalog.pg_blocking_pids(a.pid))), \
+                        (SELECT pg_catalog.bool_and(EXISTS (SELECT 1 FROM unnest($1::int4[], $2::int8[]) o(pid, started) \
+                                                            WHERE o.pid = b.pid \
+                                                              AND (extract(epoch FROM b.backend_start) * 1000000)::int8 = o.started)) \
+                         FROM pg_catalog.pg_stat_activity b WHERE b.pid = ANY (pg_catalog.pg_blocking_pids(a.pid))) \
                  FROM pg_catalog.pg_stat_activity a \
-                 JOIN unnest($1::int4[], $2::text[]) s(pid, started) \
-                   ON a.pid = s.pid AND a.backend_start::text = s.started \
+                 JOIN unnest($1::int4[], $2::int8[]) s(pid, started) \
+                   ON a.pid = s.pid AND (extract(epoch FROM a.backend_start) * 1000000)::int8 = s.started \
                  WHERE a.wait_event_type = 'Lock' AND a.wait_event <> 'advisory'",
                 &[&pids, &starts],
             )
@@ -75,8 +84,11 @@ impl LockWaits {
             let event: String = row.get(1);
             let table: Option<String> = row.get(2);
             let blockers: Vec<i32> = row.get::<_, Option<Vec<i32>>>(3).unwrap_or_default();
-            // Blocked by another apply session of this process: ordering, not a user.
-            if blockers.iter().all(|b| pids.contains(b)) {
+            let named: Option<String> = row.get(4);
+            // Blocked only by other apply sessions of this process (the same pid and start: a
+            // pid of an ended session may be a user's now): ordering, not a user.
+            let all_ours: Option<bool> = row.get(5);
+            if !blockers.contains(&0) && all_ours == Some(true) {
                 continue;
             }
             let (since, mut said) = self.waiting.get(&pid).copied().unwrap_or((now, false));
@@ -90,11 +102,22 @@ impl LockWaits {
                     }
                     (None, e) => format!("a lock ({e})"),
                 };
-                let by: Vec<String> = blockers.iter().map(|b| b.to_string()).collect();
+                // pg_blocking_pids says 0 for a prepared transaction, which no process holds.
+                let prepared = blockers.contains(&0);
+                let by = match (named.as_deref().filter(|n| !n.is_empty()), prepared) {
+                    (Some(n), false) => format!("target process(es) {n}"),
+                    (Some(n), true) => format!("target process(es) {n} and a prepared transaction"),
+                    (None, true) => "a prepared transaction".to_owned(),
+                    (None, false) => "another target session".to_owned(),
+                };
+                let how = if prepared {
+                    "see pg_prepared_xacts there: COMMIT PREPARED or ROLLBACK PREPARED it"
+                } else {
+                    "see pg_stat_activity there; SELECT pg_terminate_backend(pid) ends one"
+                };
                 tracing::warn!(
                     target_process = pid,
-                    "applying waits for {what} on the target, held by target process(es) {} for {} s now: it goes on once they release it (see pg_stat_activity there; SELECT pg_terminate_backend(pid) ends one)",
-                    by.join(", "),
+                    "applying waits for {what} on the target, held by {by} for {} s now: it goes on once they release it ({how})",
                     now.duration_since(since).as_secs()
                 );
             }

@@ -174,6 +174,14 @@ impl ServerError {
             );
             return Error::definite(message).with_source(self);
         }
+        // A table published since the run started has a type without a binary form (an array
+        // of aclitem), asked for with --binary: the next start sees it and asks for text.
+        if self.code == "42883" && self.message.starts_with("no binary output function") {
+            let message = format!(
+                "{context}: {self}: a published table has a type without a binary form: starting again, with values in text form"
+            );
+            return Error::transient(message).with_source(self);
+        }
         let transient = crate::error::is_transient_sqlstate(&self.code);
         let message = format!("{context}: {self}");
         let err = if transient {
