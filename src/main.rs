@@ -99,6 +99,7 @@ fn main() -> ExitCode {
     };
     tracing_subscriber::registry()
         .with(filter)
+        .with(ServerNotices)
         .with(fmt_layer)
         .init();
     // The log level can follow the config file on SIGHUP unless a flag or RUST_LOG set it.
@@ -311,21 +312,70 @@ fn log_filter(level: &str) -> Result<EnvFilter, String> {
             ));
         }
     }
-    let mut directives = if level.contains("deadpool") {
+    let directives = if level.contains("deadpool") {
         level.to_owned()
     } else {
         format!("{level},deadpool=error")
     };
-    // The servers' notices, which the client library logs as info lines of its own (a ROLLBACK
-    // after a failed COMMIT: "WARNING: there is no transaction in progress"; a target trigger's
-    // RAISE NOTICE): noise beside what pgapply says, shown from the debug level on.
-    if !["tokio_postgres", "debug", "trace"]
-        .iter()
-        .any(|w| level.contains(w))
-    {
-        directives.push_str(",tokio_postgres::connection=warn");
-    }
+
     EnvFilter::try_new(directives).map_err(|e| e.to_string())
+}
+
+/// The servers' notices, which the client library logs as info lines of its own ("WARNING:
+/// ...", "NOTICE: ..."): a NOTICE or INFO (a target trigger's RAISE NOTICE, say) and the
+/// WARNING a ROLLBACK after a failed COMMIT draws ("there is no transaction in progress") are
+/// noise beside what pgapply says, and left out; a server's WARNING (wraparound ahead, a
+/// trigger's RAISE WARNING) stays. From the debug level on, all are shown.
+struct ServerNotices;
+
+impl<S: tracing::Subscriber> Layer<S> for ServerNotices {
+    fn event_enabled(
+        &self,
+        event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        // (Lines of the `log` crate come through tracing-log: their target is a field there.)
+        let target = event.metadata().target();
+        if target != "tokio_postgres::connection" && target != "log" {
+            return true;
+        }
+        // From the debug level on, everything is shown.
+        if tracing::level_filters::LevelFilter::current()
+            >= tracing::level_filters::LevelFilter::DEBUG
+        {
+            return true;
+        }
+        #[derive(Default)]
+        struct Fields {
+            target: String,
+            message: String,
+        }
+        impl tracing::field::Visit for Fields {
+            fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+                if field.name() == "log.target" {
+                    self.target = value.to_owned();
+                }
+            }
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                match field.name() {
+                    "message" => self.message = format!("{value:?}"),
+                    "log.target" => self.target = format!("{value:?}"),
+                    _ => {}
+                }
+            }
+        }
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        if target == "log" && fields.target.trim_matches('"') != "tokio_postgres::connection" {
+            return true;
+        }
+        let text = fields.message.as_str();
+        !(text.starts_with("NOTICE:")
+            || text.starts_with("INFO:")
+            || text.starts_with("LOG:")
+            || text.starts_with("DEBUG")
+            || text == "WARNING: there is no transaction in progress")
+    }
 }
 
 /// The slot `pgapply run` replicates, once known: named on its last log line too.

@@ -1243,6 +1243,44 @@ async fn a_target_users_lock_is_waited_for_and_named() {
     );
 }
 
+/// The target's notices: a trigger's RAISE WARNING reaches the log, its RAISE NOTICE does not
+/// (nor the server's warnings about pgapply's own statements); from the debug level on, both do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_warnings_are_logged_and_notices_left_out() {
+    let db = TestDb::new("notices").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.target_sql(
+        "CREATE FUNCTION talk() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           RAISE NOTICE 'quiet notice from the trigger'; RAISE WARNING 'loud warning from the trigger'; \
+           RETURN NEW; END $$; \
+         CREATE TRIGGER talk BEFORE INSERT ON t FOR EACH ROW EXECUTE PROCEDURE talk(); \
+         ALTER TABLE t ENABLE ALWAYS TRIGGER talk;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("loud warning from the trigger") && !log.contains("quiet notice"),
+        "{log}"
+    );
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--log-level", "debug"]),
+        60,
+    )
+    .await;
+    assert!(
+        stderr(&out).contains("quiet notice from the trigger"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 /// After a restart, before anything is applied (the target table locked), the lag in seconds is
 /// the age of the last commit the target recorded, and the applied position is the recorded one,
 /// not 0.
