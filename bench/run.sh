@@ -604,6 +604,7 @@ SQL
     copy_pgapply() {  # round mode (before|after): sets COPY_SECS_<mode>, COPY_RES_<mode>
         local tgt="host=127.0.0.1 port=$TGT_PORT user=postgres dbname=copy_target_pgapply" secs post_secs
         local args=(--copy-data --copy-jobs "$COPY_JOBS")
+        rm -f "$WORK/pgapply-postdata.log"   # (a failed copy must not show an earlier round's)
         if [ "$2" = after ]; then
             copy_fresh_target copy_target_pgapply dt   # tables without their keys (pre-data)
             args+=(--copy-only)

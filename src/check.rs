@@ -1090,6 +1090,13 @@ async fn source_column_definition(
 /// How a target type of the same family holds less than the source's, if it does: what then
 /// happens to the values that do not fit (refused, or rounded without a word).
 fn narrower(source: &str, target: &str) -> Option<&'static str> {
+    // Arrays: as their elements.
+    if let (Some(s), Some(t)) = (
+        source.trim().strip_suffix("[]"),
+        target.trim().strip_suffix("[]"),
+    ) {
+        return narrower(s, t);
+    }
     let ((s, s_mod), (t, t_mod)) = (split_type(source), split_type(target));
     let integer_rank = |t: &str| match t {
         "smallint" => Some(1),
@@ -1159,6 +1166,11 @@ fn narrower(source: &str, target: &str) -> Option<&'static str> {
 /// "numeric(10,2)" -> ("numeric", [10, 2]); "timestamp(3) with time zone" -> ("timestamp with
 /// time zone", [3]); "character varying" -> (.., []). (An array's "[]" stays in the name.)
 fn split_type(t: &str) -> (String, Vec<u32>) {
+    // An array: its element's modifiers, the marker kept on the name ("numeric(12,2)[]").
+    if let Some(element) = t.trim().strip_suffix("[]") {
+        let (base, modifiers) = split_type(element);
+        return (format!("{base}[]"), modifiers);
+    }
     match (t.find('('), t.find(')')) {
         (Some(open), Some(close)) if open < close => {
             let modifiers = t[open + 1..close]
@@ -1258,6 +1270,15 @@ mod tests {
             "timestamp with time zone",
             "time with time zone",
             "D"
+        ));
+        // Arrays: their elements compared.
+        assert!(narrower("numeric(12,2)[]", "numeric(10,2)[]").is_some());
+        assert!(narrower("character varying(20)[]", "character varying(10)[]").is_some());
+        assert!(narrower("character varying(10)[]", "text[]").is_none());
+        assert!(compatible(
+            "character varying(20)[]",
+            "character varying(10)[]",
+            "A"
         ));
     }
 }

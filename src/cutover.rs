@@ -779,7 +779,8 @@ async fn drain(
             if beat != last_heartbeat.0 {
                 last_heartbeat = (beat, Instant::now());
             } else if active
-                && last_heartbeat.1.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY
+                // (Twice step 1's margin: a busy target may answer a heartbeat late.)
+                && last_heartbeat.1.elapsed() > 6 * crate::replicate::HEARTBEAT_MAX_EVERY
             {
                 return Err(Error::definite(format!(
                     "step 3: the worker streaming slot {slot:?} wrote no heartbeat on the target in {} s while asked to stop at {end} (confirmed {confirmed}): it seems hung. Stop that pgapply process (kill it if SIGTERM does nothing), then run the cutover again: it applies the rest itself",
