@@ -779,7 +779,10 @@ async fn check_target(
                         coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '', \
                         array_to_string(ARRAY(SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) p \
                                               WHERE NOT has_table_privilege(a.attrelid, p) \
-                                                AND NOT (p <> 'DELETE' AND has_any_column_privilege(a.attrelid, p))), ', '), \
+                                                AND NOT (p <> 'DELETE' AND cardinality($2::text[]) > 0 \
+                                                         AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute pc \
+                                                                         WHERE pc.attrelid = a.attrelid AND pc.attname = ANY ($2::text[]) \
+                                                                           AND NOT has_column_privilege(pc.attrelid, pc.attnum, p)))), ', '), \
                         a.attnotnull AND NOT a.atthasdef AND coalesce(to_jsonb(a) ->> 'attidentity', '') = '', \
                         has_table_privilege(a.attrelid, 'TRUNCATE'), \
                         (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_catalog.pg_enum e WHERE e.enumtypid = a.atttypid), \
@@ -790,7 +793,8 @@ async fn check_target(
                  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
                  WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
                     crate::sql::type_name_sql("a.atttypid", "a.atttypmod")),
-                &[&qualified],
+                // (Column rights count when every published column has them.)
+                &[&qualified, &table.columns.iter().map(|(c, _)| c.clone()).collect::<Vec<String>>()],
             )
             .await;
         let rows = match rows {

@@ -116,13 +116,9 @@ pub async fn late_unfinished(target: &Client, slot: &str) -> Result<Vec<String>>
 /// changes from transactions committed before it are in the copied rows, and are dropped.
 #[derive(Debug, Default)]
 pub struct LaterCopies {
-    /// By source table (schema, name).
+    /// By source table (schema, name): the copied tables, and the source tables whose rows a
+    /// copy read under another name (`cover_partitions`).
     pub by_source: HashMap<(String, String), crate::protocol::Lsn>,
-    /// By target table OID: the copied table's target table and the partitions under it. A
-    /// change may reach the copied rows under another source relation than the one copied: a
-    /// partition published under its own name before the publication went through its root
-    /// (or the other way round), or a source table mapped onto the same target table.
-    pub by_target: HashMap<u32, crate::protocol::Lsn>,
 }
 
 impl LaterCopies {
@@ -131,14 +127,14 @@ impl LaterCopies {
     }
 }
 
-/// The tables copied after the initial copy whose snapshot position is past `from`.
+/// The tables copied after the initial copy whose snapshot position is past `from`. With the
+/// source at hand, their partitions on the source too (see `cover_partitions`).
 pub async fn copied_since(
     target: &Client,
+    source: Option<&Client>,
     slot: &str,
     from: crate::protocol::Lsn,
-    table_map: &crate::config::TableMap,
 ) -> Result<LaterCopies> {
-    let context = |e| Error::postgres("reading pgapply.copy_state on the target", e);
     let rows = target
         .query(
             "SELECT schema_name, table_name, synced_lsn::text FROM pgapply.copy_state \
@@ -146,7 +142,7 @@ pub async fn copied_since(
             &[&slot, &from.to_string()],
         )
         .await
-        .map_err(context)?;
+        .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
     let mut copies = LaterCopies::default();
     for r in rows {
         let text: String = r.get(2);
@@ -155,86 +151,98 @@ pub async fn copied_since(
                 "pgapply.copy_state on the target holds an unreadable position {text:?}: {e}"
             ))
         })?;
-        let source: (String, String) = (r.get(0), r.get(1));
-        let (schema, name) = table_map
-            .get(&source)
-            .cloned()
-            .unwrap_or_else(|| source.clone());
-        // The target table and its partitions, at every level (not tables inheriting from it
-        // otherwise: COPY reads a table's own rows only).
-        let covered = target
-            .query(
-                "WITH RECURSIVE t(oid) AS ( \
-                     SELECT pg_catalog.to_regclass($1)::oid \
-                     UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits i \
-                     JOIN t ON i.inhparent = t.oid \
-                     JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid AND c.relispartition) \
-                 SELECT oid FROM t WHERE oid IS NOT NULL",
-                &[&qualified_name(&schema, &name)],
-            )
-            .await
-            .map_err(context)?;
-        for c in covered {
-            let oid: u32 = c.get(0);
-            let at = copies.by_target.entry(oid).or_insert(lsn);
-            *at = (*at).max(lsn);
-        }
-        copies.by_source.insert(source, lsn);
+        copies.by_source.insert((r.get(0), r.get(1)), lsn);
     }
-    if !copies.by_target.is_empty() {
-        cover_parents(target, &mut copies.by_target)
+    if let (Some(source), false) = (source, copies.is_empty()) {
+        cover_partitions(source, &mut copies.by_source)
             .await
-            .map_err(context)?;
+            .map_err(|e| {
+                Error::postgres(
+                    "reading the partitions of the copied tables on the source",
+                    e,
+                )
+            })?;
     }
     Ok(copies)
 }
 
-/// Adds to `by_target` each partitioned table above the covered ones whose every leaf partition
-/// is covered, at the earliest of their positions: a change that comes under the parent's name
-/// (a publication through the root before it switched to publishing the partitions) lands in
-/// those leaves, whose copies hold it if it committed before all of them.
-async fn cover_parents(
-    target: &Client,
-    by_target: &mut HashMap<u32, crate::protocol::Lsn>,
+/// A copied table's rows, read on the source, are those of its partitions too, and a
+/// partitioned table's rows those of its leaves: after `publish_via_partition_root` switched, a
+/// change still to be applied may come under the other name. Adds (by the source's partition
+/// tree, as it is now) each partition under a copied table, at that copy's position, and each
+/// partitioned table above copied ones whose every leaf partition is covered, at the earliest
+/// of their positions. (Not tables inheriting otherwise: COPY reads a table's own rows only.)
+async fn cover_partitions(
+    source: &Client,
+    by_source: &mut HashMap<(String, String), crate::protocol::Lsn>,
 ) -> std::result::Result<(), tokio_postgres::Error> {
-    let edges = target
+    let edges = source
         .query(
-            "SELECT i.inhrelid, i.inhparent, c.relkind = 'p' \
-             FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid \
-             WHERE c.relispartition",
+            "SELECT i.inhrelid, cn.nspname::text, c.relname::text, c.relkind = 'p', \
+                    i.inhparent, pn.nspname::text, p.relname::text \
+             FROM pg_catalog.pg_inherits i \
+             JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid AND c.relispartition \
+             JOIN pg_catalog.pg_namespace cn ON cn.oid = c.relnamespace \
+             JOIN pg_catalog.pg_class p ON p.oid = i.inhparent \
+             JOIN pg_catalog.pg_namespace pn ON pn.oid = p.relnamespace",
             &[],
         )
         .await?;
+    type Name = (String, String);
+    let mut name_of: HashMap<u32, Name> = HashMap::new();
     let mut parent_of: HashMap<u32, u32> = HashMap::new();
     let mut children: HashMap<u32, Vec<(u32, bool)>> = HashMap::new();
     for e in &edges {
-        let (child, parent, partitioned): (u32, u32, bool) = (e.get(0), e.get(1), e.get(2));
+        let (child, parent): (u32, u32) = (e.get(0), e.get(4));
+        name_of.insert(child, (e.get(1), e.get(2)));
+        name_of.insert(parent, (e.get(5), e.get(6)));
         parent_of.insert(child, parent);
-        children
-            .entry(parent)
-            .or_default()
-            .push((child, partitioned));
+        children.entry(parent).or_default().push((child, e.get(3)));
     }
-    // The earliest position of the leaves under a table, if every one is covered.
+    let oid_of: HashMap<&Name, u32> = name_of.iter().map(|(oid, name)| (name, *oid)).collect();
+    let mut by_oid: HashMap<u32, crate::protocol::Lsn> = HashMap::new();
+    for (name, lsn) in by_source.iter() {
+        if let Some(&oid) = oid_of.get(name) {
+            by_oid.insert(oid, *lsn);
+        }
+    }
+    // Down: every partition under a copied table.
+    let copied: Vec<(u32, crate::protocol::Lsn)> = by_oid.iter().map(|(o, l)| (*o, *l)).collect();
+    for (oid, lsn) in copied {
+        let mut stack = vec![oid];
+        let mut seen = 0usize;
+        while let Some(table) = stack.pop() {
+            seen += 1;
+            if seen > 100_000 {
+                break;
+            }
+            for &(child, _) in children.get(&table).into_iter().flatten() {
+                let at = by_oid.entry(child).or_insert(lsn);
+                *at = (*at).max(lsn);
+                stack.push(child);
+            }
+        }
+    }
+    // Up: a partitioned table whose leaves are all covered.
     fn leaves_covered(
         table: u32,
         children: &HashMap<u32, Vec<(u32, bool)>>,
-        by_target: &HashMap<u32, crate::protocol::Lsn>,
+        by_oid: &HashMap<u32, crate::protocol::Lsn>,
         depth: usize,
     ) -> Option<crate::protocol::Lsn> {
         let mut earliest: Option<crate::protocol::Lsn> = None;
         for &(child, partitioned) in children.get(&table)? {
             let at = if partitioned && depth < 64 {
-                leaves_covered(child, children, by_target, depth + 1)?
+                leaves_covered(child, children, by_oid, depth + 1)?
             } else {
-                *by_target.get(&child)?
+                *by_oid.get(&child)?
             };
             earliest = Some(earliest.map_or(at, |e| e.min(at)));
         }
         earliest
     }
     let mut ancestors: Vec<u32> = Vec::new();
-    for &oid in by_target.keys() {
+    for &oid in by_oid.keys() {
         let mut at = oid;
         while let Some(&parent) = parent_of.get(&at) {
             if ancestors.contains(&parent) || ancestors.len() > 10_000 {
@@ -245,11 +253,16 @@ async fn cover_parents(
         }
     }
     for parent in ancestors {
-        if by_target.contains_key(&parent) {
+        if by_oid.contains_key(&parent) {
             continue;
         }
-        if let Some(at) = leaves_covered(parent, &children, by_target, 0) {
-            by_target.insert(parent, at);
+        if let Some(at) = leaves_covered(parent, &children, &by_oid, 0) {
+            by_oid.insert(parent, at);
+        }
+    }
+    for (oid, lsn) in by_oid {
+        if let Some(name) = name_of.get(&oid) {
+            by_source.entry(name.clone()).or_insert(lsn);
         }
     }
     Ok(())

@@ -133,6 +133,12 @@ pub struct RunOutcome {
     pub stats: ApplyStats,
 }
 
+/// Set when the stream met a table whose values binary transfer cannot carry (see
+/// `Error::text_from_now_on`): the runs after it in this process ask for text, whatever the
+/// publication says then, so that starting again cannot meet the same table in binary for ever.
+pub static TEXT_FROM_NOW_ON: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 /// Reports progress of one run to whoever watches (status output, tests, the demo).
 #[derive(Debug, Clone, Default)]
 pub struct RunProgress {
@@ -521,7 +527,12 @@ async fn run_in_span(
     };
     let mut negotiated = negotiate(session.server_version(), &config.requested)?;
     if negotiated.binary {
-        if let Some(reason) = binary_unsafe(&config, session.server_version()).await? {
+        if TEXT_FROM_NOW_ON.load(std::sync::atomic::Ordering::SeqCst) {
+            // The stream met a table binary values cannot carry (it may no longer be published,
+            // or exist, for the start's check to see it): text for the rest of this process.
+            tracing::info!("binary transfer off: values are sent as text, as the stream met a table whose types binary transfer cannot carry");
+            negotiated.binary = false;
+        } else if let Some(reason) = binary_unsafe(&config, session.server_version()).await? {
             tracing::info!(reason = %reason, "binary transfer off: values are sent as text");
             negotiated.binary = false;
         }
@@ -870,8 +881,16 @@ async fn run_in_span(
     let report_recorded = refuse_lost_changes(&setup, &mut session, &config.slot, resume).await?;
     restore_applied_metrics(&setup, &config.slot, resume).await;
     // Tables copied after the initial copy whose snapshot this run's stream has not passed yet.
-    let copied_since =
-        Arc::new(copy::copied_since(&setup, &config.slot, resume, &config.table_map).await?);
+    // (The source's partition trees say which other names the copies' rows go by: read on a
+    // session of its own, only when there are such copies.)
+    let mut later = copy::copied_since(&setup, None, &config.slot, resume).await?;
+    if !later.is_empty() {
+        let source = crate::tls::connect(&config.source)
+            .await
+            .map_err(|e| e.into_error("connecting to the source"))?;
+        later = copy::copied_since(&setup, Some(&source), &config.slot, resume).await?;
+    }
+    let copied_since = Arc::new(later);
     let live_now = live_possible && copied_since.is_empty();
     if live_possible && !live_now {
         tracing::info!("--streaming parallel: streamed transactions are spooled and applied at commit in this run, as the stream starts before the snapshot of tables copied after the initial copy (a run started after it applies them as they arrive)");

@@ -1069,14 +1069,20 @@ async fn a_read_only_target_role_is_named_with_the_way_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_names_missing_rights_and_row_security_on_the_target() {
     let db = TestDb::new("checkrights").await;
-    db.both("CREATE TABLE a (id int PRIMARY KEY); CREATE TABLE b (id int PRIMARY KEY)")
+    db.both(
+        "CREATE TABLE a (id int PRIMARY KEY); CREATE TABLE b (id int PRIMARY KEY); \
+         CREATE TABLE c (id int PRIMARY KEY, v text); CREATE TABLE d (id int PRIMARY KEY, v text)",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE a, b, c, d")
         .await;
-    db.publish("CREATE PUBLICATION p FOR TABLE a, b").await;
     let role = format!("limited_{}", db.name);
     db.target_sql(&format!(
         "CREATE ROLE {role} LOGIN PASSWORD 'l'; GRANT CREATE ON DATABASE {} TO {role}; \
          GRANT SELECT, DELETE ON a TO {role}; GRANT SELECT, INSERT, UPDATE, DELETE ON b TO {role}; \
-         ALTER TABLE b ENABLE ROW LEVEL SECURITY;",
+         ALTER TABLE b ENABLE ROW LEVEL SECURITY; \
+         GRANT SELECT (id, v), INSERT (id, v), UPDATE (id, v), DELETE ON c TO {role}; \
+         GRANT SELECT, INSERT (id), UPDATE, DELETE ON d TO {role};",
         db.name
     ))
     .await;
@@ -1104,6 +1110,14 @@ async fn check_names_missing_rights_and_row_security_on_the_target() {
     assert!(
         text.contains(&format!(
             "the target role may not INSERT, UPDATE on \"public\".\"a\": GRANT INSERT, UPDATE ON \"public\".\"a\" TO \"{role}\""
+        )),
+        "{text}"
+    );
+    // Column rights count when every published column has them.
+    assert!(!text.contains("on \"public\".\"c\""), "{text}");
+    assert!(
+        text.contains(&format!(
+            "the target role may not INSERT on \"public\".\"d\": GRANT INSERT ON \"public\".\"d\" TO \"{role}\""
         )),
         "{text}"
     );

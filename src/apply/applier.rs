@@ -501,8 +501,8 @@ pub struct Applier {
     /// Relations `entry` has looked up in `copied_tables` already.
     copy_checked: HashSet<Oid>,
     copied_since: Arc<crate::copy::LaterCopies>,
-    /// `copied_since` by source OID and target table OID, as looked up.
-    copied_since_by_oid: HashMap<(Oid, u32), Option<Lsn>>,
+    /// `copied_since` by source OID, as looked up.
+    copied_since_by_oid: HashMap<Oid, Option<Lsn>>,
 }
 
 /// Prepared statements of the turn steps.
@@ -786,21 +786,17 @@ impl Applier {
             return false;
         }
         let copied = &self.copied_since;
-        // Under its own name, or into a target table (or a partition of one) that a copy
-        // filled: the later of the two copies holds the rows as of its snapshot.
         let since = *self
             .copied_since_by_oid
-            .entry((entry.source.oid, entry.target.oid))
+            .entry(entry.source.oid)
             .or_insert_with(|| {
-                let by_source = copied
+                copied
                     .by_source
                     .get(&(
                         crate::relation::source_schema(&entry.source).to_owned(),
                         entry.source.name.clone(),
                     ))
-                    .copied();
-                let by_target = copied.by_target.get(&entry.target.oid).copied();
-                by_source.max(by_target)
+                    .copied()
             });
         since.is_some_and(|s| commit_lsn < s)
     }
@@ -1143,6 +1139,8 @@ impl Applier {
                         .iter()
                         .find(|c| matches!(c.type_oid, 3615 | 3645 | 1034))
                     {
+                        crate::replicate::TEXT_FROM_NOW_ON
+                            .store(true, std::sync::atomic::Ordering::SeqCst);
                         return Err(Error::transient(format!(
                             "table {name} has column {} of a type whose binary form PostgreSQL does not read back (tsquery, aclitem[]): starting again, with values in text form",
                             crate::sql::quote_ident(&c.name)

@@ -177,6 +177,7 @@ impl ServerError {
         // A table published since the run started has a type without a binary form (an array
         // of aclitem), asked for with --binary: the next start sees it and asks for text.
         if self.code == "42883" && self.message.starts_with("no binary output function") {
+            crate::replicate::TEXT_FROM_NOW_ON.store(true, std::sync::atomic::Ordering::SeqCst);
             let message = format!(
                 "{context}: {self}: a published table has a type without a binary form: starting again, with values in text form"
             );

@@ -30,7 +30,9 @@ impl Applier {
         else {
             return Ok(());
         };
-        // Transient: the run that starts again checks the types and has text values sent.
+        // Transient: the run that starts again has text values sent (for the rest of the
+        // process: the table may no longer be published when it starts, for its check to see).
+        crate::replicate::TEXT_FROM_NOW_ON.store(true, std::sync::atomic::Ordering::SeqCst);
         Err(Error::transient(format!(
             "column {} of table {} has type {} on the target, which the source's binary values (--binary) may not fit (the source's column has another type, or a user-defined one): starting again, with text values where the types differ",
             quote_ident(&entry.source.columns[c].name),
