@@ -680,10 +680,13 @@ async fn prepare_target(
             .await
             .map_err(|e| Error::postgres(format!("reading table {qualified} on the target"), e))?
             .get::<_, bool>(0);
-        if has_rows {
+        // (Several source tables mapped onto one target table: named, and emptied, once.)
+        if has_rows && !not_empty.contains(&qualified) {
             not_empty.push(qualified);
         }
-        all.push(own);
+        if !all.contains(&own) {
+            all.push(own);
+        }
     }
     if !not_empty.is_empty() {
         if !truncate {

@@ -325,7 +325,8 @@ fn log_filter(level: &str) -> Result<EnvFilter, String> {
 /// ...", "NOTICE: ..."): a NOTICE or INFO (a target trigger's RAISE NOTICE, say) and the
 /// WARNING a ROLLBACK after a failed COMMIT draws ("there is no transaction in progress") are
 /// noise beside what pgapply says, and left out; a server's WARNING (wraparound ahead, a
-/// trigger's RAISE WARNING) stays. From the debug level on, all are shown.
+/// trigger's RAISE WARNING) stays, as the library's info line ("WARNING: ..."), shown unless
+/// the log level is above info. From the debug level on, all are shown.
 struct ServerNotices;
 
 impl<S: tracing::Subscriber> Layer<S> for ServerNotices {

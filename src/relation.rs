@@ -339,7 +339,18 @@ impl RelationCache {
         // the source refuses UPDATE and DELETE on the table, so no change ever looks a row up.
         if relation.replica_identity == ReplicaIdentity::Full || !key.is_empty() {
             if let Some(advice) = key_index_advice(catalog, &target, &key).await {
-                tracing::warn!(relation = %shown, "{advice}");
+                // Once per process and table: every apply session (--apply-workers), and every
+                // run after a reconnection, reads the same table.
+                static SAID: std::sync::LazyLock<
+                    std::sync::Mutex<std::collections::HashSet<String>>,
+                > = std::sync::LazyLock::new(Default::default);
+                let first = SAID
+                    .lock()
+                    .map(|mut said| said.insert(advice.clone()))
+                    .unwrap_or(true);
+                if first {
+                    tracing::warn!(relation = %shown, "{advice}");
+                }
             }
         }
         let type_differs = relation

@@ -882,7 +882,7 @@ async fn the_copy_and_binary_take_text_for_types_without_a_binary_form_that_read
     .await;
     let row = |id: i32| {
         format!(
-            "INSERT INTO m VALUES ({id}, '', ARRAY[''::tsquery, 'a & b'], (acldefault('r', 10))[1], acldefault('r', 10))"
+            "INSERT INTO m VALUES ({id}, '', ARRAY[''::tsquery, 'a & b'], makeaclitem(10, 10, 'SELECT', false), ARRAY[makeaclitem(10, 10, 'SELECT', false), makeaclitem(10, 10, 'UPDATE', true)])"
         )
     };
     db.source_sql(&format!("{}; CREATE PUBLICATION p FOR TABLE m", row(1)))
@@ -895,7 +895,7 @@ async fn the_copy_and_binary_take_text_for_types_without_a_binary_form_that_read
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.source_sql(&format!(
-        "{}; UPDATE m SET q = '', a = (acldefault('r', 10))[1] WHERE id = 1",
+        "{}; UPDATE m SET q = '', a = makeaclitem(10, 10, 'SELECT', false) WHERE id = 1",
         row(2)
     ))
     .await;
@@ -914,7 +914,11 @@ async fn the_copy_and_binary_take_text_for_types_without_a_binary_form_that_read
     // Such tables published while a --binary run streams others: it starts again with text.
     for (table, columns, value) in [
         ("q2", "q tsquery", "''"),
-        ("a2", "a aclitem[]", "acldefault('r', 10)"),
+        (
+            "a2",
+            "a aclitem[]",
+            "ARRAY[makeaclitem(10, 10, 'SELECT', false), makeaclitem(10, 10, 'UPDATE', true)]",
+        ),
     ] {
         db.both(&format!(
             "CREATE TABLE only_binary_{table} (id int PRIMARY KEY); CREATE TABLE {table} (id int PRIMARY KEY, {columns})"
