@@ -1583,36 +1583,52 @@ async fn a_table_published_again_is_copied_again_and_not_under_a_running_worker(
     db.assert_same("a").await;
 }
 
-/// A table published later whose target table also holds another published table's rows
-/// (`[tables]` maps both onto it) is not copied, even with --truncate-target: emptying it would
-/// lose the other's rows. Said, and the run streams on.
 /// The publication switched to publishing a partitioned table through its root while changes
 /// to a partition, sent under the partition's name, were still to be applied: the root's copy
 /// (published later) holds them, and they must not be applied over it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changes_under_a_partitions_name_do_not_overwrite_its_roots_later_copy() {
+    publish_via_partition_root_switched("latepart", false).await;
+}
+
+/// The other way: published through its root at the initial copy, then the partitions published
+/// under their own names (copied as tables published later): changes still to be applied that
+/// come under the root's name land in the partitions' copied rows, and are left out too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_under_a_roots_name_do_not_overwrite_its_partitions_later_copies() {
+    publish_via_partition_root_switched("latepart2", true).await;
+}
+
+/// A partitioned table copied with `publish_via_partition_root` = `through_root_first`; changes
+/// while stopped, the setting switched, more changes; then `--copy-data --truncate-target`
+/// copies the tables now published, and the target equals the source, then and after more
+/// changes streamed.
+async fn publish_via_partition_root_switched(name: &str, through_root_first: bool) {
     if common::clusters().source_major < 13 {
         return; // publish_via_partition_root: 13+
     }
-    let db = TestDb::new("latepart").await;
+    let db = TestDb::new(name).await;
     db.both(
         "CREATE TABLE m (id int PRIMARY KEY, v int) PARTITION BY RANGE (id); \
          CREATE TABLE m_a PARTITION OF m FOR VALUES FROM (0) TO (100); \
          CREATE TABLE m_b PARTITION OF m FOR VALUES FROM (100) TO (200);",
     )
     .await;
-    db.source_sql(
+    db.source_sql(&format!(
         "INSERT INTO m SELECT g, 0 FROM generate_series(1, 150) g WHERE g <> 50; \
-         CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = false);",
-    )
+         CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = {through_root_first});"
+    ))
     .await;
     copy_up_to_now(&db).await;
     db.assert_same("m").await;
-    // Sent as changes of m_a and m_b; then, through the root, changes of m.
+    // Sent under one set of names; then, switched, under the other.
     db.source_sql("UPDATE m SET v = 5 WHERE id IN (11, 111); DELETE FROM m WHERE id = 12; INSERT INTO m VALUES (50, 5)")
         .await;
-    db.source_sql("ALTER PUBLICATION p SET (publish_via_partition_root = true)")
-        .await;
+    db.source_sql(&format!(
+        "ALTER PUBLICATION p SET (publish_via_partition_root = {})",
+        !through_root_first
+    ))
+    .await;
     db.source_sql("UPDATE m SET v = 6 WHERE id IN (11, 111); INSERT INTO m VALUES (12, 6)")
         .await;
     let endpos = db.source_wal().await;
@@ -1633,50 +1649,9 @@ async fn changes_under_a_partitions_name_do_not_overwrite_its_roots_later_copy()
     db.assert_same("m").await;
 }
 
-/// The other way: published through its root at the initial copy, then the partitions published
-/// under their own names (copied as tables published later): changes still to be applied that
-/// come under the root's name land in the partitions' copied rows, and are left out too.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn changes_under_a_roots_name_do_not_overwrite_its_partitions_later_copies() {
-    if common::clusters().source_major < 13 {
-        return; // publish_via_partition_root: 13+
-    }
-    let db = TestDb::new("latepart2").await;
-    db.both(
-        "CREATE TABLE m (id int PRIMARY KEY, v int) PARTITION BY RANGE (id); \
-         CREATE TABLE m_a PARTITION OF m FOR VALUES FROM (0) TO (100); \
-         CREATE TABLE m_b PARTITION OF m FOR VALUES FROM (100) TO (200);",
-    )
-    .await;
-    db.source_sql(
-        "INSERT INTO m SELECT g, 0 FROM generate_series(1, 150) g WHERE g <> 50; \
-         CREATE PUBLICATION p FOR TABLE m WITH (publish_via_partition_root = true);",
-    )
-    .await;
-    copy_up_to_now(&db).await;
-    db.source_sql("UPDATE m SET v = 5 WHERE id IN (11, 111); DELETE FROM m WHERE id = 12; INSERT INTO m VALUES (50, 5)")
-        .await;
-    db.source_sql("ALTER PUBLICATION p SET (publish_via_partition_root = false)")
-        .await;
-    db.source_sql("UPDATE m SET v = 6 WHERE id IN (11, 111); INSERT INTO m VALUES (12, 6)")
-        .await;
-    let endpos = db.source_wal().await;
-    let out = run_with_deadline(
-        db.pgapply(
-            "p",
-            &["--copy-data", "--truncate-target", "--endpos", &endpos],
-        ),
-        60,
-    )
-    .await;
-    assert!(out.status.success(), "{}", stderr(&out));
-    db.assert_same("m").await;
-    db.source_sql("UPDATE m SET v = 7 WHERE id = 11; DELETE FROM m WHERE id = 111")
-        .await;
-    db.sync("p").await;
-    db.assert_same("m").await;
-}
-
+/// A table published later whose target table also holds another published table's rows
+/// (`[tables]` maps both onto it) is not copied, even with --truncate-target: emptying it would
+/// lose the other's rows. Said, and the run streams on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_table_sharing_its_target_table_is_not_copied() {
     let db = TestDb::new("lateshared").await;
