@@ -112,6 +112,15 @@ pub async fn late_unfinished(target: &Client, slot: &str) -> Result<Vec<String>>
         .collect())
 }
 
+/// Whether `qualified` names a table on the target.
+async fn target_table_exists(target: &Client, qualified: &str) -> Result<bool> {
+    Ok(target
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+        .await
+        .map_err(|e| Error::postgres(format!("reading table {qualified} on the target"), e))?
+        .get(0))
+}
+
 /// Tables copied after the initial copy (published later), with that copy's snapshot position:
 /// changes from transactions committed before it are in the copied rows, and are dropped.
 #[derive(Debug, Default)]
@@ -127,11 +136,10 @@ impl LaterCopies {
     }
 }
 
-/// The tables copied after the initial copy whose snapshot position is past `from`. With the
-/// source at hand, their partitions on the source too (see `cover_partitions`).
+/// The tables copied after the initial copy whose snapshot position is past `from` (their other
+/// names on the source: `cover_partitions`).
 pub async fn copied_since(
     target: &Client,
-    source: Option<&Client>,
     slot: &str,
     from: crate::protocol::Lsn,
 ) -> Result<LaterCopies> {
@@ -153,16 +161,6 @@ pub async fn copied_since(
         })?;
         copies.by_source.insert((r.get(0), r.get(1)), lsn);
     }
-    if let (Some(source), false) = (source, copies.is_empty()) {
-        cover_partitions(source, &mut copies.by_source)
-            .await
-            .map_err(|e| {
-                Error::postgres(
-                    "reading the partitions of the copied tables on the source",
-                    e,
-                )
-            })?;
-    }
     Ok(copies)
 }
 
@@ -172,10 +170,8 @@ pub async fn copied_since(
 /// tree, as it is now) each partition under a copied table, at that copy's position, and each
 /// partitioned table above copied ones whose every leaf partition is covered, at the earliest
 /// of their positions. (Not tables inheriting otherwise: COPY reads a table's own rows only.)
-async fn cover_partitions(
-    source: &Client,
-    by_source: &mut HashMap<(String, String), crate::protocol::Lsn>,
-) -> std::result::Result<(), tokio_postgres::Error> {
+pub async fn cover_partitions(source: &Client, copies: &mut LaterCopies) -> Result<()> {
+    let by_source = &mut copies.by_source;
     let edges = source
         .query(
             "SELECT i.inhrelid, cn.nspname::text, c.relname::text, c.relkind = 'p', \
@@ -187,7 +183,13 @@ async fn cover_partitions(
              JOIN pg_catalog.pg_namespace pn ON pn.oid = p.relnamespace",
             &[],
         )
-        .await?;
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                "reading the partitions of the copied tables on the source",
+                e,
+            )
+        })?;
     type Name = (String, String);
     let mut name_of: HashMap<u32, Name> = HashMap::new();
     let mut parent_of: HashMap<u32, u32> = HashMap::new();
@@ -897,13 +899,7 @@ pub async fn plan_copy(
             let why = if shared || partitioned_target {
                 Some(format!("its target table {qualified} also holds rows of other tables, which the copy would empty"))
             } else if !unfinished && !settings.truncate_target {
-                let exists: bool = target
-                    .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
-                    .await
-                    .map_err(|e| {
-                        Error::postgres(format!("reading table {qualified} on the target"), e)
-                    })?
-                    .get(0);
+                let exists = target_table_exists(&target, &qualified).await?;
                 let has_rows = exists && {
                     let own = own_rows(&target, &qualified, "target").await?;
                     target
@@ -942,14 +938,7 @@ pub async fn plan_copy(
         let mut emptied = Vec::new();
         for table in unfinished {
             let qualified = table.target_qualified();
-            let exists: bool = target
-                .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
-                .await
-                .map_err(|e| {
-                    Error::postgres(format!("reading table {qualified} on the target"), e)
-                })?
-                .get(0);
-            if exists {
+            if target_table_exists(&target, &qualified).await? {
                 let own = own_rows(&target, &qualified, "target").await?;
                 if !emptied.contains(&own) {
                     emptied.push(own);

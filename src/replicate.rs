@@ -883,12 +883,12 @@ async fn run_in_span(
     // Tables copied after the initial copy whose snapshot this run's stream has not passed yet.
     // (The source's partition trees say which other names the copies' rows go by: read on a
     // session of its own, only when there are such copies.)
-    let mut later = copy::copied_since(&setup, None, &config.slot, resume).await?;
+    let mut later = copy::copied_since(&setup, &config.slot, resume).await?;
     if !later.is_empty() {
         let source = crate::tls::connect(&config.source)
             .await
             .map_err(|e| e.into_error("connecting to the source"))?;
-        later = copy::copied_since(&setup, Some(&source), &config.slot, resume).await?;
+        copy::cover_partitions(&source, &mut later).await?;
     }
     let copied_since = Arc::new(later);
     let live_now = live_possible && copied_since.is_empty();

@@ -1086,22 +1086,8 @@ async fn check_names_missing_rights_and_row_security_on_the_target() {
         db.name
     ))
     .await;
-    let target = format!(
-        "host=127.0.0.1 port={} user={role} password=l dbname={}",
-        db.target_port, db.name
-    );
     let out = run_with_deadline(
-        common::pgapply_command(&[
-            "check",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &target,
-            "--publication",
-            "p",
-            "--slot",
-            &db.slot(),
-        ]),
+        db.on_both_as_target_user("check", &role, "l", &["--slot", &db.slot()]),
         60,
     )
     .await;
@@ -1453,22 +1439,8 @@ async fn check_names_a_physical_slot_and_another_roles_schema() {
         db.name
     ))
     .await;
-    let target = format!(
-        "host=127.0.0.1 port={} user={user} password=chk-secret dbname={}",
-        db.target_port, db.name
-    );
     let out = run_with_deadline(
-        common::pgapply_command(&[
-            "check",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &target,
-            "--publication",
-            "p",
-            "--slot",
-            &db.slot(),
-        ]),
+        db.on_both_as_target_user("check", &user, "chk-secret", &["--slot", &db.slot()]),
         60,
     )
     .await;

@@ -764,25 +764,13 @@ async fn cutover_reverse_needs_are_checked_before_anything_is_done() {
         db.name
     ))
     .await;
-    let target = format!(
-        "host=127.0.0.1 port={} user={role} password=c dbname={}",
-        db.target_port, db.name
-    );
     let out = run_with_deadline(
-        common::pgapply_command(&[
+        db.on_both_as_target_user(
             "cutover",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &target,
-            "--publication",
-            "p",
-            "--slot",
-            &db.slot(),
-            "--timeout",
-            "30s",
-            "--reverse",
-        ]),
+            &role,
+            "c",
+            &["--slot", &db.slot(), "--timeout", "30s", "--reverse"],
+        ),
         90,
     )
     .await;
@@ -2830,22 +2818,8 @@ async fn schema_as_a_role_that_does_not_own_public() {
         db.name
     ))
     .await;
-    let target = format!(
-        "host=127.0.0.1 port={} user={user} password=schema-secret dbname={}",
-        db.target_port, db.name
-    );
     let out = run_with_deadline(
-        common::pgapply_command(&[
-            "schema",
-            "--source",
-            &db.source_conninfo(),
-            "--target",
-            &target,
-            "--publication",
-            "p",
-            "--section",
-            "pre-data",
-        ]),
+        db.on_both_as_target_user("schema", &user, "schema-secret", &["--section", "pre-data"]),
         60,
     )
     .await;

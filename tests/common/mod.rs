@@ -147,12 +147,17 @@ impl TestDb {
         .await
     }
 
-    /// `pgapply run` of this database pair and slot with the target reached as `user`.
-    pub fn pgapply_as_target_user(&self, user: &str, password: &str, extra: &[&str]) -> Command {
-        let target = format!(
+    /// The target database, reached as `user`.
+    pub fn target_conninfo_as(&self, user: &str, password: &str) -> String {
+        format!(
             "host=127.0.0.1 port={} user={user} password={password} dbname={}",
             self.target_port, self.name
-        );
+        )
+    }
+
+    /// `pgapply run` of this database pair and slot with the target reached as `user`.
+    pub fn pgapply_as_target_user(&self, user: &str, password: &str, extra: &[&str]) -> Command {
+        let target = self.target_conninfo_as(user, password);
         self.pgapply_via(&self.source_conninfo(), &target, &self.slot(), "p", extra)
     }
 
@@ -204,13 +209,28 @@ impl TestDb {
 
     /// `pgapply <command> --source .. --target .. --publication p <extra>` for this database.
     pub fn on_both(&self, command: &str, extra: &[&str]) -> Command {
-        let (source, target) = (self.source_conninfo(), self.target_conninfo());
+        self.on_both_via(command, &self.target_conninfo(), extra)
+    }
+
+    /// `on_both` with the target reached as `user`.
+    pub fn on_both_as_target_user(
+        &self,
+        command: &str,
+        user: &str,
+        password: &str,
+        extra: &[&str],
+    ) -> Command {
+        self.on_both_via(command, &self.target_conninfo_as(user, password), extra)
+    }
+
+    fn on_both_via(&self, command: &str, target: &str, extra: &[&str]) -> Command {
+        let source = self.source_conninfo();
         let mut args = vec![
             command,
             "--source",
             &source,
             "--target",
-            &target,
+            target,
             "--publication",
             "p",
         ];
