@@ -4,7 +4,6 @@ use std::time::Duration;
 use clap::Parser;
 use tokio::sync::watch;
 use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 use pgapply::cli::{Cli, Command, LogFormat, RunArgs};
@@ -97,11 +96,15 @@ fn main() -> ExitCode {
                 .with_writer(std::io::stderr),
         ),
     };
-    tracing_subscriber::registry()
+    let subscriber = tracing_subscriber::registry()
         .with(filter)
         .with(ServerNotices)
-        .with(fmt_layer)
-        .init();
+        .with(fmt_layer);
+    if tracing::subscriber::set_global_default(subscriber).is_ok()
+        && log::set_boxed_logger(Box::new(LogBridge(tracing_log::LogTracer::new()))).is_ok()
+    {
+        log::set_max_level(log::LevelFilter::Trace);
+    }
     // The log level can follow the config file on SIGHUP unless a flag or RUST_LOG set it.
     let level_from_file =
         cli.log_level.is_none() && std::env::var("RUST_LOG").map_or(true, |v| v.trim().is_empty());
@@ -375,9 +378,41 @@ impl<S: tracing::Subscriber> Layer<S> for ServerNotices {
             || text.starts_with("INFO:")
             || text.starts_with("LOG:")
             || text.starts_with("DEBUG")
-            || text == "WARNING: there is no transaction in progress")
+            || text == NO_TRANSACTION_WARNING)
     }
 }
+
+/// The `log` crate's lines (the client libraries') into tracing. tokio-postgres writes every
+/// server notice at info level, so a server's WARNING (a REVOKE that revoked nothing, a target
+/// trigger's RAISE WARNING) would be hidden by `--log-level warn`: it goes out at warn level here.
+struct LogBridge(tracing_log::LogTracer);
+
+const NOTICES_TARGET: &str = "tokio_postgres::connection";
+
+impl log::Log for LogBridge {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        metadata.target() == NOTICES_TARGET || self.0.enabled(metadata)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if record.target() == NOTICES_TARGET && record.level() == log::Level::Info {
+            let text = record.args().to_string();
+            // (That one follows a failed apply's rollback and says nothing new: left to
+            // `ServerNotices` at info level.)
+            if text.starts_with("WARNING:") && text != NO_TRANSACTION_WARNING {
+                tracing::warn!(target: "tokio_postgres::connection", "{text}");
+                return;
+            }
+        }
+        if self.0.enabled(record.metadata()) {
+            self.0.log(record);
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+const NO_TRANSACTION_WARNING: &str = "WARNING: there is no transaction in progress";
 
 /// The slot `pgapply run` replicates, once known: named on its last log line too.
 static RUN_SLOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();

@@ -1279,6 +1279,21 @@ async fn server_warnings_are_logged_and_notices_left_out() {
         "{}",
         stderr(&out)
     );
+    // A server's WARNING is a warning: shown at --log-level warn, as one.
+    db.source_sql("INSERT INTO t VALUES (3)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--log-level", "warn"]),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("loud warning from the trigger"))
+            && !log.contains("quiet notice"),
+        "{log}"
+    );
 }
 
 /// After a restart, before anything is applied (the target table locked), the lag in seconds is
