@@ -194,7 +194,7 @@ pub async fn cutover(
         }
     }
     if settings.reverse {
-        problems.extend(reverse_problems(&target, &run_config.slot).await?);
+        problems.extend(reverse_problems(&source, &target, &run_config).await?);
     }
     if settings.reverse && run_config.slot.len() + "_reverse".len() > 63 {
         problems.push(format!(
@@ -1106,14 +1106,14 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
     let me = source
         .query_one(
             "SELECT rolsuper, rolcreaterole, pg_catalog.pg_has_role(current_user, 'pg_signal_backend', 'USAGE'), \
-                    pg_catalog.current_setting('server_version_num')::int \
+                    pg_catalog.current_setting('server_version_num')::int, current_user::text \
              FROM pg_catalog.pg_roles WHERE rolname = current_user",
             &[],
         )
         .await
         .map_err(context)?;
-    let (superuser, createrole, signal, version): (bool, bool, bool, i32) =
-        (me.get(0), me.get(1), me.get(2), me.get(3));
+    let (superuser, createrole, signal, version, me): (bool, bool, bool, i32, String) =
+        (me.get(0), me.get(1), me.get(2), me.get(3), me.get(4));
     if superuser {
         return Ok(problems);
     }
@@ -1142,8 +1142,9 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
             ));
         } else if !admin {
             problems.push(format!(
-                "--freeze-writes names role {role:?}, which the source role may not alter (PostgreSQL 16+ asks for ADMIN OPTION on it: GRANT {} TO <the cutover's role> WITH ADMIN OPTION)",
-                crate::sql::quote_ident(&role)
+                "--freeze-writes names role {role:?}, which the source role may not alter (PostgreSQL 16+ asks for ADMIN OPTION on it: GRANT {} TO {} WITH ADMIN OPTION)",
+                crate::sql::quote_ident(&role),
+                crate::sql::quote_ident(&me)
             ));
         }
     }
@@ -1443,9 +1444,14 @@ async fn target_sequence(
 
 /// Publication and slot on the target (the new primary), for replication back to the source.
 /// What would stop `--reverse` on the target (step 6, after writes are frozen): a slot cannot
-/// be made there (wal_level, no free slot), the role may not make one or a publication.
-async fn reverse_problems(target: &Client, slot: &str) -> Result<Vec<String>> {
-    let reverse = format!("{slot}_reverse");
+/// be made there (wal_level, no free slot), the role may not make one or a publication, or does
+/// not own the tables (a publication names only tables its role owns).
+async fn reverse_problems(
+    source: &Client,
+    target: &Client,
+    config: &RunConfig,
+) -> Result<Vec<String>> {
+    let reverse = format!("{}_reverse", config.slot);
     let row = target
         .query_one(
             "SELECT current_setting('wal_level'),                     (SELECT rolsuper OR rolreplication FROM pg_catalog.pg_roles WHERE rolname = current_user) OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles g WHERE g.rolname = 'rds_replication' AND pg_catalog.pg_has_role(current_user, g.oid, 'MEMBER')),                     has_database_privilege(current_database(), 'CREATE'),                     current_setting('max_replication_slots')::int                       - (SELECT count(*) FROM pg_catalog.pg_replication_slots)::int                       + (SELECT count(*) FROM pg_catalog.pg_replication_slots WHERE slot_name = $1)::int",
@@ -1467,6 +1473,46 @@ async fn reverse_problems(target: &Client, slot: &str) -> Result<Vec<String>> {
     }
     if free < 1 {
         problems.push("--reverse makes a replication slot on the target, which has no free one (max_replication_slots): raise it and restart the target, or drop a slot nothing uses".to_owned());
+    }
+    let tables: Vec<String> = published_tables(source, &config.publications, &config.table_map)
+        .await?
+        .iter()
+        .map(|t| t.target_qualified())
+        .collect();
+    let not_owned: Vec<(String, String, String, Option<bool>)> = target
+        .query(
+            "SELECT n, pg_catalog.pg_get_userbyid(c.relowner)::text, current_user::text, \
+                    (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = c.relowner) \
+             FROM unnest($1::text[]) n JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n) \
+             WHERE NOT pg_catalog.pg_has_role(current_user, c.relowner, 'USAGE')",
+            &[&tables],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the tables' owners on the target", e))?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    if let Some((_, _, me, _)) = not_owned.first() {
+        let shown: Vec<&str> = not_owned.iter().take(5).map(|(t, ..)| t.as_str()).collect();
+        let mut owners: Vec<String> = not_owned
+            .iter()
+            .map(|(_, o, ..)| crate::sql::quote_ident(o))
+            .collect();
+        owners.sort();
+        owners.dedup();
+        let me = crate::sql::quote_ident(me);
+        // Membership in a superuser role is not something to hand out for this.
+        let fix = if not_owned.iter().any(|(.., sup)| *sup == Some(true)) {
+            format!("give the tables to the application's role (ALTER TABLE ... OWNER TO it) and GRANT it TO {me} on the target, or run the cutover as a superuser there")
+        } else {
+            format!("GRANT {} TO {me} on the target (which also keeps pgapply's rights on tables the application's role owns)", owners.join(", "))
+        };
+        problems.push(format!(
+            "--reverse makes a publication of the tables on the target, and only their owner may publish a table: role {me} does not own {}{} (owned by {}): {fix}, or cut over without --reverse",
+            shown.join(", "),
+            if not_owned.len() > shown.len() { format!(" and {} more", not_owned.len() - shown.len()) } else { String::new() },
+            owners.join(", "),
+        ));
     }
     Ok(problems)
 }
@@ -1555,9 +1601,28 @@ async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
     } else {
         ""
     };
+    let (mapping, merged) = inverse_mapping(&tables);
+    let config_arg = if mapping.is_empty() {
+        ""
+    } else {
+        " --config <a file with the lines below>"
+    };
     crate::out!(
-        "step 6: reverse replication prepared: publication {publication:?} and slot {slot:?} on the target. To replicate back, run:\n  pgapply run --source <new primary> --target <old primary> --publication {publication} --slot {slot}{origin}"
+        "step 6: reverse replication prepared: publication {publication:?} and slot {slot:?} on the target. To replicate back, run:\n  pgapply run --source <new primary> --target <old primary> --publication {publication} --slot {slot}{origin}{config_arg}"
     );
+    if !mapping.is_empty() {
+        crate::out!(
+            "the tables are mapped ([tables]): the way back maps them the other way round, in its config file:\n{}",
+            mapping.join("\n")
+        );
+    }
+    for (target, sources) in merged {
+        crate::out!(
+            "target table {target} holds the rows of source tables {}: the way back cannot part them again. Take it out of publication {publication:?} on the new primary (ALTER PUBLICATION {} DROP TABLE {target}) before replicating back, and move its rows back by hand",
+            sources.join(", "),
+            quote_ident(&publication)
+        );
+    }
     // Unread, the slot keeps the new primary's WAL for good.
     crate::out!(
         "slot {slot:?} on the target (the new primary) holds its WAL from now on until that runs: if you will not replicate back, drop it there: SELECT pg_drop_replication_slot('{}')",
@@ -1566,8 +1631,93 @@ async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// The `[tables]` entries that replicate the mapped tables back (target name -> source name),
+/// and the target tables that several source tables fill (which no mapping parts again).
+fn inverse_mapping(
+    tables: &[crate::copy::PublishedTable],
+) -> (Vec<String>, Vec<(String, Vec<String>)>) {
+    let mut by_target: Vec<(&crate::copy::PublishedTable, Vec<String>)> = Vec::new();
+    for t in tables {
+        match by_target
+            .iter_mut()
+            .find(|(first, _)| first.target_qualified() == t.target_qualified())
+        {
+            Some((_, sources)) => sources.push(t.qualified()),
+            None => by_target.push((t, vec![t.qualified()])),
+        }
+    }
+    let mut mapping = Vec::new();
+    let mut merged = Vec::new();
+    for (t, sources) in by_target {
+        if sources.len() > 1 {
+            merged.push((t.target_qualified(), sources));
+        } else if t.schema != t.target_schema || t.name != t.target_name {
+            mapping.push(format!(
+                "  [tables.{}]\n  target = {}",
+                toml_string(&config_name(&t.target_schema, &t.target_name)),
+                toml_string(&config_name(&t.schema, &t.name))
+            ));
+        }
+    }
+    (mapping, merged)
+}
+
+/// A table's name as the config file reads it: `schema.table`, quoted where it must be.
+fn config_name(schema: &str, name: &str) -> String {
+    let plain = |s: &str| !s.is_empty() && !s.contains(['.', '"']);
+    if plain(schema) && plain(name) {
+        format!("{schema}.{name}")
+    } else {
+        crate::sql::qualified_name(schema, name)
+    }
+}
+
+/// A TOML string: literal (single quotes) where it can be, else basic with escapes.
+fn toml_string(text: &str) -> String {
+    if !text.contains(['\'', '\n', '\r']) {
+        format!("'{text}'")
+    } else {
+        serde_json::Value::from(text).to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn mapped_names_are_written_as_the_config_file_reads_them() {
+        use super::{config_name, toml_string};
+        assert_eq!(config_name("app", "orders"), "app.orders");
+        assert_eq!(
+            config_name("ledger", "Invoice \"Archive\""),
+            "\"ledger\".\"Invoice \"\"Archive\"\"\""
+        );
+        assert_eq!(config_name("my.schema", "t"), "\"my.schema\".\"t\"");
+        assert_eq!(toml_string("app.orders"), "'app.orders'");
+        assert_eq!(toml_string("o'brien.t"), "\"o'brien.t\"");
+        for (schema, name) in [
+            ("ledger", "Invoice \"Archive\""),
+            ("o'b", "t.x"),
+            ("a", "b"),
+        ] {
+            let text = format!(
+                "[tables.{}]\ntarget = 'x.y'\n",
+                toml_string(&config_name(schema, name))
+            );
+            let file: toml::Value = toml::from_str(&text).unwrap();
+            let key = file["tables"]
+                .as_table()
+                .unwrap()
+                .keys()
+                .next()
+                .unwrap()
+                .clone();
+            assert_eq!(
+                crate::config::parse_table_name(&key).unwrap(),
+                (schema.to_owned(), name.to_owned())
+            );
+        }
+    }
+
     #[test]
     fn the_session_holding_an_origin_is_read_from_the_error() {
         use super::origin_holder;

@@ -567,7 +567,7 @@ async fn run_in_span(
             (resume.is_valid() && resume >= fence) || confirmed.is_some_and(|c| c >= fence);
         if reached || confirmed.is_none() {
             if !config.by_cutover {
-                fenced_warning(&setup, &config.slot, fence).await;
+                fenced_warning(&setup, &config.slot, fence, false).await;
             }
             return Ok(RunOutcome {
                 reason: StopReason::EndPosition,
@@ -1130,7 +1130,7 @@ async fn run_in_span(
         // The request stays: a run started again stops there too (see `stop_position`).
         if !config.by_cutover {
             if let Ok(client) = target_connection(&pool, &config.target).await {
-                fenced_warning(&client, &config.slot, stop).await;
+                fenced_warning(&client, &config.slot, stop, true).await;
             }
         }
     }

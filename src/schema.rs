@@ -385,10 +385,15 @@ pub async fn schema(
             };
             Error::postgres(format!("creating the definitions on the target (all or nothing: nothing was created){hint}"), e)
         })?;
+    // (The schemas the `[tables]` mapping moves tables to, too.)
+    let mut shown = schemas;
+    shown.extend(tables.iter().map(|t| t.target_schema.clone()));
+    shown.sort();
+    shown.dedup();
     crate::out!(
         "created the definitions ({section}) of {} published table(s) in schema(s) {} on the target",
         tables.len(),
-        schemas.join(", ")
+        shown.join(", ")
     );
     Ok(())
 }

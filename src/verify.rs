@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 use crate::config::TableMap;
 use crate::copy::{own_rows, published_tables, PublishedTable};
 use crate::error::{Error, Result};
-use crate::sql::quote_ident;
+use crate::sql::{qualified_name, quote_ident};
 
 #[derive(Debug, Clone)]
 pub struct VerifySettings {
@@ -40,6 +40,8 @@ pub struct TableResult {
     pub table: String,
     pub schema: String,
     pub name: String,
+    /// The target table, where the `[tables]` mapping gives another name: (schema, name).
+    pub target: Option<(String, String)>,
     pub ok: bool,
     pub source_rows: i64,
     pub target_rows: i64,
@@ -558,6 +560,7 @@ async fn verify_table(
         mismatches: Vec::new(),
         note,
         error: None,
+        target: mapped_target(&table),
     };
     // Chunks that differ are checked again together, round after round (one pause a round,
     // not one a chunk: a table of many differing chunks would otherwise take minutes of
@@ -665,7 +668,12 @@ pub async fn verify(
             settings.clone(),
             limit.clone(),
         );
-        let names = (table.qualified(), table.schema.clone(), table.name.clone());
+        let names = (
+            table.qualified(),
+            table.schema.clone(),
+            table.name.clone(),
+            mapped_target(&table),
+        );
         tasks.push((
             names,
             tokio::spawn(async move {
@@ -677,7 +685,7 @@ pub async fn verify(
     // A table that cannot be compared (missing on the target, say) is reported as such; the
     // others are still compared.
     let mut results = Vec::new();
-    for ((table, schema, name), task) in tasks {
+    for ((table, schema, name, target), task) in tasks {
         let error = match task.await {
             Ok(Ok(result)) => {
                 results.push(result);
@@ -697,6 +705,7 @@ pub async fn verify(
             mismatches: Vec::new(),
             note: None,
             error: Some(error),
+            target,
         });
     }
     results.sort_by(|a, b| a.table.cmp(&b.table));
@@ -721,6 +730,11 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
                     "chunks": r.chunks,
                     "mismatches": r.mismatches.iter().map(|(from, to)| serde_json::json!({"from": from, "to": to})).collect::<Vec<_>>(),
                 });
+                if let Some((schema, name)) = &r.target {
+                    v["target_table"] = format!("{schema}.{name}").into();
+                    v["target_schema"] = schema.as_str().into();
+                    v["target_name"] = name.as_str().into();
+                }
                 if let Some(note) = &r.note {
                     v["note"] = note.as_str().into();
                 }
@@ -736,18 +750,18 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
     } else {
         for r in results {
             if let Some(error) = &r.error {
-                crate::out!("FAILED    {}: not compared: {error}", r.table);
+                crate::out!("FAILED    {}: not compared: {error}", r.shown());
             } else if r.ok {
                 crate::out!(
                     "OK        {} ({}, {})",
-                    r.table,
+                    r.shown(),
                     counted(r.source_rows as u64, "row"),
                     counted(r.chunks as u64, "chunk")
                 );
             } else {
                 crate::out!(
                     "MISMATCH  {}: source {}, target {}",
-                    r.table,
+                    r.shown(),
                     counted(r.source_rows as u64, "row"),
                     counted(r.target_rows as u64, "row")
                 );
@@ -764,15 +778,15 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
             }
         }
     }
-    let bad: Vec<&str> = results
+    let bad: Vec<String> = results
         .iter()
         .filter(|r| !r.ok)
-        .map(|r| r.table.as_str())
+        .map(|r| r.shown())
         .collect();
-    let failed: Vec<&str> = results
+    let failed: Vec<String> = results
         .iter()
         .filter(|r| r.error.is_some())
-        .map(|r| r.table.as_str())
+        .map(|r| r.shown())
         .collect();
     if !failed.is_empty() {
         Err(Error::definite(format!(
@@ -792,6 +806,24 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
             bad.join(", ")
         )))
     }
+}
+
+impl TableResult {
+    /// The source table, and the target table where the mapping names another.
+    fn shown(&self) -> String {
+        match &self.target {
+            Some((schema, name)) => {
+                format!("{} -> target {}", self.table, qualified_name(schema, name))
+            }
+            None => self.table.clone(),
+        }
+    }
+}
+
+/// The target table where the `[tables]` mapping gives another name than the source's.
+fn mapped_target(table: &PublishedTable) -> Option<(String, String)> {
+    (table.target_schema != table.schema || table.target_name != table.name)
+        .then(|| (table.target_schema.clone(), table.target_name.clone()))
 }
 
 /// "1 row", "2 rows".

@@ -813,7 +813,9 @@ async fn a_truncate_of_one_of_two_tables_mapped_onto_one_stops_and_says_what_to_
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", stderr(&out));
     assert!(
-        text.contains("OK        \"public\".\"a\" + \"public\".\"b\" (6 rows"),
+        text.contains(
+            "OK        \"public\".\"a\" + \"public\".\"b\" -> target \"public\".\"ab\" (6 rows"
+        ),
         "{text}"
     );
     db.target_sql("DELETE FROM ab WHERE id = 102").await;
@@ -821,6 +823,14 @@ async fn a_truncate_of_one_of_two_tables_mapped_onto_one_stops_and_says_what_to_
     verify.args(config);
     let out = run_with_deadline(verify, 60).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    // Named by the target table too: the one to look at there.
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("MISMATCH  \"public\".\"a\" + \"public\".\"b\" -> target \"public\".\"ab\": source 6 rows, target 5 rows")
+            && stderr(&out).contains("differ in \"public\".\"a\" + \"public\".\"b\" -> target \"public\".\"ab\""),
+        "{text}{}",
+        stderr(&out)
+    );
     db.target_sql("INSERT INTO ab VALUES (102, 'b')").await;
 
     // Both truncated together: nothing else lives in ab, so it is applied.

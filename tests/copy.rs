@@ -469,7 +469,7 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         0
     );
 
-    let mut worker = spawn(db.pgapply("p", &["--copy-data"]));
+    let (mut worker, worker_log) = common::spawn_logged(db.pgapply("p", &["--copy-data"]));
     db.source_sql(
         "INSERT INTO orders (note) VALUES ('during'); INSERT INTO items (order_id) VALUES (501);",
     )
@@ -524,6 +524,15 @@ async fn schema_then_copy_then_cutover_with_sequences() {
         .expect("the worker stops after the cutover")
         .unwrap();
     assert!(status.success(), "worker exit: {status}");
+    // Stopping where the cutover asked is the normal way of it: said, not warned about.
+    let log = std::fs::read_to_string(&worker_log).unwrap_or_default();
+    assert!(
+        log.contains("where `pgapply cutover` asked this worker to stop: the cutover goes on")
+            && !log
+                .lines()
+                .any(|l| l.contains("WARN") && l.contains("stopped at")),
+        "{log}"
+    );
     db.assert_same("items").await;
     // Started again (a service manager would), it stays stopped: the target is the primary now.
     db.source_sql("INSERT INTO orders (note) VALUES ('after the cutover')")
@@ -778,6 +787,13 @@ async fn cutover_reverse_needs_are_checked_before_anything_is_done() {
     assert!(!out.status.success(), "{err}");
     assert!(
         err.contains("nothing was done") && err.contains("(it needs REPLICATION, or superuser"),
+        "{err}"
+    );
+    // Nor may it publish a table it does not own: said with the grant that lets it.
+    assert!(
+        err.contains("only their owner may publish a table")
+            && err.contains("does not own \"public\".\"t\"")
+            && err.contains(&format!("GRANT it TO \"{role}\"")),
         "{err}"
     );
     assert_eq!(

@@ -216,6 +216,17 @@ async fn table_name_mapping() {
         )
         .await;
     assert_eq!(rows, 2);
+    // verify names both tables: the source's, and the target's it was compared with.
+    let mut verify = db.on_both("verify", &["--json"]);
+    verify.arg("--config").arg(config.arg());
+    let out = run_with_deadline(verify, 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("\"table\": \"public.src_t\"")
+            && text.contains("\"target_table\": \"archive.Dst T\""),
+        "{text}"
+    );
 }
 
 /// A table applied into a differently named one keeps its serial column's sequence under the
@@ -242,6 +253,71 @@ async fn cutover_sets_the_sequence_of_a_mapped_table() {
         db.count(&db.target, "SELECT nextval('\"Dst S_id_seq\"')")
             .await,
         6
+    );
+}
+
+/// A mapped table's cutover with --reverse prints the mapping the way back needs, and the way
+/// back works with it as printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapped_cutover_prints_the_mapping_back() {
+    let db = TestDb::new("mapback").await;
+    db.source_sql("CREATE TABLE src_m (id int PRIMARY KEY, v text)")
+        .await;
+    db.target_sql(
+        "CREATE SCHEMA archive; CREATE TABLE archive.\"Dst M\" (id int PRIMARY KEY, v text)",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE src_m").await;
+    db.source_sql("INSERT INTO src_m VALUES (1, 'old primary')")
+        .await;
+    let config = write_config("[tables.\"public.src_m\"]\ntarget = 'archive.\"Dst M\"'\n");
+    let path = config.arg().to_string_lossy().into_owned();
+    let text = db.cutover(&["--config", &path, "--reverse"]).await;
+    assert!(
+        text.contains("--config <a file with the lines below>")
+            && text.contains("  [tables.'archive.Dst M']\n  target = 'public.src_m'"),
+        "{text}"
+    );
+    let back: String = text
+        .lines()
+        .skip_while(|l| !l.contains("in its config file:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let back = write_config(&back);
+    db.target_sql("INSERT INTO archive.\"Dst M\" VALUES (2, 'new primary')")
+        .await;
+    let endpos: String = db
+        .target
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let reverse = format!("{}_reverse", db.slot());
+    let mut cmd = common::pgapply_command(&[
+        "run",
+        "--source",
+        &db.target_conninfo(),
+        "--target",
+        &db.source_conninfo(),
+        "--publication",
+        &reverse,
+        "--slot",
+        &reverse,
+        "--endpos",
+        &endpos,
+    ]);
+    cmd.arg("--config").arg(back.arg());
+    let out = run_with_deadline(cmd, 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.source,
+            "SELECT count(*) FROM src_m WHERE v = 'new primary'"
+        )
+        .await,
+        1
     );
 }
 

@@ -17,7 +17,15 @@ pub(super) struct HeartbeatCounts {
 /// Tells a worker's operator that `pgapply cutover` stopped the slot: after a finished cutover
 /// (the target is the new primary) that this worker is done; otherwise (a cutover given up
 /// half-way) how to undo the stop.
-pub(super) async fn fenced_warning(target: &tokio_postgres::Client, slot: &str, fence: Lsn) {
+///
+/// `reached_now`: this worker has just applied up to the stop, as a running cutover waits for
+/// it to: the normal way of a cutover, said as such.
+pub(super) async fn fenced_warning(
+    target: &tokio_postgres::Client,
+    slot: &str,
+    fence: Lsn,
+    reached_now: bool,
+) {
     let done = target
         .query_opt(
             "SELECT cutover_done_at IS NOT NULL FROM pgapply.progress WHERE slot_name = $1",
@@ -35,11 +43,22 @@ pub(super) async fn fenced_warning(target: &tokio_postgres::Client, slot: &str, 
         );
         return;
     }
+    let undo = format!(
+        "UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}'",
+        slot.replace('\'', "''")
+    );
+    if reached_now {
+        tracing::info!(
+            slot,
+            stop_lsn = %fence,
+            "applied everything up to {fence}, where `pgapply cutover` asked this worker to stop: the cutover goes on from there. (Were it given up before it finishes, replicating from this slot again needs the stop cleared on the target: {undo})"
+        );
+        return;
+    }
     tracing::warn!(
         slot,
         stop_lsn = %fence,
-        "this slot was stopped at {fence} by `pgapply cutover`: nothing after it is applied. If that cutover was given up before it finished, replicate from it again by clearing that on the target: UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}'",
-        slot.replace('\'', "''")
+        "this slot was stopped at {fence} by `pgapply cutover`: nothing after it is applied. If that cutover was given up before it finished, replicate from it again by clearing that on the target: {undo}"
     );
 }
 
