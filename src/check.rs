@@ -79,6 +79,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
     };
     let mut tables = Vec::new();
     let mut truncated = Vec::new();
+    let mut updated = Vec::new();
     if let Some(src) = &source {
         check_source(
             src,
@@ -86,7 +87,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             &config,
             &mut report,
             &mut tables,
-            &mut truncated,
+            (&mut truncated, &mut updated),
         )
         .await;
     }
@@ -227,7 +228,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             source.as_ref(),
             &mut report,
             &tables,
-            &truncated,
+            (&truncated, &updated),
             must_be_empty,
             &emptied,
         )
@@ -290,7 +291,7 @@ async fn check_source(
     config: &crate::replicate::RunConfig,
     report: &mut Report,
     tables: &mut Vec<crate::copy::PublishedTable>,
-    truncated: &mut Vec<bool>,
+    (truncated, updated): (&mut Vec<bool>, &mut Vec<bool>),
 ) {
     if let (Some(dst), Ok(Some(row))) = (
         dst,
@@ -333,14 +334,29 @@ async fn check_source(
     {
         let version = server_version(src).await;
         if version > 0 {
-            if let Err(e) = crate::source::options::negotiate(version, &config.requested) {
-                report.problem(e.to_string());
+            for problem in crate::source::options::version_problems(version, &config.requested) {
+                report.problem(problem);
             }
             if config.failover_slot && version < 170000 {
                 report.problem(format!(
                     "--failover-slot needs a PostgreSQL 17 or later source; this source runs PostgreSQL {}: leave it out",
                     version / 10000
                 ));
+            }
+            // --binary falls back to text, for the whole stream, rather than refuse: said here.
+            if config.requested.binary {
+                if version < 140000 {
+                    report.warning(format!("--binary needs a PostgreSQL 14 or later source; this source runs PostgreSQL {}: values arrive in text form", version / 10000));
+                } else {
+                    match crate::replicate::binary_unsafe(config, version).await {
+                        Ok(Some(reason)) => report.warning(format!(
+                            "--binary: values arrive in text form for every table, as {reason}"
+                        )),
+                        Ok(None) => report.ok("--binary: values arrive in binary form"),
+                        // (A server that cannot be reached is reported on its own.)
+                        Err(_) => {}
+                    }
+                }
             }
             if config.requested.streaming == Some(crate::cli::Streaming::Parallel)
                 && (140000..160000).contains(&version)
@@ -543,23 +559,33 @@ async fn check_source(
             .await
             .map_or((true, false), |r| (r.get(0), r.get(1)));
         truncated.push(truncates);
+        updated.push(updates_published);
         for problem in publication_rule_problems(src, &config.publications, &qualified).await {
             report.problem(problem);
         }
         // A table published through its partitioned root: the partitions' replica identities
         // are what UPDATE and DELETE on them need (ALTER TABLE .. REPLICA IDENTITY on the root
         // does not reach them).
+        // (With an index that could serve as replica identity: unique, not partial, on plain
+        // NOT NULL columns.)
+        let usable_index = "(SELECT pg_catalog.quote_ident(x.relname) FROM pg_catalog.pg_index i \
+                               JOIN pg_catalog.pg_class x ON x.oid = i.indexrelid \
+                             WHERE i.indrelid = c.oid AND i.indisunique AND i.indimmediate \
+                               AND i.indpred IS NULL AND i.indexprs IS NULL \
+                               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a \
+                                               WHERE a.attrelid = c.oid AND a.attnum = ANY (i.indkey) AND NOT a.attnotnull) \
+                             ORDER BY x.relname LIMIT 1)";
         let sql = if table.partitioned {
-            "SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
-                    has_table_privilege($1::text::regclass, 'SELECT') \
+            format!("SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+                    has_table_privilege($1::text::regclass, 'SELECT'), {usable_index} \
              FROM pg_partition_tree($1::text::regclass) t JOIN pg_class c ON c.oid = t.relid \
-             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE t.isleaf"
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE t.isleaf")
         } else {
-            "SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
-                    has_table_privilege(c.oid, 'SELECT') \
-             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1::text::regclass"
+            format!("SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+                    has_table_privilege(c.oid, 'SELECT'), {usable_index} \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1::text::regclass")
         };
-        match src.query(sql, &[&qualified]).await {
+        match src.query(&sql, &[&qualified]).await {
             Ok(rows) => {
                 let mut identified = true;
                 for row in &rows {
@@ -568,9 +594,13 @@ async fn check_source(
                     let has_pk: bool = row.get(3);
                     if updates_published && (identity == "n" || (identity == "d" && !has_pk)) {
                         identified = false;
+                        let index = row
+                            .get::<_, Option<String>>(5)
+                            .map(|i| format!(", ALTER TABLE {name} REPLICA IDENTITY USING INDEX {i} (a unique index on NOT NULL columns it has),"))
+                            .unwrap_or_default();
                         // Fine for a table that only ever gets INSERTs (a log): said, not refused.
                         report.warning(format!(
-                            "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise add a primary key or ALTER TABLE {name} REPLICA IDENTITY FULL"
+                            "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise add a primary key{index} or ALTER TABLE {name} REPLICA IDENTITY FULL"
                         ));
                     }
                 }
@@ -721,7 +751,7 @@ async fn check_target(
     source: Option<&Client>,
     report: &mut Report,
     tables: &[crate::copy::PublishedTable],
-    truncated: &[bool],
+    (truncated, updated): (&[bool], &[bool]),
     copy_pending: bool,
     emptied: &[String],
 ) {
@@ -789,7 +819,8 @@ async fn check_target(
                         (SELECT c.relrowsecurity AND (c.relforcerowsecurity OR NOT pg_catalog.pg_has_role(c.relowner, 'USAGE')) \
                                 AND NOT (r.rolsuper OR r.rolbypassrls) \
                          FROM pg_catalog.pg_class c, pg_catalog.pg_roles r WHERE c.oid = a.attrelid AND r.rolname = current_user), \
-                        current_user::text \
+                        current_user::text, \
+                        coalesce(to_jsonb(a) ->> 'attidentity', '') = 'a' \
                  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
                  WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
                     crate::sql::type_name_sql("a.atttypid", "a.atttypmod")),
@@ -825,6 +856,33 @@ async fn check_target(
             report.problem(format!(
                 "target table {qualified} has row-level security, which applies to the target role: pgapply's changes would fail on it (\"query would be affected by row-level security policy\"), as they must reach every row: give the role BYPASSRLS (ALTER ROLE {me} BYPASSRLS), or connect as the table's owner (if the table says FORCE ROW LEVEL SECURITY, that is not enough: ALTER TABLE {qualified} NO FORCE ROW LEVEL SECURITY)"
             ));
+        }
+        // GENERATED ALWAYS identity columns that UPDATEs write: PostgreSQL refuses every one.
+        let always: Vec<String> = rows
+            .iter()
+            .filter(|r| r.get::<_, bool>(10))
+            .map(|r| r.get::<_, String>(0))
+            .filter(|c| table.columns.iter().any(|(p, _)| p == c))
+            .collect();
+        if !always.is_empty() && updated.get(i).copied().unwrap_or(true) {
+            if let Some((identity, key)) = source_key(source, table).await {
+                let written: Vec<String> = always
+                    .iter()
+                    .filter(|c| identity != "f" && !key.contains(c))
+                    .map(|c| quote_ident(c))
+                    .collect();
+                if !written.is_empty() {
+                    report.problem(format!(
+                        "column(s) {} of target table {qualified} are GENERATED ALWAYS AS IDENTITY, outside the source's replica identity key: the source sends their values with every UPDATE, and PostgreSQL lets an UPDATE write such a column only if it is GENERATED BY DEFAULT, so the first UPDATE of the table would stop pgapply: {} on the target (after a cutover, SET GENERATED ALWAYS gives it back)",
+                        written.join(", "),
+                        written
+                            .iter()
+                            .map(|c| format!("ALTER TABLE {qualified} ALTER COLUMN {c} SET GENERATED BY DEFAULT;"))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    ));
+                }
+            }
         }
         if truncates && !rows[0].get::<_, bool>(6) {
             report.problem(format!(
@@ -907,10 +965,11 @@ async fn check_target(
                 }
                 Some(r) if r.get::<_, bool>(3) => {
                     fine = false;
+                    let version = crate::sql::server_version(dst).await.ok();
                     report.problem(format!(
-                        "column {} of {qualified} is generated on the target but published by the source: make it a plain column on the target (ALTER TABLE {qualified} ALTER COLUMN {} DROP EXPRESSION), or leave it out of the publication's column list",
+                        "column {} of {qualified} is generated on the target but published by the source: {}",
                         quote_ident(column),
-                        quote_ident(column)
+                        crate::sql::generated_column_fix(&qualified, &quote_ident(column), version)
                     ));
                 }
                 Some(r) => {
@@ -1022,6 +1081,26 @@ async fn key_advice(
     table: &crate::copy::PublishedTable,
     qualified: &str,
 ) -> Option<String> {
+    let (identity, key) = source_key(source, table).await?;
+    let key = match identity.as_str() {
+        "f" => Vec::new(),
+        // No key (or none to find rows by): UPDATE and DELETE are refused on the source anyway.
+        _ if key.is_empty() => return None,
+        _ => key,
+    };
+    let target = crate::relation::load_target_table(dst, &table.target_schema, &table.target_name)
+        .await
+        .ok()??;
+    debug_assert_eq!(target.qualified, qualified);
+    crate::relation::key_index_advice(dst, &target, &key).await
+}
+
+/// A published table's replica identity on the source (`relreplident`) and the columns of its
+/// key (none for FULL or NOTHING, or without a key).
+async fn source_key(
+    source: Option<&Client>,
+    table: &crate::copy::PublishedTable,
+) -> Option<(String, Vec<String>)> {
     let row = source?
         .query_one(
             "SELECT c.relreplident::text, ARRAY(SELECT a.attname::text FROM pg_catalog.pg_index i \
@@ -1034,18 +1113,7 @@ async fn key_advice(
         )
         .await
         .ok()?;
-    let (identity, key): (String, Vec<String>) = (row.get(0), row.get(1));
-    let key = match identity.as_str() {
-        "f" => Vec::new(),
-        // No key (or none to find rows by): UPDATE and DELETE are refused on the source anyway.
-        _ if key.is_empty() => return None,
-        _ => key,
-    };
-    let target = crate::relation::load_target_table(dst, &table.target_schema, &table.target_name)
-        .await
-        .ok()??;
-    debug_assert_eq!(target.qualified, qualified);
-    crate::relation::key_index_advice(dst, &target, &key).await
+    Some((row.get(0), row.get(1)))
 }
 
 /// The rest of a source column's definition for ADD COLUMN on the target: its default and NOT

@@ -666,9 +666,11 @@ async fn prepare_target(
             };
             let generated: Option<String> = found.get(2);
             if generated.is_some_and(|g| !g.is_empty()) {
+                let version = crate::sql::server_version(target).await.ok();
                 return Err(Error::definite(format!(
-                    "column {} of target table {qualified} is a generated column, but the source publishes values for it: make it a plain column on the target (ALTER TABLE {qualified} ALTER COLUMN ... DROP EXPRESSION), or leave it out of the publication's column list",
-                    quote_ident(column)
+                    "column {} of target table {qualified} is a generated column, but the source publishes values for it: {}",
+                    quote_ident(column),
+                    crate::sql::generated_column_fix(&qualified, &quote_ident(column), version)
                 )));
             }
             if found.get::<_, String>(1) != *source_type {

@@ -297,9 +297,10 @@ impl RelationCache {
                 })?;
             if target.columns[index].generated {
                 return Err(Error::definite(format!(
-                    "column {} of target table {} is a generated column, but the source replicates values for it: make it a plain column on the target, or stop publishing it",
+                    "column {} of target table {} is a generated column, but the source replicates values for it: {}",
                     quote_ident(&column.name),
-                    target.qualified
+                    target.qualified,
+                    crate::sql::generated_column_fix(&target.qualified, &quote_ident(&column.name), None)
                 )));
             }
             quoted_columns.push(quote_ident(&column.name));

@@ -41,8 +41,8 @@ mod start;
 pub use heartbeat::HEARTBEAT_MAX_EVERY;
 use heartbeat::*;
 use reader::*;
-pub(crate) use start::missing_partition_hint;
 use start::*;
+pub(crate) use start::{binary_unsafe, missing_partition_hint};
 pub use start::{refuse_same_database, same_publications, unmatched_table_settings};
 
 #[derive(Debug, Clone)]

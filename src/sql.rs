@@ -91,6 +91,18 @@ pub fn quote_replication_literal(value: &str) -> String {
 }
 
 /// The server's `server_version_num` (150004 for 15.4): what a statement may use.
+/// What to do about a target column that is generated while the source publishes its values:
+/// make it plain (DROP EXPRESSION is 13+; `target_version` None when not known), or stop
+/// publishing them.
+pub fn generated_column_fix(table: &str, column: &str, target_version: Option<i32>) -> String {
+    let plain = match target_version {
+        Some(v) if v < 130000 => "PostgreSQL 12 has no DROP EXPRESSION: add a plain column, copy the values into it, drop the generated one and give the new one its name".to_owned(),
+        Some(_) => format!("ALTER TABLE {table} ALTER COLUMN {column} DROP EXPRESSION"),
+        None => format!("ALTER TABLE {table} ALTER COLUMN {column} DROP EXPRESSION, on PostgreSQL 13 or later"),
+    };
+    format!("make it a plain column on the target ({plain}), or stop publishing its values (leave it out of the publication's column list; on a PostgreSQL 18 source, publish_generated_columns = none)")
+}
+
 pub async fn server_version(client: &tokio_postgres::Client) -> Result<i32, tokio_postgres::Error> {
     Ok(client
         .query_one(

@@ -482,6 +482,23 @@ async fn features_the_source_lacks_and_bad_values_are_refused() {
             "{text}"
         );
     }
+    // `check --binary` says when values will arrive as text instead (here: an enum column).
+    db.both("CREATE TYPE mood AS ENUM ('ok'); CREATE TABLE e (id int PRIMARY KEY, m mood)")
+        .await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE e").await;
+    let slot = db.slot();
+    let out = run_with_deadline(db.on_both("check", &["--slot", &slot, "--binary"]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let said = if version < 140000 {
+        "--binary needs a PostgreSQL 14 or later source"
+    } else {
+        "--binary: values arrive in text form for every table, as "
+    };
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("WARNING") && l.contains(said)),
+        "{text}"
+    );
     expect_failure(
         db.pgapply("p", &["--endpos", "zz"]),
         &["--endpos", "invalid LSN"],

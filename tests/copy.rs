@@ -2454,6 +2454,31 @@ async fn generated_columns_are_left_to_the_target_in_copy_and_stream() {
     let text = String::from_utf8_lossy(&check.stdout).to_string();
     assert!(!text.contains("generated on the target"), "{text}");
     assert!(check.status.success(), "{text}\n{}", stderr(&check));
+
+    // Generated on the target only: the fix check gives is one the target's version has.
+    if common::target_version(&db).await < 120000 {
+        return;
+    }
+    db.source_sql(
+        "CREATE TABLE h (id int PRIMARY KEY, a int, d int); ALTER PUBLICATION p ADD TABLE h",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE h (id int PRIMARY KEY, a int, d int GENERATED ALWAYS AS (a * 2) STORED)",
+    )
+    .await;
+    let check = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&check.stdout).to_string();
+    let fix = if common::target_version(&db).await < 130000 {
+        "PostgreSQL 12 has no DROP EXPRESSION: add a plain column"
+    } else {
+        "ALTER TABLE \"public\".\"h\" ALTER COLUMN \"d\" DROP EXPRESSION)"
+    };
+    assert!(
+        text.contains("column \"d\" of \"public\".\"h\" is generated on the target but published by the source")
+            && text.contains(fix),
+        "{text}"
+    );
 }
 
 /// An extension type in another schema on the target (public on the source, its own schema on

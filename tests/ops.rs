@@ -1155,17 +1155,19 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
         "CREATE TABLE k (id int PRIMARY KEY, v text); \
          CREATE TABLE f (x int, v text); ALTER TABLE f REPLICA IDENTITY FULL; \
          CREATE TABLE n (x int, v text); \
+         CREATE TABLE u (a int NOT NULL, v text); CREATE UNIQUE INDEX u_a ON u (a); \
          CREATE TABLE ok (id int PRIMARY KEY, v text);",
     )
     .await;
     db.target_sql(
         "CREATE TABLE k (id int, v text); CREATE TABLE f (x int, v text); \
-         CREATE TABLE n (x int, v text); CREATE TABLE ok (id int PRIMARY KEY, v text);",
+         CREATE TABLE n (x int, v text); CREATE TABLE ok (id int PRIMARY KEY, v text); \
+         CREATE TABLE u (a int NOT NULL, v text);",
     )
     .await;
     // n: no key and the default identity, so the source allows only INSERTs into it: no row is
     // ever looked up there, and nothing is to be said about its indexes.
-    db.publish("CREATE PUBLICATION p FOR TABLE k, f, n, ok")
+    db.publish("CREATE PUBLICATION p FOR TABLE k, f, n, ok, u")
         .await;
     let out = run_with_deadline(
         db.on_both("check", &["--slot", &db.slot(), "--create-slot"]),
@@ -1190,6 +1192,19 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     assert!(f.contains("REPLICA IDENTITY FULL"), "{text}");
     assert!(warning("ok").is_none(), "{text}");
     assert!(warning("n").is_none(), "{text}");
+    // A source table without a replica identity, but with an index that could be one: named.
+    let source_warning = |table: &str| {
+        text.lines()
+            .find(|l| l.contains(&format!("table \"public\".\"{table}\" has no primary key and no replica identity on the source")))
+            .map(str::to_owned)
+    };
+    let u = source_warning("u").unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        u.contains("ALTER TABLE \"public\".\"u\" REPLICA IDENTITY USING INDEX u_a"),
+        "{u}"
+    );
+    let n = source_warning("n").unwrap_or_else(|| panic!("{text}"));
+    assert!(!n.contains("USING INDEX"), "{n}");
     assert!(
         text.contains("table \"public\".\"ok\" matches on the target"),
         "{text}"

@@ -443,7 +443,7 @@ pub(super) async fn target_tables_exist(
 /// Why binary transfer cannot be used for these publications, if it cannot: every published
 /// column must have a built-in type (whose binary format does not embed cluster-specific OIDs),
 /// the same type on the target, and both servers the same major version.
-pub(super) async fn binary_unsafe(
+pub(crate) async fn binary_unsafe(
     config: &RunConfig,
     source_version: u32,
 ) -> Result<Option<String>> {

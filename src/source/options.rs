@@ -92,6 +92,30 @@ fn on_off(b: bool) -> &'static str {
     }
 }
 
+/// Every requested option a source of this version cannot serve, each said with what to do.
+pub fn version_problems(server_version: u32, requested: &Requested) -> Vec<String> {
+    let major = server_version / 10000;
+    let streaming = match requested.streaming {
+        Some(Streaming::On) => Some("--streaming on"),
+        Some(Streaming::Parallel) => Some("--streaming parallel"),
+        _ => None,
+    };
+    [
+        (streaming, 14),
+        (requested.two_phase.then_some("--two-phase"), 15),
+        (requested.messages.then_some("--messages"), 14),
+        (requested.origin_none.then_some("--origin none"), 16),
+    ]
+    .into_iter()
+    .filter_map(|(feature, min)| {
+        let feature = feature?;
+        (major < min).then(|| {
+            format!("{feature} needs a PostgreSQL {min} or later source; this source runs PostgreSQL {major}: leave it out")
+        })
+    })
+    .collect()
+}
+
 /// `server_version` as `server_version_num` (150004).
 pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiated> {
     let major = server_version / 10000;
@@ -101,25 +125,16 @@ pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiate
         14 => 2,
         _ => 1,
     };
-    let needs = |feature: &str, min: u32| -> Result<()> {
-        if major < min {
-            Err(Error::definite(format!(
-                "{feature} needs a PostgreSQL {min} or later source; this source runs PostgreSQL {major}: leave it out"
-            )))
-        } else {
-            Ok(())
-        }
-    };
+    let problems = version_problems(server_version, requested);
+    if !problems.is_empty() {
+        return Err(Error::definite(problems.join("; ")));
+    }
     let streaming = match requested.streaming {
         None if major >= 14 => Streaming::On,
         None => Streaming::Off,
         Some(Streaming::Off) => Streaming::Off,
-        Some(Streaming::On) => {
-            needs("--streaming on", 14)?;
-            Streaming::On
-        }
+        Some(Streaming::On) => Streaming::On,
         Some(Streaming::Parallel) => {
-            needs("--streaming parallel", 14)?;
             if major < 16 {
                 // As PostgreSQL's own subscriber does with an older publisher: large
                 // transactions still stream, spooled until they commit.
@@ -130,9 +145,6 @@ pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiate
             }
         }
     };
-    if requested.two_phase {
-        needs("--two-phase", 15)?;
-    }
     // Binary values are a way to go faster, and text is what `--binary` falls back to for
     // tables it cannot serve: a source too old for it gets text too (a config file shared by
     // sources of several versions keeps working).
@@ -142,12 +154,6 @@ pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiate
             source_major = major,
             "--binary needs a PostgreSQL 14 or later source: values arrive in text form"
         );
-    }
-    if requested.messages {
-        needs("--messages", 14)?;
-    }
-    if requested.origin_none {
-        needs("--origin none", 16)?;
     }
     Ok(Negotiated {
         protocol_version,
@@ -182,6 +188,34 @@ mod tests {
         assert!(n
             .options_sql(&["My Pub".into()])
             .contains("streaming 'parallel'"));
+    }
+
+    #[test]
+    fn every_option_a_source_cannot_serve_is_named() {
+        let all = Requested {
+            streaming: Some(Streaming::Parallel),
+            two_phase: true,
+            binary: true,
+            messages: true,
+            origin_none: true,
+        };
+        let problems = version_problems(110000, &all);
+        assert_eq!(problems.len(), 4, "{problems:?}");
+        for needs in [
+            "--streaming parallel needs a PostgreSQL 14",
+            "--two-phase needs a PostgreSQL 15",
+            "--messages needs a PostgreSQL 14",
+            "--origin none needs a PostgreSQL 16",
+        ] {
+            assert!(problems.iter().any(|p| p.contains(needs)), "{problems:?}");
+        }
+        assert_eq!(version_problems(150000, &all).len(), 1);
+        assert!(version_problems(160000, &all).is_empty());
+        let err = negotiate(110000, &all).unwrap_err().to_string();
+        assert!(
+            err.contains("--two-phase") && err.contains("--origin none"),
+            "{err}"
+        );
     }
 
     #[test]

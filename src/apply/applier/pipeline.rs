@@ -150,7 +150,9 @@ impl Applier {
     ) -> Result<T> {
         self.drain_to(0).await;
         self.fail_if_failed().await?;
-        let hint = e.code().and_then(|c| target_table_hint(c.code(), table));
+        let hint = e
+            .code()
+            .and_then(|c| target_table_hint(c.code(), table, e.as_db_error().map(|d| d.message())));
         let err = Error::postgres(format!("preparing {what} on the target"), e);
         Err(match hint {
             Some(hint) => err.context_after(hint),
