@@ -31,10 +31,20 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
                 "--{role}: invalid connection string: write key=value pairs (host=... port=... user=... dbname=...) or a postgres:// URL"
             ));
         }
-        if named_from_password(&rest, &detail) {
-            return Error::usage(format!(
-                "--{role}: invalid connection string: the password seems to contain a space: put it in single quotes (password='...'), or give it with --{role}-password-file"
-            ));
+        match named_from_password(&rest, &detail) {
+            // `password=secret dbnmae=x`: a misspelt key as likely as a password with a space
+            // (whose piece the parser's message would show).
+            Some(true) => {
+                return Error::usage(format!(
+                    "--{role}: invalid connection string: a key that follows password= is unknown: is it misspelt? (Not named here, as it may be a piece of the password: a password with a space in it goes in single quotes, password='...', or with --{role}-password-file)"
+                ))
+            }
+            Some(false) => {
+                return Error::usage(format!(
+                    "--{role}: invalid connection string: the password seems to contain a space: put it in single quotes (password='...'), or give it with --{role}-password-file"
+                ))
+            }
+            None => {}
         }
         Error::usage(format!(
             "--{role}: invalid connection string: {detail}{}",
@@ -200,22 +210,28 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings,
 
 /// libpq keywords tokio-postgres does not know, with what to use instead (its own message says
 /// only "unknown option").
-/// Whether the parser's complaint names a word that follows an unquoted `password=`: part of
-/// the password, not a key.
-fn named_from_password(conninfo: &str, detail: &str) -> bool {
-    let Some(start) = conninfo.find("password=") else {
-        return false;
-    };
+/// Whether the parser's complaint names a word that follows an unquoted `password=`, maybe a
+/// part of the password: `Some(true)` when that word reads `key=value` (as likely a misspelt
+/// key), `Some(false)` when it cannot be a key, `None` when the complaint is about another word.
+fn named_from_password(conninfo: &str, detail: &str) -> Option<bool> {
+    let start = conninfo.find("password=")?;
     let after = &conninfo[start + "password=".len()..];
     if after.starts_with('\'') {
-        return false;
+        return None;
     }
     let words: Vec<&str> = after.split_whitespace().skip(1).collect();
     // A libpq keyword named is a real option (passfile, say), not a piece of the password.
-    words.iter().any(|w| {
+    let named = words.iter().find(|w| {
         let key = w.split('=').next().unwrap_or(w);
         !key.is_empty() && !LIBPQ_KEYWORDS.contains(&key) && detail.contains(&format!("`{key}`"))
-    }) || (detail.contains("unexpected EOF") && words.iter().any(|w| !w.contains('=')))
+    });
+    match named {
+        Some(w) => Some(w.contains('=')),
+        None if detail.contains("unexpected EOF") && words.iter().any(|w| !w.contains('=')) => {
+            Some(false)
+        }
+        None => None,
+    }
 }
 
 /// libpq's connection keywords (PostgreSQL 18).
@@ -468,6 +484,15 @@ mod tests {
         }
         let err = parse("source", "host=h pasword=x").unwrap_err().to_string();
         assert!(err.contains("`pasword`"), "{err}");
+        // A word=value after the password: as likely a misspelt key, said as such too.
+        let err = parse("source", "host=h password=abc dbnmae=x")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("a key that follows password= is unknown: is it misspelt?")
+                && !err.contains("dbnmae"),
+            "{err}"
+        );
         // A real option after the password keeps its own message.
         let err = parse("source", "host=h password=x passfile=/p")
             .unwrap_err()

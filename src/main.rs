@@ -463,9 +463,36 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
                     retry_in = %humantime::format_duration(Duration::from_millis(delay.as_millis() as u64)),
                     "transient error; starting again from what the target recorded"
                 );
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = shutdown.changed() => return Ok(()),
+                // Meanwhile the heartbeat goes on (`forget` refuses a slot whose worker waits
+                // to try again), and a stop says so on the target.
+                let mut target = None;
+                let waiting = async {
+                    loop {
+                        pgapply::replicate::note_waiting(
+                            &config.target,
+                            &mut target,
+                            &config.slot,
+                            false,
+                        )
+                        .await;
+                        tokio::time::sleep(Duration::from_secs(10)).await;
+                    }
+                };
+                let stop = tokio::select! {
+                    _ = tokio::time::sleep(delay) => false,
+                    _ = waiting => false,
+                    _ = shutdown.changed() => true,
+                };
+                if stop {
+                    let mut target = None;
+                    let noting = pgapply::replicate::note_waiting(
+                        &config.target,
+                        &mut target,
+                        &config.slot,
+                        true,
+                    );
+                    let _ = tokio::time::timeout(Duration::from_secs(5), noting).await;
+                    return Ok(());
                 }
             }
             Err(e) => return Err(e),

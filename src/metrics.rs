@@ -138,23 +138,19 @@ impl Metrics {
         }
     }
 
-    /// Recomputes the lag gauges from the positions and the last commit time. pgapply is behind
-    /// while a transaction is being received (`in_transaction`) or one received has not been
-    /// applied yet (`forwarded_end`, the end of the last one handed to the applier). WAL the
-    /// source writes without a published change (an idle source, unpublished tables) is no lag:
-    /// the seconds since the last applied commit would otherwise grow without end.
-    pub fn update_lag(&self, source_wal_end: u64, forwarded_end: u64, in_transaction: bool) {
-        let applied = self.applied_lsn.get();
-        self.lag_bytes
-            .set(source_wal_end.saturating_sub(self.flushed_lsn.get()));
-        let behind = in_transaction || forwarded_end > applied;
-        let last = self.last_commit_time.get();
-        let lag = if behind && last > 0 {
+    /// Recomputes the lag gauges. Bytes: the source's WAL end past what it has confirmed (or,
+    /// before anything is confirmed, past where this run started reading: not the whole WAL of a
+    /// new slot). Seconds: how long ago the oldest transaction received and not applied yet
+    /// committed on the source (`oldest_pending`, its commit time), else 0: WAL the source
+    /// writes without a published change (an idle source, unpublished tables) is no lag, and the
+    /// first change after an idle hour counts from its own commit, not from the last one applied.
+    pub fn update_lag(&self, source_wal_end: u64, read_from: u64, oldest_pending: Option<u64>) {
+        let confirmed = self.flushed_lsn.get().max(read_from);
+        self.lag_bytes.set(source_wal_end.saturating_sub(confirmed));
+        let lag = oldest_pending.map_or(0, |commit| {
             let now = crate::protocol::PgTimestamp::now().0.max(0) as u64;
-            now.saturating_sub(last) / 1000
-        } else {
-            0
-        };
+            now.saturating_sub(commit) / 1000
+        });
         self.lag_millis.set(lag);
     }
 
@@ -296,10 +292,17 @@ const MAX_METRICS_REQUESTS: usize = 16;
 
 /// Binds `addr` and serves metrics in the background.
 pub async fn serve(addr: &str) -> Result<()> {
-    let listener = TcpListener::bind(addr).await.map_err(|e| {
+    // `:9187`, as exporters write it: every interface.
+    let bound = match addr.strip_prefix(':') {
+        Some(port) => format!("0.0.0.0:{port}"),
+        None => addr.to_owned(),
+    };
+    let listener = TcpListener::bind(&bound).await.map_err(|e| {
         let text = format!("--metrics-addr {addr}: cannot listen there: {e}");
-        // Not an address at all (say a bare port): the setting is wrong, nothing was started.
-        if e.kind() == std::io::ErrorKind::InvalidInput {
+        // Not an address at all (say a bare port), or a host name that does not resolve: the
+        // setting is wrong, nothing was started.
+        let lookup_failed = e.to_string().contains("lookup address");
+        if e.kind() == std::io::ErrorKind::InvalidInput || lookup_failed {
             Error::usage(format!(
                 "{text}; give HOST:PORT, for example 127.0.0.1:9187"
             ))
@@ -307,7 +310,7 @@ pub async fn serve(addr: &str) -> Result<()> {
             Error::definite(text)
         }
     })?;
-    tracing::info!(addr = %addr, "serving metrics on /metrics and liveness on /healthz");
+    tracing::info!(addr = %bound, "serving metrics on /metrics, liveness on /healthz and readiness on /readyz");
     // A bounded number of requests at once (each may wait 5 s for its headers), so that
     // whoever reaches the port cannot use up the descriptors the database connections need.
     let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_METRICS_REQUESTS));
@@ -370,4 +373,18 @@ pub async fn serve(addr: &str) -> Result<()> {
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test]
+    async fn an_address_is_taken_as_exporters_write_it_and_a_wrong_one_is_a_usage_error() {
+        super::serve(":0").await.unwrap();
+        super::serve("127.0.0.1:0").await.unwrap();
+        for wrong in ["9187", "no-such-host.invalid:9187"] {
+            let err = super::serve(wrong).await.unwrap_err();
+            assert!(err.to_string().contains("give HOST:PORT"), "{wrong}: {err}");
+            assert_eq!(err.class(), crate::error::ErrorClass::Usage, "{wrong}");
+        }
+    }
 }

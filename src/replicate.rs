@@ -38,8 +38,8 @@ mod heartbeat;
 mod reader;
 mod start;
 
-pub use heartbeat::HEARTBEAT_MAX_EVERY;
 use heartbeat::*;
+pub use heartbeat::{note_waiting, HEARTBEAT_MAX_EVERY};
 use reader::*;
 use start::*;
 pub(crate) use start::{binary_unsafe, missing_partition_hint};
@@ -378,7 +378,7 @@ async fn copy_late_tables(
         // next run with --copy-data, and not streamed into by one without.
         if let Some(pid) = session.slot_active_pid(&config.slot).await? {
             return Err(Error::transient(format!(
-                "replication slot {:?} is in use by process {pid} on the source (another pgapply started streaming it): stop that one before a run with --copy-data copies the tables published since; waiting for it to end",
+                "replication slot {:?} is in use by process {pid} on the source (another pgapply started streaming it): stop that one before a run with --copy-data copies the tables published since; it must end first",
                 config.slot
             )));
         }
@@ -821,7 +821,7 @@ async fn run_in_span(
             // changes the copy holds (it knows nothing of the copy's position).
             if let Some(pid) = session.slot_active_pid(&config.slot).await? {
                 return Err(Error::transient(format!(
-                    "replication slot {:?} is in use by process {pid} on the source (another pgapply streaming it?): stop that one before a run with --copy-data copies the tables published since; waiting for it to end",
+                    "replication slot {:?} is in use by process {pid} on the source (another pgapply streaming it?): stop that one before a run with --copy-data copies the tables published since; it must end first",
                     config.slot
                 )));
             }
@@ -1046,6 +1046,9 @@ async fn run_in_span(
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(PACE_WHEN_QUEUED),
+        pending: std::collections::VecDeque::new(),
+        receiving_commit_time: 0,
+        read_from: resume,
     };
     METRICS.target_ok.set(1);
     METRICS.streaming.set(1);

@@ -1397,15 +1397,20 @@ async fn metrics_after_a_restart_start_from_the_recorded_position() {
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
     db.source_sql("INSERT INTO t VALUES (1)").await;
     db.sync("p").await;
+    // The last applied commit grows old (a source idle for a while; time has to pass here):
+    // the lag of the next change counts from that change's own commit, not from this one.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
     let holder = common::connect(db.target_port, &db.name).await;
     holder
         .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
         .await
         .unwrap();
+    let before_second = std::time::Instant::now();
     db.source_sql("INSERT INTO t VALUES (2)").await;
     let port = common::free_port();
     let addr = format!("127.0.0.1:{port}");
     let mut child = spawn(db.pgapply("p", &["--metrics-addr", &addr]));
+    let lag = std::sync::Mutex::new(0.0);
     wait_for("a lag in seconds while the table is locked", 60, || async {
         let Ok(m) = tokio::time::timeout(std::time::Duration::from_secs(5), async {
             match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
@@ -1418,10 +1423,17 @@ async fn metrics_after_a_restart_start_from_the_recorded_position() {
             return false;
         };
         m.is_some_and(|m| {
+            *lag.lock().unwrap() = metric(&m, "pgapply_lag_seconds");
             metric(&m, "pgapply_lag_seconds") > 0.0 && metric(&m, "pgapply_applied_lsn") > 0.0
         })
     })
     .await;
+    let lag = *lag.lock().unwrap();
+    assert!(
+        lag <= before_second.elapsed().as_secs_f64() + 1.0,
+        "lag {lag} s counts from before the waiting change ({:?} ago)",
+        before_second.elapsed()
+    );
     holder.batch_execute("COMMIT").await.unwrap();
     wait_for("the row", 60, || async {
         db.count(&db.target, "SELECT count(*) FROM t").await == 2
@@ -1502,6 +1514,72 @@ async fn forget_removes_a_slots_state_and_origins() {
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("t").await;
+}
+
+/// A worker waiting to try again after a failure still runs: its heartbeat goes on, `forget`
+/// refuses its slot, and a stop meanwhile is recorded as one (then `forget` goes ahead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_between_attempts_still_counts_as_running() {
+    let db = TestDb::new("forgetwait").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.target_sql(
+        "CREATE FUNCTION busy() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           RAISE EXCEPTION 'try again later' USING ERRCODE = 'serialization_failure'; END $$; \
+         CREATE TRIGGER busy BEFORE INSERT ON t FOR EACH ROW EXECUTE PROCEDURE busy(); \
+         ALTER TABLE t ENABLE ALWAYS TRIGGER busy;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let mut worker = spawn(db.pgapply("p", &["--retry-min", "1m", "--retry-max", "1m"]));
+    let pid = worker.id().unwrap() as i32;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    wait_for("the worker to wait for its next attempt", 60, || async {
+        db.target
+            .query_one(
+                "SELECT count(*) FROM pgapply.progress WHERE state = 'failed' AND pid = $1",
+                &[&pid],
+            )
+            .await
+            .is_ok_and(|r| r.get::<_, i64>(0) == 1)
+    })
+    .await;
+    let forget = || {
+        let mut c = pgapply();
+        c.args([
+            "forget",
+            "--target",
+            &db.target_conninfo(),
+            "--slot",
+            &db.slot(),
+        ]);
+        c
+    };
+    let out = run_with_deadline(forget(), 30).await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains(&format!(
+            "a worker runs for slot {:?} (process {pid})",
+            db.slot()
+        )),
+        "{}",
+        stderr(&out)
+    );
+    common::signal(&worker, libc::SIGTERM);
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), worker.wait())
+        .await
+        .expect("the worker stops on SIGTERM while it waits")
+        .unwrap();
+    assert!(status.success(), "worker exit: {status}");
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE state = 'stopped' AND pid IS NULL"
+        )
+        .await,
+        1
+    );
+    let out = run_with_deadline(forget(), 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
 }
 
 /// `check` against a target without any of the published tables says so once, with the way to

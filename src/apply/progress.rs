@@ -545,7 +545,7 @@ impl ProgressStore {
             }
             if std::time::Instant::now() > deadline {
                 return Err(Error::transient(format!(
-                    "another session still applies for slot {:?} on the target (a previous run's, finishing what it was sent, or a second pgapply on the same slot): waiting for it to end",
+                    "another session still applies for slot {:?} on the target (a previous run's, finishing what it was sent, or a second pgapply on the same slot): it must end first",
                     self.slot
                 )));
             }

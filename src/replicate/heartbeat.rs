@@ -301,6 +301,38 @@ pub(super) async fn record_reported(
     Ok(())
 }
 
+/// While `pgapply run` waits to try again after a failure: the slot's heartbeat kept fresh (its
+/// state stays `failed`, with the error), so that `forget` and `status` see a worker that still
+/// runs, until `stopped` is written when it is told to stop meanwhile. Only a `failed` row is
+/// touched: another worker streaming on the slot (this one waiting for it) keeps its own.
+/// `client` is the target connection kept across calls (made again when lost); nothing here
+/// stops the wait.
+pub async fn note_waiting(
+    target: &tokio_postgres::Config,
+    client: &mut Option<tokio_postgres::Client>,
+    slot: &str,
+    stopped: bool,
+) {
+    if client.as_ref().is_none_or(|c| c.is_closed()) {
+        *client = crate::tls::connect(target).await.ok();
+    }
+    let Some(c) = client.as_ref() else { return };
+    let sql = if stopped {
+        "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() WHERE slot_name = $1 AND state = 'failed'"
+    } else {
+        "UPDATE pgapply.progress SET pid = $2, heartbeat_at = now() WHERE slot_name = $1 AND state = 'failed'"
+    };
+    let pid = std::process::id() as i32;
+    let result = if stopped {
+        c.execute(sql, &[&slot]).await
+    } else {
+        c.execute(sql, &[&slot, &pid]).await
+    };
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "recording the wait before trying again on the target");
+    }
+}
+
 pub(super) async fn write_heartbeat(
     client: &tokio_postgres::Client,
     slot: &str,

@@ -47,7 +47,19 @@ pub(super) struct Reader<'a> {
     pub(super) stopping: watch::Receiver<bool>,
     /// `PACE_WHEN_QUEUED`, or `PGAPPLY_PACE_WHEN_QUEUED` (bytes; for bench/pacing.sh).
     pub(super) pace_when_queued: usize,
+    /// For the lag in seconds: (end, source commit time) of transactions handed to the applier
+    /// and not known applied, oldest first (see `oldest_pending`).
+    pub(super) pending: std::collections::VecDeque<(Lsn, u64)>,
+    /// The commit time the transaction being received carries (its Begin's).
+    pub(super) receiving_commit_time: u64,
+    /// Where this run started reading (the recorded position, else the first change's): the
+    /// lag in bytes counts from it until the source has confirmed something.
+    pub(super) read_from: Lsn,
 }
+
+/// Most transactions `Reader::pending` keeps apart: past it, the newest entry stands for the
+/// ones after it (its commit time is older than theirs: the lag reads a little high).
+const MAX_PENDING: usize = 100_000;
 
 pub(super) enum Step {
     Continue,
@@ -76,11 +88,7 @@ impl Reader<'_> {
         let flushed = self.flush_position(durable);
         METRICS.received_lsn.set_max(self.received.0);
         METRICS.flushed_lsn.set_max(flushed.0);
-        METRICS.update_lag(
-            self.keepalive_end.0.max(self.received.0),
-            self.forwarded_end.0,
-            self.in_transaction,
-        );
+        self.update_lag();
         if let Some(p) = &self.progress {
             p.send_replace(RunProgress { durable: flushed });
         }
@@ -96,6 +104,9 @@ impl Reader<'_> {
         // still tells us when the end is reached.
         let mut probe = tokio::time::interval(Duration::from_millis(250));
         probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The lag gauges move every second, not only with status updates.
+        let mut lag = tokio::time::interval(Duration::from_secs(1));
+        lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_log = Instant::now();
         self.send_status(self.endpos.is_some()).await?;
         loop {
@@ -148,6 +159,7 @@ impl Reader<'_> {
                 _ = probe.tick(), if self.endpos.is_some() && !self.in_transaction => {
                     self.send_status(true).await?
                 }
+                _ = lag.tick() => self.update_lag(),
                 changed = self.stop_request.changed(), if self.stop_requested.is_none() && !self.stop_unheard => {
                     let request = if changed.is_ok() { *self.stop_request.borrow_and_update() } else { None };
                     if changed.is_err() {
@@ -173,6 +185,39 @@ impl Reader<'_> {
                 tracing::info!(received_lsn = %self.received, durable_lsn = %*self.durable.borrow(), "replicating");
             }
         }
+    }
+
+    /// The commit time of the oldest transaction received and not applied yet, if any.
+    fn oldest_pending(&mut self) -> Option<u64> {
+        let applied = Lsn(METRICS.applied_lsn.get());
+        while self.pending.front().is_some_and(|(end, _)| *end <= applied) {
+            self.pending.pop_front();
+        }
+        match self.pending.front() {
+            Some((_, time)) => Some(*time),
+            None if self.in_transaction && self.receiving_commit_time > 0 => {
+                Some(self.receiving_commit_time)
+            }
+            None => None,
+        }
+    }
+
+    fn note_pending(&mut self, end: Lsn, time: crate::protocol::PgTimestamp) {
+        let time = time.0.max(0) as u64;
+        let full = self.pending.len() >= MAX_PENDING;
+        match self.pending.back_mut() {
+            Some(back) if full => back.0 = end,
+            _ => self.pending.push_back((end, time)),
+        }
+    }
+
+    pub(super) fn update_lag(&mut self) {
+        let oldest = self.oldest_pending();
+        METRICS.update_lag(
+            self.keepalive_end.0.max(self.received.0),
+            self.read_from.0,
+            oldest,
+        );
     }
 
     /// Bytes handed to the applier and not applied yet.
@@ -208,6 +253,9 @@ impl Reader<'_> {
                 wal_start, data, ..
             } => {
                 self.received = self.received.max(wal_start);
+                if !self.read_from.is_valid() {
+                    self.read_from = wal_start;
+                }
                 let size = data.len();
                 let raw = data.clone();
                 let message = self.decoder.decode(data).map_err(|e| {
@@ -225,6 +273,7 @@ impl Reader<'_> {
                             return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.in_transaction = true;
+                        self.receiving_commit_time = b.commit_time.0.max(0) as u64;
                         // Held until something follows: before PostgreSQL 15 the source sends an
                         // empty Begin/Commit for every transaction that touched nothing
                         // published; applied, it would write nothing on the target, the position
@@ -237,6 +286,7 @@ impl Reader<'_> {
                             return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.in_transaction = true;
+                        self.receiving_commit_time = b.prepare_time.0.max(0) as u64;
                     }
                     LogicalMessage::Commit(c) => {
                         self.in_transaction = false;
@@ -249,11 +299,13 @@ impl Reader<'_> {
                             });
                         }
                         self.forwarded_end = c.end_lsn;
+                        self.note_pending(c.end_lsn, c.commit_time);
                         stop_after = reached(c.end_lsn);
                     }
                     LogicalMessage::Prepare(p) => {
                         self.in_transaction = false;
                         self.forwarded_end = p.end_lsn;
+                        self.note_pending(p.end_lsn, p.prepare_time);
                         stop_after = reached(p.end_lsn);
                     }
                     LogicalMessage::StreamCommit(c) => {
@@ -261,6 +313,7 @@ impl Reader<'_> {
                             return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.forwarded_end = c.end_lsn;
+                        self.note_pending(c.end_lsn, c.commit_time);
                         stop_after = reached(c.end_lsn);
                     }
                     LogicalMessage::StreamPrepare(p) => {
@@ -268,6 +321,7 @@ impl Reader<'_> {
                             return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.forwarded_end = p.end_lsn;
+                        self.note_pending(p.end_lsn, p.prepare_time);
                         stop_after = reached(p.end_lsn);
                     }
                     LogicalMessage::CommitPrepared(c) => {
@@ -275,10 +329,12 @@ impl Reader<'_> {
                             return Ok(Step::Stop(StopReason::EndPosition));
                         }
                         self.forwarded_end = c.end_lsn;
+                        self.note_pending(c.end_lsn, c.commit_time);
                         stop_after = reached(c.end_lsn);
                     }
                     LogicalMessage::RollbackPrepared(r) => {
                         self.forwarded_end = r.rollback_end_lsn;
+                        self.note_pending(r.rollback_end_lsn, r.rollback_time);
                         stop_after = reached(r.rollback_end_lsn);
                     }
                     _ => {}
