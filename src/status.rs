@@ -165,6 +165,17 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             // Killed, or cut off from the target: it could not record that it stopped.
             state = format!("not responding (last recorded: {state})");
         }
+        // A table the copy was taking when the worker stopped (or went silent) is not being
+        // copied: the next `run --copy-data` starts its copy over.
+        let copy_ended =
+            state == "stopped" || state == "failed" || state.starts_with("not responding");
+        let copy_state = |recorded: String| {
+            if copy_ended && recorded == "copying" {
+                "interrupted".to_owned()
+            } else {
+                recorded
+            }
+        };
         out.push(SlotStatus {
             slot,
             state,
@@ -187,7 +198,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                     table: format!("{}.{}", r.get::<_, String>(0), r.get::<_, String>(1)),
                     schema: r.get(0),
                     name: r.get(1),
-                    state: r.get(2),
+                    state: copy_state(r.get(2)),
                     rows: r.get(3),
                     bytes: r.get(4),
                 })

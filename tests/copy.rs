@@ -276,15 +276,31 @@ async fn interrupted_copy_starts_over() {
             .join(", ")
     ))
     .await;
-    let mut child = spawn(db.pgapply("p", &["--copy-data", "--copy-jobs", "1"]));
-    wait_for("the copy to be under way", 60, || async {
+    let under_way = || async {
         db.target
-            .query_one("SELECT count(*) FILTER (WHERE state = 'done') > 0 AND count(*) FILTER (WHERE state <> 'done') > 0 FROM pgapply.copy_state", &[])
+            .query_one("SELECT count(*) FILTER (WHERE state = 'done') > 0 AND count(*) FILTER (WHERE state = 'copying') > 0 FROM pgapply.copy_state", &[])
             .await
             .map(|r| r.get::<_, Option<bool>>(0) == Some(true))
             .unwrap_or(false)
-    })
+    };
+    // Stopped (SIGTERM) first: status shows the table it was copying as interrupted.
+    let mut child = spawn(db.pgapply("p", &["--copy-data", "--copy-jobs", "1"]));
+    wait_for("the copy to be under way", 60, under_way).await;
+    common::signal(&child, libc::SIGTERM);
+    assert!(child.wait().await.expect("wait").success());
+    let out = run_with_deadline(
+        common::pgapply_command(&["status", "--target", &db.target_conninfo()]),
+        60,
+    )
     .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains(": stopped") && !text.contains(" copying:") && text.contains(" interrupted:"),
+        "{text}"
+    );
+    // Then killed.
+    let mut child = spawn(db.pgapply("p", &["--copy-data", "--copy-jobs", "1"]));
+    wait_for("the copy to be under way again", 60, under_way).await;
     child.start_kill().expect("kill -9");
     child.wait().await.expect("wait");
     // Without --copy-data the interrupted copy is refused with a clear message.

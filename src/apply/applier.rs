@@ -625,7 +625,12 @@ impl Applier {
             .await
         {
             if e.code().is_some_and(|c| c.code() == "42501") {
-                tracing::warn!("the target role may not set session_replication_role: triggers and foreign-key checks on the target fire for replicated changes (GRANT SET ON PARAMETER session_replication_role TO <role> on PostgreSQL 15+ to avoid that)");
+                // (Said once a process: every apply session of every retry meets it.)
+                static SAID: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!("the target role may not set session_replication_role: triggers and foreign-key checks on the target fire for replicated changes (GRANT SET ON PARAMETER session_replication_role TO <role> on PostgreSQL 15+ to avoid that)");
+                }
             } else {
                 return Err(Error::postgres("configuring the target apply session", e));
             }

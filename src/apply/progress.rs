@@ -232,9 +232,14 @@ impl ProgressStore {
                 name: origin.clone(),
             },
             Err(e) if e.code().is_some_and(|c| c.code() == INSUFFICIENT_PRIVILEGE) => {
-                tracing::warn!(
+                // (Said once a process, not at every retry.)
+                static SAID: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(
                     "the target role may not use replication origins; recording progress in pgapply.progress instead (synchronous_commit stays on). The changes applied here carry no origin, so a stream from this database back to the source (a reverse or two-way set-up) cannot leave them out with --origin none, and would send them back: for that, use a target role that may use replication origins (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions)"
-                );
+                    );
+                }
                 ProgressMode::Table
             }
             Err(e) => {
