@@ -1442,6 +1442,37 @@ async fn target_sequence(
     on_target.unwrap_or_else(|| name.to_owned())
 }
 
+/// What is left when a signal ends the cutover: the steps printed are done, and from step 2 on
+/// the frozen roles stay read-only and the worker stays stopped at the end position.
+pub fn interrupted(config: &RunConfig, roles: &[String]) -> Error {
+    let database = config
+        .source
+        .get_dbname()
+        .or(config.source.get_user())
+        .unwrap_or("postgres");
+    let frozen = if roles.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; if step 2 was reached, writes are still frozen for {}: undo with {}",
+            roles.join(", "),
+            roles
+                .iter()
+                .map(|r| format!(
+                    "BEGIN READ WRITE; ALTER ROLE {} IN DATABASE {} RESET default_transaction_read_only; COMMIT",
+                    quote_ident(r),
+                    quote_ident(database)
+                ))
+                .collect::<Vec<_>>()
+                .join("; ")
+        )
+    };
+    Error::definite(format!(
+        "the cutover was interrupted by a signal: the steps it printed are done, the next one may be half done{frozen}. Run the cutover again to finish it; or, to go back to mirroring instead, clear the stop position it may have set on the target (UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}') and start pgapply run again",
+        config.slot.replace('\'', "''")
+    ))
+}
+
 /// Publication and slot on the target (the new primary), for replication back to the source.
 /// What would stop `--reverse` on the target (step 6, after writes are frozen): a slot cannot
 /// be made there (wal_level, no free slot), the role may not make one or a publication, or does

@@ -564,7 +564,26 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
         reverse: args.reverse,
         again: args.again,
     };
-    cutover::cutover(config, settings, verify::VerifySettings::default()).await
+    // A signal ends it with what is left to do (writes may be frozen by then), not in silence.
+    let (roles, shown) = (settings.freeze_roles.clone(), config.clone());
+    let signalled = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(mut term), Ok(mut int)) => tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            },
+            // (No handler: the default action ends the process.)
+            _ => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        result = cutover::cutover(config, settings, verify::VerifySettings::default()) => result,
+        _ = signalled => Err(cutover::interrupted(&shown, &roles)),
+    }
 }
 
 /// The environment variable a refused value came from, when the flag itself is not on the

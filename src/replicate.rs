@@ -915,7 +915,6 @@ async fn run_in_span(
         )),
         _ => None,
     };
-    drop(setup);
     if session.server_version() < 110000 {
         tracing::warn!("the source runs PostgreSQL 10, which does not replicate TRUNCATE: truncate the target's tables yourself when you truncate on the source");
     }
@@ -935,6 +934,17 @@ async fn run_in_span(
     if let Some(endpos) = config.endpos {
         if resume.is_valid() && resume >= endpos {
             tracing::info!(%endpos, %resume, "already applied up to the end position");
+            // (Right after an initial copy the row still says `copying`: `status`, and a
+            // cutover waiting for a copy to end, would take it for one under way.)
+            if let Err(e) = setup
+                .execute(
+                    "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() WHERE slot_name = $1",
+                    &[&config.slot],
+                )
+                .await
+            {
+                tracing::debug!(error = %e, "could not record the stop on the target");
+            }
             return Ok(RunOutcome {
                 reason: StopReason::EndPosition,
                 flushed: resume,
@@ -942,6 +952,7 @@ async fn run_in_span(
             });
         }
     }
+    drop(setup);
 
     let (applied_tx, applied_rx) = watch::channel(resume);
     let options = ApplierOptions {

@@ -2800,6 +2800,63 @@ async fn a_copy_checks_its_replication_origin_before_copying() {
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 100);
 }
 
+/// A cutover ended by a signal after writes were frozen says so, with the undo, and exits 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cutover_interrupted_after_the_freeze_says_how_to_undo_it() {
+    let db = TestDb::new("cutsig").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    let role = format!("app_{}", db.name);
+    db.source_sql(&format!(
+        "INSERT INTO t VALUES (1, 'a'); CREATE PUBLICATION p FOR TABLE t; CREATE ROLE {role} LOGIN;"
+    ))
+    .await;
+    copy_up_to_now(&db).await;
+    // That run ended at its end position right after the copy: recorded as stopped, not as a
+    // copy still under way (which the cutover would wait for).
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE state = 'stopped'"
+        )
+        .await,
+        1
+    );
+    // The verify step (5) waits for this lock.
+    let holder = connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let slot = db.slot();
+    let (mut cutover, log) = common::spawn_logged(db.on_both(
+        "cutover",
+        &["--slot", &slot, "--timeout", "5m", "--freeze-writes", &role],
+    ));
+    wait_for("the freeze (step 2)", 60, || async {
+        db.count(
+            &db.source,
+            &format!("SELECT count(*) FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole WHERE r.rolname = '{role}' AND 'default_transaction_read_only=on' = ANY (s.setconfig)"),
+        )
+        .await
+            == 1
+    })
+    .await;
+    common::signal(&cutover, libc::SIGINT);
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), cutover.wait())
+        .await
+        .expect("the cutover ends on SIGINT")
+        .unwrap();
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the cutover was interrupted by a signal")
+            && err.contains(&format!("writes are still frozen for {role}"))
+            && err.contains(&format!("ALTER ROLE \"{role}\" IN DATABASE")),
+        "{err}"
+    );
+    holder.batch_execute("ROLLBACK").await.unwrap();
+}
+
 /// Back to the old primary with a cutover in the other direction: the roles the first cutover
 /// froze there are still read-only, and the summary says so, with the command that undoes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
