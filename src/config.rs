@@ -394,6 +394,20 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         target,
         publications,
     } = resolve_servers(&args.servers, file)?;
+    // Where a refused value was given: the flag (or its PGAPPLY_ variable), or the file.
+    let config_path = args.servers.config.as_deref();
+    let given = |on_command_line: bool, key: &str| -> String {
+        match config_path {
+            Some(path) if !on_command_line => {
+                format!(" ({key} in config file {})", path.display())
+            }
+            _ => format!(
+                " (--{}, or PGAPPLY_{})",
+                key.replace('_', "-"),
+                key.to_ascii_uppercase()
+            ),
+        }
+    };
     let slot = args
         .slot
         .clone()
@@ -407,7 +421,8 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
     {
         return Err(Error::usage(format!(
-            "slot name {slot:?} is not valid: use lower-case letters, digits and _ (at most 63)"
+            "slot name {slot:?} is not valid{}: use lower-case letters, digits and _ (at most 63)",
+            given(args.slot.is_some(), "slot")
         )));
     }
     let mut config = RunConfig::new(source, target, publications, slot);
@@ -427,7 +442,8 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     if let Some(jobs) = args.copy_jobs.or(file.copy_jobs) {
         if !(1..=64).contains(&jobs) {
             return Err(Error::usage(format!(
-                "copy_jobs is {jobs}: use a number from 1 to 64 (each job holds a source and a target connection)"
+                "copy_jobs is {jobs}{}: use a number from 1 to 64 (each job holds a source and a target connection)",
+                given(args.copy_jobs.is_some(), "copy_jobs")
             )));
         }
         config.copy.jobs = jobs;
@@ -437,7 +453,10 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     }
     if let Some(interval) = args.status_interval.or(file.status_interval) {
         if interval.is_zero() {
-            return Err(Error::usage("status_interval must be more than 0s"));
+            return Err(Error::usage(format!(
+                "status_interval{} must be more than 0s",
+                given(args.status_interval.is_some(), "status_interval")
+            )));
         }
         config.status_interval = interval;
     }
@@ -445,7 +464,7 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         config.endpos = Some(
             endpos
                 .parse()
-                .map_err(|e| Error::usage(format!("--endpos: {e}")))?,
+                .map_err(|e| Error::usage(format!("--endpos (or PGAPPLY_ENDPOS): {e}")))?,
         );
     }
     config.requested = crate::source::options::Requested {
@@ -458,18 +477,25 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
             Some("none") => true,
             Some(other) => {
                 return Err(Error::usage(format!(
-                    "origin {other:?}: use \"any\" (every change) or \"none\" (only changes made on the source itself)"
+                    "origin {other:?}{}: use \"any\" (every change) or \"none\" (only changes made on the source itself)",
+                    given(args.origin.is_some(), "origin")
                 )))
             }
         },
     };
     config.spool_dir = args.spool_dir.clone().or_else(|| file.spool_dir.clone());
     if let Some(size) = args.queue_size.as_ref().or(file.queue_size.as_ref()) {
-        let bytes = crate::cutover::parse_size(size)
-            .map_err(|e| Error::usage(format!("queue_size: {}", e.message())))?;
+        let bytes = crate::cutover::parse_size(size).map_err(|e| {
+            Error::usage(format!(
+                "queue_size{}: {}",
+                given(args.queue_size.is_some(), "queue_size"),
+                e.message()
+            ))
+        })?;
         if !(MIN_QUEUE_BYTES..=MAX_QUEUE_BYTES).contains(&bytes) {
             return Err(Error::usage(format!(
-                "queue_size {size:?}: give a size from 64kB to 1024GB, such as 64MB or 512kB"
+                "queue_size {size:?}{}: give a size from 64kB to 1024GB, such as 64MB or 512kB",
+                given(args.queue_size.is_some(), "queue_size")
             )));
         }
         config.queue_bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
@@ -480,7 +506,8 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     let workers = args.apply_workers.or(file.apply_workers).unwrap_or(1);
     if !(1..=64).contains(&workers) {
         return Err(Error::usage(format!(
-            "apply_workers is {workers}: use a number from 1 to 64 (each worker is one target connection)"
+            "apply_workers is {workers}{}: use a number from 1 to 64 (each worker is one target connection)",
+            given(args.apply_workers.is_some(), "apply_workers")
         )));
     }
     if workers > 1 && config.requested.two_phase {
@@ -521,9 +548,14 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     };
     if service.retry_min > service.retry_max {
         return Err(Error::usage(format!(
-            "retry_min ({}) is longer than retry_max ({}): the shortest wait between retries must not exceed the longest",
+            "retry_min ({}) is longer than retry_max ({}){}: the shortest wait between retries must not exceed the longest",
             humantime::format_duration(service.retry_min),
-            humantime::format_duration(service.retry_max)
+            humantime::format_duration(service.retry_max),
+            match config_path {
+                Some(path) if args.retry_min.is_none() || args.retry_max.is_none() =>
+                    format!(" (one of them in config file {})", path.display()),
+                _ => String::new(),
+            }
         )));
     }
     Ok((config, service))

@@ -99,6 +99,25 @@ async fn config_file_and_precedence() {
         "{err}"
     );
 
+    // A value refused by its meaning (not its form) names where it was given.
+    let bad = write_config(&format!(
+        "source = \"{}\"\ntarget = \"{}\"\npublication = \"p\"\nslot = \"s\"\ncopy_jobs = 0\n",
+        db.source_conninfo(),
+        db.target_conninfo()
+    ));
+    let mut cmd = pgapply();
+    cmd.arg("run").arg("--config").arg(bad.arg());
+    let out = run_with_deadline(cmd, 30).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains(&format!(
+            "copy_jobs is 0 (copy_jobs in config file {})",
+            bad.arg().to_string_lossy()
+        )),
+        "{}",
+        stderr(&out)
+    );
+
     // A bad duration names the value.
     let bad = write_config("status_interval = \"soon\"\n");
     let mut cmd = pgapply();
