@@ -413,3 +413,61 @@ async fn a_clash_the_dispatcher_could_not_see_is_retried_one_at_a_time() {
     child.start_kill().expect("kill");
     db.assert_same("u").await;
 }
+
+/// A large transaction under parallel workers with a small queue (`--queue-size 1MB`): the
+/// dispatcher holds a transaction only up to a quarter of the queue, counted as the queue counts
+/// it, and forwards it serially past that (it used to count the wire bytes only, hold more than
+/// the whole queue, and wait for ever for messages the reader could not queue). Memory stays
+/// bounded with many small transactions after it. (The statements a worker has in flight are
+/// bounded too, `pipeline::bound_in_flight`: seen with a target slower than these, 700 MB before,
+/// under 100 MB after; not reproduced here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_transaction_behind_a_small_queue_goes_through_parallel_workers() {
+    let db = TestDb::new("parmem").await;
+    if common::source_version(&db).await < 110000 {
+        return common::skip("COMMIT in a DO block needs a PostgreSQL 11+ source");
+    }
+    db.both("CREATE TABLE big (id int PRIMARY KEY, pad text); CREATE TABLE small (id int PRIMARY KEY, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE big, small")
+        .await;
+    db.sync("p").await;
+
+    // A large transaction (applied serially), then many small ones (in parallel).
+    db.source_sql("INSERT INTO big SELECT g, 'x' FROM generate_series(1, 100000) g")
+        .await;
+    db.source_sql(
+        "DO $$ BEGIN FOR i IN 1..40000 LOOP INSERT INTO small VALUES (i, 'x'); COMMIT; END LOOP; END $$",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let (mut child, log) = common::spawn_logged(db.pgapply(
+        "p",
+        &[
+            "--apply-workers",
+            "2",
+            "--queue-size",
+            "1MB",
+            "--endpos",
+            &endpos,
+        ],
+    ));
+    let status = tokio::time::timeout(Duration::from_secs(180), child.wait())
+        .await
+        .expect("the backlog is applied")
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.success(), "{text}");
+    let peak: u64 = text
+        .split("peak_rss_mb=")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no peak_rss_mb in: {text}"));
+    assert!(peak < 150, "peak RSS {peak} MB: {text}");
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM small").await,
+        40000
+    );
+    db.assert_same("big").await;
+}

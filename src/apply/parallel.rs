@@ -116,6 +116,7 @@ pub struct WorkerLink {
 struct Held {
     final_lsn: Lsn,
     envelopes: Vec<Envelope>,
+    /// The envelopes' share of the reader's queue.
     bytes: usize,
     rows: Vec<u64>,
     serial: bool,
@@ -394,7 +395,14 @@ impl Dispatcher {
             // Applied before: only its table descriptions matter (and it may be large).
             return Ok(());
         }
-        held.bytes += envelope.raw.len();
+        // Counted as the reader's queue counts it (its permit: the bytes and what the decoded
+        // message costs besides): held envelopes keep their share of the queue, and a
+        // transaction held past the queue's size would wait for messages the reader cannot
+        // queue any more.
+        held.bytes += envelope
+            .permit
+            .as_ref()
+            .map_or(envelope.raw.len(), |p| p.num_permits());
         held.envelopes.push(envelope);
         let too_large =
             held.envelopes.len() > MAX_HELD_MESSAGES || held.bytes > self.queue_bytes / 4;

@@ -252,6 +252,7 @@ impl Applier {
             rows: std::mem::take(&mut self.unsettled_rows),
         });
         self.submit_pending();
+        self.bound_in_flight().await;
         // Answers taken while sending may have settled it already (or found a failure).
         self.fail_if_failed().await?;
         self.settle_committed().await;

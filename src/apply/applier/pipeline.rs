@@ -40,13 +40,27 @@ impl Applier {
         self.pending.push(pending);
         if self.pending.len() >= SUBMIT_CHUNK {
             self.submit_pending();
-            if self.in_flight_values >= self.settings.pipeline_values {
-                self.drain_values_to(self.settings.pipeline_values / 2)
-                    .await;
-            }
+            self.bound_in_flight().await;
             self.fail_if_failed().await?;
         }
         Ok(())
+    }
+
+    /// Waits for answers while too much is in flight: by parameter values (the statements'
+    /// size), and by statements, as each costs memory whatever it carries. (Messages leave the
+    /// reader's byte-bounded queue once they are statements: without this, a target slower than
+    /// the source would let the statements of tens of thousands of small transactions, sent but
+    /// unanswered, grow without bound, as a parallel worker's BEGIN and COMMIT carry no values.)
+    /// Everything queued is sent before waiting, so a parallel worker never waits for an answer
+    /// that depends on a statement of its own still unsent.
+    pub(super) async fn bound_in_flight(&mut self) {
+        if self.in_flight_values >= self.settings.pipeline_values {
+            self.drain_values_to(self.settings.pipeline_values / 2)
+                .await;
+        }
+        if self.in_flight_mut().len() >= MAX_IN_FLIGHT {
+            self.drain_to(MAX_IN_FLIGHT / 2).await;
+        }
     }
 
     /// Keeps a prepared statement for its shape. The shapes a process meets are many in some
@@ -256,3 +270,6 @@ impl Applier {
 
 /// Prepared statements kept per target session (see `remember_statement`).
 pub(super) const MAX_STATEMENTS: usize = 4096;
+
+/// Most statements sent and not yet answered (see `bound_in_flight`).
+const MAX_IN_FLIGHT: usize = 8192;
