@@ -150,7 +150,9 @@ pub struct RunArgs {
     /// (loop prevention, PostgreSQL 16+) [default: any].
     #[arg(long, env = "PGAPPLY_ORIGIN", value_name = "any|none")]
     pub origin: Option<String>,
-    /// Directory for spooled streamed transactions [default: the temp directory].
+    /// Directory for spooled streamed transactions: each needs about the size of its changes
+    /// there while it is received (beyond 4 MB in memory); removed once applied
+    /// [default: $TMPDIR/pgapply-spool-<uid>-<slot>].
     #[arg(long, env = "PGAPPLY_SPOOL_DIR")]
     pub spool_dir: Option<PathBuf>,
     /// Target connections applying transactions in parallel; transactions touching the same rows

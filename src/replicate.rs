@@ -448,6 +448,14 @@ async fn copy_interrupted(
     })
 }
 
+/// Where streamed transactions are spooled without `--spool-dir`. The user's id in the name:
+/// another user's directory of the same slot name (private to them) would otherwise stop a run.
+pub fn default_spool_dir(slot: &str) -> std::path::PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    std::env::temp_dir().join(format!("pgapply-spool-{uid}-{slot}"))
+}
+
 /// A run that ended with an error says so in `pgapply status` (`failed`, and the error; the log also says
 /// whether it is retried), instead of leaving `streaming`, `copying` or the `stopped` of an earlier
 /// run behind. Only a row no other process holds (this one's pid, or none): the error may be that
@@ -918,10 +926,17 @@ async fn run_in_span(
     if session.server_version() < 110000 {
         tracing::warn!("the source runs PostgreSQL 10, which does not replicate TRUNCATE: truncate the target's tables yourself when you truncate on the source");
     }
-    tracing::info!(
-        negotiated = %negotiated.describe(),
-        "replication options for this source"
-    );
+    // (What the stream carries, and, for `--streaming parallel` that this run cannot apply as
+    // it arrives, that it is spooled.)
+    let shown = if negotiated.streaming == Streaming::Parallel && !live_possible {
+        negotiated.describe().replace(
+            "streaming parallel",
+            "streaming parallel (spooled, applied at commit)",
+        )
+    } else {
+        negotiated.describe()
+    };
+    tracing::info!(negotiated = %shown, "replication options for this source");
     tracing::info!(
         source = %conninfo::describe(&config.source),
         target_server = %conninfo::describe(&config.target),
@@ -969,11 +984,7 @@ async fn run_in_span(
         spool_dir: match &config.spool_dir {
             Some(dir) => dir.clone(),
             None => {
-                // The user's id in the name: another user's directory of the same slot name
-                // (private to them) would otherwise stop this run.
-                // SAFETY: geteuid has no preconditions and cannot fail.
-                let uid = unsafe { libc::geteuid() };
-                let dir = std::env::temp_dir().join(format!("pgapply-spool-{uid}-{}", config.slot));
+                let dir = default_spool_dir(&config.slot);
                 crate::apply::spool::private_dir(&dir)?;
                 dir
             }

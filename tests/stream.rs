@@ -1016,6 +1016,31 @@ async fn small_transactions_land_while_a_big_one_streams() {
     db.assert_same("o").await;
 }
 
+/// Without `--spool-dir`, streamed transactions are spooled under the temp directory, and the
+/// run leaves nothing there behind (not even the empty directory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_spool_directory_is_not_left_behind() {
+    if !pgapply_version_or_skip("streaming", 140000).await {
+        return;
+    }
+    let db = TestDb::new("spooldef").await;
+    db.both("CREATE TABLE s (id int PRIMARY KEY, pad text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE s").await;
+    db.source_sql(
+        "INSERT INTO s SELECT g, repeat(md5(g::text), 8) FROM generate_series(1, 20000) g",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 120).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("s").await;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let dir = std::env::temp_dir().join(format!("pgapply-spool-{uid}-{}", db.slot()));
+    assert!(!dir.exists(), "{} is left behind", dir.display());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_phase_with_the_progress_table() {
     if !pgapply_version_or_skip("two-phase", 150000).await {
