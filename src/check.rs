@@ -570,7 +570,7 @@ async fn check_source(
         // NOT NULL columns.)
         let usable_index = "(SELECT pg_catalog.quote_ident(x.relname) FROM pg_catalog.pg_index i \
                                JOIN pg_catalog.pg_class x ON x.oid = i.indexrelid \
-                             WHERE i.indrelid = c.oid AND i.indisunique AND i.indimmediate \
+                             WHERE i.indrelid = c.oid AND i.indisunique AND i.indimmediate AND i.indisvalid \
                                AND i.indpred IS NULL AND i.indexprs IS NULL \
                                AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a \
                                                WHERE a.attrelid = c.oid AND a.attnum = ANY (i.indkey) AND NOT a.attnotnull) \
@@ -866,9 +866,11 @@ async fn check_target(
             .collect();
         if !always.is_empty() && updated.get(i).copied().unwrap_or(true) {
             if let Some((identity, key)) = source_key(source, table).await {
+                // (No key but FULL: the source refuses UPDATEs of the table while published.)
+                let keyless = identity != "f" && key.is_empty();
                 let written: Vec<String> = always
                     .iter()
-                    .filter(|c| identity != "f" && !key.contains(c))
+                    .filter(|c| identity != "f" && !keyless && !key.contains(c))
                     .map(|c| quote_ident(c))
                     .collect();
                 if !written.is_empty() {

@@ -552,7 +552,10 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
             humantime::format_duration(service.retry_min),
             humantime::format_duration(service.retry_max),
             match config_path {
-                Some(path) if args.retry_min.is_none() || args.retry_max.is_none() =>
+                Some(path)
+                    if (args.retry_min.is_none() && file.retry_min.or(retry.min).is_some())
+                        || (args.retry_max.is_none()
+                            && file.retry_max.or(retry.max).is_some()) =>
                     format!(" (one of them in config file {})", path.display()),
                 _ => String::new(),
             }

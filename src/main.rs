@@ -441,12 +441,6 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
         match run(config.clone(), shutdown.clone(), Some(progress_tx.clone())).await {
             Ok(outcome) => {
                 tracing::info!(slot = %config.slot, reason = ?outcome.reason, flushed_lsn = %outcome.flushed, "done");
-                // The default spool directory, left empty (a transaction's file goes once it is
-                // applied or dropped): not left behind in the temp directory.
-                if config.spool_dir.is_none() {
-                    let _ =
-                        std::fs::remove_dir(pgapply::replicate::default_spool_dir(&config.slot));
-                }
                 return Ok(());
             }
             Err(e) if e.is_transient() && !*shutdown.borrow() => {

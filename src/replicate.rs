@@ -928,7 +928,7 @@ async fn run_in_span(
     }
     // (What the stream carries, and, for `--streaming parallel` that this run cannot apply as
     // it arrives, that it is spooled.)
-    let shown = if negotiated.streaming == Streaming::Parallel && !live_possible {
+    let shown = if negotiated.streaming == Streaming::Parallel && !live_now {
         negotiated.describe().replace(
             "streaming parallel",
             "streaming parallel (spooled, applied at commit)",
@@ -953,8 +953,9 @@ async fn run_in_span(
             // cutover waiting for a copy to end, would take it for one under way.)
             if let Err(e) = setup
                 .execute(
-                    "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() WHERE slot_name = $1",
-                    &[&config.slot],
+                    "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() \
+                     WHERE slot_name = $1 AND (pid IS NULL OR pid = $2)",
+                    &[&config.slot, &(std::process::id() as i32)],
                 )
                 .await
             {

@@ -318,16 +318,14 @@ pub async fn note_waiting(
     }
     let Some(c) = client.as_ref() else { return };
     let sql = if stopped {
-        "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() WHERE slot_name = $1 AND state = 'failed'"
+        "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() \
+         WHERE slot_name = $1 AND state = 'failed' AND (pid IS NULL OR pid = $2)"
     } else {
-        "UPDATE pgapply.progress SET pid = $2, heartbeat_at = now() WHERE slot_name = $1 AND state = 'failed'"
+        "UPDATE pgapply.progress SET pid = $2, heartbeat_at = now() \
+         WHERE slot_name = $1 AND state = 'failed' AND (pid IS NULL OR pid = $2)"
     };
     let pid = std::process::id() as i32;
-    let result = if stopped {
-        c.execute(sql, &[&slot]).await
-    } else {
-        c.execute(sql, &[&slot, &pid]).await
-    };
+    let result = c.execute(sql, &[&slot, &pid]).await;
     if let Err(e) = result {
         tracing::debug!(error = %e, "recording the wait before trying again on the target");
     }

@@ -402,6 +402,9 @@ impl Reader<'_> {
         METRICS.queue_bytes.set(self.queued() as u64);
         let mut status = tokio::time::interval(self.status_interval);
         status.tick().await;
+        // The lag gauges move while it waits too (that is when the lag grows).
+        let mut lag = tokio::time::interval(Duration::from_secs(1));
+        lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let started = Instant::now();
         let mut said: Option<Instant> = None;
         loop {
@@ -428,6 +431,7 @@ impl Reader<'_> {
                         .map_err(|_| Error::definite("the apply queue closed"));
                 }
                 _ = status.tick() => self.send_status(false).await?,
+                _ = lag.tick() => self.update_lag(),
                 _ = self.applier_done.changed() => return Ok(None),
                 // Stopping: the message is dropped; its transaction is incomplete on the applier's
                 // side, rolled back there, and sent again after a restart.

@@ -358,6 +358,8 @@ impl Applier {
 
     /// Moves the applied position forward (never back).
     pub(super) fn advance_applied(&mut self, lsn: Lsn) {
+        // (Also what the lag in seconds counts from: a prepared transaction is applied too.)
+        METRICS.applied_lsn.set_max(lsn.0);
         self.applied.send_if_modified(|a| {
             let advanced = lsn > *a;
             *a = (*a).max(lsn);
