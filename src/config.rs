@@ -204,6 +204,49 @@ impl FileConfig {
     }
 }
 
+/// The settings of two readings of a config file that differ, but for what SIGHUP reloads
+/// (`log_level`, `[conflicts]` and each table's `conflicts`): those take effect only when pgapply
+/// starts again. Keys as written (`tables."public.t".target`).
+pub fn changed_on_reload(old: &toml::Value, new: &toml::Value) -> Vec<String> {
+    fn walk(
+        path: &str,
+        old: Option<&toml::Value>,
+        new: Option<&toml::Value>,
+        out: &mut Vec<String>,
+    ) {
+        let reloaded = path == "log_level"
+            || path == "conflicts"
+            || (path.starts_with("tables.") && path.ends_with(".conflicts"));
+        if reloaded || old == new {
+            return;
+        }
+        match (old, new) {
+            (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) => {
+                let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+                keys.sort();
+                keys.dedup();
+                for key in keys {
+                    let shown = if key.contains('.') || key.contains(' ') || key.contains('"') {
+                        format!("{key:?}")
+                    } else {
+                        key.clone()
+                    };
+                    let child = if path.is_empty() {
+                        shown
+                    } else {
+                        format!("{path}.{shown}")
+                    };
+                    walk(&child, a.get(key), b.get(key), out);
+                }
+            }
+            _ => out.push(path.to_owned()),
+        }
+    }
+    let mut out = Vec::new();
+    walk("", Some(old), Some(new), &mut out);
+    out
+}
+
 /// Source table -> target table, both `(schema, table)`.
 pub type TableMap = HashMap<(String, String), (String, String)>;
 
@@ -566,6 +609,26 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn settings_sighup_does_not_reload_are_named() {
+        let old: toml::Value = toml::from_str(
+            "slot = \"s\"\nlog_level = \"info\"\n[conflicts]\ninsert_exists = \"error\"\n[tables.\"public.t\"]\ntarget = \"public.u\"\n",
+        )
+        .unwrap();
+        let new: toml::Value = toml::from_str(
+            "slot = \"s\"\nlog_level = \"debug\"\npublication = \"q\"\n[conflicts]\ninsert_exists = \"skip\"\n[tables.\"public.t\"]\ntarget = \"public.v\"\n[tables.\"public.t\".conflicts]\nupdate_missing = \"error\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            super::changed_on_reload(&old, &new),
+            vec![
+                "publication".to_owned(),
+                "tables.\"public.t\".target".to_owned()
+            ]
+        );
+        assert!(super::changed_on_reload(&old, &old).is_empty());
+    }
+
     use super::*;
 
     #[test]

@@ -223,6 +223,13 @@ fn reload_on_sighup(
     reload: Reload,
     policies: watch::Sender<std::sync::Arc<pgapply::apply::conflict::PolicyMap>>,
 ) {
+    // The file as this process read it at its start: what a reload cannot change is said.
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|text| text.parse::<toml::Value>().ok())
+    };
+    let at_start = reload.path.as_deref().and_then(read);
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
         let Ok(mut hup) = signal(SignalKind::hangup()) else {
@@ -233,6 +240,15 @@ fn reload_on_sighup(
                 tracing::info!("SIGHUP: no --config file to reload");
                 continue;
             };
+            if let (Some(before), Some(now)) = (&at_start, read(path)) {
+                let changed = config::changed_on_reload(before, &now);
+                if !changed.is_empty() {
+                    tracing::warn!(
+                        "SIGHUP: {} changed in the config file: a reload applies only log_level and the conflict policies, the rest takes effect when pgapply starts again",
+                        changed.join(", ")
+                    );
+                }
+            }
             let file = match FileConfig::load(path) {
                 Ok(f) => f,
                 Err(e) => {

@@ -983,7 +983,7 @@ async fn sighup_reloads_conflict_policies_and_log_level() {
     std::fs::write(
         config.arg(),
         format!(
-            "source = \"{}\"\ntarget = \"{}\"\nslot = \"{}\"\npublications = [\"p\"]\nlog_level = \"warn\"\n[conflicts]\nupdate_missing = \"skip\"\n",
+            "source = \"{}\"\ntarget = \"{}\"\nslot = \"{}\"\npublications = [\"p\"]\nlog_level = \"warn\"\ncopy_jobs = 3\n[conflicts]\nupdate_missing = \"skip\"\n",
             db.source_conninfo(),
             db.target_conninfo(),
             db.slot()
@@ -1015,6 +1015,11 @@ async fn sighup_reloads_conflict_policies_and_log_level() {
     unsafe { libc::kill(pid, libc::SIGTERM) };
     assert!(child.wait().await.unwrap().success());
     let text = std::fs::read_to_string(&log).unwrap();
+    // A setting a reload does not apply is named as such.
+    assert!(
+        text.contains("SIGHUP: copy_jobs changed in the config file: a reload applies only log_level and the conflict policies"),
+        "{text}"
+    );
     let after = text.split("SIGHUP: reloaded").nth(1).unwrap_or_default();
     assert!(
         !after.contains(" INFO "),
