@@ -49,7 +49,7 @@ fn main() -> ExitCode {
     let file = match config_path.as_deref().map(FileConfig::load).transpose() {
         Ok(f) => f.unwrap_or_default(),
         Err(e) => {
-            eprintln!("pgapply: error: {e}");
+            early_error(cli.log_format, &e.to_string());
             return ExitCode::from(match e.class() {
                 ErrorClass::Usage => EXIT_USAGE,
                 _ => EXIT_DEFINITE,
@@ -70,9 +70,12 @@ fn main() -> ExitCode {
     let filter = match filter {
         Ok(f) => f,
         Err(e) => {
-            eprintln!(
-                "pgapply: error: invalid log level {}: {e}",
-                level.as_deref().unwrap_or("info")
+            early_error(
+                cli.log_format.or(file.log_format),
+                &format!(
+                    "invalid log level {}: {e}",
+                    level.as_deref().unwrap_or("info")
+                ),
             );
             return ExitCode::from(EXIT_USAGE);
         }
@@ -429,6 +432,23 @@ impl log::Log for LogBridge {
 }
 
 const NO_TRANSACTION_WARNING: &str = "WARNING: there is no transaction in progress";
+
+/// An error before logging has started (the config file, the log level): as a JSON object when
+/// the log is asked for in JSON, so that a collector reading one object per line gets it too.
+fn early_error(format: Option<LogFormat>, message: &str) {
+    if format == Some(LogFormat::Json) {
+        let line = serde_json::json!({
+            "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+            "level": "ERROR",
+            "target": "pgapply",
+            "message": "stopped",
+            "error": message,
+        });
+        eprintln!("{line}");
+    } else {
+        eprintln!("pgapply: error: {message}");
+    }
+}
 
 /// The slot `pgapply run` replicates, once known: named on its last log line too.
 static RUN_SLOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();

@@ -1317,6 +1317,21 @@ async fn a_misspelt_log_level_is_refused() {
             stderr(&out)
         );
     }
+    // Asked for JSON lines, the error is one too.
+    let mut cmd =
+        common::pgapply_command(&["--log-format", "json", "--log-level", "warning", "status"]);
+    cmd.env_remove("PGAPPLY_LOG_LEVEL").env_remove("RUST_LOG");
+    let out = run_with_deadline(cmd, 30).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let line: serde_json::Value = serde_json::from_str(stderr(&out).trim())
+        .unwrap_or_else(|e| panic!("{e}: {}", stderr(&out)));
+    assert!(
+        line["level"] == "ERROR"
+            && line["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("is not a log level")),
+        "{line}"
+    );
     // A module name alone is a directive, as in RUST_LOG elsewhere.
     let mut cmd = common::pgapply_command(&["status", "--target", "host=127.0.0.1 port=1 user=x"]);
     cmd.env_remove("PGAPPLY_LOG_LEVEL")
