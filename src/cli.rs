@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::builder::BoolishValueParser;
+use clap::builder::{BoolishValueParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
@@ -102,11 +102,11 @@ pub struct RunArgs {
     #[arg(long, env = "PGAPPLY_SLOT")]
     pub slot: Option<String>,
     /// Create the slot (pgoutput) if it does not exist.
-    #[arg(long, env = "PGAPPLY_CREATE_SLOT", value_parser = BoolishValueParser::new())]
+    #[arg(long, env = "PGAPPLY_CREATE_SLOT", value_parser = parse_switch)]
     pub create_slot: bool,
     /// Copy the published tables' existing rows first (creates the slot with a snapshot), then
     /// stream from that point.
-    #[arg(long, env = "PGAPPLY_COPY_DATA", value_parser = BoolishValueParser::new())]
+    #[arg(long, env = "PGAPPLY_COPY_DATA", value_parser = parse_switch)]
     pub copy_data: bool,
     /// Tables (or parts of large tables) copied at once during --copy-data, 1 to 64 [default: 4].
     #[arg(long, env = "PGAPPLY_COPY_JOBS")]
@@ -118,10 +118,10 @@ pub struct RunArgs {
     /// With --copy-data: exit once the copy is done, before streaming. The slot stays at the
     /// copy's consistent point, and the next `run` streams from there (build the indexes with
     /// `pgapply schema --section post-data` in between).
-    #[arg(long, env = "PGAPPLY_COPY_ONLY", value_parser = BoolishValueParser::new())]
+    #[arg(long, env = "PGAPPLY_COPY_ONLY", value_parser = parse_switch)]
     pub copy_only: bool,
     /// With --copy-data: empty target tables that already hold rows instead of refusing.
-    #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET", value_parser = BoolishValueParser::new())]
+    #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET", value_parser = parse_switch)]
     pub truncate_target: bool,
     /// Exit 0 once every transaction committed before this LSN is applied.
     #[arg(long, value_name = "LSN", env = "PGAPPLY_ENDPOS")]
@@ -132,19 +132,19 @@ pub struct RunArgs {
     #[arg(long, value_enum, env = "PGAPPLY_STREAMING")]
     pub streaming: Option<Streaming>,
     /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).
-    #[arg(long, env = "PGAPPLY_TWO_PHASE", value_parser = BoolishValueParser::new())]
+    #[arg(long, env = "PGAPPLY_TWO_PHASE", value_parser = parse_switch)]
     pub two_phase: bool,
     /// Make the slot a failover slot (PostgreSQL 17+): standbys with `sync_replication_slots`
     /// keep a copy of it, so replication goes on from the new primary after a failover. Sets it
     /// on an existing slot too.
-    #[arg(long, env = "PGAPPLY_FAILOVER_SLOT", value_parser = BoolishValueParser::new())]
+    #[arg(long, env = "PGAPPLY_FAILOVER_SLOT", value_parser = parse_switch)]
     pub failover_slot: bool,
     /// Receive values in binary form when every published column has the same built-in type on
     /// both sides and both run the same major version (PostgreSQL 14+); text otherwise.
-    #[arg(long, env = "PGAPPLY_BINARY", value_parser = BoolishValueParser::new())]
+    #[arg(long, env = "PGAPPLY_BINARY", value_parser = parse_switch)]
     pub binary: bool,
     /// Receive logical decoding messages (pg_logical_emit_message) and log them (PostgreSQL 14+).
-    #[arg(long, env = "PGAPPLY_MESSAGES", value_parser = BoolishValueParser::new())]
+    #[arg(long, env = "PGAPPLY_MESSAGES", value_parser = parse_switch)]
     pub messages: bool,
     /// `none`: only changes made on the source itself, not ones it replicated from elsewhere
     /// (loop prevention, PostgreSQL 16+) [default: any].
@@ -317,4 +317,33 @@ pub struct DemoArgs {
     /// /usr/lib/postgresql/*/bin).
     #[arg(long, env = "PGAPPLY_PG_BIN")]
     pub pg_bin: Option<PathBuf>,
+}
+
+/// An on/off flag's value (from its `PGAPPLY_*` variable): true/false, yes/no, on/off, 1/0; an
+/// empty variable counts as not set, as shells and service files leave them.
+fn parse_switch(value: &str) -> Result<bool, String> {
+    if value.trim().is_empty() {
+        return Ok(false);
+    }
+    let command = clap::Command::new("pgapply");
+    BoolishValueParser::new()
+        .parse_ref(&command, None, std::ffi::OsStr::new(value))
+        .map_err(|_| format!("{value:?} is not on or off: use true/false, yes/no, on/off or 1/0"))
+}
+
+#[cfg(test)]
+mod switch_tests {
+    #[test]
+    fn an_empty_variable_is_not_set_and_a_wrong_value_is_named() {
+        assert_eq!(super::parse_switch(""), Ok(false));
+        assert_eq!(super::parse_switch(" "), Ok(false));
+        for on in ["true", "yes", "on", "1", "TRUE"] {
+            assert_eq!(super::parse_switch(on), Ok(true), "{on}");
+        }
+        for off in ["false", "no", "off", "0"] {
+            assert_eq!(super::parse_switch(off), Ok(false), "{off}");
+        }
+        let err = super::parse_switch("bogus").unwrap_err();
+        assert!(err.contains("\"bogus\" is not on or off"), "{err}");
+    }
 }
