@@ -227,7 +227,10 @@ fn named_from_password(conninfo: &str, detail: &str) -> Option<bool> {
     });
     match named {
         Some(w) => Some(w.contains('=')),
-        None if detail.contains("unexpected EOF") && words.iter().any(|w| !w.contains('=')) => {
+        // `password=ab cd port=5432`: the parser stops at `cd`, a word without `=`.
+        None if (detail.contains("unexpected EOF") || detail.contains("expected `=`"))
+            && words.iter().any(|w| !w.contains('=')) =>
+        {
             Some(false)
         }
         None => None,
@@ -477,6 +480,7 @@ mod tests {
         for conninfo in [
             "host=h password=abc def=x user=u",
             "host=h password=abc def",
+            "host=h password=abc def port=5432",
         ] {
             let err = parse("source", conninfo).unwrap_err().to_string();
             assert!(!err.contains("def"), "{err}");

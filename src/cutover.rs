@@ -15,6 +15,7 @@
 //!
 //! It exits 0 only if every step succeeded.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -236,6 +237,7 @@ pub async fn cutover(
         )));
     }
 
+    STEP.store(1, Ordering::Relaxed);
     // 1. Lag. A worker still making the initial copy leaves the slot inactive (it streams once
     // the copy is done): wait for it, rather than take over a slot it is about to stream from.
     let mut said = false;
@@ -368,6 +370,7 @@ pub async fn cutover(
         }
     }
 
+    STEP.store(2, Ordering::Relaxed);
     // 2. Freeze writes, in the migrated database only: the roles may write to other databases of
     // the same cluster, which this cutover does not move.
     let mut ended_pids: Vec<i32> = Vec::new();
@@ -474,6 +477,7 @@ pub async fn cutover(
             slot.replace('\'', "''")
         ))
     };
+    STEP.store(3, Ordering::Relaxed);
     let end = drain(&source, &target, &run_config, &ended_pids, deadline)
         .await
         .map_err(frozen)?;
@@ -508,6 +512,7 @@ pub async fn cutover(
         );
     }
 
+    STEP.store(4, Ordering::Relaxed);
     // 4. Sequences.
     let copied = copy_sequences(&source, &target, &sequences)
         .await
@@ -549,6 +554,7 @@ pub async fn cutover(
         }
     }
 
+    STEP.store(5, Ordering::Relaxed);
     // 5. Verify. Everything up to the end is applied and nothing after it will be: a chunk that
     // differs stays so, and checking it again would only keep the writes frozen longer.
     let verify_settings = VerifySettings {
@@ -567,6 +573,7 @@ pub async fn cutover(
     verify::report(&results, false).map_err(|e| frozen(e.context("step 5")))?;
     crate::out!("step 5: {} table(s) verified", results.len());
 
+    STEP.store(6, Ordering::Relaxed);
     // 6. Reverse replication.
     if settings.reverse {
         prepare_reverse(&target, &run_config)
@@ -1442,20 +1449,25 @@ async fn target_sequence(
     on_target.unwrap_or_else(|| name.to_owned())
 }
 
+/// The step the cutover is at (0 before step 1), for `interrupted`.
+static STEP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
 /// What is left when a signal ends the cutover: the steps printed are done, and from step 2 on
 /// the frozen roles stay read-only and the worker stays stopped at the end position.
 pub fn interrupted(config: &RunConfig, roles: &[String]) -> Error {
+    let step = STEP.load(Ordering::Relaxed);
     let database = config
         .source
         .get_dbname()
         .or(config.source.get_user())
         .unwrap_or("postgres");
-    let frozen = if roles.is_empty() {
+    let frozen = if roles.is_empty() || step < 2 {
         String::new()
     } else {
         format!(
-            "; if step 2 was reached, writes are still frozen for {}: undo with {}",
+            "; writes are frozen for {}{}: undo with {}",
             roles.join(", "),
+            if step == 2 { " (some of them, or all)" } else { "" },
             roles
                 .iter()
                 .map(|r| format!(
@@ -1467,9 +1479,22 @@ pub fn interrupted(config: &RunConfig, roles: &[String]) -> Error {
                 .join("; ")
         )
     };
+    if step < 2 {
+        return Error::definite(format!(
+            "the cutover was interrupted by a signal at step {}: nothing was changed yet (no role frozen, no stop position set); run it again when you are ready",
+            step.max(1)
+        ));
+    }
     Error::definite(format!(
-        "the cutover was interrupted by a signal: the steps it printed are done, the next one may be half done{frozen}. Run the cutover again to finish it; or, to go back to mirroring instead, clear the stop position it may have set on the target (UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}') and start pgapply run again",
-        config.slot.replace('\'', "''")
+        "the cutover was interrupted by a signal at step {step}: the steps it printed are done, step {step} may be half done{frozen}. Run the cutover again to finish it; or, to go back to mirroring instead,{} and start pgapply run again",
+        if step >= 3 {
+            format!(
+                " clear the stop position set on the target (UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}')",
+                config.slot.replace('\'', "''")
+            )
+        } else {
+            String::new()
+        }
     ))
 }
 

@@ -2841,6 +2841,15 @@ async fn a_cutover_interrupted_after_the_freeze_says_how_to_undo_it() {
             == 1
     })
     .await;
+    wait_for("the verify step (5) to wait for the lock", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()",
+        )
+        .await
+            >= 1
+    })
+    .await;
     common::signal(&cutover, libc::SIGINT);
     let status = tokio::time::timeout(std::time::Duration::from_secs(30), cutover.wait())
         .await
@@ -2849,8 +2858,9 @@ async fn a_cutover_interrupted_after_the_freeze_says_how_to_undo_it() {
     let err = std::fs::read_to_string(&log).unwrap_or_default();
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(
-        err.contains("the cutover was interrupted by a signal")
-            && err.contains(&format!("writes are still frozen for {role}"))
+        err.contains("the cutover was interrupted by a signal at step 5")
+            && err.contains(&format!("writes are frozen for {role}"))
+            && err.contains("UPDATE pgapply.progress SET stop_lsn = NULL")
             && err.contains(&format!("ALTER ROLE \"{role}\" IN DATABASE")),
         "{err}"
     );
