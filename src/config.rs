@@ -363,11 +363,22 @@ fn resolve_side(
     role: &str,
     text: Option<&String>,
     password_file: Option<&PathBuf>,
+    from_file: Option<&Path>,
 ) -> Result<Option<tokio_postgres::Config>> {
     let Some(text) = text else {
         return Ok(None);
     };
-    let mut config = conninfo::parse(role, text)?;
+    // (The parser's messages name the flag: a connection string from the file is said as such.)
+    let mut config = conninfo::parse(role, text).map_err(|e| match from_file {
+        Some(path) => {
+            let message = e.to_string();
+            let rest = message
+                .strip_prefix(&format!("--{role}:"))
+                .unwrap_or(&message);
+            Error::usage(format!("{role} (in config file {}):{rest}", path.display()))
+        }
+        None => e,
+    })?;
     if let Some(path) = password_file {
         config.password(read_password_file(path, role)?);
     }
@@ -382,6 +393,7 @@ pub fn resolve_target(args: &ServersArgs, file: &FileConfig) -> Result<tokio_pos
         args.target_password_file
             .as_ref()
             .or(file.target_password_file.as_ref()),
+        args.config.as_deref().filter(|_| args.target.is_none()),
     )?
     .ok_or_else(|| missing("target connection", "target"))
 }
@@ -397,6 +409,7 @@ pub fn resolve_optional_source(
         args.source_password_file
             .as_ref()
             .or(file.source_password_file.as_ref()),
+        args.config.as_deref().filter(|_| args.source.is_none()),
     )
 }
 

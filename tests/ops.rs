@@ -99,6 +99,21 @@ async fn config_file_and_precedence() {
         "{err}"
     );
 
+    // A connection string from the file: its error names the file, not the flag.
+    let bad = write_config("source = \"host=127.0.0.1 password=x dbnmae=y\"\ntarget = \"host=127.0.0.1\"\npublication = \"p\"\nslot = \"s\"\n");
+    let mut cmd = pgapply();
+    cmd.arg("run").arg("--config").arg(bad.arg());
+    let out = run_with_deadline(cmd, 30).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains(&format!(
+            "source (in config file {}): invalid connection string",
+            bad.arg().to_string_lossy()
+        )) && !stderr(&out).contains("--source:"),
+        "{}",
+        stderr(&out)
+    );
+
     // A value refused by its meaning (not its form) names where it was given.
     let bad = write_config(&format!(
         "source = \"{}\"\ntarget = \"{}\"\npublication = \"p\"\nslot = \"s\"\ncopy_jobs = 0\n",
