@@ -236,7 +236,17 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             .map(|a| format!(", last heartbeat {a:.0}s ago"))
             .unwrap_or_default();
         let pid = s.pid.map(|p| format!(", pid {p}")).unwrap_or_default();
-        crate::out!("slot {}: {}{pid}{heartbeat}", s.slot, s.state);
+        // A failed run's process still there (its heartbeat fresh): it waits to try again.
+        let silent_after = 3.0 * crate::replicate::HEARTBEAT_MAX_EVERY.as_secs_f64();
+        let waiting = if s.state == "failed"
+            && s.pid.is_some()
+            && s.heartbeat_age_seconds.is_some_and(|a| a <= silent_after)
+        {
+            " (the process waits to try again)"
+        } else {
+            ""
+        };
+        crate::out!("slot {}: {}{waiting}{pid}{heartbeat}", s.slot, s.state);
         if let Some(error) = &s.last_error {
             crate::out!("  error: {error}");
         }

@@ -1569,7 +1569,19 @@ async fn a_worker_between_attempts_still_counts_as_running() {
     )
     .await;
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
-    let mut worker = spawn(db.pgapply("p", &["--retry-min", "1m", "--retry-max", "1m"]));
+    let port = common::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut worker = spawn(db.pgapply(
+        "p",
+        &[
+            "--retry-min",
+            "1m",
+            "--retry-max",
+            "1m",
+            "--metrics-addr",
+            &addr,
+        ],
+    ));
     let pid = worker.id().unwrap() as i32;
     db.source_sql("INSERT INTO t VALUES (1)").await;
     wait_for("the worker to wait for its next attempt", 60, || async {
@@ -1582,6 +1594,25 @@ async fn a_worker_between_attempts_still_counts_as_running() {
             .is_ok_and(|r| r.get::<_, i64>(0) == 1)
     })
     .await;
+    // status says it waits.
+    let out = run_with_deadline(
+        common::pgapply_command(&["status", "--target", &db.target_conninfo()]),
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains(&format!(
+            "slot {}: failed (the process waits to try again), pid {pid}",
+            db.slot()
+        )),
+        "{text}"
+    );
+    // The lag in bytes of a new slot whose first transaction fails counts from where it began
+    // reading, not from the start of the source's WAL.
+    let m = common::http_get(port, "/metrics").await;
+    let lag = common::metric(&m, "pgapply_lag_bytes");
+    assert!(lag > 0.0 && lag < 1e6, "{m}");
     let forget = || {
         let mut c = pgapply();
         c.args([
