@@ -458,12 +458,7 @@ async fn a_large_transaction_behind_a_small_queue_goes_through_parallel_workers(
         .unwrap();
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(status.success(), "{text}");
-    let peak: u64 = text
-        .split("peak_rss_mb=")
-        .nth(1)
-        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no peak_rss_mb in: {text}"));
+    let peak = common::peak_rss_mb(&text);
     assert!(peak < 150, "peak RSS {peak} MB: {text}");
     assert_eq!(
         db.count(&db.target, "SELECT count(*) FROM small").await,

@@ -636,12 +636,7 @@ async fn memory_stays_flat_for_a_huge_transaction() {
     db.assert_same("big").await;
     // pgapply's own figure: the test binary's other children (other tests) do not count.
     let log = stderr(&out);
-    let rss_mb: i64 = log
-        .split("peak_rss_mb=")
-        .nth(1)
-        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no peak_rss_mb in the log: {log}"));
+    let rss_mb = common::peak_rss_mb(&log);
     eprintln!("peak RSS of pgapply for a {rows}-row transaction: {rss_mb} MB");
     // The bound does not depend on the transaction's size: the queue (64 MB of messages at most),
     // 4 MB of spool memory, statement batches and the runtime.

@@ -525,6 +525,16 @@ pub async fn http_get(port: u16, path: &str) -> String {
     body
 }
 
+/// The peak RSS (MB) pgapply's last log line reports (`peak_rss_mb=`): its own figure, not
+/// the test binary's other children.
+pub fn peak_rss_mb(log: &str) -> u64 {
+    log.split("peak_rss_mb=")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no peak_rss_mb in the log: {log}"))
+}
+
 /// A metric's value from the text exposition format; -1 when it is missing.
 pub fn metric(text: &str, name: &str) -> f64 {
     text.lines()
