@@ -51,8 +51,15 @@ fn spool_dir(db: &TestDb) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("pgapply-test-spool-{}", db.name))
 }
 
+/// Spooled transactions' files (not the lock files of the processes spooling there).
 fn spool_files(dir: &std::path::Path) -> usize {
-    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".spool"))
+                .count()
+        })
+        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,8 @@
 //! the raw pgoutput bytes (length-prefixed on disk) and decoded again when replayed. A
 //! subtransaction's abort cuts the spool back to where that subtransaction's first change was,
 //! as PostgreSQL's own apply worker does: anything after it belongs to the aborted subtransaction
-//! or its children. Files are removed after use, and the directory is emptied at start-up.
+//! or its children. Files are removed after use, and those an earlier run left behind (killed,
+//! say) at start-up.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -67,34 +68,81 @@ impl SpooledTransaction {
     }
 }
 
-/// Where a spool's files go: `<dir>/<slot>.xid-<xid>.spool`. The slot in the name keeps two
-/// pgapply processes given the same `--spool-dir` out of each other's files (a start empties
-/// the directory of its own slot's files only, and two sources may both have an xid 1234).
+/// Where a spool's files go: `<dir>/<slot>.<instance>.xid-<xid>.spool`. The slot in the name
+/// keeps pgapply processes of other slots given the same `--spool-dir` out of each other's files
+/// (two sources may both have an xid 1234). The instance keeps apart processes of the same slot
+/// name, which two sources may both use: each holds a lock on `<slot>.<instance>.lock` for as
+/// long as it runs, and a start empties only the files of the instance it locked (left by a
+/// process that ended without removing them, killed say).
 #[derive(Clone)]
 struct SpoolFiles {
     dir: PathBuf,
-    slot: String,
+    /// `<slot>.<instance>`.
+    prefix: String,
 }
+
+/// Processes of one slot name that may spool into one directory at once.
+const MAX_INSTANCES: u32 = 64;
 
 impl SpoolFiles {
     fn path(&self, xid: Xid) -> PathBuf {
-        self.dir.join(format!("{}.xid-{xid}.spool", self.slot))
+        self.dir.join(format!("{}.xid-{xid}.spool", self.prefix))
     }
 
-    /// This slot's files, and those of pgapply versions that named them `xid-<xid>.spool`
-    /// (left by a run before an upgrade, they would stay for ever).
+    /// This instance's files.
     fn is_ours(&self, name: &str) -> bool {
-        let legacy = name.starts_with("xid-") && name.ends_with(".spool");
-        legacy
-            || name
-                .strip_prefix(self.slot.as_str())
-                .and_then(|rest| rest.strip_prefix(".xid-"))
-                .is_some_and(|rest| rest.ends_with(".spool"))
+        name.strip_prefix(self.prefix.as_str())
+            .and_then(|rest| rest.strip_prefix(".xid-"))
+            .is_some_and(|rest| rest.ends_with(".spool"))
     }
+}
+
+/// Files of pgapply versions that named them `xid-<xid>.spool` or `<slot>.xid-<xid>.spool`:
+/// left by a run before an upgrade, they would stay for ever.
+fn is_legacy(name: &str, slot: &str) -> bool {
+    let unnamed = name.strip_prefix("xid-");
+    let named = name
+        .strip_prefix(slot)
+        .and_then(|rest| rest.strip_prefix(".xid-"));
+    unnamed
+        .or(named)
+        .is_some_and(|rest| rest.ends_with(".spool"))
+}
+
+/// Takes the first free instance of `slot` in `dir`: its lock file, held (by the open file)
+/// until the spool is dropped or the process ends, however it ends.
+fn lock_instance(dir: &std::path::Path, slot: &str) -> Result<(u32, File)> {
+    use std::os::fd::AsRawFd;
+    for instance in 0..MAX_INSTANCES {
+        let path = dir.join(format!("{slot}.{instance}.lock"));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(|e| spool_error(&path, e))?;
+        // SAFETY: flock on a descriptor this function owns; it has no other preconditions.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok((instance, file));
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(spool_error(&path, e));
+        }
+    }
+    Err(Error::definite(format!(
+        "spool directory {}: {MAX_INSTANCES} pgapply processes of slot {slot} spool there already: give this one a --spool-dir of its own",
+        dir.display()
+    )))
 }
 
 pub struct Spool {
     files: SpoolFiles,
+    /// Held while the spool is in use (`lock_instance`).
+    _lock: File,
     transactions: HashMap<Xid, SpooledTransaction>,
     /// The sum of the transactions' `memory_bytes`.
     memory_bytes: usize,
@@ -205,19 +253,6 @@ pub fn private_dir(dir: &std::path::Path) -> Result<()> {
 impl Spool {
     /// A spool in `dir` for `slot`, emptied of files left by an earlier run on that slot.
     pub fn open(dir: PathBuf, slot: &str) -> Result<Spool> {
-        let files = SpoolFiles {
-            dir: dir.clone(),
-            slot: slot.to_owned(),
-        };
-        // Only this slot's own files go: the directory may be shared with other things.
-        if let Ok(entries) = std::fs::read_dir(&dir) {
-            for entry in entries.flatten() {
-                let name = entry.file_name();
-                if files.is_ours(&name.to_string_lossy()) {
-                    let _ = std::fs::remove_file(entry.path());
-                }
-            }
-        }
         // Spooled rows are the source's data: readable by this user only.
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -229,8 +264,25 @@ impl Spool {
                     dir.display()
                 ))
             })?;
+        let (instance, lock) = lock_instance(&dir, slot)?;
+        let files = SpoolFiles {
+            dir: dir.clone(),
+            prefix: format!("{slot}.{instance}"),
+        };
+        // Only this instance's own files go: the directory may be shared with other things,
+        // and with other processes of the slot name.
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                if files.is_ours(&name) || (instance == 0 && is_legacy(&name, slot)) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+        }
         Ok(Spool {
             files,
+            _lock: lock,
             transactions: HashMap::new(),
             memory_bytes: 0,
         })
@@ -471,6 +523,15 @@ mod tests {
         out
     }
 
+    /// Spooled transactions' files (not the instances' lock files).
+    fn spooled(d: &std::path::Path) -> usize {
+        std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".spool"))
+            .count()
+    }
+
     fn dir(name: &str) -> PathBuf {
         std::env::temp_dir().join(format!("pgapply-spool-test-{}-{name}", std::process::id()))
     }
@@ -495,10 +556,47 @@ mod tests {
         s.start(7, true);
         s.append(7, None, Bytes::from(vec![1u8; MEMORY_PER_TRANSACTION + 1]))
             .unwrap();
-        let file = d.join("s.xid-7.spool");
+        let file = d.join("s.0.xid-7.spool");
         assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o600);
         drop(s);
         let _ = std::fs::remove_file(&link);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Two sources may use one slot name, and their pgapply processes the default spool
+    /// directory: neither removes the other's files, nor writes into them.
+    #[test]
+    fn processes_of_one_slot_name_keep_to_their_own_files() {
+        let d = dir("instances");
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir(&d).unwrap();
+        // Left by an earlier version, and by a killed process.
+        std::fs::write(d.join("s.xid-3.spool"), b"old").unwrap();
+        std::fs::write(d.join("s.0.xid-4.spool"), b"killed").unwrap();
+        let big = Bytes::from(vec![1u8; MEMORY_PER_TRANSACTION + 1]);
+        let mut first = Spool::open(d.clone(), "s").unwrap();
+        assert!(!d.join("s.xid-3.spool").exists());
+        assert!(!d.join("s.0.xid-4.spool").exists());
+        first.start(9, true);
+        first.append(9, None, big.clone()).unwrap();
+        assert!(d.join("s.0.xid-9.spool").exists());
+        // A second process of the slot name, while the first runs: its own files, the same xid.
+        let mut second = Spool::open(d.clone(), "s").unwrap();
+        assert!(d.join("s.0.xid-9.spool").exists(), "the first's file stays");
+        second.start(9, true);
+        second.append(9, None, big.clone()).unwrap();
+        assert!(d.join("s.1.xid-9.spool").exists());
+        assert_eq!(messages(&mut first.take(9).unwrap()).len(), 1);
+        // The first ends; a third start takes its place (and would remove what it left).
+        drop(first);
+        let third = Spool::open(d.clone(), "s").unwrap();
+        assert_eq!(third.files.prefix, "s.0");
+        assert!(
+            d.join("s.1.xid-9.spool").exists(),
+            "the second's file stays"
+        );
+        assert_eq!(messages(&mut second.take(9).unwrap()).len(), 1);
+        drop((second, third));
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -558,10 +656,7 @@ mod tests {
         for _ in 0..5 {
             s.append(5, Some(6), big.clone()).unwrap();
         }
-        assert!(
-            std::fs::read_dir(&d).unwrap().count() == 1,
-            "spilled to a file"
-        );
+        assert!(spooled(&d) == 1, "spilled to a file");
         s.abort(5, 6).unwrap();
         s.append(5, Some(5), Bytes::from_static(b"tail")).unwrap();
         let mut r = s.take(5).unwrap();
@@ -570,18 +665,14 @@ mod tests {
         assert!(got[..6].iter().all(|m| m.len() == 1024 * 1024));
         assert_eq!(got[6], b"tail");
         drop(r);
-        assert_eq!(
-            std::fs::read_dir(&d).unwrap().count(),
-            0,
-            "file removed after use"
-        );
+        assert_eq!(spooled(&d), 0, "file removed after use");
         // Whole-transaction abort removes everything.
         s.start(8, true);
         for _ in 0..6 {
             s.append(8, Some(8), big.clone()).unwrap();
         }
         s.abort(8, 8).unwrap();
-        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0);
+        assert_eq!(spooled(&d), 0);
         let _ = std::fs::remove_dir_all(d);
     }
 
@@ -627,10 +718,7 @@ mod tests {
             }
             assert!(s.memory_bytes() <= MEMORY_IN_ALL, "{}", s.memory_bytes());
         }
-        assert!(
-            std::fs::read_dir(&d).unwrap().count() > 0,
-            "some went to disk"
-        );
+        assert!(spooled(&d) > 0, "some went to disk");
         // Every message comes back, in order, from memory or disk.
         for xid in 1..=40u32 {
             let mut r = s.take(xid).unwrap();
@@ -654,11 +742,13 @@ mod tests {
         b.start(7, true);
         b.append(7, None, Bytes::from(vec![2u8; MEMORY_PER_TRANSACTION + 1]))
             .unwrap();
-        assert!(d.join("a.xid-7.spool").exists() && d.join("b.xid-7.spool").exists());
-        // A restart of "b" empties only its own files.
+        assert!(d.join("a.0.xid-7.spool").exists() && d.join("b.0.xid-7.spool").exists());
+        // "b" killed, leaving a file; its restart removes only its own files.
+        drop(b);
+        std::fs::write(d.join("b.0.xid-8.spool"), b"killed").unwrap();
         let b2 = Spool::open(d.clone(), "b").unwrap();
-        assert!(d.join("a.xid-7.spool").exists());
-        assert!(!d.join("b.xid-7.spool").exists());
+        assert!(d.join("a.0.xid-7.spool").exists());
+        assert!(!d.join("b.0.xid-8.spool").exists());
         drop(b2);
         let mut r = a.take(7).unwrap();
         assert!(messages(&mut r).iter().all(|m| m.iter().all(|&x| x == 1)));
