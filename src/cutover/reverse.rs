@@ -1,0 +1,287 @@
+//! Step 6 of the cutover, `--reverse`: a publication and slot on the target (the new primary),
+//! for replication back to the source, checked before anything is done and prepared at the end.
+
+use std::time::Duration;
+
+use tokio_postgres::Client;
+
+use crate::copy::published_tables;
+use crate::error::{Error, Result};
+use crate::replicate::RunConfig;
+use crate::sql::quote_ident;
+
+/// What would stop `--reverse` on the target (step 6, after writes are frozen): a slot cannot
+/// be made there (wal_level, no free slot), the role may not make one or a publication, or does
+/// not own the tables (a publication names only tables its role owns).
+pub(super) async fn reverse_problems(
+    source: &Client,
+    target: &Client,
+    config: &RunConfig,
+) -> Result<Vec<String>> {
+    let reverse = format!("{}_reverse", config.slot);
+    let row = target
+        .query_one(
+            "SELECT current_setting('wal_level'),                     (SELECT rolsuper OR rolreplication FROM pg_catalog.pg_roles WHERE rolname = current_user) OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles g WHERE g.rolname = 'rds_replication' AND pg_catalog.pg_has_role(current_user, g.oid, 'MEMBER')),                     has_database_privilege(current_database(), 'CREATE'),                     current_setting('max_replication_slots')::int                       - (SELECT count(*) FROM pg_catalog.pg_replication_slots)::int                       + (SELECT count(*) FROM pg_catalog.pg_replication_slots WHERE slot_name = $1)::int",
+            &[&reverse],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading what --reverse needs on the target", e))?;
+    let (wal_level, replication, create, free): (String, Option<bool>, bool, i32) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    let mut problems = Vec::new();
+    if wal_level != "logical" {
+        problems.push(format!("--reverse makes a logical replication slot on the target, whose wal_level is {wal_level}: set wal_level = logical there and restart it, or cut over without --reverse"));
+    }
+    if replication != Some(true) {
+        problems.push("--reverse makes a replication slot on the target, which its role may not (it needs REPLICATION, or superuser; on Amazon RDS, rds_replication): ALTER ROLE ... REPLICATION there, or cut over without --reverse".to_owned());
+    }
+    if !create {
+        problems.push("--reverse makes a publication on the target, in a database where its role may not create objects: GRANT CREATE ON DATABASE ... TO it, or cut over without --reverse".to_owned());
+    }
+    if free < 1 {
+        problems.push("--reverse makes a replication slot on the target, which has no free one (max_replication_slots): raise it and restart the target, or drop a slot nothing uses".to_owned());
+    }
+    let tables: Vec<String> = published_tables(source, &config.publications, &config.table_map)
+        .await?
+        .iter()
+        .map(|t| t.target_qualified())
+        .collect();
+    let not_owned: Vec<(String, String, String, Option<bool>)> = target
+        .query(
+            "SELECT n, pg_catalog.pg_get_userbyid(c.relowner)::text, current_user::text, \
+                    (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = c.relowner) \
+             FROM unnest($1::text[]) n JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n) \
+             WHERE NOT pg_catalog.pg_has_role(current_user, c.relowner, 'USAGE')",
+            &[&tables],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the tables' owners on the target", e))?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    if let Some((_, _, me, _)) = not_owned.first() {
+        let shown: Vec<&str> = not_owned.iter().take(5).map(|(t, ..)| t.as_str()).collect();
+        let mut owners: Vec<String> = not_owned
+            .iter()
+            .map(|(_, o, ..)| crate::sql::quote_ident(o))
+            .collect();
+        owners.sort();
+        owners.dedup();
+        let me = crate::sql::quote_ident(me);
+        // Membership in a superuser role is not something to hand out for this.
+        let fix = if not_owned.iter().any(|(.., sup)| *sup == Some(true)) {
+            format!("give the tables to the application's role (ALTER TABLE ... OWNER TO it) and GRANT it TO {me} on the target, or run the cutover as a superuser there")
+        } else {
+            format!("GRANT {} TO {me} on the target (which also keeps pgapply's rights on tables the application's role owns)", owners.join(", "))
+        };
+        problems.push(format!(
+            "--reverse makes a publication of the tables on the target, and only their owner may publish a table: role {me} does not own {}{} (owned by {}): {fix}, or cut over without --reverse",
+            shown.join(", "),
+            if not_owned.len() > shown.len() { format!(" and {} more", not_owned.len() - shown.len()) } else { String::new() },
+            owners.join(", "),
+        ));
+    }
+    Ok(problems)
+}
+
+pub(super) async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
+    let tables = {
+        let source = crate::tls::connect(&config.source)
+            .await
+            .map_err(|e| e.into_error("connecting to the source"))?;
+        published_tables(&source, &config.publications, &config.table_map).await?
+    };
+    let publication = format!("{}_reverse", config.slot);
+    let slot = format!("{}_reverse", config.slot);
+    let list = tables
+        .iter()
+        .map(|t| t.target_qualified())
+        .collect::<Vec<_>>()
+        .join(", ");
+    target
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL client_min_messages = warning; DROP PUBLICATION IF EXISTS {p}; CREATE PUBLICATION {p} FOR TABLE {list}; COMMIT",
+            p = quote_ident(&publication)
+        ))
+        .await
+        .map_err(|e| {
+            Error::postgres("step 6: creating the reverse publication on the target", e)
+        })?;
+    let exists: bool = target
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("step 6: reading slots on the target", e))?
+        .get(0);
+    if !exists {
+        // A logical slot is ready only once every transaction open on the cluster (prepared
+        // ones included, in any database) has ended: after a minute, say which, rather than
+        // wait in silence.
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&slot];
+        let create = target.execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &params,
+        );
+        match tokio::time::timeout(Duration::from_secs(60), create).await {
+            Ok(result) => {
+                result.map_err(|e| {
+                    Error::postgres(
+                        "step 6: creating the reverse slot on the target (wal_level = logical?)",
+                        e,
+                    )
+                })?;
+            }
+            Err(_) => {
+                let _ = target
+                    .cancel_token()
+                    .cancel_query(tokio_postgres::NoTls)
+                    .await;
+                let prepared: Vec<String> = target
+                    .query("SELECT gid FROM pg_catalog.pg_prepared_xacts", &[])
+                    .await
+                    .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+                    .unwrap_or_default();
+                let prepared = if prepared.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (prepared there: {}; COMMIT PREPARED or ROLLBACK PREPARED them)",
+                        prepared.join(", ")
+                    )
+                };
+                return Err(Error::definite(format!(
+                    "step 6: creating the reverse slot on the target waited a minute for transactions open on the target cluster to end{prepared}; any database counts: see pg_stat_activity for sessions idle in transaction or long queries. End them, then run the cutover again"
+                )));
+            }
+        }
+    }
+    // Loop prevention: the reverse slot starts after everything pgapply applied, and the forward
+    // worker is fenced, so nothing comes back; `--origin none` (a 16+ source, here the new
+    // primary) also filters out anything a forward run might still apply.
+    let version = crate::sql::server_version(target)
+        .await
+        .map_err(|e| Error::postgres("step 6: reading the target's version", e))?;
+    let origin = if version >= 160000 {
+        " --origin none"
+    } else {
+        ""
+    };
+    let (mapping, merged) = inverse_mapping(&tables);
+    let config_arg = if mapping.is_empty() {
+        ""
+    } else {
+        " --config <a file with the lines below>"
+    };
+    crate::out!(
+        "step 6: reverse replication prepared: publication {publication:?} and slot {slot:?} on the target. To replicate back, run:\n  pgapply run --source <new primary> --target <old primary> --publication {publication} --slot {slot}{origin}{config_arg}"
+    );
+    if !mapping.is_empty() {
+        crate::out!(
+            "the tables are mapped ([tables]): the way back maps them the other way round, in its config file:\n{}",
+            mapping.join("\n")
+        );
+    }
+    for (target, sources) in merged {
+        crate::out!(
+            "target table {target} holds the rows of source tables {}: the way back cannot part them again. Take it out of publication {publication:?} on the new primary (ALTER PUBLICATION {} DROP TABLE {target}) before replicating back, and move its rows back by hand",
+            sources.join(", "),
+            quote_ident(&publication)
+        );
+    }
+    // Unread, the slot keeps the new primary's WAL for good.
+    crate::out!(
+        "slot {slot:?} on the target (the new primary) holds its WAL from now on until that runs: if you will not replicate back, drop it there: SELECT pg_drop_replication_slot('{}')",
+        slot.replace('\'', "''")
+    );
+    Ok(())
+}
+
+/// The `[tables]` entries that replicate the mapped tables back (target name -> source name),
+/// and the target tables that several source tables fill (which no mapping parts again).
+pub(super) fn inverse_mapping(
+    tables: &[crate::copy::PublishedTable],
+) -> (Vec<String>, Vec<(String, Vec<String>)>) {
+    let mut by_target: Vec<(&crate::copy::PublishedTable, Vec<String>)> = Vec::new();
+    for t in tables {
+        match by_target
+            .iter_mut()
+            .find(|(first, _)| first.target_qualified() == t.target_qualified())
+        {
+            Some((_, sources)) => sources.push(t.qualified()),
+            None => by_target.push((t, vec![t.qualified()])),
+        }
+    }
+    let mut mapping = Vec::new();
+    let mut merged = Vec::new();
+    for (t, sources) in by_target {
+        if sources.len() > 1 {
+            merged.push((t.target_qualified(), sources));
+        } else if t.schema != t.target_schema || t.name != t.target_name {
+            mapping.push(format!(
+                "  [tables.{}]\n  target = {}",
+                toml_string(&config_name(&t.target_schema, &t.target_name)),
+                toml_string(&config_name(&t.schema, &t.name))
+            ));
+        }
+    }
+    (mapping, merged)
+}
+
+/// A table's name as the config file reads it: `schema.table`, quoted where it must be.
+pub(super) fn config_name(schema: &str, name: &str) -> String {
+    let plain = |s: &str| !s.is_empty() && !s.contains(['.', '"']);
+    if plain(schema) && plain(name) {
+        format!("{schema}.{name}")
+    } else {
+        crate::sql::qualified_name(schema, name)
+    }
+}
+
+/// A TOML string: literal (single quotes) where it can be, else basic with escapes.
+pub(super) fn toml_string(text: &str) -> String {
+    if !text.contains(['\'', '\n', '\r']) {
+        format!("'{text}'")
+    } else {
+        serde_json::Value::from(text).to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn mapped_names_are_written_as_the_config_file_reads_them() {
+        use super::{config_name, toml_string};
+        assert_eq!(config_name("app", "orders"), "app.orders");
+        assert_eq!(
+            config_name("ledger", "Invoice \"Archive\""),
+            "\"ledger\".\"Invoice \"\"Archive\"\"\""
+        );
+        assert_eq!(config_name("my.schema", "t"), "\"my.schema\".\"t\"");
+        assert_eq!(toml_string("app.orders"), "'app.orders'");
+        assert_eq!(toml_string("o'brien.t"), "\"o'brien.t\"");
+        for (schema, name) in [
+            ("ledger", "Invoice \"Archive\""),
+            ("o'b", "t.x"),
+            ("a", "b"),
+        ] {
+            let text = format!(
+                "[tables.{}]\ntarget = 'x.y'\n",
+                toml_string(&config_name(schema, name))
+            );
+            let file: toml::Value = toml::from_str(&text).unwrap();
+            let key = file["tables"]
+                .as_table()
+                .unwrap()
+                .keys()
+                .next()
+                .unwrap()
+                .clone();
+            assert_eq!(
+                crate::config::parse_table_name(&key).unwrap(),
+                (schema.to_owned(), name.to_owned())
+            );
+        }
+    }
+}
