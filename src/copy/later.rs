@@ -1,0 +1,250 @@
+//! Tables published after the initial copy: copied by a later run with `--copy-data`, and the
+//! position each such copy's snapshot had, so that changes already in the copied rows are
+//! dropped.
+
+use std::collections::HashMap;
+
+use tokio_postgres::Client;
+
+use super::{connect_source, published_tables};
+use crate::error::{Error, Result};
+use crate::sql::qualified_name;
+
+/// Tables published after the slot's initial copy whose copy (`plan_copy` with `late`) began
+/// but did not finish: streamed into as they are, they would miss rows.
+pub async fn late_unfinished(target: &Client, slot: &str) -> Result<Vec<String>> {
+    let rows = target
+        .query(
+            "SELECT schema_name, table_name FROM pgapply.copy_state \
+             WHERE slot_name = $1 AND synced_lsn IS NOT NULL AND state <> 'done' ORDER BY 1, 2",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+    Ok(rows
+        .iter()
+        .map(|r| qualified_name(&r.get::<_, String>(0), &r.get::<_, String>(1)))
+        .collect())
+}
+
+/// Whether `qualified` names a table on the target.
+pub(super) async fn target_table_exists(target: &Client, qualified: &str) -> Result<bool> {
+    Ok(target
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+        .await
+        .map_err(|e| Error::postgres(format!("reading table {qualified} on the target"), e))?
+        .get(0))
+}
+
+/// Tables copied after the initial copy (published later), with that copy's snapshot position:
+/// changes from transactions committed before it are in the copied rows, and are dropped.
+#[derive(Debug, Default)]
+pub struct LaterCopies {
+    /// By source table (schema, name): the copied tables, and the source tables whose rows a
+    /// copy read under another name (`cover_partitions`).
+    pub by_source: HashMap<(String, String), crate::protocol::Lsn>,
+}
+
+impl LaterCopies {
+    pub fn is_empty(&self) -> bool {
+        self.by_source.is_empty()
+    }
+}
+
+/// The tables copied after the initial copy whose snapshot position is past `from` (their other
+/// names on the source: `cover_partitions`).
+pub async fn copied_since(
+    target: &Client,
+    slot: &str,
+    from: crate::protocol::Lsn,
+) -> Result<LaterCopies> {
+    let rows = target
+        .query(
+            "SELECT schema_name, table_name, synced_lsn::text FROM pgapply.copy_state \
+             WHERE slot_name = $1 AND state = 'done' AND synced_lsn > $2::text::pg_lsn",
+            &[&slot, &from.to_string()],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+    let mut copies = LaterCopies::default();
+    for r in rows {
+        let text: String = r.get(2);
+        let lsn: crate::protocol::Lsn = text.parse().map_err(|e| {
+            Error::definite(format!(
+                "pgapply.copy_state on the target holds an unreadable position {text:?}: {e}"
+            ))
+        })?;
+        copies.by_source.insert((r.get(0), r.get(1)), lsn);
+    }
+    Ok(copies)
+}
+
+/// A copied table's rows, read on the source, are those of its partitions too, and a
+/// partitioned table's rows those of its leaves: after `publish_via_partition_root` switched, a
+/// change still to be applied may come under the other name. Adds (by the source's partition
+/// tree, as it is now) each partition under a copied table, at that copy's position, and each
+/// partitioned table above copied ones whose every leaf partition is covered, at the earliest
+/// of their positions. (Not tables inheriting otherwise: COPY reads a table's own rows only.)
+pub async fn cover_partitions(source: &Client, copies: &mut LaterCopies) -> Result<()> {
+    let by_source = &mut copies.by_source;
+    let edges = source
+        .query(
+            "SELECT i.inhrelid, cn.nspname::text, c.relname::text, c.relkind = 'p', \
+                    i.inhparent, pn.nspname::text, p.relname::text \
+             FROM pg_catalog.pg_inherits i \
+             JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid AND c.relispartition \
+             JOIN pg_catalog.pg_namespace cn ON cn.oid = c.relnamespace \
+             JOIN pg_catalog.pg_class p ON p.oid = i.inhparent \
+             JOIN pg_catalog.pg_namespace pn ON pn.oid = p.relnamespace",
+            &[],
+        )
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                "reading the partitions of the copied tables on the source",
+                e,
+            )
+        })?;
+    type Name = (String, String);
+    let mut name_of: HashMap<u32, Name> = HashMap::new();
+    let mut parent_of: HashMap<u32, u32> = HashMap::new();
+    let mut children: HashMap<u32, Vec<(u32, bool)>> = HashMap::new();
+    for e in &edges {
+        let (child, parent): (u32, u32) = (e.get(0), e.get(4));
+        name_of.insert(child, (e.get(1), e.get(2)));
+        name_of.insert(parent, (e.get(5), e.get(6)));
+        parent_of.insert(child, parent);
+        children.entry(parent).or_default().push((child, e.get(3)));
+    }
+    let oid_of: HashMap<&Name, u32> = name_of.iter().map(|(oid, name)| (name, *oid)).collect();
+    let mut by_oid: HashMap<u32, crate::protocol::Lsn> = HashMap::new();
+    for (name, lsn) in by_source.iter() {
+        if let Some(&oid) = oid_of.get(name) {
+            by_oid.insert(oid, *lsn);
+        }
+    }
+    // Down: every partition under a copied table.
+    let copied: Vec<(u32, crate::protocol::Lsn)> = by_oid.iter().map(|(o, l)| (*o, *l)).collect();
+    for (oid, lsn) in copied {
+        let mut stack = vec![oid];
+        let mut seen = 0usize;
+        while let Some(table) = stack.pop() {
+            seen += 1;
+            if seen > 100_000 {
+                break;
+            }
+            for &(child, _) in children.get(&table).into_iter().flatten() {
+                let at = by_oid.entry(child).or_insert(lsn);
+                *at = (*at).max(lsn);
+                stack.push(child);
+            }
+        }
+    }
+    // Up: a partitioned table whose leaves are all covered.
+    fn leaves_covered(
+        table: u32,
+        children: &HashMap<u32, Vec<(u32, bool)>>,
+        by_oid: &HashMap<u32, crate::protocol::Lsn>,
+        depth: usize,
+    ) -> Option<crate::protocol::Lsn> {
+        let mut earliest: Option<crate::protocol::Lsn> = None;
+        for &(child, partitioned) in children.get(&table)? {
+            let at = if partitioned && depth < 64 {
+                leaves_covered(child, children, by_oid, depth + 1)?
+            } else {
+                *by_oid.get(&child)?
+            };
+            earliest = Some(earliest.map_or(at, |e| e.min(at)));
+        }
+        earliest
+    }
+    let mut ancestors: Vec<u32> = Vec::new();
+    for &oid in by_oid.keys() {
+        let mut at = oid;
+        while let Some(&parent) = parent_of.get(&at) {
+            if ancestors.contains(&parent) || ancestors.len() > 10_000 {
+                break;
+            }
+            ancestors.push(parent);
+            at = parent;
+        }
+    }
+    for parent in ancestors {
+        if by_oid.contains_key(&parent) {
+            continue;
+        }
+        if let Some(at) = leaves_covered(parent, &children, &by_oid, 0) {
+            by_oid.insert(parent, at);
+        }
+    }
+    for (oid, lsn) in by_oid {
+        if let Some(name) = name_of.get(&oid) {
+            by_source.entry(name.clone()).or_insert(lsn);
+        }
+    }
+    Ok(())
+}
+
+/// After the initial copy, forgets the copy state of tables no longer published (as `REFRESH
+/// PUBLICATION` does): published again later, such a table is copied again by a `--copy-data`
+/// run, instead of being taken as copied with the changes made while it was out missing. A copy
+/// of such a table that did not finish no longer blocks the runs either. The last row stays:
+/// it is what says that the slot's initial copy was made.
+pub async fn forget_unpublished(
+    target: &Client,
+    source_config: &tokio_postgres::Config,
+    slot: &str,
+    publications: &[String],
+    table_map: &crate::config::TableMap,
+    resume: crate::protocol::Lsn,
+) -> Result<()> {
+    let source = connect_source(source_config).await?;
+    let published: Vec<(String, String)> = published_tables(&source, publications, table_map)
+        .await?
+        .into_iter()
+        .map(|t| (t.schema, t.name))
+        .collect();
+    let context = |e| Error::postgres("reading pgapply.copy_state on the target", e);
+    // (A copied table whose copy's position the stream has not passed yet stays: its changes
+    // from before that position, still to come, are to be dropped.)
+    let recorded: Vec<(String, String)> = target
+        .query(
+            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1 \
+             AND NOT (state = 'done' AND synced_lsn IS NOT NULL AND synced_lsn > $2::text::pg_lsn)",
+            &[&slot, &resume.to_string()],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let gone: Vec<&(String, String)> = recorded.iter().filter(|t| !published.contains(t)).collect();
+    if gone.is_empty() || gone.len() == recorded.len() {
+        return Ok(());
+    }
+    for (schema, name) in &gone {
+        target
+            .execute(
+                "DELETE FROM pgapply.copy_state WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
+                &[&slot, schema, name],
+            )
+            .await
+            .map_err(context)?;
+    }
+    let names: Vec<String> = gone.iter().map(|(s, n)| qualified_name(s, n)).collect();
+    tracing::info!(tables = %names.join(", "), "no longer published: their copy state is forgotten (published again, a run with --copy-data copies them again)");
+    Ok(())
+}
+
+/// Records the snapshot position of a copy of tables published after the initial copy.
+pub async fn set_synced_lsn(target: &Client, slot: &str, at: crate::protocol::Lsn) -> Result<()> {
+    target
+        .execute(
+            "UPDATE pgapply.copy_state SET synced_lsn = $2::text::pg_lsn \
+             WHERE slot_name = $1 AND synced_lsn = '0/0' AND state <> 'done'",
+            &[&slot, &at.to_string()],
+        )
+        .await
+        .map_err(|e| Error::postgres("recording the copy's snapshot position on the target", e))?;
+    Ok(())
+}
