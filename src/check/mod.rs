@@ -1,0 +1,290 @@
+//! `pgapply check`: validates the settings and both servers before anything runs, and lists every
+//! problem found (not just the first), each naming the object and what to do.
+
+use tokio_postgres::Client;
+
+use crate::cli::RunArgs;
+use crate::config::{self, FileConfig};
+use crate::conninfo;
+use crate::error::{describe_postgres, Error, Result};
+
+mod source;
+mod target;
+
+use source::check_source;
+use target::{check_apply_session, check_target};
+
+struct Report {
+    problems: Vec<String>,
+}
+
+impl Report {
+    fn ok(&self, text: impl AsRef<str>) {
+        crate::out!("ok       {}", text.as_ref());
+    }
+    fn problem(&mut self, text: impl Into<String>) {
+        let text = text.into();
+        crate::out!("PROBLEM  {text}");
+        self.problems.push(text);
+    }
+    /// Works, but may fail or change values later: said, not counted as a problem.
+    fn warning(&self, text: impl AsRef<str>) {
+        crate::out!("WARNING  {}", text.as_ref());
+    }
+}
+
+pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
+    let mut report = Report {
+        problems: Vec::new(),
+    };
+    let (config, service) =
+        match config::resolve(args, file).and_then(|c| config::check_run_only(&c.0).map(|()| c)) {
+            Ok(c) => c,
+            Err(e) => {
+                report.problem(e.to_string());
+                return finish(report);
+            }
+        };
+    // Where `run` would listen (not listened on here: a running worker may hold it).
+    if let Some(addr) = &service.metrics_addr {
+        if let Err(e) = tokio::net::lookup_host(addr.as_str()).await {
+            report.problem(format!(
+                "--metrics-addr {addr}: {e}; give HOST:PORT, for example 127.0.0.1:9187"
+            ));
+            return finish(report);
+        }
+    }
+    report.ok("settings");
+    let source = match crate::tls::connect_to(&config.source, "source").await {
+        Ok(c) => {
+            report.ok(format!(
+                "source {} reachable",
+                conninfo::describe(&config.source)
+            ));
+            Some(c)
+        }
+        Err(e) => {
+            report.problem(e.to_string());
+            None
+        }
+    };
+    let target = match crate::tls::connect_to(&config.target, "target").await {
+        Ok(c) => {
+            report.ok(format!(
+                "target {} reachable",
+                conninfo::describe(&config.target)
+            ));
+            Some(c)
+        }
+        Err(e) => {
+            report.problem(e.to_string());
+            None
+        }
+    };
+    let mut tables = Vec::new();
+    let mut truncated = Vec::new();
+    let mut updated = Vec::new();
+    if let Some(src) = &source {
+        check_source(
+            src,
+            target.as_ref(),
+            &config,
+            &mut report,
+            &mut tables,
+            (&mut truncated, &mut updated),
+        )
+        .await;
+    }
+    // A slot made by a --two-phase run makes every run on it two-phase.
+    let mut two_phase = config.requested.two_phase;
+    // (None: not known, the source unreachable; then nothing is judged from it.)
+    let mut slot_exists = None;
+    if let Some(src) = &source {
+        slot_exists = src
+            .query_opt(
+                "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                &[&config.slot],
+            )
+            .await
+            .ok()
+            .map(|r| r.is_some());
+        let slot_two_phase = src
+            .query_opt(
+                "SELECT 1 FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1 \
+                 AND coalesce(to_jsonb(s) ->> 'two_phase', 'false') = 'true'",
+                &[&config.slot],
+            )
+            .await
+            .is_ok_and(|r| r.is_some());
+        // As the run decides (before 15, --two-phase is negotiated off and the slot not judged).
+        if slot_exists == Some(true) && server_version(src).await >= 150000 {
+            if let Some(problem) = crate::source::two_phase_slot_problem(
+                &config.slot,
+                slot_two_phase,
+                config.requested.two_phase,
+                config.apply_workers > 1,
+            ) {
+                report.problem(problem);
+            }
+        }
+        two_phase |= slot_two_phase;
+    }
+    if let Some(dst) = &target {
+        // Origins are the cluster's: a slot name another database of it claimed is refused.
+        let origin = format!("pgapply_{}", config.slot);
+        let first = crate::apply::progress::slot_name_claims(dst, &origin)
+            .await
+            .ok()
+            .and_then(|claims| claims.into_iter().find(|c| c.database.is_some()));
+        if let Some(claim) = first.filter(|c| !c.mine) {
+            report.problem(format!(
+                "slot name {:?} is already used by pgapply in database {:?} of the target cluster (replication origins are shared by its databases): give this run another --slot",
+                config.slot,
+                claim.database.unwrap_or_default()
+            ));
+        }
+        // Whatever the source said: the role's rights for pgapply's own state.
+        // As `run` decides: --copy-data with a copy still to make (none yet, an interrupted one,
+        // or a finished one whose slot is gone) wants empty tables, or --truncate-target; an
+        // interrupted copy's tables it empties itself; and a slot it did not make for a copy
+        // it refuses.
+        use crate::copy::CopyStatus;
+        let status = crate::copy::status(dst, &config.slot)
+            .await
+            .unwrap_or(CopyStatus::None);
+        // A slot a cutover stopped is not copied again by `run`.
+        let fenced = dst
+            .query_opt(
+                "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND to_jsonb(progress) ->> 'stop_lsn' IS NOT NULL",
+                &[&config.slot],
+            )
+            .await
+            .is_ok_and(|r| r.is_some());
+        let copy_pending = config.copy_data
+            && !fenced
+            && slot_exists.is_some_and(|exists| status != CopyStatus::Done || !exists);
+        if copy_pending && slot_exists == Some(true) && status == CopyStatus::None {
+            report.problem(format!(
+                "--copy-data creates slot {:?} with a snapshot of the data, but a slot of that name already exists on the source (made by hand, or by a run without --copy-data): give another --slot, or drop it if nothing needs its changes",
+                config.slot
+            ));
+        }
+        let emptied: Vec<String> = if status == CopyStatus::Incomplete {
+            crate::copy::copied_tables(dst, &config.slot)
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(schema, name)| {
+                    let (schema, name) = config
+                        .table_map
+                        .get(&(schema.clone(), name.clone()))
+                        .cloned()
+                        .unwrap_or((schema, name));
+                    crate::sql::qualified_name(&schema, &name)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if status == CopyStatus::Incomplete && !config.copy_data {
+            report.problem(format!(
+                "the initial copy for slot {:?} was interrupted and cannot continue: run with --copy-data to start it over (it empties the tables it had copied: {})",
+                config.slot,
+                if emptied.is_empty() { "none yet".to_owned() } else { emptied.join(", ") }
+            ));
+        }
+        // After the initial copy: tables published since, which a run with --copy-data copies
+        // (and one without leaves without their earlier rows), and such copies that did not
+        // finish, which a run without --copy-data refuses.
+        if status == CopyStatus::Done && slot_exists == Some(true) && !fenced {
+            let recorded = crate::copy::copied_tables(dst, &config.slot)
+                .await
+                .unwrap_or_default();
+            let not_copied: Vec<String> = tables
+                .iter()
+                .filter(|t| !recorded.contains(&(t.schema.clone(), t.name.clone())))
+                .map(|t| t.qualified())
+                .collect();
+            if !not_copied.is_empty() {
+                let how = if config.copy_data {
+                    "this run copies them (--copy-data): their target tables must be empty, or give --truncate-target"
+                } else {
+                    "rows they held before they were published are not on the target (none if they were empty then): a run with --copy-data copies them"
+                };
+                report.warning(format!(
+                    "published after the initial copy: {}; {how}",
+                    not_copied.join(", ")
+                ));
+            }
+            let unfinished = crate::copy::late_unfinished(dst, &config.slot)
+                .await
+                .unwrap_or_default();
+            if !unfinished.is_empty() && !config.copy_data {
+                report.problem(format!(
+                    "the copy of {} (published after the initial copy) did not finish: a run without --copy-data refuses to stream into it; run with --copy-data",
+                    unfinished.join(", ")
+                ));
+            }
+        }
+        let must_be_empty = copy_pending && !config.copy.truncate_target;
+        check_target(
+            dst,
+            source.as_ref(),
+            &mut report,
+            &tables,
+            (&truncated, &updated),
+            must_be_empty,
+            &emptied,
+        )
+        .await;
+        check_apply_session(dst, &mut report, &tables, two_phase).await;
+    }
+    finish(report)
+}
+
+/// The server's `server_version_num`, or 0 if it cannot be read.
+async fn server_version(client: &Client) -> u32 {
+    match client.query_one("SHOW server_version_num", &[]).await {
+        Ok(row) => row.get::<_, String>(0).parse().unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+fn finish(report: Report) -> Result<()> {
+    if report.problems.is_empty() {
+        crate::out!("no problems found");
+        Ok(())
+    } else {
+        // Each is on its PROBLEM line above: the error names the count and the first only, or
+        // a target without the tables would print its long list three times.
+        let first = &report.problems[0];
+        Err(Error::definite(match report.problems.len() {
+            1 => format!("1 problem found: {first}"),
+            n => format!("{n} problems found (the PROBLEM lines above), the first: {first}"),
+        }))
+    }
+}
+
+/// The source's system identifier, as pgapply.progress records it ("" if unreadable).
+async fn source_system_id(src: &Client) -> String {
+    src.query_one(
+        "SELECT system_identifier::text FROM pg_catalog.pg_control_system()",
+        &[],
+    )
+    .await
+    .map(|r| r.get(0))
+    .unwrap_or_default()
+}
+
+/// A yes/no query; a failure is the server's own message (not taken for a "no").
+async fn query_bool(
+    client: &Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> std::result::Result<bool, String> {
+    client
+        .query_one(sql, params)
+        .await
+        .map(|r| r.get::<_, Option<bool>>(0).unwrap_or(false))
+        .map_err(|e| describe_postgres(&e))
+}

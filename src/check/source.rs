@@ -1,0 +1,434 @@
+//! The source's part of `pgapply check`: settings, role, slot and publications.
+
+use tokio_postgres::Client;
+
+use super::{query_bool, server_version, source_system_id, Report};
+use crate::copy::published_tables;
+use crate::error::describe_postgres;
+use crate::sql::quote_ident;
+
+pub(super) async fn check_source(
+    src: &Client,
+    dst: Option<&Client>,
+    config: &crate::replicate::RunConfig,
+    report: &mut Report,
+    tables: &mut Vec<crate::copy::PublishedTable>,
+    (truncated, updated): (&mut Vec<bool>, &mut Vec<bool>),
+) {
+    if let (Some(dst), Ok(Some(row))) = (
+        dst,
+        src.query_opt(
+            "SELECT system_identifier::text, current_database()::text FROM pg_catalog.pg_control_system()",
+            &[],
+        )
+        .await,
+    ) {
+        let (system_id, database): (String, String) = (row.get(0), row.get(1));
+        if let Err(e) = crate::replicate::refuse_same_database(dst, &system_id, &database).await {
+            report.problem(e.to_string());
+        }
+    }
+    if let Ok(row) = src
+        .query_one(
+            "SELECT pg_catalog.pg_is_in_recovery(), current_setting('server_version_num')::int",
+            &[],
+        )
+        .await
+    {
+        if row.get::<_, bool>(0) && row.get::<_, i32>(1) < 160000 {
+            report.problem("the source is a standby (in recovery), where PostgreSQL before 16 cannot decode changes: point --source at the primary");
+        }
+    }
+    if let Ok(row) = src
+        .query_one(
+            "SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'wal_sender_timeout'",
+            &[],
+        )
+        .await
+    {
+        let ms: i64 = row.get(0);
+        match crate::replicate::status_interval_problem(config.status_interval, ms.max(0) as u64) {
+            Some(problem) => report.problem(problem),
+            None => report.ok("status interval within the source's wal_sender_timeout"),
+        }
+    }
+    // Options this source's version cannot serve, as `run` refuses them (or warns).
+    {
+        let version = server_version(src).await;
+        if version > 0 {
+            for problem in crate::source::options::version_problems(version, &config.requested) {
+                report.problem(problem);
+            }
+            if config.failover_slot && version < 170000 {
+                report.problem(format!(
+                    "--failover-slot needs a PostgreSQL 17 or later source; this source runs PostgreSQL {}: leave it out",
+                    version / 10000
+                ));
+            }
+            // --binary falls back to text, for the whole stream, rather than refuse: said here.
+            if config.requested.binary {
+                if version < 140000 {
+                    report.warning(format!("--binary needs a PostgreSQL 14 or later source; this source runs PostgreSQL {}: values arrive in text form", version / 10000));
+                } else {
+                    match crate::replicate::binary_unsafe(config, version).await {
+                        Ok(Some(reason)) => report.warning(format!(
+                            "--binary: values arrive in text form for every table, as {reason}"
+                        )),
+                        Ok(None) => report.ok("--binary: values arrive in binary form"),
+                        // (A server that cannot be reached is reported on its own.)
+                        Err(_) => {}
+                    }
+                }
+            }
+            if config.requested.streaming == Some(crate::cli::Streaming::Parallel)
+                && (140000..160000).contains(&version)
+            {
+                report.warning("--streaming parallel needs a PostgreSQL 16 or later source: large transactions are streamed with --streaming on instead");
+            }
+        }
+    }
+    // (As `run` warns: a TRUNCATE on such a source leaves the target's rows in place.)
+    {
+        let version = server_version(src).await;
+        if version > 0 && version < 110000 {
+            report.warning(
+                "the source runs PostgreSQL 10, which does not replicate TRUNCATE: a table truncated there keeps its rows on the target (verify shows it); truncate it on the target too, or keep TRUNCATE away from published tables until the migration",
+            );
+        }
+    }
+    match src.query_one("SHOW wal_level", &[]).await {
+        Ok(row) => {
+            let level: String = row.get(0);
+            if level == "logical" {
+                report.ok("source wal_level = logical");
+            } else {
+                report.problem(format!(
+                    "source wal_level is {level:?}: set wal_level = logical in postgresql.conf and restart the source"
+                ));
+            }
+        }
+        Err(e) => report.problem(format!(
+            "source: cannot read wal_level: {}",
+            describe_postgres(&e)
+        )),
+    }
+    match query_bool(
+        src,
+        "SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+        &[],
+    )
+    .await
+    {
+        Ok(true) => report.ok("source role may replicate"),
+        Ok(false) => report.problem("the source role lacks the REPLICATION attribute: ALTER ROLE ... REPLICATION (or use a superuser)"),
+        Err(e) => report.problem(format!("source: cannot read the role's attributes (pg_roles): {e}")),
+    }
+    // The tables of the publications that exist are still checked.
+    let mut existing: Vec<String> = Vec::new();
+    for publication in &config.publications {
+        match query_bool(
+            src,
+            "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)",
+            &[publication],
+        )
+        .await
+        {
+            Ok(true) => {
+                existing.push(publication.clone());
+                report.ok(format!("publication {publication:?} exists"))
+            }
+            Ok(false) => {
+                report.problem(format!(
+                    "publication {publication:?} does not exist on the source: CREATE PUBLICATION {} FOR TABLE ...",
+                    quote_ident(publication)
+                ))
+            }
+            Err(e) => report.problem(format!(
+                "source: cannot read publication {publication:?}: {e}"
+            )),
+        }
+    }
+    match src
+        .query_opt(
+            "SELECT plugin::text, database::text = current_database(), active_pid, \
+                    coalesce(database::text, ''), \
+                    coalesce(to_jsonb(s) ->> 'wal_status', '') = 'lost' OR coalesce(to_jsonb(s) ->> 'invalidation_reason', '') <> '' \
+             FROM pg_replication_slots s WHERE slot_name = $1",
+            &[&config.slot],
+        )
+        .await
+    {
+        Ok(Some(row)) => {
+            let plugin: Option<String> = row.get(0);
+            let same_db: Option<bool> = row.get(1);
+            let active_pid: Option<i32> = row.get(2);
+            let lost: Option<bool> = row.get(4);
+            let slot_db: String = row.get(3);
+            let drop = format!(
+                "SELECT pg_drop_replication_slot({}) on the source if nothing else uses it, or give another --slot",
+                crate::sql::quote_literal(&config.slot)
+            );
+            if lost == Some(true) {
+                report.problem(format!(
+                    "slot {:?} was invalidated (the source removed WAL it needed): drop it and start over with --copy-data --truncate-target",
+                    config.slot
+                ));
+            } else if plugin.as_deref() != Some("pgoutput") {
+                report.problem(match plugin {
+                    Some(plugin) => format!(
+                        "slot {:?} is a logical slot of plugin {plugin:?}; pgapply needs one of pgoutput: {drop}",
+                        config.slot
+                    ),
+                    None => format!(
+                        "slot {:?} is a physical slot; pgapply needs a logical one of pgoutput: {drop}",
+                        config.slot
+                    ),
+                });
+            } else if same_db != Some(true) {
+                report.problem(format!(
+                    "slot {:?} belongs to database {slot_db:?}, not the source connection's: connect --source to dbname={slot_db}, or give another --slot",
+                    config.slot
+                ));
+            } else if let Some(pid) = active_pid {
+                // The worker this check describes, running: its heartbeat on the target is
+                // fresh, and the target's progress is from this source.
+                let running = match dst {
+                    Some(dst) => query_bool(
+                        dst,
+                        "SELECT coalesce((SELECT state IN ('streaming', 'copying') \
+                                                 AND heartbeat_at > now() - $2::text::interval \
+                                                 AND source_system_id = $3 \
+                                          FROM pgapply.progress WHERE slot_name = $1), false)",
+                        &[
+                            &config.slot,
+                            &format!("{} seconds", 3 * crate::replicate::HEARTBEAT_MAX_EVERY.as_secs()),
+                            &source_system_id(src).await,
+                        ],
+                    )
+                    .await
+                    .unwrap_or(false),
+                    None => false,
+                };
+                if running {
+                    report.ok(format!(
+                        "slot {:?} is in use by the running pgapply worker (pgoutput, source process {pid}); the checks below describe its setup",
+                        config.slot
+                    ));
+                } else {
+                    report.problem(format!(
+                        "slot {:?} is in use by the source process {pid} (another pgapply, or another client): stop that one first",
+                        config.slot
+                    ));
+                }
+            } else {
+                report.ok(format!("slot {:?} exists (pgoutput)", config.slot));
+            }
+        }
+        Ok(None) if config.create_slot || config.copy_data => {
+            report.ok(format!("slot {:?} will be created", config.slot))
+        }
+        Ok(None) => report.problem(format!(
+            "replication slot {:?} does not exist on the source: run with --create-slot (streams changes from now on), or --copy-data (copies the tables' rows first, then streams)",
+            config.slot
+        )),
+        Err(e) => report.problem(format!("source: cannot read pg_replication_slots: {}", describe_postgres(&e))),
+    }
+    if existing.is_empty() {
+        // (Named above.)
+        return;
+    }
+    match published_tables(src, &existing, &config.table_map).await {
+        Ok(t) => *tables = t,
+        Err(e) => {
+            report.problem(e.to_string());
+            return;
+        }
+    }
+    if tables.is_empty() {
+        report.problem(crate::copy::no_tables_message(&existing));
+    }
+    for problem in crate::replicate::unmatched_table_settings(config, tables) {
+        report.warning(problem);
+    }
+    // Several source tables mapped onto one target table: the rows there are not told apart.
+    let mut sources_of: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for table in tables.iter() {
+        sources_of
+            .entry(table.target_qualified())
+            .or_default()
+            .push(table.qualified());
+    }
+    for (target, sources) in sources_of.iter().filter(|(_, s)| s.len() > 1) {
+        report.warning(format!(
+            "target table {target} receives the rows of {} source tables ({}): a TRUNCATE of only some of them stops the apply (it cannot empty {target} of their rows alone); `pgapply verify` compares {target} with all of them together",
+            sources.len(),
+            sources.join(", ")
+        ));
+    }
+    for table in tables.iter() {
+        let qualified = table.qualified();
+        // What the publications that have it replicate: only UPDATEs or DELETEs need a replica
+        // identity; TRUNCATE needs the target's privilege (pubtruncate is 11+: read through
+        // to_jsonb).
+        let (updates_published, truncates) = src
+            .query_one(
+                "SELECT coalesce(bool_or(p.pubupdate OR p.pubdelete), false), \
+                        coalesce(bool_or((to_jsonb(p) ->> 'pubtruncate')::bool), false) \
+                 FROM pg_publication p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
+                 WHERE p.pubname = ANY ($1) AND pt.schemaname = $2 AND pt.tablename = $3",
+                &[&config.publications, &table.schema, &table.name],
+            )
+            .await
+            .map_or((true, false), |r| (r.get(0), r.get(1)));
+        truncated.push(truncates);
+        updated.push(updates_published);
+        for problem in publication_rule_problems(src, &config.publications, &qualified).await {
+            report.problem(problem);
+        }
+        // A table published through its partitioned root: the partitions' replica identities
+        // are what UPDATE and DELETE on them need (ALTER TABLE .. REPLICA IDENTITY on the root
+        // does not reach them).
+        // (With an index that could serve as replica identity: unique, not partial, on plain
+        // NOT NULL columns.)
+        let usable_index = "(SELECT pg_catalog.quote_ident(x.relname) FROM pg_catalog.pg_index i \
+                               JOIN pg_catalog.pg_class x ON x.oid = i.indexrelid \
+                             WHERE i.indrelid = c.oid AND i.indisunique AND i.indimmediate AND i.indisvalid \
+                               AND i.indpred IS NULL AND i.indexprs IS NULL \
+                               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a \
+                                               WHERE a.attrelid = c.oid AND a.attnum = ANY (i.indkey) AND NOT a.attnotnull) \
+                             ORDER BY x.relname LIMIT 1)";
+        let sql = if table.partitioned {
+            format!("SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+                    has_table_privilege($1::text::regclass, 'SELECT'), {usable_index} \
+             FROM pg_partition_tree($1::text::regclass) t JOIN pg_class c ON c.oid = t.relid \
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE t.isleaf")
+        } else {
+            format!("SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+                    has_table_privilege(c.oid, 'SELECT'), {usable_index} \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1::text::regclass")
+        };
+        match src.query(&sql, &[&qualified]).await {
+            Ok(rows) => {
+                let mut identified = true;
+                for row in &rows {
+                    let name = crate::sql::qualified_name(row.get(0), row.get(1));
+                    let identity: String = row.get(2);
+                    let has_pk: bool = row.get(3);
+                    if updates_published && (identity == "n" || (identity == "d" && !has_pk)) {
+                        identified = false;
+                        let index = row
+                            .get::<_, Option<String>>(5)
+                            .map(|i| format!(", ALTER TABLE {name} REPLICA IDENTITY USING INDEX {i} (a unique index on NOT NULL columns it has),"))
+                            .unwrap_or_default();
+                        // Fine for a table that only ever gets INSERTs (a log): said, not refused.
+                        report.warning(format!(
+                            "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise add a primary key{index} or ALTER TABLE {name} REPLICA IDENTITY FULL"
+                        ));
+                    }
+                }
+                if identified {
+                    report.ok(format!("table {qualified} has a replica identity"));
+                }
+                let Some(row) = rows.first() else { continue };
+                if config.copy_data && !row.get::<_, bool>(4) {
+                    report.problem(format!("the source role may not SELECT from {qualified} (needed by --copy-data): GRANT SELECT ON {qualified} TO ..."));
+                }
+            }
+            Err(e) => report.problem(format!(
+                "source table {qualified}: {}",
+                describe_postgres(&e)
+            )),
+        }
+    }
+}
+
+/// What the source refuses at the first change of a table, found before (PostgreSQL 15+): a row
+/// filter or column list that leaves out replica identity columns in a publication of UPDATE or
+/// DELETE ("cannot update table"), and different column lists in two of the publications.
+/// (Row filter columns are read from the filter's stored form, `:varattno N`.)
+pub(super) async fn publication_rule_problems(
+    src: &Client,
+    publications: &[String],
+    qualified: &str,
+) -> Vec<String> {
+    // Row filters and column lists exist from PostgreSQL 15.
+    match crate::sql::server_version(src).await {
+        Ok(v) if v >= 150000 => {}
+        _ => return Vec::new(),
+    }
+    let rows = match src
+        .query(
+            "WITH ri AS ( \
+               SELECT c.oid, c.relreplident, \
+                      CASE c.relreplident \
+                        WHEN 'd' THEN (SELECT (i.indkey::int2[])[0:i.indnkeyatts - 1] FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \
+                        WHEN 'i' THEN (SELECT (i.indkey::int2[])[0:i.indnkeyatts - 1] FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident) \
+                        WHEN 'f' THEN (SELECT array_agg(a.attnum) FROM pg_catalog.pg_attribute a \
+                                       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '') \
+                      END AS cols \
+               FROM pg_catalog.pg_class c WHERE c.oid = $1::text::pg_catalog.regclass) \
+             SELECT p.pubname::text, \
+               (SELECT string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
+                WHERE a.attrelid = ri.oid AND ri.relreplident <> 'f' \
+                  AND a.attnum IN (SELECT m[1]::int2 FROM regexp_matches(pr.prqual::text, ':varattno (\\d+)', 'g') m) \
+                  AND NOT (a.attnum = ANY (coalesce(ri.cols, '{}')))), \
+               (SELECT string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
+                WHERE a.attrelid = ri.oid AND pr.prattrs IS NOT NULL \
+                  AND a.attnum = ANY (coalesce(ri.cols, '{}')) AND NOT (a.attnum = ANY (pr.prattrs::int2[]))) \
+             FROM pg_catalog.pg_publication p JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid \
+             JOIN ri ON pr.prrelid = ri.oid \
+             WHERE p.pubname = ANY ($2) AND (p.pubupdate OR p.pubdelete) ORDER BY 1",
+            &[&qualified, &publications],
+        )
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            return vec![format!(
+                "source: cannot read the publications' row filters and column lists of {qualified}: {}",
+                describe_postgres(&e)
+            )]
+        }
+    };
+    let mut problems = Vec::new();
+    for row in rows {
+        let publication: String = row.get(0);
+        if let Some(columns) = row.get::<_, Option<String>>(1) {
+            problems.push(format!(
+                "the row filter of publication {publication:?} on {qualified} uses {columns}, outside the table's replica identity: the source refuses every UPDATE and DELETE of {qualified} while it is published so; filter on replica identity columns only, or ALTER TABLE {qualified} REPLICA IDENTITY FULL (or USING INDEX on an index that covers them)"
+            ));
+        }
+        if let Some(columns) = row.get::<_, Option<String>>(2) {
+            problems.push(format!(
+                "the column list of publication {publication:?} on {qualified} leaves out replica identity column(s) {columns}: the source refuses every UPDATE and DELETE of {qualified} while it is published so; add them to the column list (ALTER PUBLICATION ... SET TABLE {qualified} (...))"
+            ));
+        }
+    }
+    let lists = match src
+        .query(
+            "SELECT DISTINCT array_to_string(attnames, ', ') FROM pg_catalog.pg_publication_tables \
+             WHERE pubname = ANY ($1) \
+               AND (schemaname, tablename) = (SELECT n.nspname, c.relname FROM pg_catalog.pg_class c \
+                                               JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                                               WHERE c.oid = $2::text::pg_catalog.regclass)",
+            &[&publications, &qualified],
+        )
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            problems.push(format!(
+                "source: cannot read the publications' column lists of {qualified}: {}",
+                describe_postgres(&e)
+            ));
+            return problems;
+        }
+    };
+    if lists.len() > 1 {
+        problems.push(format!(
+            "the publications publish different column lists of {qualified} ({}): the source refuses that at its first change (\"cannot use different column lists for table ... in different publications\"); give every publication the same list, or replicate them with separate slots",
+            lists.iter().map(|r| format!("({})", r.get::<_, String>(0))).collect::<Vec<_>>().join(" and ")
+        ));
+    }
+    problems
+}
