@@ -618,7 +618,10 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
     };
     tokio::select! {
         result = cutover::cutover(config, settings, verify::VerifySettings::default()) => result,
-        _ = signalled => Err(cutover::interrupted(&shown, &roles)),
+        _ = signalled => {
+            cutover::release_own_run(&shown).await;
+            Err(cutover::interrupted(&shown, &roles))
+        }
     }
 }
 

@@ -2867,6 +2867,58 @@ async fn a_cutover_interrupted_after_the_freeze_says_how_to_undo_it() {
     holder.batch_execute("ROLLBACK").await.unwrap();
 }
 
+/// Interrupted while it drains the slot itself (no worker runs): `pgapply status` does not go on
+/// showing that run as streaming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cutover_interrupted_while_it_drains_leaves_its_run_stopped() {
+    let db = TestDb::new("cutsigdrain").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.source_sql("INSERT INTO t VALUES (1, 'a'); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    copy_up_to_now(&db).await;
+    db.source_sql("INSERT INTO t VALUES (2, 'b')").await;
+    // The drain's apply waits for this lock.
+    let holder = connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let slot = db.slot();
+    let (mut cutover, log) =
+        common::spawn_logged(db.on_both("cutover", &["--slot", &slot, "--timeout", "5m"]));
+    let pid = cutover.id().unwrap() as i64;
+    wait_for("the drain (step 3) to run in the cutover's process", 60, || async {
+        db.count(
+            &db.target,
+            &format!("SELECT count(*) FROM pgapply.progress WHERE state = 'streaming' AND pid = {pid}"),
+        )
+        .await
+            == 1
+    })
+    .await;
+    common::signal(&cutover, libc::SIGINT);
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), cutover.wait())
+        .await
+        .expect("the cutover ends on SIGINT")
+        .unwrap();
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the cutover was interrupted by a signal at step 3"),
+        "{err}"
+    );
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE state = 'stopped' AND pid IS NULL"
+        )
+        .await,
+        1,
+        "{err}"
+    );
+}
+
 /// Back to the old primary with a cutover in the other direction: the roles the first cutover
 /// froze there are still read-only, and the summary says so, with the command that undoes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

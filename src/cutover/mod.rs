@@ -1211,6 +1211,25 @@ async fn read_problems(
     Ok(problems)
 }
 
+/// After a signal: the run this process made to drain the slot (step 3, when no worker ran)
+/// ended with it, and `pgapply status` must not go on showing it as streaming. Rows of another
+/// process (the worker the cutover asked to stop) are left alone. Best effort, briefly: the
+/// error that follows says what is left.
+pub async fn release_own_run(config: &RunConfig) {
+    let attempt = async {
+        let client = crate::tls::connect(&config.target).await.ok()?;
+        client
+            .execute(
+                "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() \
+                 WHERE slot_name = $1 AND pid = $2",
+                &[&config.slot, &(std::process::id() as i32)],
+            )
+            .await
+            .ok()
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), attempt).await;
+}
+
 /// The step the cutover is at (0 before step 1), for `interrupted`.
 static STEP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
