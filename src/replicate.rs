@@ -456,8 +456,8 @@ async fn run_in_span(
             // come with a slot created for it.
             return Err(Error::definite(if resume.is_valid() {
                 format!(
-                    "--copy-data creates slot {:?} with a snapshot of the data, but the slot exists and pgapply has already applied changes from it: run without --copy-data, or drop the slot and the target data to start over",
-                    config.slot
+                    "--copy-data creates slot {:?} with a snapshot of the data, but the slot exists and pgapply has already applied changes from it: run without --copy-data to go on from where it is; or, to copy everything again, drop the slot and pgapply's state of it (pgapply forget --slot {} --drop-slot, with --source and --target) and run with --copy-data --truncate-target",
+                    config.slot, config.slot
                 )
             } else {
                 format!(

@@ -1523,6 +1523,23 @@ async fn forget_removes_a_slots_state_and_origins() {
     );
     common::signal(&worker, libc::SIGTERM);
     assert!(worker.wait().await.unwrap().success());
+    // A run that fails and exits (--copy-data into a used slot) leaves no worker behind: the
+    // forget it points to is not refused as if one ran.
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data"]), 60).await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains(&format!("pgapply forget --slot {} --drop-slot", db.slot())),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE state = 'failed' AND heartbeat_at > now() - interval '30 seconds'"
+        )
+        .await,
+        1
+    );
     let origins = format!(
         "SELECT count(*) FROM pg_replication_origin WHERE roname LIKE 'pgapply\\_{}%'",
         db.slot().replace('_', "\\_")
