@@ -98,13 +98,30 @@ const LOCK_KEY: i64 = 0x0070_6761_7070_6c79;
 
 pub async fn apply(client: &mut Client) -> Result<()> {
     match apply_migrations(client).await {
-        // Another role's schema pgapply: what to grant, not only "permission denied".
-        Err(e) if e.sqlstate() == Some("42501") => Err(e.context_after(
-            "schema pgapply (pgapply's state on the target) was made by another role, whose grants this role lacks: have its owner or a superuser run GRANT USAGE, CREATE ON SCHEMA pgapply TO this role; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA pgapply TO it; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA pgapply TO it, or give this role a database of its own"
-                .to_owned(),
-        )),
+        // Another role's schema pgapply: what to grant, not only "permission denied". (No
+        // schema yet: the error already says the role needs CREATE on the database.)
+        Err(e) if e.sqlstate() == Some("42501") => match other_owner(client).await {
+            Some(owner) => Err(e.context_after(format!(
+                "schema pgapply (pgapply's state on the target) was made by role {owner}, whose grants this role lacks: have {owner} or a superuser run GRANT USAGE, CREATE ON SCHEMA pgapply TO this role; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA pgapply TO it; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA pgapply TO it, or give this role a database of its own"
+            ))),
+            None => Err(e),
+        },
         other => other,
     }
+}
+
+/// The owner of schema pgapply when it exists and is not this role (quoted as an identifier).
+async fn other_owner(client: &Client) -> Option<String> {
+    client
+        .query_opt(
+            "SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace \
+             WHERE nspname = 'pgapply' AND nspowner <> (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user)",
+            &[],
+        )
+        .await
+        .ok()
+        .flatten()
+        .map(|r| r.get(0))
 }
 
 async fn apply_migrations(client: &mut Client) -> Result<()> {

@@ -1507,7 +1507,7 @@ async fn check_names_a_physical_slot_and_another_roles_schema() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     for expected in [
         "is a physical slot; pgapply needs a logical one of pgoutput: SELECT pg_drop_replication_slot(",
-        "may not use the one there (made by another role)",
+        "may not use schema pgapply, which role",
     ] {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }
@@ -1602,7 +1602,46 @@ async fn another_roles_pgapply_schema_says_what_to_grant() {
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
     assert!(
-        err.contains("permission denied") && err.contains("GRANT USAGE, CREATE ON SCHEMA pgapply"),
+        err.contains("permission denied")
+            && err.contains("was made by role")
+            && err.contains("GRANT USAGE, CREATE ON SCHEMA pgapply"),
         "{err}"
+    );
+    // With no schema pgapply yet, the role lacks CREATE on the database: said, and no schema
+    // of another role is blamed.
+    let fresh = TestDb::new("schemanone").await;
+    fresh.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    fresh.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    fresh
+        .target_sql(&format!(
+            "GRANT ALL ON t TO {role}; REVOKE CREATE ON DATABASE {} FROM PUBLIC",
+            fresh.name
+        ))
+        .await;
+    let out = run_with_deadline(
+        fresh.pgapply_as_target_user(&role, "s", &["--create-slot"]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("needs CREATE on the database") && !err.contains("made by"),
+        "{err}"
+    );
+    let out = run_with_deadline(
+        fresh.on_both_as_target_user(
+            "check",
+            &role,
+            "s",
+            &["--slot", &fresh.slot(), "--create-slot"],
+        ),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains("may not create schema pgapply, where pgapply keeps its state"),
+        "{text}"
     );
 }

@@ -65,7 +65,21 @@ pub(super) async fn check_target(
     .await;
     match can_create {
         Ok(true) => report.ok("target role may keep pgapply's state (schema pgapply)"),
-        Ok(false) => report.problem("the target role may not create schema pgapply, or may not use the one there (made by another role): GRANT CREATE ON DATABASE ... TO it, or have the owner of schema pgapply grant it USAGE and CREATE on the schema and SELECT, INSERT, UPDATE, DELETE on its tables (or drop it if no other pgapply uses it)"),
+        Ok(false) => {
+            let owner: Option<String> = dst
+                .query_opt(
+                    "SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'pgapply'",
+                    &[],
+                )
+                .await
+                .ok()
+                .flatten()
+                .map(|r| r.get(0));
+            report.problem(match owner {
+                None => "the target role may not create schema pgapply, where pgapply keeps its state: GRANT CREATE ON DATABASE ... TO it, or create the schema for it (CREATE SCHEMA pgapply AUTHORIZATION it)".to_owned(),
+                Some(owner) => format!("the target role may not use schema pgapply, which role {owner} made: have {owner} grant it USAGE and CREATE on the schema and SELECT, INSERT, UPDATE, DELETE on its tables (or drop the schema if no other pgapply uses it)"),
+            })
+        }
         Err(e) => report.problem(format!("target: cannot read the role's privileges: {e}")),
     }
     // A target without any of the tables (a new cluster) is one problem, not one per table.
