@@ -166,7 +166,7 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
     // Fixing the row comes first; skipping loses the transaction's other rows (3 here).
     assert!(
         err.contains("delete or change that row on the target")
-            && err.contains("insert_exists = apply_remote")
+            && err.contains("insert_exists = \"apply_remote\"")
             && err.contains("its other changes too"),
         "{err}"
     );

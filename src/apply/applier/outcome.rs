@@ -365,9 +365,9 @@ impl Applier {
             // transaction, skipping loses all of it.
             Some("23505") if matches!(about.operation, "INSERT" | "UPDATE") => {
                 let (kind, take) = if about.operation == "INSERT" {
-                    ("insert_exists", "apply_remote (replace the target's row with the source's), skip or keep_local (keep the target's)")
+                    ("insert_exists", "\"apply_remote\" (replace the target's row with the source's), \"skip\" or \"keep_local\" (keep the target's)")
                 } else {
-                    ("update_exists", "apply_remote (delete the target's other row), skip or keep_local (keep it and leave this update out)")
+                    ("update_exists", "\"apply_remote\" (delete the target's other row), \"skip\" or \"keep_local\" (keep it and leave this update out)")
                 };
                 format!(
                     "a row of target table {table} already holds that key (written on the target, or by another source): delete or change that row on the target and start pgapply again, or give the table a conflict policy in the config file ([tables.\"{key}\".conflicts] or [conflicts] {kind} = {take}); or, losing the whole source transaction, its other changes too: {skip}",
