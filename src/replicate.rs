@@ -374,9 +374,16 @@ async fn run_in_span(
             // or exist, for the start's check to see it): text for the rest of this process.
             tracing::info!("binary transfer off: values are sent as text, as the stream met a table whose types binary transfer cannot carry");
             negotiated.binary = false;
-        } else if let Some(reason) = binary_unsafe(&config, session.server_version()).await? {
-            tracing::info!(reason = %reason, "binary transfer off: values are sent as text");
-            negotiated.binary = false;
+        } else {
+            // (Reading the published tables may wait for a lock on the source.)
+            let unsafe_reason = binary_unsafe(&config, session.server_version());
+            let Some(unsafe_reason) = unless_stopped(&mut shutdown, unsafe_reason).await else {
+                return Ok(stopped());
+            };
+            if let Some(reason) = unsafe_reason? {
+                tracing::info!(reason = %reason, "binary transfer off: values are sent as text");
+                negotiated.binary = false;
+            }
         }
     }
     if negotiated.two_phase {
@@ -420,7 +427,13 @@ async fn run_in_span(
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
     source_has_reached(&mut session, identity.wal_position, resume).await?;
-    let shared_targets = Arc::new(target_tables_exist(&config, &setup).await?);
+    // (Reading the published tables may wait for a lock on the source.)
+    let Some(shared_targets) =
+        unless_stopped(&mut shutdown, target_tables_exist(&config, &setup)).await
+    else {
+        return Ok(stopped());
+    };
+    let shared_targets = Arc::new(shared_targets?);
     // The fence decides where this run stops unless --endpos comes first (the cutover's own run
     // stops at the same position: no warning then).
     let fence_decides = fence.filter(|f| config.endpos.is_none_or(|e| e > *f));

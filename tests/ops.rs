@@ -1277,6 +1277,41 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
 /// table and the process holding it, even under a role's lock_timeout and statement_timeout
 /// (which must not make pgapply give up: it waits), and said again when it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_lock_at_the_start_is_named_and_a_stop_ends_the_wait() {
+    let db = TestDb::new("srclockwait").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let holder = common::connect(db.source_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let holder_pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let (mut child, log) = common::spawn_logged(db.pgapply("p", &["--create-slot"]));
+    wait_for("the source lock wait to be said", 60, || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.lines().any(|l| {
+            l.contains("reading the published tables on the source waits for a lock")
+                && l.contains(&format!("held by process {holder_pid}"))
+        })
+    })
+    .await;
+    // A stop ends the wait at once (not after the 30 s grace), and cleanly.
+    common::signal(&child, libc::SIGTERM);
+    let status = tokio::time::timeout(std::time::Duration::from_secs(15), child.wait())
+        .await
+        .expect("pgapply stops while it waits for the source's lock")
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.success(), "{text}");
+    holder.batch_execute("ROLLBACK").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_users_lock_is_waited_for_and_named() {
     let db = TestDb::new("lockwait").await;
     db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;

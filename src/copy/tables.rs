@@ -81,7 +81,75 @@ pub fn missing_publications(missing: &[impl AsRef<str>]) -> String {
 /// The tables of `publications`, with their published columns and row filters. Fails naming
 /// the publications that do not exist (a typo would otherwise read as "no tables", or leave a
 /// publication's tables out unsaid).
+///
+/// Reading them takes a lock on each table: a table locked on the source (LOCK TABLE, or an
+/// ALTER TABLE that waits itself) would hold every command that starts here without a word, so
+/// the wait is said every 30 s, naming the sessions that hold such locks. (In steps of 5 s, so
+/// that the session does not go on waiting on the source for long after the command ends.)
 pub async fn published_tables(
+    source: &Client,
+    publications: &[String],
+    table_map: &crate::config::TableMap,
+) -> Result<Vec<PublishedTable>> {
+    const STEP: &str = "SET lock_timeout = '5s'";
+    let stepped = source.batch_execute(STEP).await.is_ok();
+    let started = std::time::Instant::now();
+    let mut said = None::<std::time::Instant>;
+    let result = loop {
+        match read_published_tables(source, publications, table_map).await {
+            Err(e) if stepped && e.sqlstate() == Some("55P03") => {
+                if said.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(30)) {
+                    said = Some(std::time::Instant::now());
+                    tracing::warn!(
+                        waited_seconds = started.elapsed().as_secs(),
+                        "reading the published tables on the source waits for a lock on one of them{}: it goes on when that transaction ends (or end it on the source: SELECT pg_terminate_backend(pid))",
+                        exclusive_lock_holders(source).await
+                    );
+                }
+            }
+            other => break other,
+        }
+    };
+    if stepped {
+        let _ = source.batch_execute("RESET lock_timeout").await;
+    }
+    result
+}
+
+/// ", held by process N (user, "query")" for the sessions holding an ACCESS EXCLUSIVE lock on a
+/// table of this database; "" if none is seen (or they cannot be read).
+async fn exclusive_lock_holders(source: &Client) -> String {
+    let rows = source
+        .query(
+            "SELECT DISTINCT a.pid, coalesce(a.usename::text, ''), left(coalesce(a.query, ''), 120) \
+             FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.granted AND l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock' \
+               AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+               AND a.pid <> pg_catalog.pg_backend_pid() \
+             ORDER BY 1 LIMIT 5",
+            &[],
+        )
+        .await
+        .unwrap_or_default();
+    let holders: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "process {} ({}, {:?})",
+                r.get::<_, i32>(0),
+                r.get::<_, String>(1),
+                r.get::<_, String>(2)
+            )
+        })
+        .collect();
+    if holders.is_empty() {
+        String::new()
+    } else {
+        format!(", held by {}", holders.join(", "))
+    }
+}
+
+async fn read_published_tables(
     source: &Client,
     publications: &[String],
     table_map: &crate::config::TableMap,
