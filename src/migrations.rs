@@ -91,6 +91,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "reported_lsn",
         include_str!("../migrations/0017_reported_lsn.sql"),
     ),
+    (
+        18,
+        "copy_membership",
+        include_str!("../migrations/0018_copy_membership.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

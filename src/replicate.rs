@@ -402,7 +402,8 @@ async fn run_in_span(
         .is_some();
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
-    record_publications(&setup, &config.slot, &config.publications).await?;
+    let publications_changed =
+        record_publications(&setup, &config.slot, &config.publications).await?;
     // A slot that `pgapply cutover` stopped at a position stays stopped there: after a cutover
     // the target is the primary, and a worker started again (by a service manager, say) must not
     // apply the old source's later writes to it, nor copy the tables again.
@@ -667,6 +668,7 @@ async fn run_in_span(
                 &config.publications,
                 &config.table_map,
                 resume,
+                publications_changed,
             )
             .await?;
         }

@@ -1418,6 +1418,60 @@ async fn a_table_published_after_the_copy_is_named_when_its_changes_arrive() {
 /// snapshot of its own, without touching the other tables or the slot: its changes the copy
 /// holds are skipped (an INSERT of a copied row would fail, a TRUNCATE would empty it), later
 /// ones applied. An unfinished such copy is not streamed into, and starts over.
+/// A table taken out of the publication and put back while pgapply is stopped: its changes in
+/// between were not sent. The next start says so and goes no further; a run with --copy-data
+/// copies it again. A change of publications that still publish it is no such gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_put_back_into_the_publication_is_copied_again() {
+    let db = TestDb::new("putback").await;
+    db.both(
+        "CREATE TABLE stays (id int PRIMARY KEY, v text); CREATE TABLE back (id int PRIMARY KEY, v text);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO stays SELECT g, 's' FROM generate_series(1, 10) g; \
+         INSERT INTO back SELECT g, 'b' FROM generate_series(1, 40) g; \
+         CREATE PUBLICATION p FOR TABLE stays, back;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    db.source_sql("ALTER PUBLICATION p DROP TABLE back").await;
+    db.source_sql("UPDATE back SET v = 'gap' WHERE id <= 20; INSERT INTO stays VALUES (11, 's')")
+        .await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE back").await;
+    db.source_sql("UPDATE back SET v = 'after' WHERE id = 40")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("taken out of the publication and put back since pgapply last started")
+            && err.contains("\"public\".\"back\"")
+            && err.contains("run with --copy-data"),
+        "{err}"
+    );
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("back").await;
+    db.assert_same("stays").await;
+    // Published by another publication as well, then no longer by the first one while
+    // pgapply runs: published throughout, nothing to copy again.
+    db.source_sql("CREATE PUBLICATION p2 FOR TABLE back, stays")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p,p2", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql("ALTER PUBLICATION p DROP TABLE back; UPDATE back SET v = 'later' WHERE id = 1")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p,p2", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("put back"), "{err}");
+    db.assert_same("back").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_published_after_the_copy_is_copied_by_the_next_copy_data_run() {
     let db = TestDb::new("latecopy").await;

@@ -185,11 +185,68 @@ pub async fn cover_partitions(source: &Client, copies: &mut LaterCopies) -> Resu
     Ok(())
 }
 
+/// Per published table (schema, name): the source's catalog rows that publish it through
+/// `publications` (its own or an ancestor's `pg_publication_rel` row, its or an ancestor's
+/// schema's `pg_publication_namespace` row on 15+, a FOR ALL TABLES publication's row).
+pub(super) async fn memberships(
+    source: &Client,
+    publications: &[String],
+    tables: &[(String, String)],
+) -> Result<HashMap<(String, String), Vec<u32>>> {
+    let version = crate::sql::server_version(source)
+        .await
+        .map_err(|e| Error::postgres("reading the source's version", e))?;
+    // (Partitions publish through their ancestors' rows; pg_partition_ancestors is 12+, and
+    // has no row for a table that is not in a partition tree.)
+    let related = if version >= 120000 {
+        "SELECT c.oid UNION SELECT relid FROM pg_catalog.pg_partition_ancestors(c.oid)"
+    } else {
+        "SELECT c.oid"
+    };
+    let schemas = if version >= 150000 {
+        format!(
+            "UNION ALL SELECT pn.oid FROM pg_catalog.pg_publication_namespace pn \
+             JOIN pg_catalog.pg_publication p ON p.oid = pn.pnpubid \
+             WHERE p.pubname = ANY($1) AND pn.pnnspid IN \
+               (SELECT r.relnamespace FROM pg_catalog.pg_class r WHERE r.oid IN ({related}))"
+        )
+    } else {
+        String::new()
+    };
+    let sql = format!(
+        "SELECT t.s, t.n, ARRAY( \
+             SELECT pr.oid FROM pg_catalog.pg_publication_rel pr \
+             JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid \
+             WHERE p.pubname = ANY($1) AND pr.prrelid IN ({related}) \
+             UNION ALL SELECT p.oid FROM pg_catalog.pg_publication p \
+             WHERE p.pubname = ANY($1) AND p.puballtables \
+             {schemas})::oid[] \
+         FROM unnest($2::text[], $3::text[]) AS t(s, n) \
+         JOIN pg_catalog.pg_namespace ns ON ns.nspname = t.s \
+         JOIN pg_catalog.pg_class c ON c.relnamespace = ns.oid AND c.relname = t.n"
+    );
+    let (schemas, names): (Vec<String>, Vec<String>) = tables.iter().cloned().unzip();
+    let rows = source
+        .query(&sql, &[&publications, &schemas, &names])
+        .await
+        .map_err(|e| Error::postgres("reading what publishes each table on the source", e))?;
+    Ok(rows
+        .iter()
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .collect())
+}
+
 /// After the initial copy, forgets the copy state of tables no longer published (as `REFRESH
 /// PUBLICATION` does): published again later, such a table is copied again by a `--copy-data`
 /// run, instead of being taken as copied with the changes made while it was out missing. A copy
 /// of such a table that did not finish no longer blocks the runs either. The last row stays:
 /// it is what says that the slot's initial copy was made.
+///
+/// A table taken out and put back since the last start (stopped or not meanwhile) is published
+/// by new catalog rows: when none of those recorded at the last start is left, the changes made
+/// in between were not sent, and it is marked as a copy to make again (as one that did not
+/// finish: a run without `--copy-data` refuses to go on until it is copied). Not when the
+/// publications given differ from the last run's: other publications publish by other rows.
 pub async fn forget_unpublished(
     target: &Client,
     source_config: &tokio_postgres::Config,
@@ -197,6 +254,7 @@ pub async fn forget_unpublished(
     publications: &[String],
     table_map: &crate::config::TableMap,
     resume: crate::protocol::Lsn,
+    publications_changed: bool,
 ) -> Result<()> {
     let source = connect_source(source_config).await?;
     let published: Vec<(String, String)> = published_tables(&source, publications, table_map)
@@ -219,6 +277,15 @@ pub async fn forget_unpublished(
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     let gone: Vec<&(String, String)> = recorded.iter().filter(|t| !published.contains(t)).collect();
+    let kept: Vec<(String, String)> = recorded
+        .iter()
+        .filter(|t| published.contains(t))
+        .cloned()
+        .collect();
+    if !kept.is_empty() {
+        let compare = !publications_changed;
+        note_memberships(target, &source, slot, publications, &kept, compare).await?;
+    }
     if gone.is_empty() || gone.len() == recorded.len() {
         return Ok(());
     }
@@ -233,6 +300,65 @@ pub async fn forget_unpublished(
     }
     let names: Vec<String> = gone.iter().map(|(s, n)| qualified_name(s, n)).collect();
     tracing::info!(tables = %names.join(", "), "no longer published: their copy state is forgotten (published again, a run with --copy-data copies them again)");
+    Ok(())
+}
+
+/// Compares what publishes each of `tables` now with what did at the last start (see
+/// `forget_unpublished`), marks those put back since as copies to make again, and records what
+/// publishes them now.
+async fn note_memberships(
+    target: &Client,
+    source: &Client,
+    slot: &str,
+    publications: &[String],
+    tables: &[(String, String)],
+    compare: bool,
+) -> Result<()> {
+    let context = |e| {
+        Error::postgres(
+            "recording what publishes the copied tables on the target",
+            e,
+        )
+    };
+    let now = memberships(source, publications, tables).await?;
+    let mut returned = Vec::new();
+    for table in tables {
+        let Some(current) = now.get(table) else {
+            continue;
+        };
+        let before: Option<Vec<u32>> = target
+            .query_opt(
+                "SELECT membership FROM pgapply.copy_state \
+                 WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
+                &[&slot, &table.0, &table.1],
+            )
+            .await
+            .map_err(context)?
+            .and_then(|r| r.get(0));
+        let put_back = compare
+            && before
+                .as_ref()
+                .is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid)));
+        if put_back {
+            returned.push(qualified_name(&table.0, &table.1));
+        }
+        target
+            .execute(
+                "UPDATE pgapply.copy_state SET membership = $4, \
+                        state = CASE WHEN $5 THEN 'pending' ELSE state END, \
+                        synced_lsn = CASE WHEN $5 THEN '0/0'::pg_lsn ELSE synced_lsn END \
+                 WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
+                &[&slot, &table.0, &table.1, current, &put_back],
+            )
+            .await
+            .map_err(context)?;
+    }
+    if !returned.is_empty() {
+        tracing::warn!(
+            tables = %returned.join(", "),
+            "taken out of the publication and put back since pgapply last started: the changes made to them in between were not sent, so they are copied again (their target tables emptied first) by the next run with --copy-data; until then the runs refuse to go on"
+        );
+    }
     Ok(())
 }
 

@@ -520,6 +520,12 @@ pub async fn plan_copy(
     let record = |e| Error::postgres("recording the initial copy on the target", e);
     // (A copy of tables published later keeps what the initial copy recorded; its own rows get
     // a snapshot position, 0/0 until its slot exists: `set_synced_lsn`.)
+    // What publishes each table now (`forget_unpublished` compares at later starts).
+    let keys: Vec<(String, String)> = tables
+        .iter()
+        .map(|t| (t.schema.clone(), t.name.clone()))
+        .collect();
+    let membership = later::memberships(&source, publications, &keys).await?;
     target.batch_execute("BEGIN").await.map_err(record)?;
     if late.is_none() {
         target
@@ -533,14 +539,15 @@ pub async fn plan_copy(
     let synced: Option<String> = late.map(|_| "0/0".to_owned());
     for (i, table) in tables.iter().enumerate() {
         let jobs_total = jobs.iter().filter(|j| j.table == i).count() as i32;
+        let published_by = membership.get(&(table.schema.clone(), table.name.clone()));
         target
             .execute(
-                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total, synced_lsn) \
-                 VALUES ($1, $2, $3, 'pending', $4, $5::text::pg_lsn) \
+                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total, synced_lsn, membership) \
+                 VALUES ($1, $2, $3, 'pending', $4, $5::text::pg_lsn, $6) \
                  ON CONFLICT (slot_name, schema_name, table_name) DO UPDATE \
                  SET state = 'pending', rows_copied = 0, bytes_copied = 0, jobs_total = $4, jobs_done = 0, \
-                     synced_lsn = $5::text::pg_lsn, started_at = NULL, finished_at = NULL",
-                &[&slot, &table.schema, &table.name, &jobs_total, &synced],
+                     synced_lsn = $5::text::pg_lsn, started_at = NULL, finished_at = NULL, membership = $6",
+                &[&slot, &table.schema, &table.name, &jobs_total, &synced, &published_by],
             )
             .await
             .map_err(record)?;

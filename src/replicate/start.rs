@@ -315,12 +315,12 @@ pub fn same_publications(a: &[String], b: &[String]) -> bool {
 
 /// Records the publications this run replicates for the slot; says so when the slot's previous
 /// run gave others (a typo would otherwise leave tables out, and move the slot past their
-/// changes, without a word).
+/// changes, without a word). Returns whether it did.
 pub(super) async fn record_publications(
     target: &tokio_postgres::Client,
     slot: &str,
     publications: &[String],
-) -> Result<()> {
+) -> Result<bool> {
     let context = |e| Error::postgres("recording the slot's publications on the target", e);
     let previous: Option<Vec<String>> = target
         .query_opt(
@@ -330,7 +330,10 @@ pub(super) async fn record_publications(
         .await
         .map_err(context)?
         .and_then(|r| r.get(0));
-    if let Some(previous) = previous.filter(|p| !same_publications(p, publications)) {
+    let changed = previous
+        .as_ref()
+        .is_some_and(|p| !same_publications(p, publications));
+    if let Some(previous) = previous.filter(|_| changed) {
         tracing::warn!(
             slot,
             before = %previous.join(","),
@@ -346,7 +349,7 @@ pub(super) async fn record_publications(
         )
         .await
         .map_err(context)?;
-    Ok(())
+    Ok(changed)
 }
 
 /// Entries of the config file's `[tables]` (renames, conflict policies) that name no published

@@ -1,0 +1,6 @@
+-- Why each copied table is published, as the source's catalog rows that publish it (a
+-- pg_publication_rel row, a pg_publication_namespace row, or a FOR ALL TABLES publication's own
+-- row), read at each start. A table taken out of the publication and put back gets new rows:
+-- when none of those recorded is there any more, its changes in between were not sent, and it
+-- is copied again. NULL: not read yet.
+ALTER TABLE pgapply.copy_state ADD COLUMN IF NOT EXISTS membership oid[];
