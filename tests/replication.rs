@@ -1395,11 +1395,16 @@ async fn the_sources_own_pgapply_schema_is_not_replicated() {
     db.source_sql(
         "CREATE SCHEMA pgapply; CREATE TABLE pgapply.progress (slot_name text PRIMARY KEY, lsn text); \
          INSERT INTO pgapply.progress VALUES ('from_the_source', '0/1'); \
+         CREATE TABLE pgapply.mine (id int PRIMARY KEY); INSERT INTO pgapply.mine VALUES (1); \
          CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1); \
          CREATE PUBLICATION p FOR ALL TABLES;",
     )
     .await;
-    db.target_sql("CREATE TABLE t (id int PRIMARY KEY)").await;
+    // A user's own table in a schema of that name is replicated like any other.
+    db.target_sql(
+        "CREATE TABLE t (id int PRIMARY KEY); CREATE SCHEMA pgapply; CREATE TABLE pgapply.mine (id int PRIMARY KEY)",
+    )
+    .await;
     let endpos = db.source_wal().await;
     let out = run_with_deadline(
         db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
@@ -1409,11 +1414,17 @@ async fn the_sources_own_pgapply_schema_is_not_replicated() {
     assert!(out.status.success(), "{}", stderr(&out));
     db.source_sql(
         "INSERT INTO pgapply.progress VALUES ('later', '0/2'); UPDATE pgapply.progress SET lsn = '0/3'; \
-         TRUNCATE pgapply.progress; INSERT INTO t VALUES (2);",
+         TRUNCATE pgapply.progress; INSERT INTO t VALUES (2); INSERT INTO pgapply.mine VALUES (2);",
     )
     .await;
     db.sync("p").await;
     db.assert_same("t").await;
+    assert_eq!(
+        db.count(&db.target, "SELECT sum(id) FROM pgapply.mine")
+            .await,
+        3,
+        "the user's table in schema pgapply: copied, then streamed"
+    );
     assert_eq!(
         db.count(
             &db.target,

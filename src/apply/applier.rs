@@ -569,9 +569,36 @@ pub struct ApplierOptions {
 /// than one is.
 pub type SharedTargets = HashMap<String, Vec<(String, String)>>;
 
-/// The schema of pgapply's own state: left out of what is replicated, on either side (a source
-/// that was a target once has it, and a FOR ALL TABLES publication would publish it).
+/// The schema of pgapply's own state, whose tables are left out of what is replicated, on
+/// either side (a source that was a target once has them, and a FOR ALL TABLES publication would
+/// publish them). Only pgapply's own: a user's tables in a schema of that name are replicated.
 pub const OWN_SCHEMA: &str = "pgapply";
+
+/// The tables pgapply's migrations make in `OWN_SCHEMA`.
+pub const OWN_TABLES: [&str; 5] = [
+    "progress",
+    "copy_state",
+    "conflicts",
+    "origin_commit",
+    "schema_migrations",
+];
+
+/// Whether `schema`.`name` is a table of pgapply's own state.
+pub fn is_own_table(schema: &str, name: &str) -> bool {
+    schema == OWN_SCHEMA && OWN_TABLES.contains(&name)
+}
+
+/// SQL that is true for pgapply's own tables, given the expressions of a schema and table name.
+pub fn own_table_sql(schema: &str, name: &str) -> String {
+    format!(
+        "({schema} = '{OWN_SCHEMA}' AND {name} IN ({}))",
+        OWN_TABLES
+            .iter()
+            .map(|t| format!("'{t}'"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
 
 /// Tables (slot, relation) already named by `Applier::entry` in this process: parallel workers
 /// and retries share it.
@@ -1115,7 +1142,7 @@ impl Applier {
                 Ok(())
             }
             LogicalMessage::Commit(c) => self.on_commit(c),
-            LogicalMessage::Relation(r) if r.namespace == OWN_SCHEMA => {
+            LogicalMessage::Relation(r) if is_own_table(&r.namespace, &r.name) => {
                 self.own_state.insert(r.oid);
                 Ok(())
             }

@@ -174,12 +174,20 @@ async fn read_published_tables(
         )));
     }
     let version = crate::sql::server_version(source).await.map_err(context)?;
-    let sql = if version >= 150000 {
-        "SELECT schemaname::text, tablename::text, attnames::text[], rowfilter FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1) AND schemaname <> 'pgapply'"
+    let columns = if version >= 150000 {
+        "attnames::text[], rowfilter"
     } else {
-        "SELECT schemaname::text, tablename::text, NULL::text[], NULL::text FROM pg_catalog.pg_publication_tables WHERE pubname = ANY($1) AND schemaname <> 'pgapply'"
+        "NULL::text[], NULL::text"
     };
-    let rows = source.query(sql, &[&publications]).await.map_err(context)?;
+    let sql = format!(
+        "SELECT schemaname::text, tablename::text, {columns} FROM pg_catalog.pg_publication_tables \
+         WHERE pubname = ANY($1) AND NOT {}",
+        crate::apply::applier::own_table_sql("schemaname", "tablename")
+    );
+    let rows = source
+        .query(&sql, &[&publications])
+        .await
+        .map_err(context)?;
     // One table may be in several publications: columns are the union, filters are ORed, and
     // "no list" / "no filter" wins.
     struct Merged {
