@@ -1418,6 +1418,41 @@ async fn a_table_published_after_the_copy_is_named_when_its_changes_arrive() {
 /// snapshot of its own, without touching the other tables or the slot: its changes the copy
 /// holds are skipped (an INSERT of a copied row would fail, a TRUNCATE would empty it), later
 /// ones applied. An unfinished such copy is not streamed into, and starts over.
+/// A table without columns (`CREATE TABLE t ()`): checked, copied and streamed (its rows are
+/// empty, and as many on both sides).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_without_columns_is_checked_copied_and_streamed() {
+    let db = TestDb::new("nocols").await;
+    db.both("CREATE TABLE nocols (); CREATE TABLE other (id int PRIMARY KEY);")
+        .await;
+    db.source_sql(
+        "ALTER TABLE nocols REPLICA IDENTITY FULL; \
+         INSERT INTO nocols SELECT FROM generate_series(1, 3); \
+         CREATE PUBLICATION p FOR TABLE nocols, other;",
+    )
+    .await;
+    let out = run_with_deadline(
+        db.on_both("check", &["--slot", &db.slot(), "--create-slot"]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}");
+    copy_up_to_now(&db).await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM nocols").await, 3);
+    db.source_sql("INSERT INTO nocols DEFAULT VALUES; INSERT INTO other VALUES (1)")
+        .await;
+    db.source_sql("INSERT INTO nocols SELECT FROM generate_series(1, 4)")
+        .await;
+    db.sync("p").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM nocols").await, 8);
+    db.assert_same("other").await;
+    db.source_sql("DELETE FROM nocols WHERE ctid IN (SELECT ctid FROM nocols LIMIT 2)")
+        .await;
+    db.sync("p").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM nocols").await, 6);
+}
+
 /// A table taken out of the publication and put back while pgapply is stopped: its changes in
 /// between were not sent. The next start says so and goes no further; a run with --copy-data
 /// copies it again. A change of publications that still publish it is no such gap.

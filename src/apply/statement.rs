@@ -199,7 +199,16 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                 })
                 .collect::<Vec<_>>()
                 .join("), (");
-            let insert = format!("INSERT INTO {table} ({columns}){overriding} VALUES ({values})");
+            let insert = if ncols == 0 {
+                // A table without columns (`CREATE TABLE t ()`): rows of nothing, as many as
+                // sent; the target's own columns, if it has some, take their defaults.
+                format!(
+                    "INSERT INTO {table}{overriding} SELECT FROM pg_catalog.generate_series(1, {})",
+                    shape.rows.max(1)
+                )
+            } else {
+                format!("INSERT INTO {table} ({columns}){overriding} VALUES ({values})")
+            };
             match shape.on_conflict {
                 OnConflict::InsertDoNothing => format!("{insert} ON CONFLICT DO NOTHING"),
                 OnConflict::InsertOverwrite => {

@@ -140,6 +140,19 @@ pub(super) async fn check_target(
             .await;
         let rows = match rows {
             Ok(r) if !r.is_empty() => r,
+            Ok(_)
+                if query_bool(
+                    dst,
+                    "SELECT pg_catalog.to_regclass($1) IS NOT NULL",
+                    &[&qualified],
+                )
+                .await
+                .unwrap_or(false) =>
+            {
+                // (A table without columns, `CREATE TABLE t ()`: nothing more to compare.)
+                report.ok(format!("target table {qualified} (no columns)"));
+                continue;
+            }
             Ok(_) => {
                 report.problem(format!(
                     "table {qualified} does not exist on the target: if the source renamed it, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); otherwise create it with the published columns (pg_dump --schema-only --table='{}' from the source)",

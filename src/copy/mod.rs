@@ -172,7 +172,8 @@ async fn prepare_target(
             )
             .await
             .map_err(|e| Error::postgres(format!("reading table {qualified} on the target"), e))?;
-        if rows.is_empty() {
+        // (No column: a table without any, or none at all.)
+        if rows.is_empty() && !target_table_exists(target, &qualified).await? {
             return Err(Error::definite(format!(
                 "table {qualified} is published by the source but does not exist on the target: create it first (for example with `pgapply schema` or pg_dump --schema-only)"
             )));
@@ -887,10 +888,13 @@ async fn copy_one(
     let only = if table.partitioned { "" } else { "ONLY " };
     let copy_out =
         format!("COPY (SELECT {columns} FROM {only}{qualified}{filter}) TO STDOUT{format}");
-    let copy_in = format!(
-        "COPY {} ({columns}) FROM STDIN{format}",
-        table.target_qualified()
-    );
+    // (A table without columns, `CREATE TABLE t ()`, takes no column list: its rows are empty.)
+    let into = if columns.is_empty() {
+        String::new()
+    } else {
+        format!(" ({columns})")
+    };
+    let copy_in = format!("COPY {}{into} FROM STDIN{format}", table.target_qualified());
     let what = match pages {
         Some((s, e)) if e != i64::MAX => format!("{qualified} pages {s}..{e}"),
         Some((s, _)) => format!("{qualified} pages {s}.."),
