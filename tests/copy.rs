@@ -2312,7 +2312,9 @@ async fn copy_data_leaves_a_slot_it_did_not_make() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cutover_names_a_table_the_source_role_may_not_read() {
     let db = TestDb::new("cutread").await;
-    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    // (A sequence too: the wrong target lacks it as well, which must not bury the real cause.)
+    db.both("CREATE TABLE t (id int PRIMARY KEY, n serial)")
+        .await;
     let user = format!("cut_{}", db.name);
     db.source_sql(&format!(
         "INSERT INTO t VALUES (1); CREATE PUBLICATION p FOR TABLE t; \
@@ -2387,7 +2389,8 @@ async fn cutover_names_a_table_the_source_role_may_not_read() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("nothing was done")
-            && err.contains("the target has no table \"public\".\"t\": is --target the database"),
+            && err.contains("the target has none of the published tables (\"public\".\"t\"): is --target the database")
+            && !err.contains("sequence"),
         "{err}"
     );
     assert_eq!(

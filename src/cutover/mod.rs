@@ -176,10 +176,17 @@ pub async fn cutover(
         settings.all_sequences,
     )
     .await?;
-    let mut problems =
-        sequence_problems(&source, &target, &sequences, settings.all_sequences).await?;
+    // A wrong --target (another database) first, and alone when none of the tables is there:
+    // the sequences it lacks too would only bury it.
+    let mut problems = read_problems(&source, &target, &run_config).await?;
+    if problems.first().is_some_and(|p| p.starts_with(NONE_THERE)) {
+        return Err(Error::definite(format!(
+            "the cutover would stop half-way (nothing was done): {}",
+            problems.join("; ")
+        )));
+    }
+    problems.extend(sequence_problems(&source, &target, &sequences, settings.all_sequences).await?);
     problems.extend(freeze_problems(&source, &settings.freeze_roles).await?);
-    problems.extend(read_problems(&source, &target, &run_config).await?);
     // The worker's publications decide what it applied: a cutover of others would verify and
     // carry sequences over for the wrong tables, and call it done.
     let recorded: Option<Vec<String>> = target
@@ -1157,6 +1164,9 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
 
 /// The verify step reads every published table on both sides: a table either role may not
 /// read would fail it after writes were frozen.
+/// How `read_problems` starts when the target has none of the published tables.
+const NONE_THERE: &str = "the target has none of the published tables";
+
 async fn read_problems(
     source: &Client,
     target: &Client,
@@ -1175,6 +1185,13 @@ async fn read_problems(
         .iter()
         .map(|r| r.get(0))
         .collect();
+    if !missing.is_empty() && missing.len() == targets.len() {
+        problems.push(format!(
+            "{NONE_THERE} ({}): is --target the database the worker replicates into?",
+            missing.join(", ")
+        ));
+        return Ok(problems);
+    }
     if !missing.is_empty() {
         problems.push(format!(
             "the target has no table {}: is --target the database the worker replicates into?",
