@@ -1311,6 +1311,77 @@ async fn a_source_lock_at_the_start_is_named_and_a_stop_ends_the_wait() {
     holder.batch_execute("ROLLBACK").await.unwrap();
 }
 
+/// Killed while its target session waits for a user's lock: that session stays (it holds the
+/// replication origin) until the lock is released. The next start says so, naming the lock's
+/// holder, instead of "another pgapply running", and goes on once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_left_waiting_for_a_lock_is_named_at_the_next_start() {
+    let db = TestDb::new("leftlock").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1, 'a')").await;
+    db.sync("p").await;
+    let origins: i64 = db
+        .count(
+            &db.target,
+            "SELECT count(*) FROM pg_replication_origin WHERE roname LIKE 'pgapply%'",
+        )
+        .await;
+    if origins == 0 {
+        // (Progress in a table: no origin to hold.)
+        return;
+    }
+    let holder = common::connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let holder_pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut first = spawn(db.pgapply("p", &[]));
+    db.source_sql("INSERT INTO t VALUES (2, 'b')").await;
+    wait_for("pgapply's session to wait for the lock", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgapply' AND wait_event_type = 'Lock'",
+        )
+        .await
+            > 0
+    })
+    .await;
+    first.start_kill().unwrap();
+    let _ = first.wait().await;
+    let (mut second, log) = common::spawn_logged(db.pgapply("p", &[]));
+    let named = |text: &str| {
+        text.lines().any(|l| {
+            l.contains("which waits for a lock held by target process(es)")
+                && l.contains(&holder_pid.to_string())
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if named(&text) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the left session and the lock's holder were not named:\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    holder.batch_execute("COMMIT").await.unwrap();
+    wait_for("the change after the lock", 60, || async {
+        let (s, t) = db.digest("t").await;
+        s == t
+    })
+    .await;
+    let _ = second.start_kill();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_users_lock_is_waited_for_and_named() {
     let db = TestDb::new("lockwait").await;

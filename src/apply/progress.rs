@@ -812,20 +812,66 @@ async fn reconcile_origins(client: &Client, name: &str) -> Result<()> {
 
 /// Binds `client`'s session to replication origin `name`.
 async fn bind_origin(client: &Client, name: &str) -> Result<()> {
-    client
-        .execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", &[&name])
+    let Err(e) = client
+        .execute(
+            "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
+            &[&name],
+        )
         .await
-        .map_err(|e| {
-            let why = match e.code().map(|c| c.code()) {
-                Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or drop unused pgapply_* origins with pg_replication_origin_drop",
-                _ => "is another pgapply running for this slot, or hung? The PID below is its session on the target",
-            };
-            Error::postgres(
-                format!("binding the apply session to replication origin {name:?} ({why})"),
-                e,
-            )
-        })?;
-    Ok(())
+    else {
+        return Ok(());
+    };
+    let why = match e.code().map(|c| c.code()) {
+        Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or drop unused pgapply_* origins with pg_replication_origin_drop".to_owned(),
+        _ => match e.as_db_error().and_then(|d| origin_holder(d.message())) {
+            Some(pid) => holder_described(client, pid).await,
+            None => "is another pgapply running for this slot, or hung? The PID below is its session on the target".to_owned(),
+        },
+    };
+    Err(Error::postgres(
+        format!("binding the apply session to replication origin {name:?} ({why})"),
+        e,
+    ))
+}
+
+/// The target process holding a replication origin, from PostgreSQL's error ("... is already
+/// active for PID 123", "... in use by PID 123").
+pub fn origin_holder(text: &str) -> Option<u32> {
+    let rest = text
+        .split("is already active for PID ")
+        .nth(1)
+        .or_else(|| text.split("in use by PID ").nth(1))?;
+    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+    digits.parse().ok()
+}
+
+/// What the session holding an origin is doing: a session a stopped pgapply left behind while
+/// it waits for a lock ends only with that lock, and the user can see whose.
+async fn holder_described(client: &Client, pid: u32) -> String {
+    let row = client
+        .query_opt(
+            "SELECT coalesce(application_name, ''), coalesce(wait_event_type, ''), \
+                    pg_catalog.array_to_string(pg_catalog.pg_blocking_pids(pid), ', ') \
+             FROM pg_catalog.pg_stat_activity WHERE pid = $1",
+            &[&(pid as i32)],
+        )
+        .await
+        .ok()
+        .flatten();
+    let end = format!("SELECT pg_terminate_backend({pid})");
+    match row {
+        Some(r) if r.get::<_, String>(1) == "Lock" => format!(
+            "it is held by target session {pid}, which waits for a lock held by target process(es) {}: most likely left by a pgapply process that was stopped while it waited; it goes away when that lock is released, or end it now ({end}); pgapply tries again meanwhile",
+            r.get::<_, String>(2)
+        ),
+        Some(r) => format!(
+            "it is held by target session {pid} (application {:?}): another pgapply running for this slot, or one that hung; stop that process, or end the session ({end})",
+            r.get::<_, String>(0)
+        ),
+        None => format!(
+            "it is held by target process {pid}, which has just ended or is not visible to this role: pgapply tries again"
+        ),
+    }
 }
 
 async fn ensure_origin(client: &Client, name: &str) -> Result<(), tokio_postgres::Error> {

@@ -938,7 +938,7 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
         match run_once_until(config.clone(), deadline, step).await {
             Err(e) if e.is_transient() => {
                 let text = e.to_string();
-                if let Some(pid) = origin_holder(&text) {
+                if let Some(pid) = crate::apply::progress::origin_holder(&text) {
                     let since = *origin_held_since.get_or_insert_with(Instant::now);
                     let out_of_time = Instant::now() + Duration::from_secs(1) >= deadline;
                     if out_of_time || since.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY {
@@ -962,17 +962,6 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
             outcome => return outcome,
         }
     }
-}
-
-/// The target backend named by "replication origin ... is already active for PID N" or "... in
-/// use by PID N", if the error says so.
-fn origin_holder(text: &str) -> Option<u32> {
-    let rest = text
-        .split("is already active for PID ")
-        .nth(1)
-        .or_else(|| text.split("in use by PID ").nth(1))?;
-    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-    digits.parse().ok()
 }
 
 async fn run_once_until(
@@ -1300,7 +1289,7 @@ pub fn interrupted(config: &RunConfig, roles: &[String]) -> Error {
 mod tests {
     #[test]
     fn the_session_holding_an_origin_is_read_from_the_error() {
-        use super::origin_holder;
+        use crate::apply::progress::origin_holder;
         assert_eq!(
             origin_holder("step 3: binding the apply session to replication origin \"pgapply_m2\" (is another pgapply running for this slot?): replication origin with ID 5 is already active for PID 29929 (SQLSTATE 55006)"),
             Some(29929)
