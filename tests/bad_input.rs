@@ -89,6 +89,21 @@ async fn published_partition_missing_on_target() {
          CREATE PUBLICATION p FOR TABLE m_1;",
     )
     .await;
+    // An empty target has no root to map the partitions onto: they are missing tables, said
+    // as such (and a table of another kind missing too is not left unsaid).
+    db.source_sql(
+        "CREATE TABLE m_2 PARTITION OF m FOR VALUES FROM (100) TO (200); \
+         CREATE TABLE plain (id int PRIMARY KEY); ALTER PUBLICATION p ADD TABLE m_2, plain;",
+    )
+    .await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "none of the 3 published tables exists on the target",
+            "pgapply schema",
+        ],
+    )
+    .await;
     db.target_sql("CREATE TABLE m (id int, v text)").await;
     expect_failure(
         db.pgapply("p", &[]),

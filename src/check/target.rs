@@ -99,7 +99,9 @@ pub(super) async fn check_target(
         // parent: said as `run` says it.
         if let Some(src) = source {
             let sources: Vec<String> = tables.iter().map(|t| t.qualified()).collect();
-            if let Ok(Some(hint)) = crate::replicate::missing_partition_hint(src, &sources).await {
+            if let Ok(Some(hint)) =
+                crate::replicate::missing_partition_hint(src, dst, &sources).await
+            {
                 report.problem(hint);
                 return;
             }

@@ -427,16 +427,20 @@ pub(super) async fn target_tables_exist(
         .filter(|t| missing.contains(&t.target_qualified()))
         .map(|t| t.qualified())
         .collect();
-    if let Some(hint) = missing_partition_hint(&source, &missing_sources).await? {
+    if let Some(hint) = missing_partition_hint(&source, target, &missing_sources).await? {
         return Err(Error::definite(hint));
     }
     match missing.as_slice() {
         [] => Ok(sources_of),
+        all if all.len() == names.len() && all.len() > 1 => Err(Error::definite(format!(
+            "none of the {} published tables exists on the target: create them first, for example with `pgapply schema --source ... --target ... --publication ... --section pre-data` (and `--section post-data` after the initial copy, for the keys and indexes); or check --target",
+            all.len()
+        ))),
         [one] => Err(Error::definite(format!(
-            "table {one} is published by the source but does not exist on the target: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; otherwise create it on the target (`pgapply schema` copies the published tables' definitions), or take it out of the publication; then start pgapply again"
+            "table {one} is published by the source but does not exist on the target: create it on the target (`pgapply schema` copies the published tables' definitions), or take it out of the publication; or, if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; then start pgapply again"
         ))),
         many => Err(Error::definite(format!(
-            "{} published tables do not exist on the target: {}: if they were renamed on the source, rename them on the target too (ALTER TABLE ... RENAME TO ...); otherwise create them on the target (`pgapply schema` copies the published tables' definitions), or take them out of the publication; then start pgapply again",
+            "{} published tables do not exist on the target: {}: create them on the target (`pgapply schema` copies the published tables' definitions), or take them out of the publication; or, if they were renamed on the source, rename them on the target too (ALTER TABLE ... RENAME TO ...); then start pgapply again",
             many.len(),
             many.join(", ")
         ))),
@@ -516,9 +520,11 @@ pub(crate) async fn binary_unsafe(
 /// Of source tables published under their own names whose target tables are missing: a
 /// partition, said as such (its rows are most likely in the target's parent, or the
 /// publication's publish_via_partition_root was turned off; creating the partition would not
-/// serve), with the ways to apply it there.
+/// serve), with the ways to apply it there. Only where the target has the partition's root: a
+/// target without it lacks the tables themselves.
 pub(crate) async fn missing_partition_hint(
     source: &tokio_postgres::Client,
+    target: &tokio_postgres::Client,
     missing_sources: &[String],
 ) -> Result<Option<String>> {
     let partitions = source
@@ -541,6 +547,19 @@ pub(crate) async fn missing_partition_hint(
         )
         .await
         .map_err(|e| Error::postgres("looking up partitions on the source", e))?;
+    let mut with_root = Vec::new();
+    for row in partitions {
+        let root: String = row.get(1);
+        let there: bool = target
+            .query_one("SELECT pg_catalog.to_regclass($1) IS NOT NULL", &[&root])
+            .await
+            .map_err(|e| Error::postgres(format!("looking up table {root} on the target"), e))?
+            .get(0);
+        if there {
+            with_root.push(row);
+        }
+    }
+    let partitions = with_root;
     let Some(row) = partitions.first() else {
         return Ok(None);
     };
