@@ -206,7 +206,11 @@ async fn an_enum_value_and_a_domain_check_only_one_side_has_are_named() {
         .await;
     let last = expect_failure(
         db.pgapply("p", &[]),
-        &["enum type mood", "ALTER TYPE mood ADD VALUE 'ecstatic'"],
+        &[
+            "enum type mood",
+            "ALTER TYPE mood ADD VALUE 'ecstatic'",
+            "ALTER TYPE mood RENAME VALUE '...' TO 'ecstatic'",
+        ],
     )
     .await;
     assert!(!last.contains("pgapply skip"), "{last}");
@@ -225,6 +229,24 @@ async fn an_enum_value_and_a_domain_check_only_one_side_has_are_named() {
         .await;
     db.sync("p").await;
     db.assert_same("e").await;
+    // A composite type given an attribute on the source only.
+    db.both("CREATE TYPE pair AS (a int, b int); CREATE TABLE c (id int PRIMARY KEY, p pair)")
+        .await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE c; ALTER TYPE pair ADD ATTRIBUTE x int")
+        .await;
+    db.source_sql("INSERT INTO c VALUES (1, ROW(1, 2, 3))")
+        .await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "a value of a composite type (a column of target table \"public\".\"c\", or inside one) does not fit",
+            "ALTER TYPE ... ADD ATTRIBUTE",
+        ],
+    )
+    .await;
+    db.target_sql("ALTER TYPE pair ADD ATTRIBUTE x int").await;
+    db.sync("p").await;
+    db.assert_same("c").await;
 }
 
 /// A column dropped on the source that is NOT NULL without a default on the target: the error

@@ -167,6 +167,7 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
     assert!(
         err.contains("delete or change that row on the target")
             && err.contains("insert_exists = \"apply_remote\"")
+            && err.contains("DROP CONSTRAINT \"k_pkey\"")
             && err.contains("its other changes too"),
         "{err}"
     );

@@ -321,8 +321,17 @@ impl Applier {
                     .unwrap_or(("...", "..."));
                 let label = value.trim_matches('"');
                 format!(
-                    "the source's enum type {enum_type} has a value the target's lacks ({value}; ALTER TYPE .. ADD VALUE on the source is not replicated): add it on the target (ALTER TYPE {enum_type} ADD VALUE {}, at the same place as on the source: BEFORE or AFTER another label), then start pgapply again",
+                    "the source's enum type {enum_type} has a value the target's lacks ({value}; ALTER TYPE on the source is not replicated): add it on the target (ALTER TYPE {enum_type} ADD VALUE {}, at the same place as on the source: BEFORE or AFTER another label), or, if the source renamed a label to it, rename that label on the target the same way (ALTER TYPE {enum_type} RENAME VALUE '...' TO {}); then start pgapply again",
+                    crate::sql::shown_literal(label),
                     crate::sql::shown_literal(label)
+                )
+            }
+            // A composite type changed on the source (ALTER TYPE .. ADD/DROP ATTRIBUTE).
+            Some("22P02")
+                if db.is_some_and(|d| d.message().starts_with("malformed record literal")) =>
+            {
+                format!(
+                    "a value of a composite type (a column of target table {table}, or inside one) does not fit the target's type: attributes were added, dropped or changed on the source (ALTER TYPE is not replicated); change the type on the target the same way (ALTER TYPE ... ADD ATTRIBUTE ..., DROP ATTRIBUTE ...), then start pgapply again"
                 )
             }
             // A value the target refuses: name the columns it can come from.
@@ -369,8 +378,18 @@ impl Applier {
                 } else {
                     ("update_exists", "\"apply_remote\" (delete the target's other row), \"skip\" or \"keep_local\" (keep it and leave this update out)")
                 };
+                // (The unique key may be one the source no longer has: then it is the target
+                // that differs, not a row.)
+                let constraint = db.and_then(|d| d.constraint()).map(|c| {
+                    format!(
+                        " If the source no longer has that unique key {} (dropped or changed there; such DDL is not replicated), drop it on the target instead (ALTER TABLE {table} DROP CONSTRAINT {}, or DROP INDEX for a unique index) and start pgapply again.",
+                        quote_ident(c),
+                        quote_ident(c)
+                    )
+                });
                 format!(
-                    "a row of target table {table} already holds that key (written on the target, or by another source): delete or change that row on the target and start pgapply again, or give the table a conflict policy in the config file ([tables.\"{key}\".conflicts] or [conflicts] {kind} = {take}); or, losing the whole source transaction, its other changes too: {skip}",
+                    "a row of target table {table} already holds that key (written on the target, or by another source): delete or change that row on the target and start pgapply again, or give the table a conflict policy in the config file ([tables.\"{key}\".conflicts] or [conflicts] {kind} = {take}); or, losing the whole source transaction, its other changes too: {skip}.{}",
+                    constraint.unwrap_or_default(),
                     key = format!(
                         "{}.{}",
                         crate::relation::source_schema(&about.relation.source),
