@@ -766,6 +766,12 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
                     counted(r.target_rows as u64, "row")
                 );
                 for (from, to) in &r.mismatches {
+                    if from.is_none() && to.is_none() {
+                        crate::out!(
+                            "          key range: the whole table (compared as one chunk; where the table has a key, a smaller --chunk-rows narrows it down)"
+                        );
+                        continue;
+                    }
                     crate::out!(
                         "          key range [{} .. {})",
                         from.as_deref().unwrap_or("start"),

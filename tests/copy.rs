@@ -1067,7 +1067,9 @@ async fn verify_names_a_corrupted_row() {
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
-        text.contains("OK        \"public\".\"v\"") && text.contains("MISMATCH  \"public\".\"w\""),
+        text.contains("OK        \"public\".\"v\"")
+            && text.contains("MISMATCH  \"public\".\"w\"")
+            && text.contains("key range: the whole table (compared as one chunk"),
         "{text}"
     );
     // A table that cannot be compared is named, and the others are still compared.
