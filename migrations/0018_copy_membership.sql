@@ -4,3 +4,6 @@
 -- when none of those recorded is there any more, its changes in between were not sent, and it
 -- is copied again. NULL: not read yet.
 ALTER TABLE pgapply.copy_state ADD COLUMN IF NOT EXISTS membership oid[];
+-- The source table's oid: a table renamed on the source keeps it, and its copy state follows the
+-- new name instead of the table being taken for one published after the copy.
+ALTER TABLE pgapply.copy_state ADD COLUMN IF NOT EXISTS source_relid oid;

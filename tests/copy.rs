@@ -1455,6 +1455,37 @@ async fn a_table_without_columns_is_checked_copied_and_streamed() {
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM nocols").await, 6);
 }
 
+/// A table renamed on the source (and on the target) after the copy: its copy state follows the
+/// new name, and its changes are not taken for those of a table the copy did not take in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_renamed_after_the_copy_keeps_its_copy_state() {
+    let db = TestDb::new("renamedcopy").await;
+    db.both("CREATE TABLE r (id int PRIMARY KEY, v text)").await;
+    db.source_sql(
+        "INSERT INTO r SELECT g, 'a' FROM generate_series(1, 10) g; CREATE PUBLICATION p FOR TABLE r;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    db.both("ALTER TABLE r RENAME TO r2").await;
+    db.source_sql("INSERT INTO r2 VALUES (11, 'b')").await;
+    let out = db.sync("p").await;
+    let err = stderr(&out);
+    assert!(
+        err.contains("renamed on the source: its copy state follows the new name")
+            && !err.contains("did not take in"),
+        "{err}"
+    );
+    db.assert_same("r2").await;
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.copy_state WHERE table_name = 'r2' AND state = 'done'"
+        )
+        .await,
+        1
+    );
+}
+
 /// A table taken out of the publication and put back while pgapply is stopped: its changes in
 /// between were not sent. The next start says so and goes no further; a run with --copy-data
 /// copies it again. A change of publications that still publish it is no such gap.

@@ -185,14 +185,15 @@ pub async fn cover_partitions(source: &Client, copies: &mut LaterCopies) -> Resu
     Ok(())
 }
 
-/// Per published table (schema, name): the source's catalog rows that publish it through
+/// Per published table (schema, name): its oid on the source, and the source's catalog rows
+/// that publish it through
 /// `publications` (its own or an ancestor's `pg_publication_rel` row, its or an ancestor's
 /// schema's `pg_publication_namespace` row on 15+, a FOR ALL TABLES publication's row).
 pub(super) async fn memberships(
     source: &Client,
     publications: &[String],
     tables: &[(String, String)],
-) -> Result<HashMap<(String, String), Vec<u32>>> {
+) -> Result<HashMap<(String, String), (u32, Vec<u32>)>> {
     let version = crate::sql::server_version(source)
         .await
         .map_err(|e| Error::postgres("reading the source's version", e))?;
@@ -214,7 +215,7 @@ pub(super) async fn memberships(
         String::new()
     };
     let sql = format!(
-        "SELECT t.s, t.n, ARRAY( \
+        "SELECT t.s, t.n, c.oid, ARRAY( \
              SELECT pr.oid FROM pg_catalog.pg_publication_rel pr \
              JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid \
              WHERE p.pubname = ANY($1) AND pr.prrelid IN ({related}) \
@@ -232,7 +233,7 @@ pub(super) async fn memberships(
         .map_err(|e| Error::postgres("reading what publishes each table on the source", e))?;
     Ok(rows
         .iter()
-        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .map(|r| ((r.get(0), r.get(1)), (r.get(2), r.get(3))))
         .collect())
 }
 
@@ -265,17 +266,60 @@ pub async fn forget_unpublished(
     let context = |e| Error::postgres("reading pgapply.copy_state on the target", e);
     // (A copied table whose copy's position the stream has not passed yet stays: its changes
     // from before that position, still to come, are to be dropped.)
-    let recorded: Vec<(String, String)> = target
+    let rows = target
         .query(
-            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1 \
+            "SELECT schema_name, table_name, source_relid FROM pgapply.copy_state WHERE slot_name = $1 \
              AND NOT (state = 'done' AND synced_lsn IS NOT NULL AND synced_lsn > $2::text::pg_lsn)",
             &[&slot, &resume.to_string()],
         )
         .await
-        .map_err(context)?
+        .map_err(context)?;
+    let mut recorded: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    // Renamed on the source (same oid, a published name the copy state does not have): the
+    // state follows the new name.
+    let renamed: Vec<((String, String), u32)> = rows
         .iter()
-        .map(|r| (r.get(0), r.get(1)))
+        .filter_map(|r| {
+            let name: (String, String) = (r.get(0), r.get(1));
+            let relid: Option<u32> = r.get(2);
+            relid
+                .filter(|_| !published.contains(&name))
+                .map(|id| (name, id))
+        })
         .collect();
+    if !renamed.is_empty() {
+        let unrecorded: Vec<(String, String)> = published
+            .iter()
+            .filter(|t| !recorded.contains(t))
+            .cloned()
+            .collect();
+        let now = memberships(&source, publications, &unrecorded).await?;
+        for (old, relid) in renamed {
+            let Some((new, _)) = now.iter().find(|(_, (id, _))| *id == relid) else {
+                continue;
+            };
+            let moved = target
+                .execute(
+                    "UPDATE pgapply.copy_state SET schema_name = $4, table_name = $5 \
+                     WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3 \
+                       AND NOT EXISTS (SELECT 1 FROM pgapply.copy_state o \
+                                       WHERE o.slot_name = $1 AND o.schema_name = $4 AND o.table_name = $5)",
+                    &[&slot, &old.0, &old.1, &new.0, &new.1],
+                )
+                .await
+                .map_err(context)?;
+            if moved == 1 {
+                tracing::info!(
+                    from = %qualified_name(&old.0, &old.1),
+                    to = %qualified_name(&new.0, &new.1),
+                    "renamed on the source: its copy state follows the new name"
+                );
+                if let Some(entry) = recorded.iter_mut().find(|t| **t == old) {
+                    *entry = new.clone();
+                }
+            }
+        }
+    }
     let gone: Vec<&(String, String)> = recorded.iter().filter(|t| !published.contains(t)).collect();
     let kept: Vec<(String, String)> = recorded
         .iter()
@@ -323,7 +367,7 @@ async fn note_memberships(
     let now = memberships(source, publications, tables).await?;
     let mut returned = Vec::new();
     for table in tables {
-        let Some(current) = now.get(table) else {
+        let Some((relid, current)) = now.get(table) else {
             continue;
         };
         let before: Option<Vec<u32>> = target
@@ -344,11 +388,11 @@ async fn note_memberships(
         }
         target
             .execute(
-                "UPDATE pgapply.copy_state SET membership = $4, \
+                "UPDATE pgapply.copy_state SET membership = $4, source_relid = $6, \
                         state = CASE WHEN $5 THEN 'pending' ELSE state END, \
                         synced_lsn = CASE WHEN $5 THEN '0/0'::pg_lsn ELSE synced_lsn END \
                  WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
-                &[&slot, &table.0, &table.1, current, &put_back],
+                &[&slot, &table.0, &table.1, current, &put_back, relid],
             )
             .await
             .map_err(context)?;

@@ -540,15 +540,18 @@ pub async fn plan_copy(
     let synced: Option<String> = late.map(|_| "0/0".to_owned());
     for (i, table) in tables.iter().enumerate() {
         let jobs_total = jobs.iter().filter(|j| j.table == i).count() as i32;
-        let published_by = membership.get(&(table.schema.clone(), table.name.clone()));
+        let (relid, published_by) = membership
+            .get(&(table.schema.clone(), table.name.clone()))
+            .map(|(relid, rows)| (Some(*relid), Some(rows)))
+            .unwrap_or((None, None));
         target
             .execute(
-                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total, synced_lsn, membership) \
-                 VALUES ($1, $2, $3, 'pending', $4, $5::text::pg_lsn, $6) \
+                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total, synced_lsn, membership, source_relid) \
+                 VALUES ($1, $2, $3, 'pending', $4, $5::text::pg_lsn, $6, $7) \
                  ON CONFLICT (slot_name, schema_name, table_name) DO UPDATE \
                  SET state = 'pending', rows_copied = 0, bytes_copied = 0, jobs_total = $4, jobs_done = 0, \
-                     synced_lsn = $5::text::pg_lsn, started_at = NULL, finished_at = NULL, membership = $6",
-                &[&slot, &table.schema, &table.name, &jobs_total, &synced, &published_by],
+                     synced_lsn = $5::text::pg_lsn, started_at = NULL, finished_at = NULL, membership = $6, source_relid = $7",
+                &[&slot, &table.schema, &table.name, &jobs_total, &synced, &published_by, &relid],
             )
             .await
             .map_err(record)?;
