@@ -243,11 +243,13 @@ pub(super) async fn memberships(
 /// of such a table that did not finish no longer blocks the runs either. The last row stays:
 /// it is what says that the slot's initial copy was made.
 ///
-/// A table taken out and put back since the last start (stopped or not meanwhile) is published
-/// by new catalog rows: when none of those recorded at the last start is left, the changes made
-/// in between were not sent, and it is marked as a copy to make again (as one that did not
-/// finish: a run without `--copy-data` refuses to go on until it is copied). Not when the
-/// publications given differ from the last run's: other publications publish by other rows.
+/// A table taken out and put back since the last start (stopped or not meanwhile), or whose
+/// row filter or column list changed, is published by new catalog rows: when none of those
+/// recorded at the last start is left, changes made in between were not sent (or rows the new
+/// filter takes were never copied). It is marked (`recopy`) and said at every start until a run
+/// with `--copy-data` copies it again, as a table published later (`--truncate-target` for its
+/// rows), or the user clears the mark. Not compared when the publications given differ from
+/// the last run's: other publications publish by other rows.
 pub async fn forget_unpublished(
     target: &Client,
     source_config: &tokio_postgres::Config,
@@ -388,9 +390,7 @@ async fn note_memberships(
         }
         target
             .execute(
-                "UPDATE pgapply.copy_state SET membership = $4, source_relid = $6, \
-                        state = CASE WHEN $5 THEN 'pending' ELSE state END, \
-                        synced_lsn = CASE WHEN $5 THEN '0/0'::pg_lsn ELSE synced_lsn END \
+                "UPDATE pgapply.copy_state SET membership = $4, source_relid = $6, recopy = recopy OR $5 \
                  WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
                 &[&slot, &table.0, &table.1, current, &put_back, relid],
             )
@@ -398,9 +398,26 @@ async fn note_memberships(
             .map_err(context)?;
     }
     if !returned.is_empty() {
-        tracing::warn!(
+        tracing::info!(
             tables = %returned.join(", "),
-            "taken out of the publication and put back since pgapply last started: the changes made to them in between were not sent, so they are copied again (their target tables emptied first) by the next run with --copy-data; until then the runs refuse to go on"
+            "the publication's rows for these tables were replaced since pgapply last started"
+        );
+    }
+    let marked: Vec<String> = target
+        .query(
+            "SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1 AND recopy ORDER BY 1, 2",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| qualified_name(&r.get::<_, String>(0), &r.get::<_, String>(1)))
+        .collect();
+    if !marked.is_empty() {
+        tracing::warn!(
+            tables = %marked.join(", "),
+            "taken out of the publication and put back, or given another row filter or column list, after their copy: the source did not send their changes while they were out, nor rows a new filter takes, so rows may be missing or stale on the target (pgapply verify compares them). A run with --copy-data --truncate-target copies them again; if nothing is missing, stop this warning with UPDATE pgapply.copy_state SET recopy = false WHERE slot_name = '{}' on the target",
+            slot.replace('\'', "''")
         );
     }
     Ok(())

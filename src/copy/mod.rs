@@ -371,15 +371,19 @@ pub async fn plan_copy(
     if let Some(late) = late {
         // Tables published after the initial copy: those it did not take in, and those whose
         // own copy did not finish (their rows, from that copy, are pgapply's: emptied).
-        let recorded: Vec<(String, String, bool)> = target
+        // (A table marked to copy again, `recopy`, is copied as one published later: its rows
+        // are the earlier copy's and the stream's, emptied only with --truncate-target.)
+        let rows = target
             .query(
-                "SELECT schema_name, table_name, state = 'done' OR synced_lsn IS NULL \
+                "SELECT schema_name, table_name, (state = 'done' OR synced_lsn IS NULL) AND NOT recopy, recopy \
                  FROM pgapply.copy_state WHERE slot_name = $1",
                 &[&slot],
             )
             .await
-            .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?
+            .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+        let recorded: Vec<(String, String, bool)> = rows
             .iter()
+            .filter(|r| !r.get::<_, bool>(3) || r.get::<_, bool>(2))
             .map(|r| (r.get(0), r.get(1), r.get(2)))
             .collect();
         tables.retain(|t| {
@@ -549,7 +553,7 @@ pub async fn plan_copy(
                 "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total, synced_lsn, membership, source_relid) \
                  VALUES ($1, $2, $3, 'pending', $4, $5::text::pg_lsn, $6, $7) \
                  ON CONFLICT (slot_name, schema_name, table_name) DO UPDATE \
-                 SET state = 'pending', rows_copied = 0, bytes_copied = 0, jobs_total = $4, jobs_done = 0, \
+                 SET state = 'pending', rows_copied = 0, bytes_copied = 0, jobs_total = $4, jobs_done = 0, recopy = false, \
                      synced_lsn = $5::text::pg_lsn, started_at = NULL, finished_at = NULL, membership = $6, source_relid = $7",
                 &[&slot, &table.schema, &table.name, &jobs_total, &synced, &published_by, &relid],
             )
