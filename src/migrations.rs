@@ -293,4 +293,35 @@ mod tests {
             );
         }
     }
+
+    /// The tables left out of replication as pgapply's own are exactly those its migrations make.
+    #[test]
+    fn own_tables_are_those_the_migrations_make() {
+        let source = include_str!("migrations.rs");
+        let mut made: Vec<String> = super::MIGRATIONS
+            .iter()
+            .map(|(_, _, sql)| *sql)
+            .chain([source])
+            .flat_map(|sql| {
+                sql.split("CREATE TABLE IF NOT EXISTS pgapply.")
+                    .skip(1)
+                    .map(|rest| {
+                        rest.chars()
+                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                            .collect::<String>()
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        // (This test's own search text is in the source too.)
+        made.retain(|t| !t.is_empty());
+        made.sort();
+        made.dedup();
+        let mut own: Vec<String> = crate::apply::applier::OWN_TABLES
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        own.sort();
+        assert_eq!(made, own);
+    }
 }

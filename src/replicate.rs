@@ -661,7 +661,8 @@ async fn run_in_span(
             None => return Ok(stopped()),
         }
         if copy_status == CopyStatus::Done {
-            copy::forget_unpublished(
+            // (Reading the published tables may wait for a lock on the source.)
+            let forgetting = copy::forget_unpublished(
                 &setup,
                 &config.source,
                 &config.slot,
@@ -669,8 +670,11 @@ async fn run_in_span(
                 &config.table_map,
                 resume,
                 publications_changed,
-            )
-            .await?;
+            );
+            match unless_stopped(&mut shutdown, forgetting).await {
+                Some(result) => result?,
+                None => return Ok(stopped()),
+            }
         }
         // (Not under a cutover's stop position: what it stops at is decided.)
         if config.copy_data && copy_status == CopyStatus::Done && fence.is_none() {

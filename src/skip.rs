@@ -117,7 +117,7 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             // (Any state but a clean stop: a worker backing off after a failure, or starting,
             // still runs. Not a failed run with no process: it exited, and said so.)
             .query_opt(
-                "SELECT coalesce(state, '') <> 'stopped' AND NOT (state = 'failed' AND pid IS NULL) \
+                "SELECT coalesce(state, '') <> 'stopped' AND NOT (coalesce(state, '') = 'failed' AND pid IS NULL) \
                         AND heartbeat_at > now() - interval '30 seconds', pid \
                  FROM pgapply.progress WHERE slot_name = $1",
                 &[&slot],

@@ -1416,10 +1416,6 @@ async fn a_table_published_after_the_copy_is_named_when_its_changes_arrive() {
     assert!(named[0].contains("\"public\".\"late\""), "{log}");
 }
 
-/// A table published after the initial copy is copied by the next `run --copy-data`, in a
-/// snapshot of its own, without touching the other tables or the slot: its changes the copy
-/// holds are skipped (an INSERT of a copied row would fail, a TRUNCATE would empty it), later
-/// ones applied. An unfinished such copy is not streamed into, and starts over.
 /// A table without columns (`CREATE TABLE t ()`): checked, copied and streamed (its rows are
 /// empty, and as many on both sides).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1556,6 +1552,10 @@ async fn a_table_put_back_into_the_publication_is_copied_again() {
     db.assert_same("back").await;
 }
 
+/// A table published after the initial copy is copied by the next `run --copy-data`, in a
+/// snapshot of its own, without touching the other tables or the slot: its changes the copy
+/// holds are skipped (an INSERT of a copied row would fail, a TRUNCATE would empty it), later
+/// ones applied. An unfinished such copy is not streamed into, and starts over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_published_after_the_copy_is_copied_by_the_next_copy_data_run() {
     let db = TestDb::new("latecopy").await;

@@ -1273,9 +1273,8 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     db.assert_same("f").await;
 }
 
-/// A target user's lock holds applying up: said in the log after a few seconds, naming the
-/// table and the process holding it, even under a role's lock_timeout and statement_timeout
-/// (which must not make pgapply give up: it waits), and said again when it ends.
+/// A table locked on the source holds up the start: said, naming the session that holds the
+/// lock, and a stop ends the wait at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_lock_at_the_start_is_named_and_a_stop_ends_the_wait() {
     let db = TestDb::new("srclockwait").await;
@@ -1382,6 +1381,9 @@ async fn a_session_left_waiting_for_a_lock_is_named_at_the_next_start() {
     let _ = second.start_kill();
 }
 
+/// A target user's lock holds applying up: said in the log after a few seconds, naming the
+/// table and the process holding it, even under a role's lock_timeout and statement_timeout
+/// (which must not make pgapply give up: it waits), and said again when it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_users_lock_is_waited_for_and_named() {
     let db = TestDb::new("lockwait").await;

@@ -824,7 +824,7 @@ async fn bind_origin(client: &Client, name: &str) -> Result<()> {
     let why = match e.code().map(|c| c.code()) {
         Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or drop unused pgapply_* origins with pg_replication_origin_drop".to_owned(),
         _ => match e.as_db_error().and_then(|d| origin_holder(d.message())) {
-            Some(pid) => holder_described(client, pid).await,
+            Some(pid) => holder_described(client, name, pid).await,
             None => "is another pgapply running for this slot, or hung? The PID below is its session on the target".to_owned(),
         },
     };
@@ -845,12 +845,27 @@ pub fn origin_holder(text: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
-/// What the session holding an origin is doing: a session a stopped pgapply left behind while
-/// it waits for a lock ends only with that lock, and the user can see whose.
-async fn holder_described(client: &Client, pid: u32) -> String {
+/// What the session holding an origin is doing. Waiting for a user's lock: that lock's holder is
+/// named, as the session goes on (or, left by a stopped pgapply, goes away) only once it is
+/// released. Otherwise most likely another pgapply running for the slot (its heartbeat in
+/// pgapply.progress is fresh), or one that hung.
+async fn holder_described(client: &Client, origin: &str, pid: u32) -> String {
+    let running: Option<i32> = client
+        .query_opt(
+            "SELECT pid FROM pgapply.progress \
+             WHERE pid IS NOT NULL AND pid <> $2 AND heartbeat_at > now() - interval '30 seconds' \
+               AND coalesce(state, '') NOT IN ('stopped', 'failed') \
+               AND ($1 = 'pgapply_' || slot_name OR left($1, length(slot_name) + 10) = 'pgapply_' || slot_name || '-w') \
+             LIMIT 1",
+            &[&origin, &(std::process::id() as i32)],
+        )
+        .await
+        .ok()
+        .flatten()
+        .map(|r| r.get(0));
     let row = client
         .query_opt(
-            "SELECT coalesce(application_name, ''), coalesce(wait_event_type, ''), \
+            "SELECT coalesce(application_name, ''), coalesce(wait_event_type, ''), coalesce(wait_event, ''), \
                     pg_catalog.array_to_string(pg_catalog.pg_blocking_pids(pid), ', ') \
              FROM pg_catalog.pg_stat_activity WHERE pid = $1",
             &[&(pid as i32)],
@@ -859,10 +874,17 @@ async fn holder_described(client: &Client, pid: u32) -> String {
         .ok()
         .flatten();
     let end = format!("SELECT pg_terminate_backend({pid})");
+    let other = running.map_or_else(String::new, |p| {
+        format!(" (pgapply.progress shows pgapply process {p} running for this slot in the last 30 s: if it still runs, it is that one's)")
+    });
     match row {
-        Some(r) if r.get::<_, String>(1) == "Lock" => format!(
-            "it is held by target session {pid}, which waits for a lock held by target process(es) {}: most likely left by a pgapply process that was stopped while it waited; it goes away when that lock is released, or end it now ({end}); pgapply tries again meanwhile",
-            r.get::<_, String>(2)
+        // (Not pgapply's own advisory locks: parallel workers wait on those for each other.)
+        Some(r) if r.get::<_, String>(1) == "Lock" && r.get::<_, String>(2) != "advisory" => format!(
+            "it is held by target session {pid}, which waits for a lock held by target process(es) {}{other}; left by a pgapply process that was stopped while it waited, it goes away when that lock is released, or end it now ({end}); pgapply tries again meanwhile",
+            r.get::<_, String>(3)
+        ),
+        Some(_) if running.is_some() => format!(
+            "another pgapply{other} holds it through target session {pid}: stop that process first, or give this one another --slot"
         ),
         Some(r) => format!(
             "it is held by target session {pid} (application {:?}): another pgapply running for this slot, or one that hung; stop that process, or end the session ({end})",

@@ -51,33 +51,40 @@ pub(super) async fn check_target(
     copy_pending: bool,
     emptied: &[String],
 ) {
+    // (A schema pgapply that exists already is what counts then: another role's may refuse.
+    // Only pgapply's own tables there: a user's tables in a schema of that name are theirs.)
     let can_create = query_bool(
         dst,
-        // (A schema pgapply that exists already is what counts then: another role's may refuse.)
-        "SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'pgapply') \
-                     THEN (SELECT has_schema_privilege(oid, 'CREATE') AND has_schema_privilege(oid, 'USAGE') \
-                                  AND NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relkind = 'r' \
-                                                  AND NOT has_table_privilege(c.oid, 'SELECT, INSERT, UPDATE, DELETE')) \
-                           FROM pg_namespace n WHERE nspname = 'pgapply') \
-                     ELSE has_database_privilege(current_database(), 'CREATE') END",
+        &format!(
+            "SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'pgapply') \
+                         THEN (SELECT has_schema_privilege(oid, 'CREATE') AND has_schema_privilege(oid, 'USAGE') \
+                                      AND NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relkind = 'r' \
+                                                      AND {} \
+                                                      AND NOT has_table_privilege(c.oid, 'SELECT, INSERT, UPDATE, DELETE')) \
+                               FROM pg_namespace n WHERE nspname = 'pgapply') \
+                         ELSE has_database_privilege(current_database(), 'CREATE') END",
+            crate::apply::applier::own_table_sql("'pgapply'", "c.relname")
+        ),
         &[],
     )
     .await;
     match can_create {
         Ok(true) => report.ok("target role may keep pgapply's state (schema pgapply)"),
         Ok(false) => {
-            let owner: Option<String> = dst
+            let owner: Option<(String, bool)> = dst
                 .query_opt(
-                    "SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'pgapply'",
+                    "SELECT nspowner::regrole::text, nspowner = (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user) \
+                     FROM pg_catalog.pg_namespace WHERE nspname = 'pgapply'",
                     &[],
                 )
                 .await
                 .ok()
                 .flatten()
-                .map(|r| r.get(0));
+                .map(|r| (r.get(0), r.get(1)));
             report.problem(match owner {
                 None => "the target role may not create schema pgapply, where pgapply keeps its state: GRANT CREATE ON DATABASE ... TO it, or create the schema for it (CREATE SCHEMA pgapply AUTHORIZATION it)".to_owned(),
-                Some(owner) => format!("the target role may not use schema pgapply, which role {owner} made: have {owner} grant it USAGE and CREATE on the schema and SELECT, INSERT, UPDATE, DELETE on its tables (or drop the schema if no other pgapply uses it)"),
+                Some((_, true)) => "the target role lacks rights on pgapply's tables in its schema pgapply (made by another role): have their owner or a superuser grant it SELECT, INSERT, UPDATE, DELETE on them".to_owned(),
+                Some((owner, false)) => format!("the target role may not use schema pgapply, which role {owner} made: have {owner} grant it USAGE and CREATE on the schema and SELECT, INSERT, UPDATE, DELETE on pgapply's tables there (or drop the schema if no other pgapply uses it)"),
             })
         }
         Err(e) => report.problem(format!("target: cannot read the role's privileges: {e}")),

@@ -117,16 +117,19 @@ pub async fn published_tables(
 }
 
 /// ", held by process N (user, "query")" for the sessions holding an ACCESS EXCLUSIVE lock on a
-/// table of this database; "" if none is seen (or they cannot be read).
+/// table of this database, or queued for one (an ALTER TABLE waiting behind a long reader holds
+/// up everyone after it: its blockers are named too); "" if none is seen (or they cannot be
+/// read).
 async fn exclusive_lock_holders(source: &Client) -> String {
     let rows = source
         .query(
-            "SELECT DISTINCT a.pid, coalesce(a.usename::text, ''), left(coalesce(a.query, ''), 120) \
+            "SELECT a.pid, coalesce(a.usename::text, ''), left(coalesce(a.query, ''), 120), bool_or(l.granted), \
+                    pg_catalog.array_to_string(pg_catalog.pg_blocking_pids(a.pid), ', ') \
              FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.granted AND l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock' \
+             WHERE l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock' \
                AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
                AND a.pid <> pg_catalog.pg_backend_pid() \
-             ORDER BY 1 LIMIT 5",
+             GROUP BY 1, 2, 3 ORDER BY 4 DESC, 1 LIMIT 5",
             &[],
         )
         .await
@@ -134,12 +137,18 @@ async fn exclusive_lock_holders(source: &Client) -> String {
     let holders: Vec<String> = rows
         .iter()
         .map(|r| {
-            format!(
+            let who = format!(
                 "process {} ({}, {:?})",
                 r.get::<_, i32>(0),
                 r.get::<_, String>(1),
                 r.get::<_, String>(2)
-            )
+            );
+            let blockers: String = r.get(4);
+            if r.get::<_, bool>(3) || blockers.is_empty() {
+                who
+            } else {
+                format!("{who}, queued for it behind process(es) {blockers}")
+            }
         })
         .collect();
     if holders.is_empty() {

@@ -1151,11 +1151,11 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
     Ok(problems)
 }
 
-/// The verify step reads every published table on both sides: a table either role may not
-/// read would fail it after writes were frozen.
 /// How `read_problems` starts when the target has none of the published tables.
 const NONE_THERE: &str = "the target has none of the published tables";
 
+/// The verify step reads every published table on both sides: a table either role may not
+/// read would fail it after writes were frozen.
 async fn read_problems(
     source: &Client,
     target: &Client,

@@ -34,7 +34,8 @@ pub async fn plan_sequences(
             // Used: owned by a published table or by one of its ancestors (a partition's serial
             // column takes its values from the partitioned table's sequence), or named in a
             // column default of one (`DEFAULT nextval('invoice_no')`).
-            "WITH RECURSIVE rel (oid) AS ( \
+            &format!(
+                "WITH RECURSIVE rel (oid) AS ( \
                  SELECT x::regclass::oid FROM unnest($1::text[]) x \
                  UNION SELECT i.inhparent FROM pg_inherits i JOIN rel ON i.inhrelid = rel.oid), \
              in_default AS ( \
@@ -49,9 +50,12 @@ pub async fn plan_sequences(
              LEFT JOIN pg_class t ON t.oid = d.refobjid \
              LEFT JOIN pg_namespace tn ON tn.oid = t.relnamespace \
              LEFT JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid \
-             WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgapply') \
+             WHERE c.relkind = 'S' AND n.nspname NOT IN ('pg_catalog', 'information_schema') \
                AND n.nspname NOT LIKE 'pg_toast%' AND n.nspname NOT LIKE 'pg_temp%' \
+               AND NOT coalesce({}, false) \
              ORDER BY 1, 2",
+                crate::apply::applier::own_table_sql("tn.nspname", "t.relname")
+            ),
             &[&tables],
         )
         .await
