@@ -916,6 +916,7 @@ async fn run_in_span(
         wal_sender_timeout: Duration::from_millis(wal_sender_timeout_ms),
         progress,
         last_heard: Instant::now(),
+        last_status: Instant::now(),
         held_begin: None,
         stopping: shutdown.clone(),
         pace_when_queued: std::env::var("PGAPPLY_PACE_WHEN_QUEUED")

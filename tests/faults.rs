@@ -775,6 +775,53 @@ async fn a_short_wal_sender_timeout_lowers_the_status_interval() {
     db.assert_same("t").await;
 }
 
+/// A target slower than the source, but moving: the reader works through what it received with
+/// many short waits for room in the queue. Status updates still go out on time, so the source
+/// (here with a 2 s wal_sender_timeout) never ends the connection as unresponsive. (A tester saw
+/// a source gone away noticed only after a minute in such a catch-up; this test does not
+/// reproduce that, it guards the pace of the updates.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_updates_keep_their_pace_behind_a_slow_target() {
+    if common::clusters().source_major < 12 {
+        common::skip("wal_sender_timeout is set per connection from PostgreSQL 12");
+        return;
+    }
+    let db = TestDb::new("slowpace").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, pad text)")
+        .await;
+    db.target_sql(
+        "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.02); RETURN NEW; END $$; \
+         CREATE TRIGGER slow BEFORE INSERT ON t FOR EACH ROW EXECUTE FUNCTION slow(); \
+         ALTER TABLE t ENABLE ALWAYS TRIGGER slow;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.sync("p").await;
+    for i in 0..400 {
+        db.source_sql(&format!(
+            "INSERT INTO t VALUES ({i}, repeat(md5('{i}'), 300))"
+        ))
+        .await;
+    }
+    let endpos = db.source_wal().await;
+    let source = format!("{} options=-cwal_sender_timeout=2s", db.source_conninfo());
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &source,
+            &db.target_conninfo(),
+            &db.slot(),
+            "p",
+            &["--endpos", &endpos, "--queue-size", "64kB"],
+        ),
+        120,
+    )
+    .await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(!log.contains("transient error"), "{log}");
+    db.assert_same("t").await;
+}
+
 /// The run reached its end position while the applier still waits on the target (a full queue
 /// behind a slow target): status updates go on while it finishes, so the source keeps the
 /// connection past its wal_sender_timeout and learns, at the end, everything that was applied.

@@ -41,6 +41,11 @@ pub(super) struct Reader<'a> {
     pub(super) progress: Option<watch::Sender<RunProgress>>,
     /// When the source last sent anything (or when pgapply last started listening again).
     pub(super) last_heard: Instant,
+    /// When the last status update went out: due again `status_interval` later, however the
+    /// reader is busy meanwhile (handling a gulp of frames, each waiting briefly for room in the
+    /// queue, would otherwise send none for minutes: the source ends a connection silent for
+    /// its `wal_sender_timeout`, and a source gone away is noticed only by writing to it).
+    pub(super) last_status: Instant,
     /// A Begin not forwarded yet (see `on_frame`).
     pub(super) held_begin: Option<(LogicalMessage, bytes::Bytes, usize)>,
     /// The shutdown signal, also while waiting for room in the queue.
@@ -89,6 +94,7 @@ impl Reader<'_> {
         METRICS.received_lsn.set_max(self.received.0);
         METRICS.flushed_lsn.set_max(flushed.0);
         self.update_lag();
+        self.last_status = Instant::now();
         if let Some(p) = &self.progress {
             p.send_replace(RunProgress { durable: flushed });
         }
@@ -133,10 +139,15 @@ impl Reader<'_> {
                         return Ok(reason);
                     }
                     // Frames already received are handled without going through the select
-                    // again (a few hundred at most, so timers and signals are still served).
+                    // again (a few hundred at most, and for a second at most, so timers and
+                    // signals are still served; a status update that falls due is sent).
+                    let gulp = Instant::now();
                     for _ in 0..256 {
-                        if !self.stream.has_buffered_frame() {
+                        if !self.stream.has_buffered_frame() || gulp.elapsed() >= Duration::from_secs(1) {
                             break;
+                        }
+                        if self.last_status.elapsed() >= self.status_interval {
+                            self.send_status(false).await?;
                         }
                         let frame = self.stream.next_frame().await?.ok_or_else(|| Error::transient(format!(
                             "source {} ended the replication stream (server shutting down?)", self.stream.endpoint())))?;
@@ -400,8 +411,6 @@ impl Reader<'_> {
         cost: u32,
     ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>> {
         METRICS.queue_bytes.set(self.queued() as u64);
-        let mut status = tokio::time::interval(self.status_interval);
-        status.tick().await;
         // The lag gauges move while it waits too (that is when the lag grows).
         let mut lag = tokio::time::interval(Duration::from_secs(1));
         lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -430,7 +439,11 @@ impl Reader<'_> {
                         .map(Some)
                         .map_err(|_| Error::definite("the apply queue closed"));
                 }
-                _ = status.tick() => self.send_status(false).await?,
+                // (Due from the last update sent, not from the start of this wait: waits one
+                // after the other, each shorter than the interval, must not skip them all.)
+                _ = tokio::time::sleep_until((self.last_status + self.status_interval).into()) => {
+                    self.send_status(false).await?
+                }
                 _ = lag.tick() => self.update_lag(),
                 _ = self.applier_done.changed() => return Ok(None),
                 // Stopping: the message is dropped; its transaction is incomplete on the applier's
