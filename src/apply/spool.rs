@@ -130,7 +130,14 @@ fn lock_instance(dir: &std::path::Path, slot: &str) -> Result<(u32, File)> {
         }
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(spool_error(&path, e));
+            // A filesystem without locks (some network ones): spooling still works, but two
+            // processes of one slot name must not share the directory.
+            tracing::warn!(
+                error = %e,
+                "cannot lock {} in the spool directory: two pgapply processes of slot {slot} must not share it (give each its own --spool-dir)",
+                path.display()
+            );
+            return Ok((instance, file));
         }
     }
     Err(Error::definite(format!(
