@@ -367,36 +367,55 @@ async fn note_memberships(
         )
     };
     let now = memberships(source, publications, tables).await?;
+    // (Read and written in one statement each: a publication may hold thousands of tables.)
+    let before: HashMap<(String, String), Option<Vec<u32>>> = target
+        .query(
+            "SELECT schema_name, table_name, membership FROM pgapply.copy_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .collect();
     let mut returned = Vec::new();
+    let (mut schemas, mut names, mut rows, mut relids, mut put_backs) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for table in tables {
         let Some((relid, current)) = now.get(table) else {
             continue;
         };
-        let before: Option<Vec<u32>> = target
-            .query_opt(
-                "SELECT membership FROM pgapply.copy_state \
-                 WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
-                &[&slot, &table.0, &table.1],
-            )
-            .await
-            .map_err(context)?
-            .and_then(|r| r.get(0));
         let put_back = compare
             && before
-                .as_ref()
+                .get(table)
+                .and_then(Option::as_ref)
                 .is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid)));
         if put_back {
             returned.push(qualified_name(&table.0, &table.1));
         }
-        target
-            .execute(
-                "UPDATE pgapply.copy_state SET membership = $4, source_relid = $6, recopy = recopy OR $5 \
-                 WHERE slot_name = $1 AND schema_name = $2 AND table_name = $3",
-                &[&slot, &table.0, &table.1, current, &put_back, relid],
-            )
-            .await
-            .map_err(context)?;
+        schemas.push(table.0.clone());
+        names.push(table.1.clone());
+        // (As text: arrays of arrays of different lengths do not pass as one parameter.)
+        rows.push(format!(
+            "{{{}}}",
+            current
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        ));
+        relids.push(*relid);
+        put_backs.push(put_back);
     }
+    target
+        .execute(
+            "UPDATE pgapply.copy_state c SET membership = u.m::oid[], source_relid = u.relid, recopy = c.recopy OR u.put_back \
+             FROM unnest($2::text[], $3::text[], $4::text[], $5::oid[], $6::bool[]) AS u(s, n, m, relid, put_back) \
+             WHERE c.slot_name = $1 AND c.schema_name = u.s AND c.table_name = u.n",
+            &[&slot, &schemas, &names, &rows, &relids, &put_backs],
+        )
+        .await
+        .map_err(context)?;
     if !returned.is_empty() {
         tracing::info!(
             tables = %returned.join(", "),
