@@ -6,6 +6,10 @@
 -- (a run with --copy-data) or the user clears it. NULL: not read yet.
 ALTER TABLE pgapply.copy_state ADD COLUMN IF NOT EXISTS membership oid[];
 ALTER TABLE pgapply.copy_state ADD COLUMN IF NOT EXISTS recopy boolean NOT NULL DEFAULT false;
+-- The row filter the table is published with ('' for none), as read at the last start: a filter
+-- widened or dropped (another publication, or a schema one, publishing it whole) leaves the
+-- recorded rows in place, and rows it now takes were never copied.
+ALTER TABLE pgapply.copy_state ADD COLUMN IF NOT EXISTS row_filter text;
 -- The source table's oid: a table renamed on the source keeps it, and its copy state follows the
 -- new name instead of the table being taken for one published after the copy.
 ALTER TABLE pgapply.copy_state ADD COLUMN IF NOT EXISTS source_relid oid;

@@ -260,8 +260,17 @@ pub async fn forget_unpublished(
     publications_changed: bool,
 ) -> Result<()> {
     let source = connect_source(source_config).await?;
-    let published: Vec<(String, String)> = published_tables(&source, publications, table_map)
-        .await?
+    let published_now = published_tables(&source, publications, table_map).await?;
+    let filters: HashMap<(String, String), String> = published_now
+        .iter()
+        .map(|t| {
+            (
+                (t.schema.clone(), t.name.clone()),
+                t.row_filter.clone().unwrap_or_default(),
+            )
+        })
+        .collect();
+    let published: Vec<(String, String)> = published_now
         .into_iter()
         .map(|t| (t.schema, t.name))
         .collect();
@@ -330,7 +339,16 @@ pub async fn forget_unpublished(
         .collect();
     if !kept.is_empty() {
         let compare = !publications_changed;
-        note_memberships(target, &source, slot, publications, &kept, compare).await?;
+        note_memberships(
+            target,
+            &source,
+            slot,
+            publications,
+            &kept,
+            &filters,
+            compare,
+        )
+        .await?;
     }
     if gone.is_empty() || gone.len() == recorded.len() {
         return Ok(());
@@ -358,6 +376,7 @@ async fn note_memberships(
     slot: &str,
     publications: &[String],
     tables: &[(String, String)],
+    filters: &HashMap<(String, String), String>,
     compare: bool,
 ) -> Result<()> {
     let context = |e| {
@@ -368,28 +387,36 @@ async fn note_memberships(
     };
     let now = memberships(source, publications, tables).await?;
     // (Read and written in one statement each: a publication may hold thousands of tables.)
-    let before: HashMap<(String, String), Option<Vec<u32>>> = target
+    type Recorded = (Option<Vec<u32>>, Option<String>);
+    let before: HashMap<(String, String), Recorded> = target
         .query(
-            "SELECT schema_name, table_name, membership FROM pgapply.copy_state WHERE slot_name = $1",
+            "SELECT schema_name, table_name, membership, row_filter FROM pgapply.copy_state WHERE slot_name = $1",
             &[&slot],
         )
         .await
         .map_err(context)?
         .iter()
-        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .map(|r| ((r.get(0), r.get(1)), (r.get(2), r.get(3))))
         .collect();
     let mut returned = Vec::new();
-    let (mut schemas, mut names, mut rows, mut relids, mut put_backs) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut schemas, mut names, mut rows, mut relids, mut put_backs, mut row_filters) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
     for table in tables {
         let Some((relid, current)) = now.get(table) else {
             continue;
         };
+        let (rows_before, filter_before) = before.get(table).cloned().unwrap_or((None, None));
+        let filter = filters.get(table).cloned().unwrap_or_default();
         let put_back = compare
-            && before
-                .get(table)
-                .and_then(Option::as_ref)
-                .is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid)));
+            && (rows_before
+                .is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid)))
+                || filter_before.is_some_and(|f| f != filter));
         if put_back {
             returned.push(qualified_name(&table.0, &table.1));
         }
@@ -406,13 +433,15 @@ async fn note_memberships(
         ));
         relids.push(*relid);
         put_backs.push(put_back);
+        row_filters.push(filter);
     }
     target
         .execute(
-            "UPDATE pgapply.copy_state c SET membership = u.m::oid[], source_relid = u.relid, recopy = c.recopy OR u.put_back \
-             FROM unnest($2::text[], $3::text[], $4::text[], $5::oid[], $6::bool[]) AS u(s, n, m, relid, put_back) \
+            "UPDATE pgapply.copy_state c SET membership = u.m::oid[], source_relid = u.relid, \
+                    recopy = c.recopy OR u.put_back, row_filter = u.f \
+             FROM unnest($2::text[], $3::text[], $4::text[], $5::oid[], $6::bool[], $7::text[]) AS u(s, n, m, relid, put_back, f) \
              WHERE c.slot_name = $1 AND c.schema_name = u.s AND c.table_name = u.n",
-            &[&slot, &schemas, &names, &rows, &relids, &put_backs],
+            &[&slot, &schemas, &names, &rows, &relids, &put_backs, &row_filters],
         )
         .await
         .map_err(context)?;

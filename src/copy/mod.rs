@@ -550,12 +550,12 @@ pub async fn plan_copy(
             .unwrap_or((None, None));
         target
             .execute(
-                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total, synced_lsn, membership, source_relid) \
-                 VALUES ($1, $2, $3, 'pending', $4, $5::text::pg_lsn, $6, $7) \
+                "INSERT INTO pgapply.copy_state (slot_name, schema_name, table_name, state, jobs_total, synced_lsn, membership, source_relid, row_filter) \
+                 VALUES ($1, $2, $3, 'pending', $4, $5::text::pg_lsn, $6, $7, $8) \
                  ON CONFLICT (slot_name, schema_name, table_name) DO UPDATE \
                  SET state = 'pending', rows_copied = 0, bytes_copied = 0, jobs_total = $4, jobs_done = 0, recopy = false, \
-                     synced_lsn = $5::text::pg_lsn, started_at = NULL, finished_at = NULL, membership = $6, source_relid = $7",
-                &[&slot, &table.schema, &table.name, &jobs_total, &synced, &published_by, &relid],
+                     synced_lsn = $5::text::pg_lsn, started_at = NULL, finished_at = NULL, membership = $6, source_relid = $7, row_filter = $8",
+                &[&slot, &table.schema, &table.name, &jobs_total, &synced, &published_by, &relid, &table.row_filter.clone().unwrap_or_default()],
             )
             .await
             .map_err(record)?;
