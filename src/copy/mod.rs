@@ -373,17 +373,15 @@ pub async fn plan_copy(
         // own copy did not finish (their rows, from that copy, are pgapply's: emptied).
         // (A table marked to copy again, `recopy`, is copied as one published later: its rows
         // are the earlier copy's and the stream's, emptied only with --truncate-target.)
-        let rows = target
+        let recorded: Vec<(String, String, bool)> = target
             .query(
-                "SELECT schema_name, table_name, (state = 'done' OR synced_lsn IS NULL) AND NOT recopy, recopy \
-                 FROM pgapply.copy_state WHERE slot_name = $1",
+                "SELECT schema_name, table_name, state = 'done' OR synced_lsn IS NULL \
+                 FROM pgapply.copy_state WHERE slot_name = $1 AND NOT recopy",
                 &[&slot],
             )
             .await
-            .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
-        let recorded: Vec<(String, String, bool)> = rows
+            .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?
             .iter()
-            .filter(|r| !r.get::<_, bool>(3) || r.get::<_, bool>(2))
             .map(|r| (r.get(0), r.get(1), r.get(2)))
             .collect();
         tables.retain(|t| {

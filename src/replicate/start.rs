@@ -547,19 +547,21 @@ pub(crate) async fn missing_partition_hint(
         )
         .await
         .map_err(|e| Error::postgres("looking up partitions on the source", e))?;
-    let mut with_root = Vec::new();
-    for row in partitions {
-        let root: String = row.get(1);
-        let there: bool = target
-            .query_one("SELECT pg_catalog.to_regclass($1) IS NOT NULL", &[&root])
-            .await
-            .map_err(|e| Error::postgres(format!("looking up table {root} on the target"), e))?
-            .get(0);
-        if there {
-            with_root.push(row);
-        }
-    }
-    let partitions = with_root;
+    let roots: Vec<String> = partitions.iter().map(|r| r.get(1)).collect();
+    let roots_there: Vec<String> = target
+        .query(
+            "SELECT r FROM unnest($1::text[]) r WHERE pg_catalog.to_regclass(r) IS NOT NULL",
+            &[&roots],
+        )
+        .await
+        .map_err(|e| Error::postgres("looking up the partitions' roots on the target", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let partitions: Vec<_> = partitions
+        .into_iter()
+        .filter(|r| roots_there.contains(&r.get::<_, String>(1)))
+        .collect();
     let Some(row) = partitions.first() else {
         return Ok(None);
     };
