@@ -1539,12 +1539,24 @@ async fn a_table_put_back_into_the_publication_is_copied_again() {
                 && l.contains("--copy-data --truncate-target")
         })
     };
+    // `check` says so too: before the run that notices (read only), and after it (marked).
+    let check_says = || async {
+        let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("WARNING") && said(l) && !l.contains("\"stays\"")),
+            "{text}"
+        );
+    };
+    check_says().await;
     for _ in 0..2 {
         let endpos = db.source_wal().await;
         let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
         let err = stderr(&out);
         assert!(out.status.success(), "{err}");
         assert!(said(&err), "{err}");
+        check_says().await;
     }
     let (s, t) = db.digest("back").await;
     assert_ne!(s, t, "the gap's changes never came");
@@ -1562,6 +1574,9 @@ async fn a_table_put_back_into_the_publication_is_copied_again() {
     db.assert_same("stays").await;
     let out = db.sync("p").await;
     assert!(!said(&stderr(&out)), "{}", stderr(&out));
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!said(&text), "{text}");
     // Published by another publication as well, then no longer by the first one while
     // pgapply runs: published throughout, nothing to copy again.
     db.source_sql("CREATE PUBLICATION p2 FOR TABLE back, stays")

@@ -216,6 +216,28 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
                     not_copied.join(", ")
                 ));
             }
+            if let Some(src) = &source {
+                let again = crate::copy::copies_to_make_again(
+                    dst,
+                    src,
+                    &config.slot,
+                    &config.publications,
+                    &tables,
+                )
+                .await
+                .unwrap_or_default();
+                if !again.is_empty() {
+                    let how = if config.copy_data && config.copy.truncate_target {
+                        "this run copies them again (--copy-data --truncate-target)"
+                    } else {
+                        "a run with --copy-data --truncate-target copies them again; `pgapply run` names them at every start until then"
+                    };
+                    report.warning(format!(
+                        "taken out of the publication and put back, or given another row filter or column list, after their copy: {}; rows may be missing or stale on the target (pgapply verify compares them); {how}",
+                        again.join(", ")
+                    ));
+                }
+            }
             let unfinished = crate::copy::late_unfinished(dst, &config.slot)
                 .await
                 .unwrap_or_default();

@@ -413,10 +413,7 @@ async fn note_memberships(
         };
         let (rows_before, filter_before) = before.get(table).cloned().unwrap_or((None, None));
         let filter = filters.get(table).cloned().unwrap_or_default();
-        let put_back = compare
-            && (rows_before
-                .is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid)))
-                || filter_before.is_some_and(|f| f != filter));
+        let put_back = compare && is_put_back(rows_before, filter_before, current, &filter);
         if put_back {
             returned.push(qualified_name(&table.0, &table.1));
         }
@@ -469,6 +466,79 @@ async fn note_memberships(
         );
     }
     Ok(())
+}
+
+/// Whether a table is published by none of the catalog rows recorded at the last start, or
+/// with another row filter (see `forget_unpublished`). Nothing recorded: nothing to compare.
+fn is_put_back(
+    rows_before: Option<Vec<u32>>,
+    filter_before: Option<String>,
+    current: &[u32],
+    filter: &str,
+) -> bool {
+    rows_before.is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid)))
+        || filter_before.is_some_and(|f| f != filter)
+}
+
+/// For `pgapply check`: the copied tables a run would name as copies to make again (marked at an
+/// earlier start, or put back since the last one), without recording anything.
+pub async fn copies_to_make_again(
+    target: &Client,
+    source: &Client,
+    slot: &str,
+    publications: &[String],
+    published: &[super::PublishedTable],
+) -> Result<Vec<String>> {
+    let context = |e| Error::postgres("reading pgapply.copy_state on the target", e);
+    let rows = target
+        .query(
+            "SELECT schema_name, table_name, membership, row_filter, recopy FROM pgapply.copy_state \
+             WHERE slot_name = $1 AND state = 'done' ORDER BY 1, 2",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?;
+    let previous: Option<Vec<String>> = target
+        .query_opt(
+            "SELECT publications FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(context)?
+        .and_then(|r| r.get(0));
+    // (As a run: other publications publish by other rows, so nothing is compared then.)
+    let compare = !previous.is_some_and(|p| !crate::replicate::same_publications(&p, publications));
+    let tables: Vec<(String, String)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .filter(|t| {
+            published
+                .iter()
+                .any(|p| (&p.schema, &p.name) == (&t.0, &t.1))
+        })
+        .collect();
+    let now = if compare {
+        memberships(source, publications, &tables).await?
+    } else {
+        HashMap::new()
+    };
+    let mut again = Vec::new();
+    for row in &rows {
+        let table: (String, String) = (row.get(0), row.get(1));
+        let marked: bool = row.get(4);
+        let put_back = now.get(&table).is_some_and(|(_, current)| {
+            let filter = published
+                .iter()
+                .find(|p| (&p.schema, &p.name) == (&table.0, &table.1))
+                .and_then(|p| p.row_filter.clone())
+                .unwrap_or_default();
+            is_put_back(row.get(2), row.get(3), current, &filter)
+        });
+        if marked || put_back {
+            again.push(qualified_name(&table.0, &table.1));
+        }
+    }
+    Ok(again)
 }
 
 /// Records the snapshot position of a copy of tables published after the initial copy.
