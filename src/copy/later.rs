@@ -507,7 +507,7 @@ pub async fn copies_to_make_again(
         .map_err(context)?
         .and_then(|r| r.get(0));
     // (As a run: other publications publish by other rows, so nothing is compared then.)
-    let compare = !previous.is_some_and(|p| !crate::replicate::same_publications(&p, publications));
+    let compare = previous.is_none_or(|p| crate::replicate::same_publications(&p, publications));
     let tables: Vec<(String, String)> = rows
         .iter()
         .map(|r| (r.get(0), r.get(1)))
