@@ -103,6 +103,18 @@ impl Error {
         }
     }
 
+    /// A restart the run asks for itself, no failure (a cutover's stop position fell inside a
+    /// group of transactions): said as news, and made at once.
+    pub fn planned_restart(message: impl Into<String>) -> Self {
+        Error::transient(message).with_source(PlannedRestart)
+    }
+
+    pub fn is_planned_restart(&self) -> bool {
+        self.source
+            .as_deref()
+            .is_some_and(|s| s.downcast_ref::<PlannedRestart>().is_some())
+    }
+
     /// The same error, but one that a retry must not paper over: a person has to act first.
     pub fn needing_a_person(mut self) -> Self {
         self.class = ErrorClass::Definite;
@@ -121,6 +133,18 @@ impl Error {
         self
     }
 }
+
+/// The mark of `Error::planned_restart`.
+#[derive(Debug)]
+struct PlannedRestart;
+
+impl fmt::Display for PlannedRestart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a planned restart")
+    }
+}
+
+impl std::error::Error for PlannedRestart {}
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -479,6 +479,9 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
                 tracing::info!(slot = %config.slot, reason = ?outcome.reason, flushed_lsn = %outcome.flushed, "done");
                 return Ok(());
             }
+            Err(e) if e.is_planned_restart() && !*shutdown.borrow() => {
+                tracing::info!(slot = %config.slot, "{e}");
+            }
             Err(e) if e.is_transient() && !*shutdown.borrow() => {
                 if progress_rx.borrow().durable > before
                     || started.elapsed() > Duration::from_secs(60)

@@ -269,11 +269,19 @@ pub async fn schema(
         .iter()
         .map(|r| r.get(0))
         .collect();
+    // Nor are they created again: even CREATE SCHEMA IF NOT EXISTS asks for CREATE on the
+    // database, which a role that only creates tables in existing schemas need not have.
     let sql = sql
         .lines()
         .filter(|l| {
             l.strip_prefix("COMMENT ON SCHEMA ")
                 .and_then(|rest| rest.split(" IS ").next())
+                .is_none_or(|name| !existing.iter().any(|e| e == name))
+        })
+        .filter(|l| {
+            l.strip_prefix("CREATE SCHEMA ")
+                .map(|rest| rest.trim_end_matches(';'))
+                .and_then(|rest| rest.split(' ').next())
                 .is_none_or(|name| !existing.iter().any(|e| e == name))
         })
         .collect::<Vec<_>>()

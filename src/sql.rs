@@ -113,6 +113,21 @@ pub async fn server_version(client: &tokio_postgres::Client) -> Result<i32, toki
         .get(0))
 }
 
+/// The session's role and database, quoted, for a GRANT a message gives to paste (`...` where
+/// they cannot be read).
+pub async fn role_and_database(client: &tokio_postgres::Client) -> (String, String) {
+    match client
+        .query_one("SELECT current_user::text, current_database()::text", &[])
+        .await
+    {
+        Ok(row) => (
+            quote_ident(&row.get::<_, String>(0)),
+            quote_ident(&row.get::<_, String>(1)),
+        ),
+        Err(_) => ("...".to_owned(), "...".to_owned()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -687,6 +687,79 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.assert_same("events").await;
 }
 
+/// `--freeze-writes` run by the least-privileged role the README names (CREATEROLE,
+/// pg_signal_backend, on 16+ ADMIN OPTION without the frozen role's rights): it cannot read the
+/// frozen role's sessions' details in pg_stat_activity, yet ends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freeze_writes_by_a_role_that_cannot_see_the_sessions_details_ends_them() {
+    let db = TestDb::new("cutfreezepriv").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.source_sql("INSERT INTO t VALUES (1, 'a'); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    copy_up_to_now(&db).await;
+    let (app, cut) = (format!("app_{}", db.name), format!("cut_{}", db.name));
+    db.source_sql(&format!(
+        "CREATE ROLE {app} LOGIN PASSWORD 'a'; GRANT SELECT, INSERT ON t TO {app}; \
+         CREATE ROLE {cut} LOGIN PASSWORD 'c' CREATEROLE REPLICATION; GRANT pg_signal_backend TO {cut}; \
+         GRANT SELECT ON t TO {cut};"
+    ))
+    .await;
+    if common::clusters().source_major >= 16 {
+        db.source_sql(&format!(
+            "GRANT {app} TO {cut} WITH ADMIN OPTION, INHERIT FALSE, SET FALSE"
+        ))
+        .await;
+    }
+    let (app_session, connection) = tokio_postgres::connect(
+        &format!(
+            "host=127.0.0.1 port={} user={app} password=a dbname={}",
+            db.source_port, db.name
+        ),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    app_session.simple_query("SELECT 1").await.unwrap();
+    let source = format!(
+        "host=127.0.0.1 port={} user={cut} password=c dbname={}",
+        db.source_port, db.name
+    );
+    let target = db.target_conninfo();
+    let slot = db.slot();
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "cutover",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &slot,
+            "--timeout",
+            "60s",
+            "--freeze-writes",
+            &app,
+        ]),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(text.contains("and 1 session(s) there ended"), "{text}");
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(30), connection)
+        .await
+        .expect("the application's session was not ended");
+    assert!(ended.is_ok(), "{ended:?}");
+    db.source_sql(&format!(
+        "ALTER ROLE {app} IN DATABASE {} RESET ALL",
+        db.name
+    ))
+    .await;
+}
+
 /// A migration as users run it: the application keeps writing (hot rows updated, a history
 /// table growing) while a worker with `--apply-workers 2` mirrors. The cutover freezes the
 /// application's role, drains the running worker to its end position, copies the sequence and
@@ -785,7 +858,7 @@ async fn cutover_reverse_needs_are_checked_before_anything_is_done() {
     db.target_sql(&format!(
         "CREATE ROLE {role} LOGIN PASSWORD 'c'; GRANT USAGE, CREATE ON SCHEMA pgapply TO {role}; \
          GRANT ALL ON ALL TABLES IN SCHEMA pgapply TO {role}; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA pgapply TO {role}; \
-         GRANT ALL ON t, t_id_seq TO {role}; GRANT CREATE ON DATABASE {} TO {role};",
+         GRANT ALL ON t TO {role}; GRANT UPDATE ON t_id_seq TO {role}; GRANT CREATE ON DATABASE {} TO {role};",
         db.name
     ))
     .await;
@@ -803,6 +876,11 @@ async fn cutover_reverse_needs_are_checked_before_anything_is_done() {
     assert!(!out.status.success(), "{err}");
     assert!(
         err.contains("nothing was done") && err.contains("(it needs REPLICATION, or superuser"),
+        "{err}"
+    );
+    // Step 4 reads the target's sequences before it sets them: both rights are named.
+    assert!(
+        err.contains(&format!("may not read and set sequence \"public\".\"t_id_seq\" (GRANT SELECT, UPDATE ON SEQUENCE \"public\".\"t_id_seq\" TO \"{role}\")")),
         "{err}"
     );
     // Nor may it publish a table it does not own: said with the grant that lets it.
@@ -937,6 +1015,147 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
         stderr(&out)
     );
     db.assert_same("t").await;
+}
+
+/// `cutover --reverse` publishes back only what came: a table mirrored by a column list goes
+/// back by the same list (published whole, the new primary's own value of a column it never got
+/// would overwrite the old primary's), a row-filtered one with its filter; the way back then
+/// verifies. A table the new primary could no longer UPDATE once published (no replica
+/// identity there) stops the cutover before anything is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_reverse_sends_back_only_the_columns_and_rows_that_came() {
+    let c = common::clusters();
+    if c.source_major < 15 || c.target_major < 15 {
+        common::skip("column lists and row filters need PostgreSQL 15 on both sides");
+        return;
+    }
+    let db = TestDb::new("cutrevcols").await;
+    db.both(
+        "CREATE TABLE a (id int PRIMARY KEY, v text, secret text NOT NULL DEFAULT 'keep'); \
+         CREATE TABLE b (id int PRIMARY KEY, region text, v text); \
+         CREATE TABLE c (id int, v text); \
+         ALTER TABLE b REPLICA IDENTITY FULL;",
+    )
+    .await;
+    db.source_sql(
+        "ALTER TABLE c REPLICA IDENTITY FULL; \
+         INSERT INTO a SELECT g, 'old', 'S' || g FROM generate_series(1, 5) g; \
+         INSERT INTO b SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, 'old' FROM generate_series(1, 6) g; \
+         INSERT INTO c VALUES (1, 'x'); \
+         CREATE PUBLICATION p FOR TABLE a (id, v), b WHERE (region = 'eu'), c;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    let slot = db.slot();
+    let cutover = || {
+        run_with_deadline(
+            db.on_both(
+                "cutover",
+                &["--slot", slot.as_str(), "--timeout", "60s", "--reverse"],
+            ),
+            120,
+        )
+    };
+    // c has no replica identity on the target: once published there, every UPDATE and DELETE
+    // of the application on it would fail.
+    let out = cutover().await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("nothing was done")
+            && err.contains("once \"public\".\"c\" is in the reverse publication, the new primary refuses UPDATE or DELETE on it")
+            && err.contains("REPLICA IDENTITY")
+            && !err.contains("\"public\".\"a\" is in"),
+        "{err}"
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM pg_publication")
+            .await,
+        0
+    );
+    db.target_sql("ALTER TABLE c REPLICA IDENTITY FULL").await;
+    let out = cutover().await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(
+        text.contains("table \"public\".\"b\" goes back with the row filter it came with"),
+        "{text}"
+    );
+    // The application writes on the new primary; the way back runs.
+    db.target_sql(
+        "UPDATE a SET v = 'new' WHERE id <= 3; INSERT INTO b VALUES (8, 'eu', 'new'); \
+         UPDATE b SET v = 'new' WHERE id = 2; UPDATE c SET v = 'y'",
+    )
+    .await;
+    let target_wal: String = db
+        .target
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let reverse = format!("{slot}_reverse");
+    let (new_primary, old_primary) = (db.target_conninfo(), db.source_conninfo());
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "run",
+            "--source",
+            &new_primary,
+            "--target",
+            &old_primary,
+            "--publication",
+            &reverse,
+            "--slot",
+            &reverse,
+            "--endpos",
+            &target_wal,
+        ]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The old primary keeps its own values of the column that never went over.
+    assert_eq!(
+        db.count(
+            &db.source,
+            "SELECT count(*) FROM a WHERE v = 'new' AND secret = 'S' || id"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        db.count(&db.source, "SELECT count(*) FROM a WHERE secret = 'keep'")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.count(
+            &db.source,
+            "SELECT count(*) FROM b WHERE (id IN (2, 8) AND v = 'new') OR (region = 'us' AND v = 'old')"
+        )
+        .await,
+        5
+    );
+    // The way back compares what it mirrors: the old primary's rows the filter left out and
+    // the column it never sent are not differences.
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "verify",
+            "--source",
+            &new_primary,
+            "--target",
+            &old_primary,
+            "--publication",
+            &reverse,
+        ]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(
+        text.contains("3 row(s) on the target that the row filter leaves out: not compared"),
+        "{text}"
+    );
 }
 
 /// `--two-phase`: a transaction prepared on the source and not decided there before the cutover
@@ -3158,7 +3377,8 @@ async fn a_cutover_back_names_the_roles_still_frozen_there() {
 }
 
 /// `pgapply schema` as a target role that does not own schema public: the dump's comment on it
-/// (the target's own business) is left out, not refused.
+/// (the target's own business) is left out, not refused; nor does it need CREATE on the
+/// database to create tables in a schema that exists.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schema_as_a_role_that_does_not_own_public() {
     if !pg_dump_usable() {
@@ -3172,9 +3392,7 @@ async fn schema_as_a_role_that_does_not_own_public() {
     .await;
     let user = format!("owner_{}", db.name);
     db.target_sql(&format!(
-        "CREATE ROLE {user} LOGIN PASSWORD 'schema-secret'; GRANT CREATE ON DATABASE {} TO {user}; \
-         GRANT CREATE ON SCHEMA public TO {user};",
-        db.name
+        "CREATE ROLE {user} LOGIN PASSWORD 'schema-secret'; GRANT CREATE ON SCHEMA public TO {user};"
     ))
     .await;
     let out = run_with_deadline(

@@ -120,8 +120,13 @@ pub(super) async fn check_source(
     .await
     {
         Ok(true) => report.ok("source role may replicate"),
-        Ok(false) => report.problem("the source role lacks the REPLICATION attribute: ALTER ROLE ... REPLICATION (or use a superuser)"),
-        Err(e) => report.problem(format!("source: cannot read the role's attributes (pg_roles): {e}")),
+        Ok(false) => {
+            let (role, _) = crate::sql::role_and_database(src).await;
+            report.problem(format!("the source role lacks the REPLICATION attribute: ALTER ROLE {role} REPLICATION (or use a superuser)"))
+        }
+        Err(e) => report.problem(format!(
+            "source: cannot read the role's attributes (pg_roles): {e}"
+        )),
     }
     // The tables of the publications that exist are still checked.
     let mut existing: Vec<String> = Vec::new();
@@ -331,7 +336,8 @@ pub(super) async fn check_source(
                 }
                 let Some(row) = rows.first() else { continue };
                 if config.copy_data && !row.get::<_, bool>(4) {
-                    report.problem(format!("the source role may not SELECT from {qualified} (needed by --copy-data): GRANT SELECT ON {qualified} TO ..."));
+                    let (role, _) = crate::sql::role_and_database(src).await;
+                    report.problem(format!("the source role may not SELECT from {qualified} (needed by --copy-data): GRANT SELECT ON {qualified} TO {role}"));
                 }
             }
             Err(e) => report.problem(format!(

@@ -81,8 +81,9 @@ pub(super) async fn check_target(
                 .ok()
                 .flatten()
                 .map(|r| (r.get(0), r.get(1)));
+            let (role, database) = crate::sql::role_and_database(dst).await;
             report.problem(match owner {
-                None => "the target role may not create schema pgapply, where pgapply keeps its state: GRANT CREATE ON DATABASE ... TO it, or create the schema for it (CREATE SCHEMA pgapply AUTHORIZATION it)".to_owned(),
+                None => format!("the target role may not create schema pgapply, where pgapply keeps its state: GRANT CREATE ON DATABASE {database} TO {role}, or create the schema for it (CREATE SCHEMA pgapply AUTHORIZATION {role})"),
                 Some((_, true)) => "the target role lacks rights on pgapply's tables in its schema pgapply (made by another role): have their owner or a superuser grant it SELECT, INSERT, UPDATE, DELETE on them".to_owned(),
                 Some((owner, false)) => format!("the target role may not use schema pgapply, which role {owner} made: have {owner} grant it USAGE and CREATE on the schema and SELECT, INSERT, UPDATE, DELETE on pgapply's tables there (or drop the schema if no other pgapply uses it)"),
             })

@@ -445,8 +445,10 @@ pub async fn cutover(
         };
         let pids: Vec<i32> = source
             .query(
-                // (Not walsenders: a worker connected as that role keeps replicating.)
-                "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND datname = current_database() AND pid <> pg_backend_pid() AND backend_type <> 'walsender'",
+                // (Not walsenders: a worker connected as that role keeps replicating. A role
+                // that may not see the session's details, neither a member of that role nor of
+                // pg_read_all_stats, reads a NULL backend_type: such sessions are ended too.)
+                "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND datname = current_database() AND pid <> pg_backend_pid() AND backend_type IS DISTINCT FROM 'walsender'",
                 &[role],
             )
             .await
@@ -1142,7 +1144,7 @@ async fn freeze_problems(source: &Client, roles: &[String]) -> Result<Vec<String
             ));
         } else if !admin {
             problems.push(format!(
-                "--freeze-writes names role {role:?}, which the source role may not alter (PostgreSQL 16+ asks for ADMIN OPTION on it: GRANT {} TO {} WITH ADMIN OPTION)",
+                "--freeze-writes names role {role:?}, which the source role may not alter (PostgreSQL 16+ asks for ADMIN OPTION on it: GRANT {} TO {} WITH ADMIN OPTION, INHERIT FALSE, SET FALSE, which lets it alter the role without taking on its rights)",
                 crate::sql::quote_ident(&role),
                 crate::sql::quote_ident(&me)
             ));
@@ -1209,8 +1211,9 @@ async fn read_problems(
             .map_err(|e| Error::postgres(format!("checking the {side} role's rights on the published tables"), e))?
         {
             let table: String = row.get(0);
+            let (role, _) = crate::sql::role_and_database(client).await;
             problems.push(format!(
-                "the {side} role may not read {table}, which the verify step compares: GRANT SELECT ON {table} TO it"
+                "the {side} role may not read {table}, which the verify step compares: GRANT SELECT ON {table} TO {role}"
             ));
         }
     }

@@ -29,23 +29,21 @@ pub(super) async fn reverse_problems(
     let (wal_level, replication, create, free): (String, Option<bool>, bool, i32) =
         (row.get(0), row.get(1), row.get(2), row.get(3));
     let mut problems = Vec::new();
+    let (role, database) = crate::sql::role_and_database(target).await;
     if wal_level != "logical" {
         problems.push(format!("--reverse makes a logical replication slot on the target, whose wal_level is {wal_level}: set wal_level = logical there and restart it, or cut over without --reverse"));
     }
     if replication != Some(true) {
-        problems.push("--reverse makes a replication slot on the target, which its role may not (it needs REPLICATION, or superuser; on Amazon RDS, rds_replication): ALTER ROLE ... REPLICATION there, or cut over without --reverse".to_owned());
+        problems.push(format!("--reverse makes a replication slot on the target, which its role may not (it needs REPLICATION, or superuser; on Amazon RDS, rds_replication): ALTER ROLE {role} REPLICATION there, or cut over without --reverse"));
     }
     if !create {
-        problems.push("--reverse makes a publication on the target, in a database where its role may not create objects: GRANT CREATE ON DATABASE ... TO it, or cut over without --reverse".to_owned());
+        problems.push(format!("--reverse makes a publication on the target, in a database where its role may not create objects: GRANT CREATE ON DATABASE {database} TO {role}, or cut over without --reverse"));
     }
     if free < 1 {
         problems.push("--reverse makes a replication slot on the target, which has no free one (max_replication_slots): raise it and restart the target, or drop a slot nothing uses".to_owned());
     }
-    let tables: Vec<String> = published_tables(source, &config.publications, &config.table_map)
-        .await?
-        .iter()
-        .map(|t| t.target_qualified())
-        .collect();
+    let published = published_tables(source, &config.publications, &config.table_map).await?;
+    let tables: Vec<String> = published.iter().map(|t| t.target_qualified()).collect();
     let not_owned: Vec<(String, String, String, Option<bool>)> = target
         .query(
             "SELECT n, pg_catalog.pg_get_userbyid(c.relowner)::text, current_user::text, \
@@ -81,7 +79,161 @@ pub(super) async fn reverse_problems(
             owners.join(", "),
         ));
     }
+    let (reverse_tables, column_problems) = reverse_tables(target, &published).await?;
+    problems.extend(column_problems);
+    if not_owned.is_empty() && create && problems.is_empty() {
+        problems.extend(probe_publication(target, &reverse_tables).await);
+    }
     Ok(problems)
+}
+
+/// A table of the reverse publication: the target table, the columns it sends back (`None`:
+/// all), a column of it to probe an UPDATE with, and the forward row filter.
+struct ReverseTable {
+    name: String,
+    columns: Option<Vec<String>>,
+    any_column: Option<String>,
+    filter: Option<String>,
+}
+
+/// The reverse publication's tables, each target table once. A forward column list goes back
+/// as one wherever the target table has columns the source does not send: published whole, the
+/// new primary would send its own values of those (defaults, NULLs) over the old primary's
+/// real ones. A forward row filter goes back too (a rollback's verify then compares the rows
+/// the mirror held, not the old primary's others). Both need PostgreSQL 15 on the target: a
+/// column list it cannot take is a problem, a row filter is left out (said at step 6).
+async fn reverse_tables(
+    target: &Client,
+    published: &[crate::copy::PublishedTable],
+) -> Result<(Vec<ReverseTable>, Vec<String>)> {
+    let version = crate::sql::server_version(target)
+        .await
+        .map_err(|e| Error::postgres("reading the target's version", e))?;
+    let mut tables: Vec<ReverseTable> = Vec::new();
+    let mut problems = Vec::new();
+    for t in published {
+        let name = t.target_qualified();
+        if let Some(first) = tables.iter_mut().find(|r| r.name == name) {
+            // Filled from several source tables: all its rows go back (to be parted by hand).
+            first.filter = None;
+            continue;
+        }
+        let own: Vec<String> = target
+            .query(
+                "SELECT a.attname::text FROM pg_catalog.pg_attribute a \
+                 WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
+                   AND coalesce(to_jsonb(a) ->> 'attgenerated', '') = '' ORDER BY a.attnum",
+                &[&name],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("reading the columns of {name} on the target"), e))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let sent = |c: &String| t.columns.iter().any(|(p, _)| p == c);
+        let columns = if own.iter().all(sent) {
+            None
+        } else {
+            let list: Vec<String> = own.iter().filter(|c| sent(c)).cloned().collect();
+            let others: Vec<String> = own
+                .iter()
+                .filter(|c| !sent(c))
+                .map(|c| quote_ident(c))
+                .collect();
+            if version < 150000 {
+                problems.push(format!(
+                    "--reverse: the source does not send columns {} of {name} (a column list, or columns only the target has); published back whole, the new primary would send its own values of them over the old primary's, and a column list needs PostgreSQL 15 or later on the target: cut over without --reverse",
+                    others.join(", ")
+                ));
+            } else if list.is_empty() {
+                problems.push(format!(
+                    "--reverse: the source sends none of the columns {name} has on the target: cut over without --reverse, or take it out of the publication"
+                ));
+            }
+            Some(list)
+        };
+        tables.push(ReverseTable {
+            name,
+            columns,
+            any_column: own.first().cloned(),
+            filter: t.row_filter.clone().filter(|_| version >= 150000),
+        });
+    }
+    Ok((tables, problems))
+}
+
+/// `CREATE PUBLICATION` of `tables` under `name`.
+fn publication_sql(name: &str, tables: &[ReverseTable]) -> String {
+    let list: Vec<String> = tables
+        .iter()
+        .map(|t| {
+            let mut spec = t.name.clone();
+            if let Some(columns) = &t.columns {
+                let quoted: Vec<String> = columns.iter().map(|c| quote_ident(c)).collect();
+                spec.push_str(&format!(" ({})", quoted.join(", ")));
+            }
+            if let Some(filter) = &t.filter {
+                spec.push_str(&format!(" WHERE ({filter})"));
+            }
+            spec
+        })
+        .collect();
+    format!(
+        "CREATE PUBLICATION {} FOR TABLE {}",
+        quote_ident(name),
+        list.join(", ")
+    )
+}
+
+/// Makes the reverse publication in a transaction it rolls back, and tries an UPDATE and a
+/// DELETE of no row on each table: PostgreSQL refuses them once a table is published without a
+/// replica identity, or with a row filter or column list its replica identity does not cover.
+/// After step 6 that would be every UPDATE or DELETE of the application on the new primary.
+async fn probe_publication(target: &Client, tables: &[ReverseTable]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let sql = publication_sql("pgapply_reverse_probe", tables);
+    if let Err(e) = target
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL client_min_messages = warning; SET LOCAL lock_timeout = '10s'; {sql}"
+        ))
+        .await
+    {
+        problems.push(format!(
+            "--reverse: the reverse publication cannot be made on the target: {}: cut over without --reverse, or fix that first",
+            crate::error::describe_postgres(&e)
+        ));
+    } else {
+        for t in tables {
+            let update = t
+                .any_column
+                .as_ref()
+                .map(|c| {
+                    format!(
+                        "UPDATE {} SET {c} = {c} WHERE false; ",
+                        t.name,
+                        c = quote_ident(c)
+                    )
+                })
+                .unwrap_or_default();
+            let probe = format!(
+                "SAVEPOINT pgapply_probe; {update}DELETE FROM {} WHERE false; RELEASE SAVEPOINT pgapply_probe",
+                t.name
+            );
+            if let Err(e) = target.batch_execute(&probe).await {
+                problems.push(format!(
+                    "--reverse: once {} is in the reverse publication, the new primary refuses UPDATE or DELETE on it: {}: give it a replica identity that covers the columns the row filter uses and the column list holds (ALTER TABLE {} REPLICA IDENTITY ..., as on the source), or cut over without --reverse",
+                    t.name,
+                    crate::error::describe_postgres(&e),
+                    t.name
+                ));
+                let _ = target
+                    .batch_execute("ROLLBACK TO SAVEPOINT pgapply_probe")
+                    .await;
+            }
+        }
+    }
+    let _ = target.batch_execute("ROLLBACK").await;
+    problems
 }
 
 pub(super) async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
@@ -93,15 +245,12 @@ pub(super) async fn prepare_reverse(target: &Client, config: &RunConfig) -> Resu
     };
     let publication = format!("{}_reverse", config.slot);
     let slot = format!("{}_reverse", config.slot);
-    let list = tables
-        .iter()
-        .map(|t| t.target_qualified())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let (reverse, _) = reverse_tables(target, &tables).await?;
     target
         .batch_execute(&format!(
-            "BEGIN; SET LOCAL client_min_messages = warning; DROP PUBLICATION IF EXISTS {p}; CREATE PUBLICATION {p} FOR TABLE {list}; COMMIT",
-            p = quote_ident(&publication)
+            "BEGIN; SET LOCAL client_min_messages = warning; DROP PUBLICATION IF EXISTS {p}; {create}; COMMIT",
+            p = quote_ident(&publication),
+            create = publication_sql(&publication, &reverse)
         ))
         .await
         .map_err(|e| {
@@ -182,6 +331,23 @@ pub(super) async fn prepare_reverse(target: &Client, config: &RunConfig) -> Resu
             "the tables are mapped ([tables]): the way back maps them the other way round, in its config file:\n{}",
             mapping.join("\n")
         );
+    }
+    for t in &tables {
+        let Some(filter) = &t.row_filter else {
+            continue;
+        };
+        let back = reverse.iter().find(|r| r.name == t.target_qualified());
+        if back.is_some_and(|r| r.filter.is_some()) {
+            crate::out!(
+                "table {} goes back with the row filter it came with (WHERE {filter}): rows the new primary holds or gets that it leaves out do not go back",
+                t.target_qualified()
+            );
+        } else {
+            crate::out!(
+                "table {} came with a row filter (WHERE {filter}) that the way back does not have (several tables fill it, or the target is older than PostgreSQL 15): all its rows go back, and the old primary also holds the rows the filter left out, which a verify of the way back reports",
+                t.target_qualified()
+            );
+        }
     }
     for (target, sources) in merged {
         crate::out!(

@@ -92,34 +92,39 @@ pub(super) async fn sequence_problems(
     let mut problems = Vec::new();
     for row in source
         .query(
-            "SELECT n FROM unnest($1::text[]) n WHERE NOT pg_catalog.has_sequence_privilege(n, 'SELECT')",
+            "SELECT n, current_user::text FROM unnest($1::text[]) n WHERE NOT pg_catalog.has_sequence_privilege(n, 'SELECT')",
             &[&names],
         )
         .await
         .map_err(|e| Error::postgres("checking the source's sequences", e))?
     {
         problems.push(format!(
-            "the source role may not read sequence {} (GRANT SELECT ON SEQUENCE {} TO it)",
+            "the source role may not read sequence {} (GRANT SELECT ON SEQUENCE {} TO {})",
             row.get::<_, String>(0),
-            row.get::<_, String>(0)
+            row.get::<_, String>(0),
+            crate::sql::quote_ident(&row.get::<_, String>(1))
         ));
     }
     for row in target
         .query(
             "SELECT n, c.relkind::text, \
-                    CASE WHEN c.relkind = 'S' THEN pg_catalog.has_sequence_privilege(c.oid, 'UPDATE') END \
+                    CASE WHEN c.relkind = 'S' THEN pg_catalog.has_sequence_privilege(c.oid, 'SELECT') \
+                                               AND pg_catalog.has_sequence_privilege(c.oid, 'UPDATE') END, \
+                    current_user::text \
              FROM unnest($1::text[]) n LEFT JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n)",
             &[&target_names],
         )
         .await
         .map_err(|e| Error::postgres("checking the target's sequences", e))?
     {
-        let (name, kind, may): (String, Option<String>, Option<bool>) =
-            (row.get(0), row.get(1), row.get(2));
+        let (name, kind, may, me): (String, Option<String>, Option<bool>, String) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        // (Read first, to never set one back: SELECT as well as UPDATE.)
         match (kind.as_deref(), may) {
             (Some("S"), Some(true)) => {}
             (Some("S"), _) => problems.push(format!(
-                "the target role may not set sequence {name} (GRANT UPDATE ON SEQUENCE {name} TO it)"
+                "the target role may not read and set sequence {name} (GRANT SELECT, UPDATE ON SEQUENCE {name} TO {})",
+                crate::sql::quote_ident(&me)
             )),
             (Some(_), _) => problems.push(format!(
                 "{name} is not a sequence on the target: the source's sequence of that name has nowhere to go"

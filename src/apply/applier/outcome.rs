@@ -149,9 +149,11 @@ impl Applier {
                 // `pgapply cutover` set a stop position this group's transactions pass: the run
                 // starts again, and applies what comes before it, then stops.
                 if self.failure.is_none() {
-                    self.failure = Some(Error::transient(format!(
-                        "{}: starting again to apply what comes before it, then stop",
-                        describe_postgres(&e)
+                    let said = e
+                        .as_db_error()
+                        .map_or_else(|| describe_postgres(&e), |db| db.message().to_owned());
+                    self.failure = Some(Error::planned_restart(format!(
+                        "{said}, inside the transactions applied together: applying again up to the stop, then stopping"
                     )));
                 }
             }
