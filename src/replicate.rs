@@ -893,7 +893,14 @@ async fn run_in_span(
 
     let (tx, rx) = mpsc::unbounded_channel();
     let (applier_done_tx, applier_done_rx) = watch::channel(false);
-    let mut applier_task = tokio::spawn(apply.run(rx, applier_done_tx).in_current_span());
+    // Set when a stop is asked for: the applier ends at the next transaction boundary instead of
+    // applying the rest of its queue (which the slot sends again at the next start).
+    let stop_between = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut applier_task = tokio::spawn(
+        apply
+            .run(rx, applier_done_tx, stop_between.clone())
+            .in_current_span(),
+    );
     let mut reader = Reader {
         stream: &mut stream,
         tx: Some(tx),
@@ -942,7 +949,12 @@ async fn run_in_span(
             );
         }
     }
-    // Closing the queue lets the applier finish what it has and stop.
+    // Closing the queue lets the applier finish what it has and stop; asked to stop, it ends
+    // after the transaction it applies (a queue full behind a slow target could take longer
+    // than the shutdown's grace).
+    if *shutdown.borrow() {
+        stop_between.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     reader.tx = None;
     // The applier may take a while to finish a full queue against a slow target: status updates
     // go on meanwhile, or the source would end the connection (wal_sender_timeout) before the

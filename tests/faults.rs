@@ -941,3 +941,76 @@ async fn a_stop_while_the_slot_waits_for_open_transactions_ends_at_once() {
     holder.batch_execute("ROLLBACK").await.unwrap();
     wait_for("no slot left", 30, || async { db.slot_count().await == 0 }).await;
 }
+
+/// Stopped (SIGTERM) with a backlog queued (the target held up by a lock meanwhile): the run
+/// ends after the transaction being applied, cleanly (exit 0), instead of applying its whole
+/// queue first (which behind a slow target outlasts the shutdown's grace and ends in a forced
+/// stop). The rest comes again at the next start, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_with_a_backlog_ends_after_the_transaction_being_applied() {
+    stop_with_a_backlog("backlogstop", &[]).await;
+}
+
+/// The same with parallel workers: the dispatcher hands out no more once asked to stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_with_a_backlog_and_parallel_workers_ends_soon() {
+    stop_with_a_backlog("backlogstoppar", &["--apply-workers", "2"]).await;
+}
+
+async fn stop_with_a_backlog(name: &str, extra: &[&str]) {
+    let db = TestDb::new(name).await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.sync("p").await;
+    // 20 transactions of 20,000 rows.
+    for n in 0..20 {
+        db.source_sql(&format!(
+            "INSERT INTO t SELECT g FROM generate_series({}, {}) g",
+            n * 20_000 + 1,
+            (n + 1) * 20_000
+        ))
+        .await;
+    }
+    let endpos = db.source_wal().await;
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut args = vec!["--queue-size", "512MB"];
+    args.extend_from_slice(extra);
+    let (mut child, log) = common::spawn_logged(db.pgapply("p", &args));
+    wait_for("the applier to wait for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    wait_for("the source to send the backlog", 60, || async {
+        db.count(
+            &db.source,
+            &format!(
+                "SELECT count(*) FROM pg_stat_replication WHERE application_name <> '' AND sent_lsn >= '{endpos}'"
+            ),
+        )
+        .await
+            > 0
+    })
+    .await;
+    common::signal(&child, libc::SIGTERM);
+    wait_for("the worker to take the stop", 30, || async {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("shutting down"))
+    })
+    .await;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(25), child.wait())
+        .await
+        .expect("the worker did not stop within 25 s of SIGTERM")
+        .unwrap();
+    assert!(status.success(), "exit: {status}");
+    let applied = db.count(&db.target, "SELECT count(*) FROM t").await;
+    assert!(
+        applied < 200_000,
+        "{applied} rows: the queue was applied before stopping"
+    );
+    db.sync("p").await;
+    db.assert_same("t").await;
+}

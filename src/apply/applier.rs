@@ -389,6 +389,9 @@ impl ChangeInfo {
 }
 
 pub struct Applier {
+    /// Set when a stop is asked for: the run ends at the next boundary between source
+    /// transactions, leaving the rest of its queue to the next start.
+    pub stop_between: Arc<std::sync::atomic::AtomicBool>,
     /// The apply session, taken out of the pool for good: it is bound to the replication
     /// origin, and the position set in it outlives each transaction; no other work may inherit
     /// either (a commit of anything in it would carry that position).
@@ -774,6 +777,7 @@ impl Applier {
             pending: Vec::new(),
             group: None,
             current: None,
+            stop_between: Arc::default(),
             applied: applied.into(),
             stats: ApplyStats::default(),
             unsettled_rows: RowCounts::default(),
@@ -883,6 +887,12 @@ impl Applier {
 
     async fn run_messages(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
         loop {
+            // Asked to stop: the open group commits below, the queue's rest comes again.
+            if self.current.is_none()
+                && self.stop_between.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                break;
+            }
             // A failure noted while sending (answers taken on the way) ends the run before it
             // waits for more: later answers may be waiting on it.
             if self.failure.is_some() {

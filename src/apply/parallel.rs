@@ -127,6 +127,8 @@ struct Held {
 }
 
 pub struct Dispatcher {
+    /// See `Applier::stop_between`.
+    stop_between: Arc<std::sync::atomic::AtomicBool>,
     workers: Vec<WorkerLink>,
     /// The end LSN of the latest committed transaction (commits are in order).
     applied: watch::Receiver<Lsn>,
@@ -189,6 +191,7 @@ impl Dispatcher {
             last: None,
             last_end: Lsn::INVALID,
             held: None,
+            stop_between: Arc::default(),
             streaming: false,
             next_worker: 0,
             queue_bytes: options.queue_bytes,
@@ -199,6 +202,10 @@ impl Dispatcher {
     /// is dropped: it is sent again after a restart.
     pub async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Result<()> {
         loop {
+            // Asked to stop: the workers finish what they were handed, the rest comes again.
+            if self.held.is_none() && !self.streaming && self.stop_between.load(Ordering::Relaxed) {
+                return Ok(());
+            }
             let envelope = tokio::select! {
                 envelope = rx.recv() => envelope,
                 _ = self.stopped.wait_for(|s| *s) => return Ok(()),
@@ -599,6 +606,10 @@ impl Drop for StopOnDrop {
 }
 
 impl Workers {
+    pub fn stop_between(&mut self, stop: Arc<std::sync::atomic::AtomicBool>) {
+        self.dispatcher.stop_between = stop;
+    }
+
     /// Applies what arrives on `rx` until it closes or a worker fails.
     pub async fn run(self, rx: &mut mpsc::UnboundedReceiver<Envelope>) -> (ApplyStats, Result<()>) {
         let Workers {

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::apply::applier::SharedTargets;
+use std::sync::atomic::AtomicBool;
 
 /// The `--streaming parallel` helper records its position in the origin a second parallel worker
 /// would use (`pgapply_<slot>-w1`): the two never run together.
@@ -183,13 +184,18 @@ impl ApplyStart {
         self,
         mut rx: mpsc::UnboundedReceiver<Envelope>,
         done: watch::Sender<bool>,
+        stop_between: Arc<AtomicBool>,
     ) -> (ApplyStats, Result<()>) {
         let outcome = match self {
             ApplyStart::Single(mut applier) => {
+                applier.stop_between = stop_between;
                 let result = applier.run(&mut rx).await;
                 (applier.stats.clone(), result)
             }
-            ApplyStart::Parallel(workers) => workers.run(&mut rx).await,
+            ApplyStart::Parallel(mut workers) => {
+                workers.stop_between(stop_between);
+                workers.run(&mut rx).await
+            }
         };
         let _ = done.send(true);
         outcome
