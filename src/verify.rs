@@ -69,9 +69,11 @@ pub fn float_digits(source_version: i32, target_version: i32) -> i32 {
 async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32) -> Result<Client> {
     let client = crate::tls::connect_to(config, role).await?;
     // The same text for the same value on both sides; every row, or an error (row_security).
+    // (An empty search_path: a regclass or regtype value prints schema-qualified whatever the
+    // database's own search_path; every name pgapply writes is qualified.)
     client
         .batch_execute(&format!(
-            "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = {float_digits}; \
+            "SET search_path = ''; SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = {float_digits}; \
              SET timezone = 'UTC'; SET bytea_output = hex; SET lc_monetary = 'C'; SET statement_timeout = 0; \
              SET row_security = off; \
              SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'"

@@ -3076,6 +3076,14 @@ async fn oid_alias_types_arrive_as_names_not_oids() {
     assert_eq!(source.len(), 3);
     assert_eq!(source[1].2, "app.color[]");
     assert_eq!(rows("target").await, source);
+    // verify prints them schema-qualified on both sides too, whatever the search_path.
+    let out = run_with_deadline(db.on_both("verify", &[]), 60).await;
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        stderr(&out)
+    );
 }
 
 /// A worker that stopped answering (here: SIGSTOP) keeps its last lag figures on the source, low

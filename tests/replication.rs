@@ -288,6 +288,48 @@ async fn replica_identity_using_index() {
     db.assert_same("u").await;
 }
 
+/// REPLICA IDENTITY FULL tables whose columns hold a type without an equality operator inside
+/// a composite, an array of composites or a domain over one: record and array equality prepare
+/// fine and fail only when they run. The run starts again comparing such a table's rows by
+/// their text form, and every change is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_identity_full_with_a_point_inside_a_composite_or_array() {
+    let db = TestDb::new("fullnested").await;
+    db.both(
+        "CREATE TYPE cp AS (a int, p point); CREATE DOMAIN dcp AS cp; \
+         CREATE TABLE c (id int, v cp); CREATE TABLE ca (id int, v cp[]); CREATE TABLE cd (id int, v dcp); \
+         ALTER TABLE c REPLICA IDENTITY FULL; ALTER TABLE ca REPLICA IDENTITY FULL; ALTER TABLE cd REPLICA IDENTITY FULL;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE c, ca, cd").await;
+    db.source_sql(
+        "INSERT INTO c VALUES (1, row(1, '(1,2)')), (2, row(2, '(3,4)')); \
+         INSERT INTO ca VALUES (1, ARRAY[row(1, '(1,2)')::cp]), (2, ARRAY[row(2, '(3,4)')::cp]); \
+         INSERT INTO cd VALUES (1, row(1, '(1,2)')), (2, row(2, '(3,4)'));",
+    )
+    .await;
+    db.source_sql(
+        "UPDATE c SET id = 10 WHERE id = 1; DELETE FROM c WHERE id = 2; \
+         UPDATE ca SET id = 10 WHERE id = 1; DELETE FROM ca WHERE id = 2; \
+         UPDATE cd SET id = 10 WHERE id = 1; DELETE FROM cd WHERE id = 2;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 90).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("_missing"), "{err}");
+    for table in ["c", "ca", "cd"] {
+        db.assert_same(table).await;
+        assert_eq!(
+            db.count(&db.target, &format!("SELECT count(*) FROM {table} WHERE id = 10"))
+                .await,
+            1,
+            "{table}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_identity_full_compared_by_text_with_binary_values_and_other_time_zones() {
     let db = TestDb::new("fullbin").await;

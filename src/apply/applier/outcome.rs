@@ -208,6 +208,30 @@ impl Applier {
                             return self.commit_failed(transactions, end_lsn, last, e);
                         }
                     }
+                    // Under REPLICA IDENTITY FULL, a composite or array whose field or element
+                    // type has no equality operator prepares fine (record and array equality
+                    // exist) and fails only when it runs: as when preparing fails, the run
+                    // starts again comparing that table's rows by their text form.
+                    if let Some(about) = about.as_ref().filter(|a| {
+                        e.code().map(|c| c.code()) == Some("42883")
+                            && matches!(a.operation, "UPDATE" | "DELETE")
+                            && a.relation.source.replica_identity
+                                == crate::protocol::pgoutput::ReplicaIdentity::Full
+                            && !self.full_as_text.contains(&a.relation.source.oid)
+                    }) {
+                        let oid = about.relation.source.oid;
+                        self.full_as_text.insert(oid);
+                        if let Ok(mut known) = FULL_AS_TEXT.lock() {
+                            known.insert(oid);
+                        }
+                        self.failure = Some(Error::transient(format!(
+                            "applying {}: {}: a type in a column of table {} (or inside one) has no equality operator on the target; applying again, comparing REPLICA IDENTITY FULL rows by their text form",
+                            about.describe(),
+                            describe_postgres(&e),
+                            about.relation.target.qualified
+                        )));
+                        return;
+                    }
                     // A column's type changed on the target under a prepared statement: the
                     // statements prepared anew by a fresh start take the new type.
                     if let Some(about) = about
