@@ -791,6 +791,22 @@ async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
     let out = run_with_deadline(db.pgapply("p", &["--two-phase", "--endpos", &endpos]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("tp").await;
+    // A ROLLBACK PREPARED last: the slot moves past it, with no commit after it to carry the
+    // position (before PostgreSQL 14 an abort record does not carry it).
+    db.source_sql("BEGIN; INSERT INTO tp VALUES (6, 'x'); PREPARE TRANSACTION 'src-6';")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--two-phase", "--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql("ROLLBACK PREPARED 'src-6'").await;
+    let rolled_back = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--two-phase", "--endpos", &rolled_back]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(db.slot_confirmed(&rolled_back).await, "the slot stays before the rollback");
     assert_eq!(
         // This test's database only: other tests prepare transactions on the same target.
         db.count(

@@ -239,6 +239,20 @@ impl Applier {
                         .await;
                     return Err(Error::postgres(format!("{verb} {gid} on the target"), e));
                 }
+                // Before PostgreSQL 14 an abort record carries no origin position, so a
+                // ROLLBACK PREPARED leaves the origin where it was, and the slot would wait for
+                // the next commit to move: a transaction of its own carries the position then.
+                // (Harmless where the rollback carried it: the same position again.)
+                if !commit {
+                    self.client
+                        .batch_execute(&format!(
+                            "BEGIN; SELECT pg_catalog.pg_replication_origin_xact_setup({}::pg_lsn, {}::timestamptz), pg_catalog.txid_current(); COMMIT",
+                            crate::sql::quote_literal(&lsn),
+                            crate::sql::quote_literal(&at)
+                        ))
+                        .await
+                        .map_err(|e| Error::postgres("recording the position on the target", e))?;
+                }
             }
             crate::apply::progress::ProgressMode::Table => {
                 self.client
