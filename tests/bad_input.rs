@@ -1467,7 +1467,11 @@ async fn a_publication_created_again_says_why_the_source_stops() {
     assert!(
         err.contains("publication \"p\" does not exist")
             && err.contains("if the publication exists now (dropped and created again")
-            && err.contains("pg_replication_slot_advance"),
+            // This slot by name, dropped before copying again (a copy into the same slot
+            // would stream from where it stands, and stop there again).
+            && err.contains(&format!("SELECT pg_drop_replication_slot('{}')", db.slot()))
+            && err.contains("then run with --create-slot --copy-data --truncate-target")
+            && err.contains(&format!("pg_replication_slot_advance('{}',", db.slot())),
         "{err}"
     );
 }
@@ -1682,3 +1686,4 @@ async fn another_roles_pgapply_schema_says_what_to_grant() {
         "{text}"
     );
 }
+

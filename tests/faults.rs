@@ -1014,3 +1014,36 @@ async fn stop_with_a_backlog(name: &str, extra: &[&str]) {
     db.sync("p").await;
     db.assert_same("t").await;
 }
+
+/// The target refusing writes as read-only while pgapply runs (here a trigger raising what a
+/// target made read-only by ALTER SYSTEM or turned standby raises): retried, never answered by
+/// advice to skip the transaction, and applied once the target takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_turned_read_only_is_retried_not_skipped() {
+    let db = TestDb::new("readonlyrun").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.target_sql(
+        "CREATE FUNCTION ro() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction' USING ERRCODE = '25006'; END $$; \
+         CREATE TRIGGER ro BEFORE INSERT ON t FOR EACH ROW EXECUTE FUNCTION ro(); \
+         ALTER TABLE t ENABLE ALWAYS TRIGGER ro;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    let (mut child, log) = common::spawn_logged(db.pgapply("p", &["--endpos", &endpos]));
+    wait_for("the refusal to be retried", 60, || async {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("read-only transaction"))
+    })
+    .await;
+    db.target_sql("DROP TRIGGER ro ON t").await;
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("the worker did not finish after the target took writes again")
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.success(), "exit {status}: {text}");
+    assert!(!text.contains("pgapply skip"), "{text}");
+    db.assert_same("t").await;
+}

@@ -195,14 +195,18 @@ impl ServerError {
 }
 
 /// What to do about errors the walsender ends the stream with that its own message leaves open.
-fn stream_error_hint(e: &ServerError) -> Option<&'static str> {
+fn stream_error_hint(e: &ServerError, slot: &str) -> Option<String> {
     match e.code.as_str() {
-        // The slot decodes with the catalog as it was when each change was written.
-        "42704" if e.message.contains("publication") => Some(
-            "if the publication exists now (dropped and created again, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot (--create-slot --copy-data --truncate-target), or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance(slot, pg_current_wal_lsn()) on the source, with pgapply stopped)",
-        ),
+        // The slot decodes with the catalog as it was when each change was written. (Copying
+        // again into the same slot would stream it from where it stands, and stop there again.)
+        "42704" if e.message.contains("publication") => {
+            let slot = format!("'{}'", slot.replace('\'', "''"));
+            Some(format!(
+                "if the publication exists now (dropped and created again, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source)"
+            ))
+        }
         "22021" => Some(
-            "the source has text that cannot be converted to UTF-8 (in a SQL_ASCII database, bytes above 127 have no known encoding): fix those values on the source, or move the data to a database whose encoding says what the bytes are",
+            "the source has text that cannot be converted to UTF-8 (in a SQL_ASCII database, bytes above 127 have no known encoding): fix those values on the source, or move the data to a database whose encoding says what the bytes are".to_owned(),
         ),
         _ => None,
     }
@@ -237,6 +241,8 @@ pub struct ReplicationConnection {
     pub endpoint: String,
     /// `server_version_num`, e.g. 150004.
     pub server_version: u32,
+    /// The slot being streamed, once START_REPLICATION is sent: for advice in messages.
+    pub slot: String,
     max_message_bytes: usize,
     /// While streaming: after a read that found little, wait this long before the next one, so
     /// the walsender can fill its buffers and send in large writes instead of one per message.
@@ -301,6 +307,7 @@ impl ReplicationConnection {
             write: BytesMut::new(),
             endpoint,
             server_version: 0,
+            slot: String::new(),
             max_message_bytes,
             read_pause: None,
             last_read_short: false,
@@ -637,7 +644,7 @@ impl ReplicationConnection {
                         backend::Message::ErrorResponse(e) => server_error(e.fields()),
                         _ => unreachable_error(),
                     };
-                    let hint = stream_error_hint(&e);
+                    let hint = stream_error_hint(&e, &self.slot);
                     let err = e.into_error(&format!("source {} ended replication", self.endpoint));
                     return Err(match hint {
                         Some(hint) => err.context_after(hint),

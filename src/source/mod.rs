@@ -387,6 +387,7 @@ impl ReplicationSession {
             negotiated.options_sql(publications)
         );
         tracing::debug!(command = %sql, "starting replication");
+        self.conn.slot = slot.to_owned();
         self.conn
             .start_copy_both(&sql)
             .await
