@@ -1803,3 +1803,54 @@ async fn check_of_an_empty_target_points_to_schema() {
     );
     assert!(stderr(&out).contains("1 problem found"), "{}", stderr(&out));
 }
+
+/// A second worker started by mistake (another --slot, the same publication, the same target
+/// database) while the first runs: said at its start, naming the other slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_worker_on_the_same_publication_and_target_is_named() {
+    let db = TestDb::new("twoworkers").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.sync("p").await;
+    let mut first = spawn(db.pgapply("p", &[]));
+    db.wait_slot_active().await;
+    wait_for("the first worker's heartbeat", 60, || async {
+        db.count(
+            &db.target,
+            &format!(
+                "SELECT count(*) FROM pgapply.progress WHERE slot_name = '{}' AND heartbeat_at > now() - interval '1 minute'",
+                db.slot()
+            ),
+        )
+        .await
+            > 0
+    })
+    .await;
+    let second = format!("{}_2", db.slot());
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &db.target_conninfo(),
+            &second,
+            "p",
+            &["--create-slot", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    first.start_kill().unwrap();
+    let _ = first.wait().await;
+    let _ = db
+        .source
+        .execute("SELECT pg_drop_replication_slot($1)", &[&second])
+        .await;
+    assert!(
+        err.contains(&format!(
+            "another pgapply worker (slot \"{}\") applies the same publication into this target database now",
+            db.slot()
+        )) && err.contains(&format!("pgapply forget --slot {second} --drop-slot")),
+        "{err}"
+    );
+}

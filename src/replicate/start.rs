@@ -358,6 +358,38 @@ pub(super) async fn record_publications(
     Ok(changed)
 }
 
+/// Says when another slot's worker, alive now, applies one of the same publications into this
+/// target database: two workers writing the same tables meet each other's rows as conflicts
+/// (insert_exists), and a conflict policy would only hide that. (Usually a second worker
+/// started by mistake, with another --slot.)
+pub(super) async fn warn_of_other_live_slots(
+    target: &tokio_postgres::Client,
+    slot: &str,
+    publications: &[String],
+) {
+    let Ok(rows) = target
+        .query(
+            "SELECT slot_name, pid, array_to_string(publications, ',') FROM pgapply.progress \
+             WHERE slot_name <> $1 AND publications && $2::text[] \
+               AND heartbeat_at > now() - interval '1 minute' AND stop_lsn IS NULL",
+            &[&slot, &publications],
+        )
+        .await
+    else {
+        return;
+    };
+    for row in rows {
+        let (other, pid, shared): (String, Option<i32>, Option<String>) =
+            (row.get(0), row.get(1), row.get(2));
+        tracing::warn!(
+            other_slot = %other,
+            pid = pid.unwrap_or(0),
+            publications = %shared.unwrap_or_default(),
+            "another pgapply worker (slot {other:?}) applies the same publication into this target database now: two workers writing the same tables meet each other's rows as conflicts (insert_exists, update_missing); if this one was started by mistake, stop it and remove its slot (pgapply forget --slot {slot} --drop-slot)"
+        );
+    }
+}
+
 /// Entries of the config file's `[tables]` (renames, conflict policies) that name no published
 /// table: a misspelt name would otherwise be ignored without a word.
 pub fn unmatched_table_settings(
