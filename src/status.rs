@@ -100,7 +100,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             let recorded: Option<String> = row.get(16);
             let here = src
                 .query_opt(
-                    "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                    "SELECT coalesce(to_jsonb(s) ->> 'wal_status', '') FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1",
                     &[&slot],
                 )
                 .await
@@ -109,6 +109,13 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                 None => {
                     slot_error = Some(format!(
                         "slot {slot:?} does not exist on this source: is --source the cluster the worker replicates from?"
+                    ));
+                }
+                // (13+: the WAL it needed was removed, max_slot_wal_keep_size.)
+                Some(row) if row.get::<_, String>(0) == "lost" => {
+                    slot_error = Some(format!(
+                        "slot {slot:?} is invalidated on the source (wal_status lost: the WAL it still needed was removed, see max_slot_wal_keep_size): its changes can no longer be read; start over: drop it (SELECT pg_drop_replication_slot('{}')), then run with --create-slot --copy-data --truncate-target",
+                        slot.replace('\'', "''")
                     ));
                 }
                 Some(_) => {

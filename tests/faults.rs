@@ -606,6 +606,25 @@ async fn an_invalidated_slot_is_named_with_what_to_do() {
             && log.contains("pg_drop_replication_slot('lost_slot')"),
         "{log}"
     );
+    // `status` with the source says so too, not just a lag in bytes.
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "status",
+            "--source",
+            &source.conninfo("postgres"),
+            "--target",
+            &db.target_conninfo(),
+            "--slot",
+            "lost_slot",
+        ]),
+        60,
+    )
+    .await;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(
+        text.contains("slot \"lost_slot\" is invalidated on the source (wal_status lost"),
+        "{text}"
+    );
 }
 
 /// A source that cannot be reached: pgapply retries with backoff, and once --max-retries are
