@@ -1687,3 +1687,60 @@ async fn another_roles_pgapply_schema_says_what_to_grant() {
     );
 }
 
+/// A target role without INSERT on a published table: the apply error gives the GRANT, not
+/// advice to skip the transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_target_privilege_at_apply_names_the_grant() {
+    let db = TestDb::new("noinsert").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let role = format!("noins_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 'n'; CREATE SCHEMA pgapply AUTHORIZATION {role}; \
+         GRANT SELECT, UPDATE, DELETE ON t TO {role};"
+    ))
+    .await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_as_target_user(&role, "n", &["--endpos", &endpos]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("permission denied")
+            && err.contains("GRANT SELECT, INSERT, UPDATE, DELETE ON \"public\".\"t\" TO the role pgapply connects as")
+            && !err.contains("pgapply skip"),
+        "{err}"
+    );
+    // The initial copy likewise.
+    let fresh = TestDb::new("noinsertcopy").await;
+    fresh.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    fresh
+        .source_sql("INSERT INTO t VALUES (1); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    fresh
+        .target_sql(&format!(
+            "CREATE SCHEMA pgapply AUTHORIZATION {role}; GRANT SELECT, UPDATE, DELETE ON t TO {role};"
+        ))
+        .await;
+    let endpos = fresh.source_wal().await;
+    let out = run_with_deadline(
+        fresh.pgapply_as_target_user(
+            &role,
+            "n",
+            &["--copy-data", "--create-slot", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("permission denied")
+            && err.contains("GRANT SELECT, INSERT, UPDATE, DELETE ON"),
+        "{err}"
+    );
+}

@@ -322,8 +322,11 @@ async fn replica_identity_full_with_a_point_inside_a_composite_or_array() {
     for table in ["c", "ca", "cd"] {
         db.assert_same(table).await;
         assert_eq!(
-            db.count(&db.target, &format!("SELECT count(*) FROM {table} WHERE id = 10"))
-                .await,
+            db.count(
+                &db.target,
+                &format!("SELECT count(*) FROM {table} WHERE id = 10")
+            )
+            .await,
             1,
             "{table}"
         );

@@ -806,7 +806,10 @@ async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
     )
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(db.slot_confirmed(&rolled_back).await, "the slot stays before the rollback");
+    assert!(
+        db.slot_confirmed(&rolled_back).await,
+        "the slot stays before the rollback"
+    );
     assert_eq!(
         // This test's database only: other tests prepare transactions on the same target.
         db.count(

@@ -905,8 +905,24 @@ async fn copy_one(
         Some((s, _)) => format!("{qualified} pages {s}.."),
         None => qualified.clone(),
     };
-    let src_err = |e| Error::postgres(format!("copying {what} from the source"), e);
-    let dst_err = |e| Error::postgres(format!("copying {what} into the target"), e);
+    // (A privilege missing: the GRANT that gives it.)
+    let with_grant = |err: Error, e_code: Option<String>, rights: &str, side: &str| {
+        if e_code.as_deref() == Some("42501") {
+            err.context_after(format!("GRANT {rights} ON {what} TO the {side} role pgapply connects as (`pgapply check` lists every missing right)"))
+        } else {
+            err
+        }
+    };
+    let src_err = |e: tokio_postgres::Error| {
+        let code = e.code().map(|c| c.code().to_owned());
+        let err = Error::postgres(format!("copying {what} from the source"), e);
+        with_grant(err, code, "SELECT", "source")
+    };
+    let dst_err = |e: tokio_postgres::Error| {
+        let code = e.code().map(|c| c.code().to_owned());
+        let err = Error::postgres(format!("copying {what} into the target"), e);
+        with_grant(err, code, "SELECT, INSERT, UPDATE, DELETE", "target")
+    };
 
     let source_tx = source
         .build_transaction()
