@@ -173,10 +173,6 @@ pub fn is_transient_sqlstate(code: &str) -> bool {
             | "55006" // object_in_use (e.g. slot or origin still held by a dying process)
             | "53100" // disk_full
             | "53200" // out_of_memory
-            // read_only_sql_transaction: the target made read-only while pgapply ran (an
-            // ALTER SYSTEM, a primary turned standby). Nothing to skip: the run starts again,
-            // and the start says where the setting comes from and how to undo it.
-            | "25006"
     ) || code.starts_with("08") // connection_exception
 }
 

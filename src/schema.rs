@@ -281,7 +281,7 @@ pub async fn schema(
         .filter(|l| {
             l.strip_prefix("CREATE SCHEMA ")
                 .map(|rest| rest.trim_end_matches(';'))
-                .and_then(|rest| rest.split(' ').next())
+                .and_then(|rest| rest.split(" AUTHORIZATION ").next())
                 .is_none_or(|name| !existing.iter().any(|e| e == name))
         })
         .collect::<Vec<_>>()

@@ -21,7 +21,18 @@ pub struct VerifySettings {
     /// Checks of a differing chunk before it is reported.
     pub attempts: u32,
     pub retry_delay: Duration,
+    /// Compare the target's rows through the row filter too (see `REVERSE_COMMENT`): set by
+    /// `verify` itself for a publication that `cutover --reverse` made.
+    pub filter_target: bool,
 }
+
+/// The comment `cutover --reverse` puts on the publication it makes on the new primary. The
+/// old primary, which that publication replicates back into, holds the rows the forward row
+/// filter never took: on the way back, a table is compared through its filter on both sides.
+/// Anywhere else a target row the filter leaves out is one the mirror should not hold (stale:
+/// a DELETE lost, a filter changed) and is a difference.
+pub const REVERSE_COMMENT: &str =
+    "pgapply cutover --reverse: replicates the new primary back into the old one";
 
 impl Default for VerifySettings {
     fn default() -> Self {
@@ -30,6 +41,7 @@ impl Default for VerifySettings {
             jobs: 4,
             attempts: 4,
             retry_delay: Duration::from_secs(1),
+            filter_target: false,
         }
     }
 }
@@ -69,11 +81,9 @@ pub fn float_digits(source_version: i32, target_version: i32) -> i32 {
 async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32) -> Result<Client> {
     let client = crate::tls::connect_to(config, role).await?;
     // The same text for the same value on both sides; every row, or an error (row_security).
-    // (An empty search_path: a regclass or regtype value prints schema-qualified whatever the
-    // database's own search_path; every name pgapply writes is qualified.)
     client
         .batch_execute(&format!(
-            "SET search_path = ''; SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = {float_digits}; \
+            "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = {float_digits}; \
              SET timezone = 'UTC'; SET bytea_output = hex; SET lc_monetary = 'C'; SET statement_timeout = 0; \
              SET row_security = off; \
              SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'"
@@ -416,6 +426,21 @@ async fn verify_table(
 ) -> Result<TableResult> {
     let source = connect(&source_config, "source", float_digits).await?;
     let target = connect(&target_config, "target", float_digits).await?;
+    // The source's search_path on both sides: a regclass or regtype value prints as the
+    // session's search_path makes it (qualified or not), and operators of a key type that an
+    // extension keeps outside pg_catalog are found where the source finds them.
+    let path: String = source
+        .query_one("SELECT pg_catalog.current_setting('search_path')", &[])
+        .await
+        .map_err(|e| Error::postgres("reading the source session's search_path", e))?
+        .get(0);
+    target
+        .execute(
+            "SELECT pg_catalog.set_config('search_path', $1, false)",
+            &[&path],
+        )
+        .await
+        .map_err(|e| Error::postgres("setting the target session's search_path", e))?;
     let keys = key_columns(&source, &table).await?;
     let target_keys = target_key_types(&target, &table, &keys).await?;
     let target_table = own_rows(&target, &table.target_qualified(), "target").await?;
@@ -470,12 +495,11 @@ async fn verify_table(
         table.row_filter = None;
         format!("({}) AS pgapply_sources", parts.join(" UNION ALL "))
     };
-    // The target's rows are compared through the row filter too: a table filled through a
-    // filter may hold other rows the mirror has nothing to do with (the old primary on the way
-    // back from a cutover holds those the filter left out). Counted and said, not compared. A
-    // filter the target cannot evaluate (a column it lacks) is not applied there.
+    // On the way back from a cutover (`REVERSE_COMMENT`) the target's rows are compared through
+    // the row filter too: the old primary holds the rows the forward filter left out. Counted
+    // and said, not compared. A filter the target cannot evaluate is not applied there.
     let mut target_filter = None;
-    if let Some(f) = &table.row_filter {
+    if let Some(f) = table.row_filter.as_ref().filter(|_| settings.filter_target) {
         let left_out = target
             .query_one(
                 &format!("SELECT count(*) FROM {target_table} WHERE NOT coalesce(({f}), false)"),
@@ -671,6 +695,19 @@ pub async fn verify(
     );
     drop(target_client);
     let tables = published_tables(&client, publications, table_map).await?;
+    let reverse: bool = client
+        .query_one(
+            "SELECT coalesce(bool_or(pg_catalog.obj_description(oid, 'pg_publication') = $2), false) \
+             FROM pg_catalog.pg_publication WHERE pubname = ANY($1)",
+            &[&publications, &REVERSE_COMMENT],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the publications' comments on the source", e))?
+        .get(0);
+    let settings = &VerifySettings {
+        filter_target: settings.filter_target || reverse,
+        ..settings.clone()
+    };
     if tables.is_empty() {
         return Err(Error::definite(crate::copy::no_tables_message(
             publications,

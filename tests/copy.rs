@@ -1034,15 +1034,21 @@ async fn cutover_reverse_sends_back_only_the_columns_and_rows_that_came() {
         "CREATE TABLE a (id int PRIMARY KEY, v text, secret text NOT NULL DEFAULT 'keep'); \
          CREATE TABLE b (id int PRIMARY KEY, region text, v text); \
          CREATE TABLE c (id int, v text); \
-         ALTER TABLE b REPLICA IDENTITY FULL;",
+         ALTER TABLE b REPLICA IDENTITY FULL; \
+         CREATE TABLE g (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v text); \
+         CREATE TABLE parted (id int PRIMARY KEY, v text) PARTITION BY RANGE (id); \
+         CREATE TABLE parted_1 PARTITION OF parted FOR VALUES FROM (0) TO (100);",
     )
     .await;
+    // (A row filter on a partitioned table asks for publish_via_partition_root.)
     db.source_sql(
         "ALTER TABLE c REPLICA IDENTITY FULL; \
          INSERT INTO a SELECT g, 'old', 'S' || g FROM generate_series(1, 5) g; \
          INSERT INTO b SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, 'old' FROM generate_series(1, 6) g; \
-         INSERT INTO c VALUES (1, 'x'); \
-         CREATE PUBLICATION p FOR TABLE a (id, v), b WHERE (region = 'eu'), c;",
+         INSERT INTO c VALUES (1, 'x'); INSERT INTO g (v) VALUES ('x'); \
+         INSERT INTO parted SELECT g, 'old' FROM generate_series(1, 10) g; \
+         CREATE PUBLICATION p FOR TABLE a (id, v), b WHERE (region = 'eu'), c, g, parted WHERE (id > 5) \
+           WITH (publish_via_partition_root = true);",
     )
     .await;
     copy_up_to_now(&db).await;
@@ -1084,7 +1090,8 @@ async fn cutover_reverse_sends_back_only_the_columns_and_rows_that_came() {
     // The application writes on the new primary; the way back runs.
     db.target_sql(
         "UPDATE a SET v = 'new' WHERE id <= 3; INSERT INTO b VALUES (8, 'eu', 'new'); \
-         UPDATE b SET v = 'new' WHERE id = 2; UPDATE c SET v = 'y'",
+         UPDATE b SET v = 'new' WHERE id = 2; UPDATE c SET v = 'y'; UPDATE g SET v = 'y'; \
+         UPDATE parted SET v = 'new' WHERE id = 7",
     )
     .await;
     let target_wal: String = db
@@ -1156,6 +1163,35 @@ async fn cutover_reverse_sends_back_only_the_columns_and_rows_that_came() {
         text.contains("3 row(s) on the target that the row filter leaves out: not compared"),
         "{text}"
     );
+    assert_eq!(
+        db.count(
+            &db.source,
+            "SELECT count(*) FROM parted WHERE id = 7 AND v = 'new'"
+        )
+        .await,
+        1
+    );
+    // Forward, a target row outside the filter is one the mirror should not hold (a DELETE
+    // lost, say): a difference, not a note.
+    db.source_sql("DELETE FROM b WHERE id = 1").await;
+    db.target_sql("INSERT INTO b VALUES (101, 'us', 'stale')")
+        .await;
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "verify",
+            "--source",
+            &old_primary,
+            "--target",
+            &new_primary,
+            "--publication",
+            "p",
+        ]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("MISMATCH  \"public\".\"b\""), "{text}");
 }
 
 /// `--two-phase`: a transaction prepared on the source and not decided there before the cutover

@@ -906,9 +906,10 @@ async fn copy_one(
         None => qualified.clone(),
     };
     // (A privilege missing: the GRANT that gives it.)
-    let with_grant = |err: Error, e_code: Option<String>, rights: &str, side: &str| {
+    let target_table = table.target_qualified();
+    let with_grant = |err: Error, e_code: Option<String>, grant: String, side: &str| {
         if e_code.as_deref() == Some("42501") {
-            err.context_after(format!("GRANT {rights} ON {what} TO the {side} role pgapply connects as (`pgapply check` lists every missing right)"))
+            err.context_after(format!("{grant} TO the {side} role pgapply connects as (`pgapply check` lists every missing right)"))
         } else {
             err
         }
@@ -916,12 +917,17 @@ async fn copy_one(
     let src_err = |e: tokio_postgres::Error| {
         let code = e.code().map(|c| c.code().to_owned());
         let err = Error::postgres(format!("copying {what} from the source"), e);
-        with_grant(err, code, "SELECT", "source")
+        with_grant(err, code, format!("GRANT SELECT ON {qualified}"), "source")
     };
     let dst_err = |e: tokio_postgres::Error| {
         let code = e.code().map(|c| c.code().to_owned());
         let err = Error::postgres(format!("copying {what} into the target"), e);
-        with_grant(err, code, "SELECT, INSERT, UPDATE, DELETE", "target")
+        with_grant(
+            err,
+            code,
+            format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {target_table}"),
+            "target",
+        )
     };
 
     let source_tx = source

@@ -94,6 +94,9 @@ struct ReverseTable {
     columns: Option<Vec<String>>,
     any_column: Option<String>,
     filter: Option<String>,
+    /// A partitioned table: a row filter or column list on it asks for
+    /// `publish_via_partition_root` (PostgreSQL refuses them on a partitioned table otherwise).
+    partitioned: bool,
 }
 
 /// The reverse publication's tables, each target table once. A forward column list goes back
@@ -152,11 +155,20 @@ async fn reverse_tables(
             }
             Some(list)
         };
+        let partitioned: bool = target
+            .query_one(
+                "SELECT coalesce((SELECT relkind = 'p' FROM pg_catalog.pg_class WHERE oid = pg_catalog.to_regclass($1)), false)",
+                &[&name],
+            )
+            .await
+            .map_err(|e| Error::postgres(format!("reading {name} on the target"), e))?
+            .get(0);
         tables.push(ReverseTable {
             name,
             columns,
             any_column: own.first().cloned(),
             filter: t.row_filter.clone().filter(|_| version >= 150000),
+            partitioned,
         });
     }
     Ok((tables, problems))
@@ -178,10 +190,20 @@ fn publication_sql(name: &str, tables: &[ReverseTable]) -> String {
             spec
         })
         .collect();
+    // (The changes of a partitioned table then go out as its own, as they came: the old
+    // primary has the same table.)
+    let via_root = tables
+        .iter()
+        .any(|t| t.partitioned && (t.columns.is_some() || t.filter.is_some()));
     format!(
-        "CREATE PUBLICATION {} FOR TABLE {}",
+        "CREATE PUBLICATION {} FOR TABLE {}{}",
         quote_ident(name),
-        list.join(", ")
+        list.join(", "),
+        if via_root {
+            " WITH (publish_via_partition_root = true)"
+        } else {
+            ""
+        }
     )
 }
 
@@ -208,10 +230,11 @@ async fn probe_publication(target: &Client, tables: &[ReverseTable]) -> Vec<Stri
                 .any_column
                 .as_ref()
                 .map(|c| {
+                    // (DEFAULT: an identity column GENERATED ALWAYS takes nothing else.)
                     format!(
-                        "UPDATE {} SET {c} = {c} WHERE false; ",
+                        "UPDATE {} SET {} = DEFAULT WHERE false; ",
                         t.name,
-                        c = quote_ident(c)
+                        quote_ident(c)
                     )
                 })
                 .unwrap_or_default();
@@ -220,12 +243,23 @@ async fn probe_publication(target: &Client, tables: &[ReverseTable]) -> Vec<Stri
                 t.name
             );
             if let Err(e) = target.batch_execute(&probe).await {
-                problems.push(format!(
-                    "--reverse: once {} is in the reverse publication, the new primary refuses UPDATE or DELETE on it: {}: give it a replica identity that covers the columns the row filter uses and the column list holds (ALTER TABLE {} REPLICA IDENTITY ..., as on the source), or cut over without --reverse",
-                    t.name,
-                    crate::error::describe_postgres(&e),
-                    t.name
-                ));
+                // 55000: no replica identity; 42P10: one that does not cover the row filter's
+                // columns or the column list. Anything else (a lock timeout): not a verdict.
+                let refused = matches!(e.code().map(|c| c.code()), Some("55000" | "42P10"));
+                problems.push(if refused {
+                    format!(
+                        "--reverse: once {} is in the reverse publication, the new primary refuses UPDATE or DELETE on it: {}: give it a replica identity that covers the columns the row filter uses and the column list holds (ALTER TABLE {} REPLICA IDENTITY ..., as on the source), or cut over without --reverse",
+                        t.name,
+                        crate::error::describe_postgres(&e),
+                        t.name
+                    )
+                } else {
+                    format!(
+                        "--reverse: checking that the new primary still takes UPDATE and DELETE on {} once published did not finish: {}: run the cutover again",
+                        t.name,
+                        crate::error::describe_postgres(&e)
+                    )
+                });
                 let _ = target
                     .batch_execute("ROLLBACK TO SAVEPOINT pgapply_probe")
                     .await;
@@ -248,9 +282,10 @@ pub(super) async fn prepare_reverse(target: &Client, config: &RunConfig) -> Resu
     let (reverse, _) = reverse_tables(target, &tables).await?;
     target
         .batch_execute(&format!(
-            "BEGIN; SET LOCAL client_min_messages = warning; DROP PUBLICATION IF EXISTS {p}; {create}; COMMIT",
+            "BEGIN; SET LOCAL client_min_messages = warning; DROP PUBLICATION IF EXISTS {p}; {create}; COMMENT ON PUBLICATION {p} IS {comment}; COMMIT",
             p = quote_ident(&publication),
-            create = publication_sql(&publication, &reverse)
+            create = publication_sql(&publication, &reverse),
+            comment = crate::sql::quote_literal(crate::verify::REVERSE_COMMENT)
         ))
         .await
         .map_err(|e| {

@@ -371,7 +371,8 @@ pub(super) async fn warn_of_other_live_slots(
         .query(
             "SELECT slot_name, pid, array_to_string(publications, ',') FROM pgapply.progress \
              WHERE slot_name <> $1 AND publications && $2::text[] \
-               AND heartbeat_at > now() - interval '1 minute' AND stop_lsn IS NULL",
+               AND heartbeat_at > now() - interval '1 minute' AND stop_lsn IS NULL \
+               AND pid IS NOT NULL AND coalesce(state, '') NOT IN ('stopped', 'failed')",
             &[&slot, &publications],
         )
         .await

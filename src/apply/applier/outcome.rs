@@ -426,6 +426,12 @@ impl Applier {
                     skip = self.skip_hint(about.commit_lsn)
                 )
             }
+            // Nothing to skip: the target takes no writes (or a trigger writes where none are
+            // taken). Not retried: a trigger's or foreign table's refusal would come back for
+            // ever.
+            Some("25006") => format!(
+                "the target refused to write {table} in a read-only transaction: it was made read-only while pgapply ran (default_transaction_read_only set by ALTER SYSTEM, ALTER DATABASE or ALTER ROLE and reloaded, or the server is now a standby), or a trigger, rule or foreign table of {table} writes to a server that is: make the target take writes again, then start pgapply again (at its start it says where such a setting comes from and how to undo it); nothing of this source transaction was applied"
+            ),
             // The target table went away under the prepared statements.
             Some("42P01") => format!(
                 "target table {table} no longer exists (dropped or renamed on the target while pgapply ran): create it again or rename it back, then start pgapply again"

@@ -188,6 +188,41 @@ impl Applier {
         Ok(())
     }
 
+    /// A transaction of its own that records `lsn` as applied: in origin mode its commit record
+    /// carries the position; in table mode it writes the progress row.
+    async fn origin_position_transaction(&self, lsn: &str, at: &str) -> Result<()> {
+        if !matches!(
+            self.progress.mode,
+            crate::apply::progress::ProgressMode::Origin { .. }
+        ) {
+            let context = |e| Error::postgres("recording the position on the target", e);
+            self.client.batch_execute("BEGIN").await.map_err(context)?;
+            let recorded = self
+                .client
+                .execute(
+                    &self.record,
+                    &[
+                        &WireValue::Text(lsn.to_owned().into()),
+                        &WireValue::Text(at.to_owned().into()),
+                    ],
+                )
+                .await;
+            if let Err(e) = recorded {
+                let _ = self.client.batch_execute("ROLLBACK").await;
+                return Err(context(e));
+            }
+            return self.client.batch_execute("COMMIT").await.map_err(context);
+        }
+        self.client
+            .batch_execute(&format!(
+                "BEGIN; SELECT pg_catalog.pg_replication_origin_xact_setup({}::pg_lsn, {}::timestamptz), pg_catalog.txid_current(); COMMIT",
+                crate::sql::quote_literal(lsn),
+                crate::sql::quote_literal(at)
+            ))
+            .await
+            .map_err(|e| Error::postgres("recording the position on the target", e))
+    }
+
     /// COMMIT PREPARED or ROLLBACK PREPARED, recording the position.
     pub(super) async fn finish_prepared(
         &mut self,
@@ -204,16 +239,21 @@ impl Applier {
         } else {
             "ROLLBACK PREPARED"
         };
+        let lsn = end_lsn.to_string();
+        let at = time.to_rfc3339();
         if !self.prepared_exists(&gid).await? {
             if !(self.resume.is_valid() && end_lsn <= self.resume) {
                 tracing::warn!(gid = %gid, source_gid, "{verb}: the transaction is not prepared on the target; assuming it was finished before a restart");
+            }
+            // (A ROLLBACK PREPARED whose origin position a crash kept from being written.)
+            let seen_before = self.resume.is_valid() && end_lsn <= self.resume;
+            if !commit && !seen_before {
+                self.origin_position_transaction(&lsn, &at).await?;
             }
             // Finished before: nothing more to wait for at this position.
             self.advance_applied(end_lsn);
             return Ok(());
         }
-        let lsn = end_lsn.to_string();
-        let at = time.to_rfc3339();
         let finish = format!("{verb} {}", crate::sql::quote_literal(&gid));
         match &self.progress.mode {
             // The session's origin position is taken by the COMMIT/ROLLBACK PREPARED record.
@@ -244,14 +284,7 @@ impl Applier {
                 // the next commit to move: a transaction of its own carries the position then.
                 // (Harmless where the rollback carried it: the same position again.)
                 if !commit {
-                    self.client
-                        .batch_execute(&format!(
-                            "BEGIN; SELECT pg_catalog.pg_replication_origin_xact_setup({}::pg_lsn, {}::timestamptz), pg_catalog.txid_current(); COMMIT",
-                            crate::sql::quote_literal(&lsn),
-                            crate::sql::quote_literal(&at)
-                        ))
-                        .await
-                        .map_err(|e| Error::postgres("recording the position on the target", e))?;
+                    self.origin_position_transaction(&lsn, &at).await?;
                 }
             }
             crate::apply::progress::ProgressMode::Table => {
