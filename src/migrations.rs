@@ -236,8 +236,14 @@ pub async fn refuse_read_only(client: &Client) -> Result<()> {
                 "change it there and reload the server (SELECT pg_reload_conf())".to_owned(),
             ),
         };
+        // Another role helps only where the setting is the role's own.
+        let how = if matches!(source.as_deref(), Some("database user" | "user")) {
+            "connect as a role that writes, or "
+        } else {
+            ""
+        };
         return Err(Error::definite(format!(
-            "the target's sessions are read-only by default (default_transaction_read_only = on, set {where_}): connect as a role that writes, or undo it ({undo}), then start pgapply again"
+            "the target's sessions are read-only by default (default_transaction_read_only = on, set {where_}): {how}undo it ({undo}), then start pgapply again"
         )));
     }
     Ok(())

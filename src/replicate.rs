@@ -402,7 +402,7 @@ async fn run_in_span(
         .is_some();
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
-    let publications_changed =
+    let publications_dropped =
         record_publications(&setup, &config.slot, &config.publications).await?;
     warn_of_other_live_slots(&setup, &config.slot, &config.publications).await;
     // A slot that `pgapply cutover` stopped at a position stays stopped there: after a cutover
@@ -670,7 +670,7 @@ async fn run_in_span(
                 &config.publications,
                 &config.table_map,
                 resume,
-                publications_changed,
+                publications_dropped,
             );
             match unless_stopped(&mut shutdown, forgetting).await {
                 Some(result) => result?,

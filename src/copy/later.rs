@@ -248,8 +248,8 @@ pub(super) async fn memberships(
 /// recorded at the last start is left, changes made in between were not sent (or rows the new
 /// filter takes were never copied). It is marked (`recopy`) and said at every start until a run
 /// with `--copy-data` copies it again, as a table published later (`--truncate-target` for its
-/// rows), or the user clears the mark. Not compared when the publications given differ from
-/// the last run's: other publications publish by other rows.
+/// rows), or the user clears the mark. Not compared when a publication the last run gave is
+/// left out now (its rows no longer count); one added leaves the earlier rows in place.
 pub async fn forget_unpublished(
     target: &Client,
     source_config: &tokio_postgres::Config,
@@ -257,7 +257,7 @@ pub async fn forget_unpublished(
     publications: &[String],
     table_map: &crate::config::TableMap,
     resume: crate::protocol::Lsn,
-    publications_changed: bool,
+    publications_dropped: bool,
 ) -> Result<()> {
     let source = connect_source(source_config).await?;
     let published_now = published_tables(&source, publications, table_map).await?;
@@ -338,7 +338,7 @@ pub async fn forget_unpublished(
         .cloned()
         .collect();
     if !kept.is_empty() {
-        let compare = !publications_changed;
+        let compare = !publications_dropped;
         note_memberships(
             target,
             &source,
@@ -506,8 +506,9 @@ pub async fn copies_to_make_again(
         .await
         .map_err(context)?
         .and_then(|r| r.get(0));
-    // (As a run: other publications publish by other rows, so nothing is compared then.)
-    let compare = previous.is_none_or(|p| crate::replicate::same_publications(&p, publications));
+    // (As a run: when a publication of the last run is left out, its rows no longer count,
+    // so nothing is compared then.)
+    let compare = previous.is_none_or(|p| p.iter().all(|name| publications.contains(name)));
     let tables: Vec<(String, String)> = rows
         .iter()
         .map(|r| (r.get(0), r.get(1)))

@@ -79,10 +79,10 @@ pub(super) async fn reverse_problems(
             owners.join(", "),
         ));
     }
-    let (reverse_tables, column_problems) = reverse_tables(target, &published).await?;
-    problems.extend(column_problems);
+    let plan = reverse_tables(source, target, &published, &config.publications).await?;
+    problems.extend(plan.problems.iter().cloned());
     if not_owned.is_empty() && create && problems.is_empty() {
-        problems.extend(probe_publication(target, &reverse_tables).await);
+        problems.extend(probe_publication(target, &plan).await);
     }
     Ok(problems)
 }
@@ -105,13 +105,28 @@ struct ReverseTable {
 /// real ones. A forward row filter goes back too (a rollback's verify then compares the rows
 /// the mirror held, not the old primary's others). Both need PostgreSQL 15 on the target: a
 /// column list it cannot take is a problem, a row filter is left out (said at step 6).
+/// A forward row filter goes back only where the new primary can evaluate it on the columns
+/// that came (one on a column left out of the column list would judge values the new primary
+/// never got): otherwise all of the table's rows go back. A forward publication through the
+/// partitioned root goes back through it too (the new primary may partition differently).
 async fn reverse_tables(
+    source: &Client,
     target: &Client,
     published: &[crate::copy::PublishedTable],
-) -> Result<(Vec<ReverseTable>, Vec<String>)> {
+    publications: &[String],
+) -> Result<ReversePlan> {
     let version = crate::sql::server_version(target)
         .await
         .map_err(|e| Error::postgres("reading the target's version", e))?;
+    let forward_via_root: bool = source
+        .query_one(
+            "SELECT coalesce(bool_or(coalesce((to_jsonb(p) ->> 'pubviaroot')::bool, false)), false) \
+             FROM pg_catalog.pg_publication p WHERE pubname = ANY($1)",
+            &[&publications],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the publications on the source", e))?
+        .get(0);
     let mut tables: Vec<ReverseTable> = Vec::new();
     let mut problems = Vec::new();
     for t in published {
@@ -163,20 +178,56 @@ async fn reverse_tables(
             .await
             .map_err(|e| Error::postgres(format!("reading {name} on the target"), e))?
             .get(0);
+        let mut filter = t.row_filter.clone().filter(|_| version >= 150000);
+        if let Some(f) = &filter {
+            let came: Vec<String> = own
+                .iter()
+                .filter(|c| sent(c))
+                .map(|c| quote_ident(c))
+                .collect();
+            let evaluates = !came.is_empty()
+                && target
+                    .batch_execute(&format!(
+                        "EXPLAIN SELECT 1 FROM (SELECT {} FROM {name}) AS pgapply_came WHERE ({f})",
+                        came.join(", ")
+                    ))
+                    .await
+                    .is_ok();
+            if !evaluates {
+                filter = None;
+            }
+        }
         tables.push(ReverseTable {
             name,
             columns,
             any_column: own.first().cloned(),
-            filter: t.row_filter.clone().filter(|_| version >= 150000),
+            filter,
             partitioned,
         });
     }
-    Ok((tables, problems))
+    let via_root = forward_via_root
+        || tables
+            .iter()
+            .any(|t| t.partitioned && (t.columns.is_some() || t.filter.is_some()));
+    Ok(ReversePlan {
+        tables,
+        via_root,
+        problems,
+    })
+}
+
+/// The reverse publication: its tables, whether it publishes partitions through their root,
+/// and what stops it.
+struct ReversePlan {
+    tables: Vec<ReverseTable>,
+    via_root: bool,
+    problems: Vec<String>,
 }
 
 /// `CREATE PUBLICATION` of `tables` under `name`.
-fn publication_sql(name: &str, tables: &[ReverseTable]) -> String {
-    let list: Vec<String> = tables
+fn publication_sql(name: &str, plan: &ReversePlan) -> String {
+    let list: Vec<String> = plan
+        .tables
         .iter()
         .map(|t| {
             let mut spec = t.name.clone();
@@ -192,9 +243,7 @@ fn publication_sql(name: &str, tables: &[ReverseTable]) -> String {
         .collect();
     // (The changes of a partitioned table then go out as its own, as they came: the old
     // primary has the same table.)
-    let via_root = tables
-        .iter()
-        .any(|t| t.partitioned && (t.columns.is_some() || t.filter.is_some()));
+    let via_root = plan.via_root;
     format!(
         "CREATE PUBLICATION {} FOR TABLE {}{}",
         quote_ident(name),
@@ -211,9 +260,10 @@ fn publication_sql(name: &str, tables: &[ReverseTable]) -> String {
 /// DELETE of no row on each table: PostgreSQL refuses them once a table is published without a
 /// replica identity, or with a row filter or column list its replica identity does not cover.
 /// After step 6 that would be every UPDATE or DELETE of the application on the new primary.
-async fn probe_publication(target: &Client, tables: &[ReverseTable]) -> Vec<String> {
+async fn probe_publication(target: &Client, plan: &ReversePlan) -> Vec<String> {
+    let tables = &plan.tables;
     let mut problems = Vec::new();
-    let sql = publication_sql("pgapply_reverse_probe", tables);
+    let sql = publication_sql("pgapply_reverse_probe", plan);
     if let Err(e) = target
         .batch_execute(&format!(
             "BEGIN; SET LOCAL client_min_messages = warning; SET LOCAL lock_timeout = '10s'; {sql}"
@@ -271,20 +321,20 @@ async fn probe_publication(target: &Client, tables: &[ReverseTable]) -> Vec<Stri
 }
 
 pub(super) async fn prepare_reverse(target: &Client, config: &RunConfig) -> Result<()> {
-    let tables = {
-        let source = crate::tls::connect(&config.source)
-            .await
-            .map_err(|e| e.into_error("connecting to the source"))?;
-        published_tables(&source, &config.publications, &config.table_map).await?
-    };
+    let source = crate::tls::connect(&config.source)
+        .await
+        .map_err(|e| e.into_error("connecting to the source"))?;
+    let tables = published_tables(&source, &config.publications, &config.table_map).await?;
     let publication = format!("{}_reverse", config.slot);
     let slot = format!("{}_reverse", config.slot);
-    let (reverse, _) = reverse_tables(target, &tables).await?;
+    let plan = reverse_tables(&source, target, &tables, &config.publications).await?;
+    drop(source);
+    let reverse = &plan.tables;
     target
         .batch_execute(&format!(
             "BEGIN; SET LOCAL client_min_messages = warning; DROP PUBLICATION IF EXISTS {p}; {create}; COMMENT ON PUBLICATION {p} IS {comment}; COMMIT",
             p = quote_ident(&publication),
-            create = publication_sql(&publication, &reverse),
+            create = publication_sql(&publication, &plan),
             comment = crate::sql::quote_literal(crate::verify::REVERSE_COMMENT)
         ))
         .await
@@ -379,7 +429,7 @@ pub(super) async fn prepare_reverse(target: &Client, config: &RunConfig) -> Resu
             );
         } else {
             crate::out!(
-                "table {} came with a row filter (WHERE {filter}) that the way back does not have (several tables fill it, or the target is older than PostgreSQL 15): all its rows go back, and the old primary also holds the rows the filter left out, which a verify of the way back reports",
+                "table {} came with a row filter (WHERE {filter}) that the way back does not have (several tables fill it, it uses columns that did not come, or the target is older than PostgreSQL 15): all its rows go back, and the old primary also holds the rows the filter left out, which a verify of the way back reports",
                 t.target_qualified()
             );
         }

@@ -321,7 +321,8 @@ pub fn same_publications(a: &[String], b: &[String]) -> bool {
 
 /// Records the publications this run replicates for the slot; says so when the slot's previous
 /// run gave others (a typo would otherwise leave tables out, and move the slot past their
-/// changes, without a word). Returns whether it did.
+/// changes, without a word). Returns whether one the previous run gave is left out now (only
+/// added ones leave each table's earlier publishing rows in place).
 pub(super) async fn record_publications(
     target: &tokio_postgres::Client,
     slot: &str,
@@ -339,6 +340,9 @@ pub(super) async fn record_publications(
     let changed = previous
         .as_ref()
         .is_some_and(|p| !same_publications(p, publications));
+    let dropped = previous
+        .as_ref()
+        .is_some_and(|p| p.iter().any(|name| !publications.contains(name)));
     if let Some(previous) = previous.filter(|_| changed) {
         tracing::warn!(
             slot,
@@ -355,7 +359,7 @@ pub(super) async fn record_publications(
         )
         .await
         .map_err(context)?;
-    Ok(changed)
+    Ok(dropped)
 }
 
 /// Says when another slot's worker, alive now, applies one of the same publications into this

@@ -224,7 +224,8 @@ impl Applier {
                         if let Ok(mut known) = FULL_AS_TEXT.lock() {
                             known.insert(oid);
                         }
-                        self.failure = Some(Error::transient(format!(
+                        // (Planned: not a failed attempt, and no pause; once per table.)
+                        self.failure = Some(Error::planned_restart(format!(
                             "applying {}: {}: a type in a column of table {} (or inside one) has no equality operator on the target; applying again, comparing REPLICA IDENTITY FULL rows by their text form",
                             about.describe(),
                             describe_postgres(&e),

@@ -110,7 +110,7 @@ impl Applier {
                     // The group's transaction was open on the target, and the failed statement
                     // aborted it: the run starts again (FULL_AS_TEXT keeps what was learnt).
                     Err(e) if e.code().is_some_and(|c| c.code() == "25P02") => {
-                        return Err(Error::transient(format!(
+                        return Err(Error::planned_restart(format!(
                             "table {}: a column type has no equality operator, which aborted the open target transaction; applying again, comparing REPLICA IDENTITY FULL rows by their text form",
                             entry.target.qualified
                         )));
