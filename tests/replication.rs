@@ -295,31 +295,50 @@ async fn replica_identity_using_index() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_identity_full_with_a_point_inside_a_composite_or_array() {
     let db = TestDb::new("fullnested").await;
-    db.both(
-        "CREATE TYPE cp AS (a int, p point); CREATE DOMAIN dcp AS cp; \
-         CREATE TABLE c (id int, v cp); CREATE TABLE ca (id int, v cp[]); CREATE TABLE cd (id int, v dcp); \
-         ALTER TABLE c REPLICA IDENTITY FULL; ALTER TABLE ca REPLICA IDENTITY FULL; ALTER TABLE cd REPLICA IDENTITY FULL;",
-    )
+    // (A domain over a composite type needs PostgreSQL 11.)
+    let c = common::clusters();
+    let tables: &[&str] = if c.source_major >= 11 && c.target_major >= 11 {
+        &["c", "ca", "cd"]
+    } else {
+        &["c", "ca"]
+    };
+    db.both("CREATE TYPE cp AS (a int, p point)").await;
+    if tables.contains(&"cd") {
+        db.both("CREATE DOMAIN dcp AS cp; CREATE TABLE cd (id int, v dcp)")
+            .await;
+    }
+    db.both("CREATE TABLE c (id int, v cp); CREATE TABLE ca (id int, v cp[])")
+        .await;
+    for table in tables {
+        db.both(&format!("ALTER TABLE {table} REPLICA IDENTITY FULL"))
+            .await;
+    }
+    db.publish(&format!(
+        "CREATE PUBLICATION p FOR TABLE {}",
+        tables.join(", ")
+    ))
     .await;
-    db.publish("CREATE PUBLICATION p FOR TABLE c, ca, cd").await;
     db.source_sql(
         "INSERT INTO c VALUES (1, row(1, '(1,2)')), (2, row(2, '(3,4)')); \
-         INSERT INTO ca VALUES (1, ARRAY[row(1, '(1,2)')::cp]), (2, ARRAY[row(2, '(3,4)')::cp]); \
-         INSERT INTO cd VALUES (1, row(1, '(1,2)')), (2, row(2, '(3,4)'));",
+         INSERT INTO ca VALUES (1, ARRAY[row(1, '(1,2)')::cp]), (2, ARRAY[row(2, '(3,4)')::cp]);",
     )
     .await;
-    db.source_sql(
-        "UPDATE c SET id = 10 WHERE id = 1; DELETE FROM c WHERE id = 2; \
-         UPDATE ca SET id = 10 WHERE id = 1; DELETE FROM ca WHERE id = 2; \
-         UPDATE cd SET id = 10 WHERE id = 1; DELETE FROM cd WHERE id = 2;",
-    )
-    .await;
+    if tables.contains(&"cd") {
+        db.source_sql("INSERT INTO cd VALUES (1, row(1, '(1,2)')), (2, row(2, '(3,4)'))")
+            .await;
+    }
+    for table in tables {
+        db.source_sql(&format!(
+            "UPDATE {table} SET id = 10 WHERE id = 1; DELETE FROM {table} WHERE id = 2"
+        ))
+        .await;
+    }
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 90).await;
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
     assert!(!err.contains("_missing"), "{err}");
-    for table in ["c", "ca", "cd"] {
+    for table in tables {
         db.assert_same(table).await;
         assert_eq!(
             db.count(
