@@ -190,7 +190,9 @@ pub struct RunArgs {
 /// come from the config file instead.
 #[derive(Debug, Clone, Args, Default)]
 pub struct ServersArgs {
-    /// Configuration file (TOML).
+    /// Configuration file (TOML): the settings of these options, and what only the file sets:
+    /// conflict policies ([conflicts], [tables."schema.table".conflicts]) and table renames
+    /// ([tables."schema.table"] target = ...); see README.md.
     #[arg(long, env = "PGAPPLY_CONFIG")]
     pub config: Option<PathBuf>,
     /// Source connection: libpq key=value string or postgres:// URL.

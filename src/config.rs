@@ -220,8 +220,16 @@ pub fn changed_on_reload(old: &toml::Value, new: &toml::Value) -> Vec<String> {
         if reloaded || old == new {
             return;
         }
-        match (old, new) {
-            (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) => {
+        // (A table on one side only, `[tables."t".conflicts]` added: compared with an empty one,
+        // so that what a reload applies inside it is not named.)
+        let empty = toml::map::Map::new();
+        let as_table = |v: Option<&'_ toml::Value>| match v {
+            Some(toml::Value::Table(t)) => Some(t.clone()),
+            None => Some(empty.clone()),
+            Some(_) => None,
+        };
+        match (as_table(old), as_table(new)) {
+            (Some(a), Some(b)) => {
                 let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
                 keys.sort();
                 keys.dedup();
@@ -640,6 +648,15 @@ mod tests {
             ]
         );
         assert!(super::changed_on_reload(&old, &old).is_empty());
+        // A table's conflict policies added where the file had no [tables] at all: nothing
+        // but what a reload applies.
+        let bare: toml::Value = toml::from_str("slot = \"s\"\n").unwrap();
+        let with_policy: toml::Value = toml::from_str(
+            "slot = \"s\"\n[tables.\"public.t\".conflicts]\ninsert_exists = \"keep_local\"\n",
+        )
+        .unwrap();
+        assert!(super::changed_on_reload(&bare, &with_policy).is_empty());
+        assert!(super::changed_on_reload(&with_policy, &bare).is_empty());
     }
 
     use super::*;

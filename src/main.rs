@@ -136,6 +136,19 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
+        // A reload signal sent to every pgapply process (a service manager's reload) must not
+        // end a command half-way, a cutover least of all: only `run` reloads anything.
+        if !matches!(cli.command, Command::Run(_)) {
+            tokio::spawn(async {
+                use tokio::signal::unix::{signal, SignalKind};
+                let Ok(mut hup) = signal(SignalKind::hangup()) else {
+                    return;
+                };
+                while hup.recv().await.is_some() {
+                    tracing::info!("SIGHUP: nothing to reload for this command");
+                }
+            });
+        }
         match cli.command {
             Command::Run(args) => {
                 let reload = Reload {
@@ -243,6 +256,14 @@ fn reload_on_sighup(
                 tracing::info!("SIGHUP: no --config file to reload");
                 continue;
             };
+            // (The file first checked: what changed in a file that is not taken is not said.)
+            let file = match FileConfig::load(path) {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::warn!(error = %e, "SIGHUP: config file not reloaded; keeping the current settings");
+                    continue;
+                }
+            };
             if let (Some(before), Some(now)) = (&at_start, read(path)) {
                 let changed = config::changed_on_reload(before, &now);
                 if !changed.is_empty() {
@@ -252,13 +273,6 @@ fn reload_on_sighup(
                     );
                 }
             }
-            let file = match FileConfig::load(path) {
-                Ok(f) => f,
-                Err(e) => {
-                    tracing::warn!(error = %e, "SIGHUP: config file not reloaded; keeping the current settings");
-                    continue;
-                }
-            };
             // Only what a reload changes: the policies (not the servers or password files).
             match config::conflict_policies(&file) {
                 Ok(map) => {
@@ -271,7 +285,9 @@ fn reload_on_sighup(
             }
             // The level first checked, then said (before it changes, so that it is seen
             // whatever the new level), then set.
+            // (A log_level taken out of the file goes back to the default.)
             let filter = match (reload.level_from_file, &file.log_level) {
+                (true, None) => log_filter("info").ok(),
                 (true, Some(level)) => match log_filter(level) {
                     Ok(f) => Some(f),
                     Err(e) => {
@@ -281,16 +297,21 @@ fn reload_on_sighup(
                 },
                 _ => None,
             };
+            let back_to_info = reload.level_from_file && file.log_level.is_none();
             match (&filter, reload.level_from_file) {
+                // (Said below, once the level is back: a quieter one would hide it now.)
+                (Some(_), true) if back_to_info => {}
                 (Some(_), _) => tracing::info!("SIGHUP: reloaded log level and conflict policies"),
-                (None, true) if file.log_level.is_none() => {
-                    tracing::info!("SIGHUP: reloaded conflict policies (the file sets no log_level)")
-                }
                 (None, true) => {}
                 (None, false) => tracing::info!("SIGHUP: reloaded conflict policies (the log level stays as --log-level, PGAPPLY_LOG_LEVEL or RUST_LOG set it)"),
             }
             if let Some(f) = filter {
                 let _ = reload.log.reload(f);
+                if back_to_info {
+                    tracing::info!(
+                        "SIGHUP: reloaded conflict policies; the file sets no log_level now: back to info"
+                    );
+                }
             }
         }
     });

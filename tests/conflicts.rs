@@ -262,6 +262,12 @@ async fn apply_remote_with_a_second_unique_index_is_named() {
         err.contains("multiple_unique_conflicts") && err.contains("\"public\".\"m\""),
         "{err}"
     );
+    // The advice names the policy that settles it, not the one already set.
+    assert!(
+        err.contains("[conflicts] multiple_unique_conflicts = \"apply_remote\"")
+            && !err.contains("[conflicts] insert_exists = \"apply_remote\""),
+        "{err}"
+    );
 }
 
 /// insert_exists = apply_remote on a REPLICA IDENTITY FULL table (every column is "key" then):
@@ -294,6 +300,24 @@ async fn apply_remote_on_a_replica_identity_full_table_uses_the_targets_key() {
     let err = stderr(&out);
     assert!(
         err.contains("REPLICA IDENTITY FULL") && err.contains("\"public\".\"g\""),
+        "{err}"
+    );
+    // update_exists on a REPLICA IDENTITY FULL table: its policies find the other row by the
+    // table's key, which it has not; the advice says so instead of naming the policy again.
+    db.source_sql("ALTER PUBLICATION p DROP TABLE g").await;
+    db.both("CREATE TABLE h (a int, b text, c int); ALTER TABLE h REPLICA IDENTITY FULL")
+        .await;
+    db.target_sql("CREATE UNIQUE INDEX ON h (c); INSERT INTO h VALUES (3, 'L', 3)")
+        .await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE h; INSERT INTO h VALUES (1, 'x', 1); UPDATE h SET c = 3 WHERE a = 1")
+        .await;
+    let skip = config_file("d", "[conflicts]\nupdate_exists = \"skip\"\n");
+    let out = sync_with(&db, &["--config", skip.to_str().unwrap()]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("update_exists policies need a primary key or replica identity index on the source table")
+            && !err.contains("update_exists = \"apply_remote\""),
         "{err}"
     );
 }

@@ -1026,6 +1026,40 @@ async fn sighup_reloads_conflict_policies_and_log_level() {
     .await;
     assert!(child.try_wait().unwrap().is_none(), "still running");
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM pgapply.conflicts WHERE conflict_type = 'update_missing' AND policy = 'skip'").await, 1);
+    // The log_level taken out of the file: back to info.
+    let base = format!(
+        "source = \"{}\"\ntarget = \"{}\"\nslot = \"{}\"\npublications = [\"p\"]\ncopy_jobs = 3\n",
+        db.source_conninfo(),
+        db.target_conninfo(),
+        db.slot()
+    );
+    std::fs::write(
+        config.arg(),
+        format!("{base}[conflicts]\nupdate_missing = \"skip\"\n"),
+    )
+    .unwrap();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    wait_for("the level back to info", 30, || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("the file sets no log_level now: back to info")
+    })
+    .await;
+    // A file that does not load: said, and what changed in it is not.
+    std::fs::write(
+        config.arg(),
+        format!("{base}[retry]\nlog_level = \"debug\"\n"),
+    )
+    .unwrap();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    wait_for("the refused reload", 30, || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("SIGHUP: config file not reloaded")
+    })
+    .await;
     // SAFETY: signalling our own child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     assert!(child.wait().await.unwrap().success());
@@ -1035,10 +1069,23 @@ async fn sighup_reloads_conflict_policies_and_log_level() {
         text.contains("SIGHUP: copy_jobs changed in the config file: a reload applies only log_level and the conflict policies"),
         "{text}"
     );
-    let after = text.split("SIGHUP: reloaded").nth(1).unwrap_or_default();
+    let after = text
+        .split_once("SIGHUP: reloaded")
+        .map(|x| x.1)
+        .unwrap_or_default();
+    // (Up to the line that says the level is back.)
+    let quiet = after
+        .find("back to info")
+        .and_then(|i| after[..i].rfind('\n'))
+        .map_or(after, |i| &after[..i]);
     assert!(
-        !after.contains(" INFO "),
-        "info lines after the level went to warn: {after}"
+        !quiet.contains(" INFO "),
+        "info lines after the level went to warn: {quiet}"
+    );
+    let last = text.split("back to info").nth(1).unwrap_or_default();
+    assert!(
+        last.contains(" INFO ") && !last.contains("retry.log_level"),
+        "{last}"
     );
     let _ = std::fs::remove_file(&log);
 }
@@ -1853,4 +1900,41 @@ async fn a_second_worker_on_the_same_publication_and_target_is_named() {
         )) && err.contains(&format!("pgapply forget --slot {second} --drop-slot")),
         "{err}"
     );
+}
+
+/// A reload signal sent to every pgapply process (a service manager's reload) does not end a
+/// command other than `run` half-way: it is said and ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_does_not_end_other_commands() {
+    // A server that takes the connection and never answers: `status` waits on it.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let target = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
+    let log = std::env::temp_dir().join(format!("pgapply-hup-{}.log", std::process::id()));
+    let mut cmd = pgapply();
+    cmd.args(["status", "--target", &target])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    let (mut accepted, _) = silent.accept().unwrap();
+    // Its first bytes (the startup or TLS request) come after the handler is set up: the
+    // runtime runs that task at the command's first wait, the connect.
+    let mut first = [0u8; 8];
+    std::io::Read::read_exact(&mut accepted, &mut first).unwrap();
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    wait_for("the signal to be said", 30, || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("SIGHUP: nothing to reload for this command")
+    })
+    .await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "status ended on SIGHUP"
+    );
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let _ = std::fs::remove_file(&log);
 }

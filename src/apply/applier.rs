@@ -343,7 +343,7 @@ impl ChangeInfo {
             .map(|c| quote_ident(&c.name))
             .collect::<Vec<_>>()
             .join(", ");
-        format!("({names}) (REPLICA IDENTITY FULL: the old row's values are logged at debug level, and recorded with a conflict in pgapply.conflicts)")
+        format!("({names}) (REPLICA IDENTITY FULL: the old row's values are logged at debug level, and recorded in pgapply.conflicts when a policy other than error lets the change pass)")
     }
 
     fn describe_key(&self) -> String {

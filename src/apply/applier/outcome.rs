@@ -400,8 +400,28 @@ impl Applier {
             // A row the target has and the source does not know of: fixing that row keeps the
             // transaction, skipping loses all of it.
             Some("23505") if matches!(about.operation, "INSERT" | "UPDATE") => {
-                let (kind, take) = if about.operation == "INSERT" {
+                // A policy in force for this statement that did not settle it: the row clashes
+                // on another unique key than the one that policy handles.
+                let beyond = about.signal.is_some_and(|s| {
+                    s.policy != Policy::Error
+                        && matches!(
+                            (about.operation, s.conflict),
+                            ("INSERT", ConflictType::InsertExists)
+                                | ("UPDATE", ConflictType::UpdateExists)
+                        )
+                });
+                let full = about.relation.source.replica_identity
+                    == crate::protocol::pgoutput::ReplicaIdentity::Full;
+                let (kind, take) = if beyond {
+                    ("multiple_unique_conflicts", "\"apply_remote\" (delete the target's clashing rows), \"skip\" or \"keep_local\" (keep them)")
+                } else if about.operation == "INSERT" {
                     ("insert_exists", "\"apply_remote\" (replace the target's row with the source's), \"skip\" or \"keep_local\" (keep the target's)")
+                } else if full {
+                    // (update_exists policies find the other row by the table's key.)
+                    return format!(
+                        "a row of target table {table} already holds that key (written on the target, or by another source): delete or change that row on the target and start pgapply again (update_exists policies need a primary key or replica identity index on the source table: this one is REPLICA IDENTITY FULL); or, losing the whole source transaction, its other changes too: {}",
+                        self.skip_hint(about.commit_lsn)
+                    );
                 } else {
                     ("update_exists", "\"apply_remote\" (delete the target's other row), \"skip\" or \"keep_local\" (keep it and leave this update out)")
                 };
