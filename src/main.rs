@@ -194,7 +194,17 @@ fn main() -> ExitCode {
     }
 }
 
+/// The run's span (`run{slot=..}`), for lines the run's own tasks do not write (signals,
+/// reloads): every line of a run names its slot.
+fn run_span() -> tracing::Span {
+    match RUN_SLOT.get() {
+        Some(slot) => tracing::error_span!("run", slot = %slot),
+        None => tracing::Span::none(),
+    }
+}
+
 fn shutdown_signal() -> watch::Receiver<bool> {
+    use tracing::Instrument;
     let (tx, rx) = watch::channel(false);
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
@@ -221,7 +231,7 @@ fn shutdown_signal() -> watch::Receiver<bool> {
         };
         tracing::warn!("stopping at once after {forced}: the open target transaction is rolled back; the next start resumes after the last committed one");
         std::process::exit(EXIT_FORCED_STOP.into());
-    });
+    }.instrument(run_span()));
     rx
 }
 
@@ -246,6 +256,7 @@ fn reload_on_sighup(
             .and_then(|text| text.parse::<toml::Value>().ok())
     };
     let at_start = reload.path.as_deref().and_then(read);
+    use tracing::Instrument;
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
         let Ok(mut hup) = signal(SignalKind::hangup()) else {
@@ -314,7 +325,7 @@ fn reload_on_sighup(
                 }
             }
         }
-    });
+    }.instrument(run_span()));
 }
 
 /// The log filter for a level setting. The connection pool's own warnings ("Connection error:

@@ -748,8 +748,15 @@ async fn a_second_signal_stops_at_once_when_the_target_holds_a_lock() {
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     let _ = std::fs::remove_file(&log_path);
     assert_eq!(status.code(), Some(4), "{log}");
+    // Named with the run's slot, as every line of a run (the last one too).
     assert!(
-        log.contains("stopping at once after a second signal"),
+        log.lines().any(|l| l.contains("stopping at once after a second signal")
+            && l.contains("run{slot=")),
+        "{log}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("shutting down: after the transaction") && l.contains("run{slot=")),
         "{log}"
     );
     locker.batch_execute("ROLLBACK").await.unwrap();
