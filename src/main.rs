@@ -256,6 +256,10 @@ fn reload_on_sighup(
             .and_then(|text| text.parse::<toml::Value>().ok())
     };
     let at_start = reload.path.as_deref().and_then(read);
+    // Whether the level in force came from the file's log_level (taken out: back to info).
+    let mut level_set_by_file = at_start
+        .as_ref()
+        .is_some_and(|v| v.get("log_level").is_some());
     use tracing::Instrument;
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
@@ -298,7 +302,7 @@ fn reload_on_sighup(
             // whatever the new level), then set.
             // (A log_level taken out of the file goes back to the default.)
             let filter = match (reload.level_from_file, &file.log_level) {
-                (true, None) => log_filter("info").ok(),
+                (true, None) if level_set_by_file => log_filter("info").ok(),
                 (true, Some(level)) => match log_filter(level) {
                     Ok(f) => Some(f),
                     Err(e) => {
@@ -308,13 +312,20 @@ fn reload_on_sighup(
                 },
                 _ => None,
             };
-            let back_to_info = reload.level_from_file && file.log_level.is_none();
+            let back_to_info =
+                reload.level_from_file && file.log_level.is_none() && level_set_by_file;
             match (&filter, reload.level_from_file) {
                 // (Said below, once the level is back: a quieter one would hide it now.)
                 (Some(_), true) if back_to_info => {}
                 (Some(_), _) => tracing::info!("SIGHUP: reloaded log level and conflict policies"),
+                (None, true) if file.log_level.is_none() => {
+                    tracing::info!("SIGHUP: reloaded conflict policies (the file sets no log_level)")
+                }
                 (None, true) => {}
                 (None, false) => tracing::info!("SIGHUP: reloaded conflict policies (the log level stays as --log-level, PGAPPLY_LOG_LEVEL or RUST_LOG set it)"),
+            }
+            if reload.level_from_file && (filter.is_some() || file.log_level.is_none()) {
+                level_set_by_file = file.log_level.is_some();
             }
             if let Some(f) = filter {
                 let _ = reload.log.reload(f);

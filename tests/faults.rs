@@ -750,8 +750,9 @@ async fn a_second_signal_stops_at_once_when_the_target_holds_a_lock() {
     assert_eq!(status.code(), Some(4), "{log}");
     // Named with the run's slot, as every line of a run (the last one too).
     assert!(
-        log.lines().any(|l| l.contains("stopping at once after a second signal")
-            && l.contains("run{slot=")),
+        log.lines().any(
+            |l| l.contains("stopping at once after a second signal") && l.contains("run{slot=")
+        ),
         "{log}"
     );
     assert!(

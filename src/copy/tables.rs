@@ -276,8 +276,16 @@ async fn read_published_tables(
             .iter()
             .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
             .collect();
+        // (The same filter from two publications once: `(a) OR (a)` would read as another one.)
         let row_filter = m.filters.filter(|f| !f.is_empty()).map(|f| {
-            f.iter()
+            let mut unique: Vec<&String> = Vec::new();
+            for x in &f {
+                if !unique.contains(&x) {
+                    unique.push(x);
+                }
+            }
+            unique
+                .iter()
                 .map(|x| format!("({x})"))
                 .collect::<Vec<_>>()
                 .join(" OR ")

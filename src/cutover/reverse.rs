@@ -185,15 +185,20 @@ async fn reverse_tables(
                 .filter(|c| sent(c))
                 .map(|c| quote_ident(c))
                 .collect();
-            let evaluates = !came.is_empty()
-                && target
+            // (Only an unknown column says no; a lock waited on too long says nothing.)
+            let checked = if came.is_empty() {
+                Err(None)
+            } else {
+                target
                     .batch_execute(&format!(
-                        "EXPLAIN SELECT 1 FROM (SELECT {} FROM {name}) AS pgapply_came WHERE ({f})",
+                        "SET lock_timeout = '5s'; EXPLAIN SELECT 1 FROM (SELECT {} FROM {name}) AS pgapply_came WHERE ({f})",
                         came.join(", ")
                     ))
                     .await
-                    .is_ok();
-            if !evaluates {
+                    .map_err(|e| e.code().map(|c| c.code().to_owned()))
+            };
+            let _ = target.batch_execute("RESET lock_timeout").await;
+            if matches!(checked, Err(None)) || matches!(&checked, Err(Some(c)) if c == "42703") {
                 filter = None;
             }
         }
@@ -205,10 +210,13 @@ async fn reverse_tables(
             partitioned,
         });
     }
-    let via_root = forward_via_root
-        || tables
-            .iter()
-            .any(|t| t.partitioned && (t.columns.is_some() || t.filter.is_some()));
+    // (publish_via_partition_root is 13+; before, partitioned tables are not published at all.)
+    let via_root = version >= 130000
+        && tables.iter().any(|t| t.partitioned)
+        && (forward_via_root
+            || tables
+                .iter()
+                .any(|t| t.partitioned && (t.columns.is_some() || t.filter.is_some())));
     Ok(ReversePlan {
         tables,
         via_root,
@@ -288,8 +296,31 @@ async fn probe_publication(target: &Client, plan: &ReversePlan) -> Vec<String> {
                     )
                 })
                 .unwrap_or_default();
+            // A partitioned table's UPDATE of no row prunes every partition, whose own replica
+            // identities PostgreSQL then does not check: its leaves are tried one by one too.
+            let mut leaves = String::new();
+            if t.partitioned {
+                if let Ok(rows) = target
+                    .query(
+                        "SELECT relid::regclass::text FROM pg_catalog.pg_partition_tree($1::text::regclass) WHERE isleaf",
+                        &[&t.name],
+                    )
+                    .await
+                {
+                    for row in rows {
+                        let leaf: String = row.get(0);
+                        if let Some(c) = &t.any_column {
+                            leaves.push_str(&format!(
+                                "UPDATE ONLY {leaf} SET {} = DEFAULT WHERE false; ",
+                                quote_ident(c)
+                            ));
+                        }
+                        leaves.push_str(&format!("DELETE FROM ONLY {leaf} WHERE false; "));
+                    }
+                }
+            }
             let probe = format!(
-                "SAVEPOINT pgapply_probe; {update}DELETE FROM {} WHERE false; RELEASE SAVEPOINT pgapply_probe",
+                "SAVEPOINT pgapply_probe; {update}DELETE FROM {} WHERE false; {leaves}RELEASE SAVEPOINT pgapply_probe",
                 t.name
             );
             if let Err(e) = target.batch_execute(&probe).await {
