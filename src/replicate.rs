@@ -45,7 +45,10 @@ pub use heartbeat::{note_waiting, HEARTBEAT_MAX_EVERY};
 use reader::*;
 use start::*;
 pub(crate) use start::{binary_unsafe, missing_partition_hint};
-pub use start::{refuse_same_database, same_publications, unmatched_table_settings};
+pub use start::{
+    publications_dropped, recorded_publications, refuse_same_database, same_publications,
+    unmatched_table_settings,
+};
 
 #[derive(Debug, Clone)]
 pub struct RunConfig {

@@ -114,8 +114,8 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                 // (13+: the WAL it needed was removed, max_slot_wal_keep_size.)
                 Some(row) if row.get::<_, String>(0) == "lost" => {
                     slot_error = Some(format!(
-                        "slot {slot:?} is invalidated on the source (wal_status lost: the WAL it still needed was removed, see max_slot_wal_keep_size): its changes can no longer be read; start over: drop it (SELECT pg_drop_replication_slot('{}')), then run with --create-slot --copy-data --truncate-target",
-                        slot.replace('\'', "''")
+                        "slot {slot:?} is invalidated on the source (wal_status lost: the WAL it still needed was removed, see max_slot_wal_keep_size): its changes can no longer be read; start over: drop it (SELECT pg_drop_replication_slot({})), then run with --create-slot --copy-data --truncate-target",
+                        crate::sql::shown_literal(&slot)
                     ));
                 }
                 Some(_) => {

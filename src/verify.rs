@@ -21,9 +21,6 @@ pub struct VerifySettings {
     /// Checks of a differing chunk before it is reported.
     pub attempts: u32,
     pub retry_delay: Duration,
-    /// Compare the target's rows through the row filter too (see `REVERSE_COMMENT`): set by
-    /// `verify` itself for a publication that `cutover --reverse` made.
-    pub filter_target: bool,
 }
 
 /// The comment `cutover --reverse` puts on the publication it makes on the new primary. The
@@ -41,7 +38,6 @@ impl Default for VerifySettings {
             jobs: 4,
             attempts: 4,
             retry_delay: Duration::from_secs(1),
-            filter_target: false,
         }
     }
 }
@@ -423,6 +419,9 @@ async fn verify_table(
     also: Vec<PublishedTable>,
     settings: VerifySettings,
     float_digits: i32,
+    // Compare the target's rows through the row filter too: a publication `cutover --reverse`
+    // made (`REVERSE_COMMENT`).
+    filter_target: bool,
 ) -> Result<TableResult> {
     let source = connect(&source_config, "source", float_digits).await?;
     let target = connect(&target_config, "target", float_digits).await?;
@@ -499,7 +498,7 @@ async fn verify_table(
     // the row filter too: the old primary holds the rows the forward filter left out. Counted
     // and said, not compared. A filter the target cannot evaluate is not applied there.
     let mut target_filter = None;
-    if let Some(f) = table.row_filter.as_ref().filter(|_| settings.filter_target) {
+    if let Some(f) = table.row_filter.as_ref().filter(|_| filter_target) {
         let left_out = target
             .query_one(
                 &format!("SELECT count(*) FROM {target_table} WHERE NOT coalesce(({f}), false)"),
@@ -695,7 +694,7 @@ pub async fn verify(
     );
     drop(target_client);
     let tables = published_tables(&client, publications, table_map).await?;
-    let reverse: bool = client
+    let filter_target: bool = client
         .query_one(
             "SELECT coalesce(bool_or(pg_catalog.obj_description(oid, 'pg_publication') = $2), false) \
              FROM pg_catalog.pg_publication WHERE pubname = ANY($1)",
@@ -704,10 +703,6 @@ pub async fn verify(
         .await
         .map_err(|e| Error::postgres("reading the publications' comments on the source", e))?
         .get(0);
-    let settings = &VerifySettings {
-        filter_target: settings.filter_target || reverse,
-        ..settings.clone()
-    };
     if tables.is_empty() {
         return Err(Error::definite(crate::copy::no_tables_message(
             publications,
@@ -743,7 +738,7 @@ pub async fn verify(
             names,
             tokio::spawn(async move {
                 let _permit = limit.acquire_owned().await;
-                verify_table(s, t, table, also, settings, float_digits).await
+                verify_table(s, t, table, also, settings, float_digits, filter_target).await
             }),
         ));
     }

@@ -498,17 +498,11 @@ pub async fn copies_to_make_again(
         )
         .await
         .map_err(context)?;
-    let previous: Option<Vec<String>> = target
-        .query_opt(
-            "SELECT publications FROM pgapply.progress WHERE slot_name = $1",
-            &[&slot],
-        )
+    let previous = crate::replicate::recorded_publications(target, slot)
         .await
-        .map_err(context)?
-        .and_then(|r| r.get(0));
-    // (As a run: when a publication of the last run is left out, its rows no longer count,
-    // so nothing is compared then.)
-    let compare = previous.is_none_or(|p| p.iter().all(|name| publications.contains(name)));
+        .map_err(context)?;
+    // (As a run decides.)
+    let compare = !crate::replicate::publications_dropped(previous.as_deref(), publications);
     let tables: Vec<(String, String)> = rows
         .iter()
         .map(|r| (r.get(0), r.get(1)))

@@ -630,8 +630,8 @@ pub async fn cutover(
             .map(|r| r.get::<_, Option<String>>(0).unwrap_or_default());
         if let Some(held) = held {
             crate::out!(
-                "the forward slot {forward:?} on the target (the old primary, primary again) holds {held} of its WAL, more every minute: unless you go forward again with it, drop it there: SELECT pg_drop_replication_slot('{}')",
-                forward.replace('\'', "''")
+                "the forward slot {forward:?} on the target (the old primary, primary again) holds {held} of its WAL, more every minute: unless you go forward again with it, drop it there: SELECT pg_drop_replication_slot({})",
+                crate::sql::shown_literal(forward)
             );
         }
     }

@@ -323,26 +323,38 @@ pub fn same_publications(a: &[String], b: &[String]) -> bool {
 /// run gave others (a typo would otherwise leave tables out, and move the slot past their
 /// changes, without a word). Returns whether one the previous run gave is left out now (only
 /// added ones leave each table's earlier publishing rows in place).
+/// The publications the slot's last run gave, if one ran.
+pub async fn recorded_publications(
+    target: &tokio_postgres::Client,
+    slot: &str,
+) -> std::result::Result<Option<Vec<String>>, tokio_postgres::Error> {
+    Ok(target
+        .query_opt(
+            "SELECT publications FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?
+        .and_then(|r| r.get(0)))
+}
+
+/// Whether a publication the last run gave (`previous`) is left out now: its catalog rows no
+/// longer count, so what publishes each copied table is not compared (added ones leave the
+/// earlier rows in place).
+pub fn publications_dropped(previous: Option<&[String]>, now: &[String]) -> bool {
+    previous.is_some_and(|p| p.iter().any(|name| !now.contains(name)))
+}
+
 pub(super) async fn record_publications(
     target: &tokio_postgres::Client,
     slot: &str,
     publications: &[String],
 ) -> Result<bool> {
     let context = |e| Error::postgres("recording the slot's publications on the target", e);
-    let previous: Option<Vec<String>> = target
-        .query_opt(
-            "SELECT publications FROM pgapply.progress WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .map_err(context)?
-        .and_then(|r| r.get(0));
+    let previous = recorded_publications(target, slot).await.map_err(context)?;
     let changed = previous
         .as_ref()
         .is_some_and(|p| !same_publications(p, publications));
-    let dropped = previous
-        .as_ref()
-        .is_some_and(|p| p.iter().any(|name| !publications.contains(name)));
+    let dropped = publications_dropped(previous.as_deref(), publications);
     if let Some(previous) = previous.filter(|_| changed) {
         tracing::warn!(
             slot,
