@@ -92,8 +92,11 @@ pub struct Metrics {
     pub flushed_lsn: Gauge,
     /// Source WAL end (from keepalives) minus the flushed position.
     pub lag_bytes: Gauge,
-    /// Milliseconds between now and the commit time of the last applied transaction, while behind.
-    pub lag_millis: Gauge,
+    /// Source commit time (µs since 2000-01-01) of the oldest transaction received and not
+    /// applied yet, 0 when nothing is pending. The lag in seconds is computed from it when read,
+    /// so it keeps growing while nothing updates it: a run waiting to retry after the target
+    /// failed, or a reader waiting for room in a full queue.
+    pub oldest_pending_commit: Gauge,
     /// Bytes received from the source and not applied yet (at most `--queue-size`).
     pub queue_bytes: Gauge,
     /// 1 while a run streams from the source into the target, 0 otherwise (waiting to retry
@@ -147,11 +150,20 @@ impl Metrics {
     pub fn update_lag(&self, source_wal_end: u64, read_from: u64, oldest_pending: Option<u64>) {
         let confirmed = self.flushed_lsn.get().max(read_from);
         self.lag_bytes.set(source_wal_end.saturating_sub(confirmed));
-        let lag = oldest_pending.map_or(0, |commit| {
-            let now = crate::protocol::PgTimestamp::now().0.max(0) as u64;
-            now.saturating_sub(commit) / 1000
-        });
-        self.lag_millis.set(lag);
+        // (A commit time of 0, year 2000 exactly, would read as nothing pending: it never occurs.)
+        self.oldest_pending_commit.set(oldest_pending.unwrap_or(0));
+    }
+
+    /// How long ago the oldest transaction received and not applied yet committed on the
+    /// source, in seconds; 0 while nothing is pending.
+    pub fn lag_seconds(&self) -> f64 {
+        match self.oldest_pending_commit.get() {
+            0 => 0.0,
+            commit => {
+                let now = crate::protocol::PgTimestamp::now().0.max(0) as u64;
+                now.saturating_sub(commit) as f64 / 1_000_000.0
+            }
+        }
     }
 
     /// The text exposition format.
@@ -182,12 +194,12 @@ impl Metrics {
         );
         gauge(
             LAG_SECONDS,
-            "Age of the last applied source commit while changes are pending.",
-            self.lag_millis.get() as f64 / 1000.0,
+            "Seconds since the oldest source transaction not applied yet committed on the source; 0 when nothing is pending. It keeps growing while the run waits to retry or for a full queue.",
+            self.lag_seconds(),
         );
         gauge(
             STREAMING,
-            "1 while a run streams from the source into the target; 0 while it waits to retry after an error or the target does not answer its heartbeat (the lag figures are then those last known), copies, or has stopped.",
+            "1 while a run streams from the source into the target; 0 while it waits to retry after an error or the target does not answer its heartbeat (the lag in bytes is then the last known; the lag in seconds goes on growing), copies, or has stopped.",
             f64::from(u8::from(self.ready())),
         );
         gauge(

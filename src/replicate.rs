@@ -200,11 +200,20 @@ pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool>
 pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> Result<Object> {
     pool.get().await.map_err(|e| match e {
         deadpool_postgres::PoolError::Backend(e) => {
+            let refused = e.code()
+                == Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE);
             let err = Error::postgres(
                 format!("connecting to target {}", conninfo::describe(target)),
                 e,
             );
-            if err.message().ends_with("password missing") {
+            // `ALTER DATABASE .. ALLOW_CONNECTIONS false` (the only 55000 a connection gets),
+            // for maintenance: it ends some day, and the changes wait in the slot meanwhile.
+            if refused {
+                Error::transient(format!(
+                    "{}: the target database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false): trying again until it allows them",
+                    err.message()
+                ))
+            } else if err.message().ends_with("password missing") {
                 err.context_after(
                     "the target asks for a password: give it in the connection string, PGPASSWORD, ~/.pgpass or --target-password-file",
                 )
@@ -934,7 +943,7 @@ async fn run_in_span(
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(PACE_WHEN_QUEUED),
-        pending: std::collections::VecDeque::new(),
+        pending: reader::carried_pending(),
         receiving_commit_time: 0,
         read_from: resume,
     };
@@ -1010,6 +1019,7 @@ async fn run_in_span(
         p.send_replace(RunProgress { durable: flushed });
     }
     let reader_stop_requested = reader.stop_requested;
+    reader.carry_pending();
     drop(reader);
     stream.close().await;
     if let Ok(client) = target_connection(&pool, &config.target).await {

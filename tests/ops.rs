@@ -1637,6 +1637,98 @@ async fn metrics_after_a_restart_start_from_the_recorded_position() {
     let _ = child.wait().await;
 }
 
+/// While a run waits to retry (the target refusing connections), the lag in seconds keeps
+/// growing from the commit of the transaction it could not apply, instead of standing still at
+/// the last figure computed before the failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lag_in_seconds_grows_while_the_target_is_away() {
+    let db = TestDb::new("obsaway").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    // The change stays pending: its table is locked on the target.
+    let holder = common::connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let port = common::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = spawn(db.pgapply("p", &["--metrics-addr", &addr]));
+    let metrics = || async {
+        tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                Ok(_) => Some(http_get(port, "/metrics").await),
+                Err(_) => None,
+            }
+        })
+        .await
+        .ok()
+        .flatten()
+    };
+    wait_for("the worker to stream", 60, || async {
+        metrics()
+            .await
+            .is_some_and(|m| metric(&m, "pgapply_streaming") == 1.0)
+    })
+    .await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    wait_for("a lag in seconds", 60, || async {
+        metrics()
+            .await
+            .is_some_and(|m| metric(&m, "pgapply_lag_seconds") > 0.0)
+    })
+    .await;
+    // The target goes away for the worker: no new connections, its sessions ended.
+    let admin = common::connect(db.target_port, "postgres").await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{0}\" ALLOW_CONNECTIONS false; SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{0}' AND application_name = 'pgapply'",
+            db.name
+        ))
+        .await
+        .unwrap();
+    let away = std::sync::Mutex::new(None::<f64>);
+    wait_for(
+        "the lag to grow by 2 s while the run waits to retry",
+        60,
+        || async {
+            let Some(m) = metrics().await else {
+                return false;
+            };
+            if metric(&m, "pgapply_streaming") != 0.0 {
+                return false;
+            }
+            let lag = metric(&m, "pgapply_lag_seconds");
+            let mut first = away.lock().unwrap();
+            match *first {
+                None => {
+                    *first = Some(lag);
+                    false
+                }
+                Some(first) => lag >= first + 2.0,
+            }
+        },
+    )
+    .await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" ALLOW_CONNECTIONS true",
+            db.name
+        ))
+        .await
+        .unwrap();
+    holder.batch_execute("COMMIT").await.unwrap();
+    wait_for("the row, and no lag", 120, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 1
+            && metrics()
+                .await
+                .is_some_and(|m| metric(&m, "pgapply_lag_seconds") == 0.0)
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+}
+
 /// `pgapply forget` removes a retired slot's state and origins from the target (refused while a
 /// worker of it runs), and with --drop-slot its slot on the source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -373,7 +373,7 @@ pub(super) async fn write_heartbeat(
                 &received.to_string(),
                 &commit.0,
                 &commit.to_rfc3339(),
-                &(m.lag_millis.get() as f64 / 1000.0),
+                &m.lag_seconds(),
                 &delta(now.transactions, last.transactions),
                 &delta(now.inserts, last.inserts),
                 &delta(now.updates, last.updates),

@@ -66,6 +66,18 @@ pub(super) struct Reader<'a> {
 /// ones after it (its commit time is older than theirs: the lag reads a little high).
 const MAX_PENDING: usize = 100_000;
 
+/// What a run left pending (see `Reader::carry_pending`); one worker runs per process.
+static CARRIED_PENDING: std::sync::Mutex<std::collections::VecDeque<(Lsn, u64)>> =
+    std::sync::Mutex::new(std::collections::VecDeque::new());
+
+/// What the run before left pending, for a new reader.
+pub(super) fn carried_pending() -> std::collections::VecDeque<(Lsn, u64)> {
+    CARRIED_PENDING
+        .lock()
+        .map(|mut carried| std::mem::take(&mut *carried))
+        .unwrap_or_default()
+}
+
 pub(super) enum Step {
     Continue,
     Stop(StopReason),
@@ -222,8 +234,20 @@ impl Reader<'_> {
         let time = time.0.max(0) as u64;
         let full = self.pending.len() >= MAX_PENDING;
         match self.pending.back_mut() {
+            // Sent again after a restart: known from the run before (see `carry_pending`).
+            Some(back) if back.0 >= end => {}
             Some(back) if full => back.0 = end,
             _ => self.pending.push_back((end, time)),
+        }
+    }
+
+    /// Keeps what is still pending for the next run of this process (after an error, the
+    /// retry), so the lag in seconds keeps counting from the oldest unapplied commit meanwhile
+    /// and after it reconnects, instead of starting again from the first transaction it gets.
+    pub(super) fn carry_pending(&mut self) {
+        self.update_lag();
+        if let Ok(mut carried) = CARRIED_PENDING.lock() {
+            *carried = std::mem::take(&mut self.pending);
         }
     }
 

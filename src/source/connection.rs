@@ -174,6 +174,13 @@ impl ServerError {
             );
             return Error::definite(message).with_source(self);
         }
+        // `ALTER DATABASE .. ALLOW_CONNECTIONS false`, for maintenance: it ends some day.
+        if self.code == "55000" && self.message.contains("not currently accepting connections") {
+            let message = format!(
+                "{context}: {self}: the source database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false): trying again until it allows them"
+            );
+            return Error::transient(message).with_source(self);
+        }
         // A table published since the run started has a type without a binary form (an array
         // of aclitem), asked for with --binary: the next start sees it and asks for text.
         if self.code == "42883" && self.message.starts_with("no binary output function") {
