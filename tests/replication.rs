@@ -35,6 +35,58 @@ async fn inserts_updates_deletes_over_many_transactions() {
     db.assert_same("t").await;
 }
 
+/// Keys swapped by one source statement under a DEFERRABLE (INITIALLY IMMEDIATE) unique
+/// constraint arrive as one UPDATE per row; the target (a role whose triggers fire, so the
+/// constraint is checked) checks it when the transaction ends, as the source did at the
+/// statement's end, instead of failing at the first row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_swapped_under_a_deferrable_unique_constraint() {
+    let db = TestDb::new("defswap").await;
+    db.both(
+        "CREATE TABLE t (id int PRIMARY KEY, k int, CONSTRAINT t_k UNIQUE (k) DEFERRABLE INITIALLY IMMEDIATE)",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let writer = format!("w_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {writer} LOGIN PASSWORD 'w-secret'; GRANT INSERT, UPDATE, DELETE, SELECT ON t TO {writer}; \
+         GRANT CREATE ON DATABASE {} TO {writer};",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={writer} password=w-secret dbname={}",
+        db.target_port, db.name
+    );
+    db.source_sql("INSERT INTO t VALUES (1, 1), (2, 4)").await;
+    db.source_sql("UPDATE t SET k = 5 - k").await;
+    db.source_sql("BEGIN; SET CONSTRAINTS t_k DEFERRED; UPDATE t SET k = 5 - k WHERE id = 1; UPDATE t SET k = 5 - k WHERE id = 2; COMMIT")
+        .await;
+    db.source_sql("UPDATE t SET k = 5 - k").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &target,
+            &db.slot(),
+            "p",
+            &["--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("t").await;
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM t WHERE (id, k) IN ((1, 4), (2, 1))"
+        )
+        .await,
+        2
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_key_changed_by_update() {
     let db = TestDb::new("pkchange").await;

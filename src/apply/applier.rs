@@ -419,6 +419,11 @@ pub struct Applier {
     /// Relations whose REPLICA IDENTITY FULL matching compares values as text.
     full_as_text: HashSet<Oid>,
     begin: Statement,
+    /// `SET CONSTRAINTS ALL DEFERRED`, right after each BEGIN: a source statement that swaps
+    /// keys under a DEFERRABLE (INITIALLY IMMEDIATE) unique constraint passes its check at the
+    /// statement's end, but arrives here as one statement per row, the first of which clashes
+    /// with the second row until that is applied too. Deferred, the check comes before commit.
+    deferred: Statement,
     commit: Statement,
     record: Statement,
     /// `SET CONSTRAINTS ALL IMMEDIATE`, sent before the origin position is set (origin mode).
@@ -719,6 +724,7 @@ impl Applier {
             }
         };
         let begin = prepare("BEGIN".into()).await?;
+        let deferred = prepare("SET CONSTRAINTS ALL DEFERRED".into()).await?;
         let commit = prepare("COMMIT".into()).await?;
         let commit_row = !progress.is_table_mode() && !options.two_phase;
         let record = prepare(progress.record_sql(commit_row)).await?;
@@ -766,6 +772,7 @@ impl Applier {
             statements: HashMap::new(),
             full_as_text: FULL_AS_TEXT.lock().map(|s| s.clone()).unwrap_or_default(),
             begin,
+            deferred,
             commit,
             record,
             immediate,
@@ -1282,6 +1289,7 @@ impl Applier {
             });
             let begin = self.begin.clone();
             self.pending.push(Pending::plain(begin));
+            self.pending.push(Pending::plain(self.deferred.clone()));
             if let (Some(turn), Some(worker), Some(statements)) =
                 (turn, &self.worker, &self.turn_statements)
             {
