@@ -244,6 +244,52 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
 }
 
+/// Two failing transactions in a row: skipping the first, the run stops at the second, and the
+/// first stays skipped (its record is committed before the second fails), so skipping the
+/// second gets past both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_failing_transactions_are_skipped_one_after_the_other() {
+    let db = TestDb::new("skiptwo").await;
+    db.both("CREATE TABLE k (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k").await;
+    db.target_sql("INSERT INTO k VALUES (1, 'local'), (2, 'local')")
+        .await;
+    db.source_sql("INSERT INTO k VALUES (1, 'a')").await;
+    db.source_sql("INSERT INTO k VALUES (2, 'b')").await;
+    db.source_sql("INSERT INTO k VALUES (3, 'c')").await;
+    let out = sync_with(&db, &[]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let first = stderr(&out);
+    skip_named_transaction(&db, &first).await;
+    let out = sync_with(&db, &[]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let second = stderr(&out);
+    assert!(second.contains("Key (id)=(2)"), "{second}");
+    skip_named_transaction(&db, &second).await;
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<(i32, String)> = db
+        .target
+        .query("SELECT id, v FROM k ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![(1, "local".into()), (2, "local".into()), (3, "c".into())]
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.conflicts WHERE conflict_type = 'skipped_transaction'"
+        )
+        .await,
+        2
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn apply_remote_with_a_second_unique_index_is_named() {
     let db = TestDb::new("multiunique").await;

@@ -145,6 +145,10 @@ struct Group {
     started: Instant,
     /// A statement whose conflict must stop the group is in it: check results before COMMIT.
     check_before_commit: bool,
+    /// Holds a transaction skipped with `pgapply skip`: commits right after it, so that its
+    /// record does not go down with a failing transaction after it (whose skip would then
+    /// replace this one's request).
+    closes_now: bool,
     statements: usize,
     /// Last included source commit: end LSN and time.
     last_commit: Option<(Lsn, PgTimestamp)>,
@@ -1143,6 +1147,7 @@ impl Applier {
                 // Idle: commit, unless the previous COMMIT is still unanswered (the group grows
                 // meanwhile and closes when it is answered, or when it is big or old enough).
                 one_at_a_time
+                    || g.closes_now
                     || (nothing_waiting && self.committing.is_empty())
                     || g.statements >= self.settings.group_statements
                     || g.started.elapsed() >= self.settings.group_age
@@ -1280,6 +1285,7 @@ impl Applier {
             self.group = Some(Group {
                 started: Instant::now(),
                 check_before_commit: false,
+                closes_now: false,
                 statements: 0,
                 last_commit: None,
                 last_transaction: None,
@@ -1415,6 +1421,7 @@ impl Applier {
             self.group = Some(Group {
                 started: Instant::now(),
                 check_before_commit: false,
+                closes_now: false,
                 statements: 0,
                 last_commit: None,
                 last_transaction: None,
@@ -1427,6 +1434,7 @@ impl Applier {
         self.skip_records.push((txn.xid, txn.final_lsn, time));
         if let Some(group) = &mut self.group {
             group.last_commit = Some((end_lsn, time));
+            group.closes_now = true;
         }
     }
 
