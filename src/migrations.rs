@@ -96,6 +96,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "copy_membership",
         include_str!("../migrations/0018_copy_membership.sql"),
     ),
+    (
+        19,
+        "column_types",
+        include_str!("../migrations/0019_column_types.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

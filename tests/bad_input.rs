@@ -1744,3 +1744,41 @@ async fn a_missing_target_privilege_at_apply_names_the_grant() {
         "{err}"
     );
 }
+
+/// A target column narrowed while pgapply runs (numeric to integer): the statements prepared
+/// before it would take the source's 1.5 through an assignment cast and write 2; the group's check
+/// sees the table changed, the run starts again with statements prepared anew, and the value is
+/// refused as at a fresh start, naming the column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_column_narrowed_while_running_does_not_round_values() {
+    let db = TestDb::new("narrowed").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, x numeric)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1, 1.25)").await;
+    let (mut worker, log) = common::spawn_logged(db.pgapply("p", &[]));
+    common::wait_for("the first row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 1
+    })
+    .await;
+    db.target_sql("ALTER TABLE t ALTER COLUMN x TYPE int").await;
+    db.source_sql("INSERT INTO t VALUES (2, 1.5)").await;
+    db.source_sql("UPDATE t SET x = 7.7 WHERE id = 1").await;
+    let status = tokio::time::timeout(std::time::Duration::from_secs(90), worker.wait())
+        .await
+        .expect("pgapply stops")
+        .unwrap();
+    let log = std::fs::read_to_string(log).unwrap();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("changed on the target while pgapply ran")
+            && log.contains("invalid input syntax for type integer")
+            && log.contains("column \"x\""),
+        "{log}"
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM t WHERE id = 2 OR x <> 1")
+            .await,
+        0
+    );
+}

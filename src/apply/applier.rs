@@ -494,6 +494,9 @@ pub struct Applier {
     /// Per relation: whether its updates are batched, and if so, what that was read from
     /// (`apply::batch::independent`).
     batchable: HashMap<(Oid, u64), Option<Arc<str>>>,
+    /// Per relation, by (source OID, generation): the first `pgapply.batching_fingerprint` read
+    /// of its target table, which each group that writes the table checks (`check_unchanged`).
+    fingerprints: HashMap<(Oid, u64), Arc<str>>,
     /// `pgapply.check_group`, run by each group before it commits (migration 0012).
     check_group: Statement,
     /// Per relation: whether its changes may pass other tables' held updates (no trigger or
@@ -810,6 +813,7 @@ impl Applier {
             held_updates: HashMap::new(),
             held_rows: 0,
             batchable: HashMap::new(),
+            fingerprints: HashMap::new(),
             quiet: HashMap::new(),
             check_group,
             policy_cache: HashMap::new(),

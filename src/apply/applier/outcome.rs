@@ -158,7 +158,8 @@ impl Applier {
                 }
             }
             Err(e) if e.code().map(|c| c.code()) == Some("PGA01") => {
-                // A table whose updates this group batched got a trigger (say) meanwhile.
+                // A table this group writes changed since pgapply read it: a column's type (its
+                // statements' parameters would be cast), or a trigger where updates are batched.
                 if self.failure.is_none() {
                     let through = self.unbatch(None);
                     let again = if through.is_valid() {

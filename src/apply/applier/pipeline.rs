@@ -85,6 +85,16 @@ impl Applier {
         entry: &RelationEntry,
         mut shape: Shape,
     ) -> Result<Statement> {
+        // The statement's parameter types are the columns' as the table is now: each group
+        // that writes the table checks it has not changed since (`check_unchanged`), as a
+        // column changed under a prepared statement takes values through an assignment cast
+        // (numeric into integer rounds). Read before the prepare: a change in between fails
+        // the check instead of slipping through.
+        let fingerprint = match self.fingerprints.get(&(entry.source.oid, entry.generation)) {
+            Some(f) => f.clone(),
+            None => self.read_fingerprint(entry).await?,
+        };
+        self.check_unchanged(entry, fingerprint);
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
         }
@@ -136,11 +146,32 @@ impl Applier {
         Ok(statement)
     }
 
+    /// What `pgapply.check_group` compares the target table with (`pgapply.batching_fingerprint`).
+    async fn read_fingerprint(&self, entry: &RelationEntry) -> Result<Arc<str>> {
+        let row = self
+            .catalog
+            .query_one(
+                "SELECT coalesce(pgapply.batching_fingerprint($1), '')",
+                &[&entry.target.oid],
+            )
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    format!(
+                        "reading the columns and constraints of table {} on the target",
+                        entry.target.qualified
+                    ),
+                    e,
+                )
+            })?;
+        Ok(Arc::from(row.get::<_, String>(0)))
+    }
+
     /// After preparing statements for `entry`: their parameters took the target's column types as
     /// they are now, while binary values (`--binary`) come in the types the run started with.
     /// A column whose type changed since would have the source's bytes read as the new type, so
     /// the run starts again and reads the table anew (and receives text where types differ). (A
-    /// column changed after the prepare is fine: the server then casts from the prepared type.)
+    /// column changed after the prepare fails the group's check: see `statement`.)
     pub(super) async fn check_prepared_types(&self, entry: &RelationEntry) -> Result<()> {
         if !self.binary_values {
             return Ok(());

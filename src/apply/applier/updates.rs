@@ -276,8 +276,14 @@ impl Applier {
 
     /// Has the target check, before the group commits, that the table is as `fingerprint` says
     /// it was read (`pgapply.check_group`): else the group fails and is applied again one change
-    /// at a time.
+    /// at a time. Checked is the first reading of the table (for this relation generation): a
+    /// later one may have been taken after a change that decisions made before did not see.
     pub(super) fn check_unchanged(&mut self, entry: &RelationEntry, fingerprint: Arc<str>) {
+        let fingerprint = self
+            .fingerprints
+            .entry((entry.source.oid, entry.generation))
+            .or_insert(fingerprint)
+            .clone();
         let Some(group) = &mut self.group else {
             return;
         };
