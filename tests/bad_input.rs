@@ -1782,3 +1782,46 @@ async fn a_target_column_narrowed_while_running_does_not_round_values() {
         0
     );
 }
+
+/// A source column widened (integer to bigint) and the target's fixed while pgapply runs, before
+/// a value that needs it arrives: the value the old statements refuse is applied after a restart
+/// that reads the table anew, instead of an error that asks to change a column already changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_column_widened_while_running_takes_the_wider_values() {
+    let db = TestDb::new("widened").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, n int)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1, 1)").await;
+    let (worker, log) = common::spawn_logged(db.pgapply("p", &[]));
+    let worker = std::sync::Mutex::new(worker);
+    db.source_sql("ALTER TABLE t ALTER COLUMN n TYPE bigint")
+        .await;
+    db.source_sql("INSERT INTO t VALUES (2, 2)").await;
+    common::wait_for("the first rows", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 2
+    })
+    .await;
+    db.target_sql("ALTER TABLE t ALTER COLUMN n TYPE bigint")
+        .await;
+    db.source_sql("INSERT INTO t VALUES (3, 9000000000)").await;
+    common::wait_for("the wide value", 90, || async {
+        db.count(&db.target, "SELECT count(*) FROM t WHERE n = 9000000000")
+            .await
+            == 1
+            || worker.lock().unwrap().try_wait().ok().flatten().is_some()
+    })
+    .await;
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    let mut worker = worker.into_inner().unwrap();
+    assert!(
+        worker.try_wait().unwrap().is_none(),
+        "pgapply stopped: {log_text}"
+    );
+    assert!(
+        log_text.contains("changed since pgapply read it"),
+        "{log_text}"
+    );
+    db.assert_same("t").await;
+    worker.start_kill().unwrap();
+    let _ = worker.wait().await;
+}

@@ -497,6 +497,9 @@ pub struct Applier {
     /// Per relation, by (source OID, generation): the first `pgapply.batching_fingerprint` read
     /// of its target table, which each group that writes the table checks (`check_unchanged`).
     fingerprints: HashMap<(Oid, u64), Arc<str>>,
+    /// The table whose statement the target refused a value for (`failure`): if it changed
+    /// since pgapply read it, the error is not the user's to fix (`fail_if_failed`).
+    refused_in: Option<Arc<RelationEntry>>,
     /// `pgapply.check_group`, run by each group before it commits (migration 0012).
     check_group: Statement,
     /// Per relation: whether its changes may pass other tables' held updates (no trigger or
@@ -814,6 +817,7 @@ impl Applier {
             held_rows: 0,
             batchable: HashMap::new(),
             fingerprints: HashMap::new(),
+            refused_in: None,
             quiet: HashMap::new(),
             check_group,
             policy_cache: HashMap::new(),

@@ -131,10 +131,31 @@ impl Applier {
                 } else {
                     e
                 };
+                let e = self.unless_table_changed(e).await;
                 self.settle_committed().await;
                 Err(e)
             }
             None => Ok(()),
+        }
+    }
+
+    /// A value the target refused, in a table changed on the target since pgapply read it (the
+    /// user fixing the column while pgapply ran): the error names the type as it was read, and
+    /// the fix is in already, so the run starts again with the table read anew.
+    async fn unless_table_changed(&mut self, e: Error) -> Error {
+        let Some(entry) = self.refused_in.take() else {
+            return e;
+        };
+        if e.is_transient() {
+            return e;
+        }
+        match crate::relation::target_changed(&self.catalog, &entry).await {
+            Ok(Some(change)) => Error::transient(format!(
+                "{}; but target table {} changed since pgapply read it ({change}): starting again, with the table read anew",
+                e.message(),
+                entry.target.qualified
+            )),
+            _ => e,
         }
     }
 

@@ -250,6 +250,12 @@ impl Applier {
                             return;
                         }
                     }
+                    if let Some(about) = about
+                        .as_ref()
+                        .filter(|_| e.code().is_some_and(|c| value_refused(c.code())))
+                    {
+                        self.refused_in = Some(about.relation.clone());
+                    }
                     let through = about.as_ref().and_then(|a| a.through);
                     let err = self.violation_error(kind, about.as_ref(), e);
                     match (through, &about) {
