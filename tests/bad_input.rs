@@ -1825,3 +1825,40 @@ async fn a_target_column_widened_while_running_takes_the_wider_values() {
     worker.start_kill().unwrap();
     let _ = worker.wait().await;
 }
+
+/// A partitioned table published through its root, REPLICA IDENTITY FULL on its partitions
+/// only: `check` says the root's identity describes their changes; a run stops at the first
+/// UPDATE naming the table, the root, and how to skip what was decoded before the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_without_replica_identity_is_named_by_check_and_run() {
+    let db = TestDb::new("rootident").await;
+    db.both(
+        "CREATE TABLE r (id int, v text) PARTITION BY RANGE (id); \
+         CREATE TABLE r1 PARTITION OF r FOR VALUES FROM (0) TO (100); \
+         CREATE TABLE r2 PARTITION OF r FOR VALUES FROM (100) TO (200)",
+    )
+    .await;
+    db.source_sql("ALTER TABLE r1 REPLICA IDENTITY FULL; ALTER TABLE r2 REPLICA IDENTITY FULL")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE r WITH (publish_via_partition_root = true)")
+        .await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.lines().any(|l| l.starts_with("WARNING")
+            && l.contains("publish_via_partition_root")
+            && l.contains("ALTER TABLE \"public\".\"r\" REPLICA IDENTITY FULL")),
+        "{text}"
+    );
+    db.source_sql("INSERT INTO r VALUES (5, 'a')").await;
+    db.source_sql("UPDATE r SET v = 'b' WHERE id = 5").await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &db.source_wal().await]), 60).await;
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("no replica identity key")
+            && err.contains("on the root as well as on its partitions")
+            && err.contains("pgapply skip"),
+        "{err}"
+    );
+}

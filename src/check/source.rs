@@ -331,6 +331,15 @@ pub(super) async fn check_source(
                         ));
                     }
                 }
+                // Published through the root: PostgreSQL describes the partitions' changes by the
+                // root's replica identity (its key columns, or FULL), and sends their old rows
+                // as the partitions' identities give them. Both must say the same.
+                if table.partitioned && updates_published {
+                    if let Some(problem) = root_identity_problem(src, &qualified, &rows).await {
+                        identified = false;
+                        report.warning(problem);
+                    }
+                }
                 if identified {
                     report.ok(format!("table {qualified} has a replica identity"));
                 }
@@ -437,4 +446,43 @@ pub(super) async fn publication_rule_problems(
         ));
     }
     problems
+}
+
+/// A partitioned table published through its root whose own replica identity does not describe
+/// its partitions' changes: none (UPDATE and DELETE arrive with no key pgapply can use), or FULL
+/// over partitions that send only their key (the old row's other columns arrive NULL and match
+/// nothing). `leaves`: the partitions' rows read above (relreplident in column 2).
+async fn root_identity_problem(
+    src: &tokio_postgres::Client,
+    root: &str,
+    leaves: &[tokio_postgres::Row],
+) -> Option<String> {
+    let row = src
+        .query_one(
+            "SELECT c.relreplident::text, EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \
+             FROM pg_catalog.pg_class c WHERE c.oid = $1::text::regclass",
+            &[&root],
+        )
+        .await
+        .ok()?;
+    let identity: String = row.get(0);
+    let has_pk: bool = row.get(1);
+    let leaves_full = leaves.iter().all(|l| l.get::<_, String>(2) == "f");
+    let later = "changes made before the fix keep the old description and can only be skipped";
+    if identity == "n" || (identity == "d" && !has_pk) {
+        let fix = if leaves_full {
+            format!("ALTER TABLE {root} REPLICA IDENTITY FULL, as its partitions have")
+        } else {
+            format!("a primary key on {root} (as on its partitions), or ALTER TABLE {root} REPLICA IDENTITY FULL on it and its partitions")
+        };
+        return Some(format!(
+            "partitioned table {root} is published through its root (publish_via_partition_root), and PostgreSQL describes its partitions' UPDATEs and DELETEs by the root's replica identity, which it has none of: pgapply cannot find their rows on the target. Set it on the source: {fix} ({later})"
+        ));
+    }
+    if identity == "f" && !leaves_full {
+        return Some(format!(
+            "partitioned table {root} has REPLICA IDENTITY FULL and is published through its root, but some of its partitions do not: their UPDATEs and DELETEs send only the key, and the old row's other columns arrive empty and match no row on the target. Set ALTER TABLE ... REPLICA IDENTITY FULL on each partition too ({later})"
+        ));
+    }
+    None
 }

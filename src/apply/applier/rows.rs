@@ -368,8 +368,17 @@ impl Applier {
         params: &mut Vec<WireValue>,
     ) -> Result<(RowMatch, Vec<Value>)> {
         if entry.key_columns.is_empty() {
+            // (A transaction's changes keep the description they were decoded with: one made
+            // before the fix can only be skipped.)
+            let skip = match self.current.as_ref().map(|t| t.final_lsn) {
+                Some(lsn) if lsn.is_valid() && lsn.0 != u64::MAX => format!(
+                    " (source transaction committed at {lsn}); changes made before that fix keep the description they were made with: {}",
+                    self.skip_hint(lsn)
+                ),
+                _ => String::new(),
+            };
             return Err(Error::definite(format!(
-                "table {} has no replica identity key on the source, so an UPDATE or DELETE cannot find its row on the target: give it a primary key or set REPLICA IDENTITY FULL (or USING INDEX) on the source",
+                "table {} has no replica identity key on the source, so an UPDATE or DELETE cannot find its row on the target: give it a primary key or set REPLICA IDENTITY FULL (or USING INDEX) on the source (for a partitioned table published through its root, on the root as well as on its partitions: the root's identity describes their changes){skip}",
                 entry.display_name()
             )));
         }
