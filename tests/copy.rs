@@ -1017,6 +1017,85 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
     db.assert_same("t").await;
 }
 
+/// A table the new primary partitions and the old one keeps whole: the reverse publication
+/// goes through the root (the old primary has none of the partitions), and the printed run
+/// brings a row written on the new primary back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_reverse_through_the_root_of_a_table_only_the_new_primary_partitions() {
+    let db = TestDb::new("cutrevpart").await;
+    db.source_sql("CREATE TABLE g (id int PRIMARY KEY, v text)")
+        .await;
+    db.target_sql(
+        "CREATE TABLE g (id int PRIMARY KEY, v text) PARTITION BY HASH (id); \
+         CREATE TABLE g_0 PARTITION OF g FOR VALUES WITH (MODULUS 2, REMAINDER 0); \
+         CREATE TABLE g_1 PARTITION OF g FOR VALUES WITH (MODULUS 2, REMAINDER 1);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO g SELECT i, 'old' FROM generate_series(1, 10) i; \
+         CREATE PUBLICATION p FOR TABLE g;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    let slot = db.slot();
+    let out = run_with_deadline(
+        db.on_both(
+            "cutover",
+            &["--slot", slot.as_str(), "--timeout", "60s", "--reverse"],
+        ),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let via_root: bool = db
+        .target
+        .query_one(
+            "SELECT bool_and(pubviaroot) FROM pg_publication WHERE pubname <> 'p'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(via_root, "{text}");
+    let printed = text
+        .lines()
+        .find(|l| {
+            l.trim_start()
+                .starts_with("pgapply run --source <new primary>")
+        })
+        .unwrap_or_else(|| panic!("no command printed: {text}"))
+        .trim()
+        .replace("<new primary>", "NEW")
+        .replace("<old primary>", "OLD");
+    let (new_primary, old_primary) = (db.target_conninfo(), db.source_conninfo());
+    db.target_sql("INSERT INTO g VALUES (11, 'new'), (12, 'new')")
+        .await;
+    let target_wal: String = db
+        .target
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut args: Vec<&str> = printed
+        .split_whitespace()
+        .skip(1)
+        .map(|a| match a {
+            "NEW" => new_primary.as_str(),
+            "OLD" => old_primary.as_str(),
+            other => other,
+        })
+        .collect();
+    args.extend_from_slice(&["--endpos", &target_wal]);
+    let out = run_with_deadline(common::pgapply_command(&args), 60).await;
+    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    assert_eq!(
+        db.count(&db.source, "SELECT count(*) FROM g WHERE v = 'new'")
+            .await,
+        2
+    );
+}
+
 /// `cutover --reverse` publishes back only what came: a table mirrored by a column list goes
 /// back by the same list (published whole, the new primary's own value of a column it never got
 /// would overwrite the old primary's), a row-filtered one with its filter; the way back then

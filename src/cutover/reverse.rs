@@ -211,17 +211,64 @@ async fn reverse_tables(
         });
     }
     // (publish_via_partition_root is 13+; before, partitioned tables are not published at all.)
-    let via_root = version >= 130000
+    // Through the root also when the old primary lacks a partition the new one has (it keeps
+    // the table whole, or parts it otherwise): the partitions' own changes would name tables it
+    // does not have. Otherwise partition by partition, as forward: a TRUNCATE of one partition
+    // is published only so.
+    let mut via_root = version >= 130000
         && tables.iter().any(|t| t.partitioned)
         && (forward_via_root
             || tables
                 .iter()
                 .any(|t| t.partitioned && (t.columns.is_some() || t.filter.is_some())));
+    if version >= 130000 && !via_root {
+        for t in tables.iter().filter(|t| t.partitioned) {
+            if partition_missing_on_old_primary(source, target, &t.name).await? {
+                via_root = true;
+                break;
+            }
+        }
+    }
     Ok(ReversePlan {
         tables,
         via_root,
         problems,
     })
+}
+
+/// Whether a partition of `table` on the new primary (`target`) is missing on the old one.
+async fn partition_missing_on_old_primary(
+    source: &Client,
+    target: &Client,
+    table: &str,
+) -> Result<bool> {
+    let leaves: Vec<String> = target
+        .query(
+            "SELECT pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(c.relname) \
+             FROM pg_catalog.pg_partition_tree($1::text::regclass) t \
+             JOIN pg_catalog.pg_class c ON c.oid = t.relid \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE t.isleaf",
+            &[&table],
+        )
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                format!("reading the partitions of {table} on the target"),
+                e,
+            )
+        })?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let present: i64 = source
+        .query_one(
+            "SELECT count(*) FROM unnest($1::text[]) l WHERE pg_catalog.to_regclass(l) IS NOT NULL",
+            &[&leaves],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the tables on the source", e))?
+        .get(0);
+    Ok(present < leaves.len() as i64)
 }
 
 /// The reverse publication: its tables, whether it publishes partitions through their root,
