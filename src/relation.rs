@@ -464,7 +464,8 @@ pub async fn key_index_advice(
             "SELECT coalesce(bool_or(i.indisunique AND i.indpred IS NULL AND NOT 0 = ANY (k.cols) \
                                      AND cardinality(k.names) > 0 AND k.names <@ $2::text[]), false), \
                     coalesce(bool_or(k.names[1] = ANY ($2::text[]) \
-                                     OR (cardinality($2::text[]) = 0 AND k.names[1] IS NOT NULL)), false) \
+                                     OR (cardinality($2::text[]) = 0 AND k.names[1] IS NOT NULL)), false), \
+                    coalesce(bool_or(i.indisprimary), false) \
              FROM pg_catalog.pg_index i \
              CROSS JOIN LATERAL (SELECT (i.indkey::int2[])[0:coalesce((to_jsonb(i) ->> 'indnkeyatts')::int, i.indnatts) - 1] AS cols) c \
              CROSS JOIN LATERAL (SELECT c.cols, ARRAY(SELECT a.attname::text FROM unnest(c.cols) WITH ORDINALITY u(n, o) \
@@ -475,7 +476,7 @@ pub async fn key_index_advice(
         )
         .await
         .ok()?;
-    let (unique, indexed): (bool, bool) = (row.get(0), row.get(1));
+    let (unique, indexed, has_primary): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
     let table = &target.qualified;
     let post_data = "(`pgapply schema --section post-data` creates the source's keys and indexes)";
     if key.is_empty() {
@@ -496,8 +497,14 @@ pub async fn key_index_advice(
     } else {
         " and reads the whole table to find it"
     };
+    // (A table has one primary key: beside another one, the source's key is a unique index.)
+    let add = if has_primary {
+        format!("CREATE UNIQUE INDEX ON {table} ({columns})")
+    } else {
+        format!("ALTER TABLE {table} ADD PRIMARY KEY ({columns})")
+    };
     Some(format!(
-        "target table {table} has no primary key or unique index on the source's key ({columns}): every UPDATE and DELETE replicated to it changes each target row with that key{scans}; add it on the target (ALTER TABLE {table} ADD PRIMARY KEY ({columns})) {post_data}"
+        "target table {table} has no primary key or unique index on the source's key ({columns}): every UPDATE and DELETE replicated to it changes each target row with that key{scans}; add it on the target ({add}) {post_data}"
     ))
 }
 

@@ -1242,18 +1242,22 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
          CREATE TABLE f (x int, v text); ALTER TABLE f REPLICA IDENTITY FULL; \
          CREATE TABLE n (x int, v text); \
          CREATE TABLE u (a int NOT NULL, v text); CREATE UNIQUE INDEX u_a ON u (a); \
-         CREATE TABLE ok (id int PRIMARY KEY, v text);",
+         CREATE TABLE ok (id int PRIMARY KEY, v text); \
+         CREATE TABLE h (id int PRIMARY KEY, c int NOT NULL); CREATE UNIQUE INDEX h_c ON h (c); \
+         ALTER TABLE h REPLICA IDENTITY USING INDEX h_c; \
+         CREATE TABLE nothing (id int PRIMARY KEY); ALTER TABLE nothing REPLICA IDENTITY NOTHING;",
     )
     .await;
     db.target_sql(
         "CREATE TABLE k (id int, v text); CREATE TABLE f (x int, v text); \
          CREATE TABLE n (x int, v text); CREATE TABLE ok (id int PRIMARY KEY, v text); \
-         CREATE TABLE u (a int NOT NULL, v text);",
+         CREATE TABLE u (a int NOT NULL, v text); CREATE TABLE h (id int PRIMARY KEY, c int NOT NULL); \
+         CREATE TABLE nothing (id int PRIMARY KEY);",
     )
     .await;
     // n: no key and the default identity, so the source allows only INSERTs into it: no row is
     // ever looked up there, and nothing is to be said about its indexes.
-    db.publish("CREATE PUBLICATION p FOR TABLE k, f, n, ok, u")
+    db.publish("CREATE PUBLICATION p FOR TABLE k, f, n, ok, u, h, nothing")
         .await;
     let out = run_with_deadline(
         db.on_both("check", &["--slot", &db.slot(), "--create-slot"]),
@@ -1272,6 +1276,18 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     let k = warning("k").unwrap_or_else(|| panic!("{text}"));
     assert!(
         k.contains("ADD PRIMARY KEY (\"id\")") && k.contains("reads the whole table"),
+        "{text}"
+    );
+    // Beside the target's own primary key, the source's key is a unique index.
+    let h = warning("h").unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        h.contains("CREATE UNIQUE INDEX ON \"public\".\"h\" (\"c\")"),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l
+            .contains("table \"public\".\"nothing\" has REPLICA IDENTITY NOTHING")
+            && l.contains("REPLICA IDENTITY DEFAULT (its primary key)")),
         "{text}"
     );
     let f = warning("f").unwrap_or_else(|| panic!("{text}"));

@@ -326,9 +326,22 @@ pub(super) async fn check_source(
                             .map(|i| format!(", ALTER TABLE {name} REPLICA IDENTITY USING INDEX {i} (a unique index on NOT NULL columns it has),"))
                             .unwrap_or_default();
                         // Fine for a table that only ever gets INSERTs (a log): said, not refused.
-                        report.warning(format!(
-                            "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise add a primary key{index} or ALTER TABLE {name} REPLICA IDENTITY FULL"
-                        ));
+                        if identity == "n" {
+                            let default = if has_pk {
+                                format!(
+                                    "ALTER TABLE {name} REPLICA IDENTITY DEFAULT (its primary key)"
+                                )
+                            } else {
+                                "add a primary key".to_owned()
+                            };
+                            report.warning(format!(
+                                "table {name} has REPLICA IDENTITY NOTHING on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise {default}{index} or ALTER TABLE {name} REPLICA IDENTITY FULL"
+                            ));
+                        } else {
+                            report.warning(format!(
+                                "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise add a primary key{index} or ALTER TABLE {name} REPLICA IDENTITY FULL"
+                            ));
+                        }
                     }
                 }
                 // Published through the root: PostgreSQL describes the partitions' changes by the
