@@ -90,7 +90,6 @@ pub fn quote_replication_literal(value: &str) -> String {
     format!("'{}'", value.replace('\'', "''"))
 }
 
-/// The server's `server_version_num` (150004 for 15.4): what a statement may use.
 /// What to do about a target column that is generated while the source publishes its values:
 /// make it plain (DROP EXPRESSION is 13+; `target_version` None when not known), or stop
 /// publishing them.
@@ -100,9 +99,10 @@ pub fn generated_column_fix(table: &str, column: &str, target_version: Option<i3
         Some(_) => format!("ALTER TABLE {table} ALTER COLUMN {column} DROP EXPRESSION"),
         None => format!("ALTER TABLE {table} ALTER COLUMN {column} DROP EXPRESSION, on PostgreSQL 13 or later"),
     };
-    format!("make it a plain column on the target ({plain}), or stop publishing its values (leave it out of the publication's column list; on a PostgreSQL 18 source, publish_generated_columns = none)")
+    format!("make it a plain column on the target ({plain}); or, if the source's column is generated too and published by PostgreSQL 18's publish_generated_columns = stored (or a column list naming it), stop publishing its values (publish_generated_columns = none, or a column list without it)")
 }
 
+/// The server's `server_version_num` (150004 for 15.4): what a statement may use.
 pub async fn server_version(client: &tokio_postgres::Client) -> Result<i32, tokio_postgres::Error> {
     Ok(client
         .query_one(

@@ -383,6 +383,36 @@ async fn copy_up_to_now(db: &TestDb) {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
+/// A copied row no partition of the target takes: the error says to create the partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copied_row_without_a_target_partition_is_named() {
+    let db = TestDb::new("copynopart").await;
+    db.source_sql("CREATE TABLE rb (id int PRIMARY KEY, v text)")
+        .await;
+    db.target_sql(
+        "CREATE TABLE rb (id int PRIMARY KEY, v text) PARTITION BY RANGE (id); \
+         CREATE TABLE rb_low PARTITION OF rb FOR VALUES FROM (0) TO (1000);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO rb SELECT i, 'x' FROM generate_series(1, 10) i; INSERT INTO rb VALUES (3002, 'far'); \
+         CREATE PUBLICATION p FOR TABLE rb;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no partition of target table \"public\".\"rb\" takes the source's row: create the partition on the target"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 /// Whether a pg_dump at least as new as the source is installed (`pgapply schema` needs one);
 /// says why not when not.
 fn pg_dump_usable() -> bool {

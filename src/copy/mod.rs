@@ -921,7 +921,15 @@ async fn copy_one(
     };
     let dst_err = |e: tokio_postgres::Error| {
         let code = e.code().map(|c| c.code().to_owned());
+        let no_partition = code.as_deref() == Some("23514")
+            && e.as_db_error()
+                .is_some_and(|d| d.message().starts_with("no partition"));
         let err = Error::postgres(format!("copying {what} into the target"), e);
+        if no_partition {
+            return err.context_after(format!(
+                "no partition of target table {target_table} takes the source's row: create the partition on the target (as on the source; or a DEFAULT partition), then run with --copy-data again (the copy starts over)"
+            ));
+        }
         with_grant(
             err,
             code,
