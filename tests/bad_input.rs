@@ -1862,3 +1862,24 @@ async fn a_root_without_replica_identity_is_named_by_check_and_run() {
         "{err}"
     );
 }
+
+/// A DEFERRABLE unique constraint on the target, which PostgreSQL does not check under
+/// session_replication_role = replica: `check` names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_a_deferrable_unique_constraint_on_the_target() {
+    let db = TestDb::new("deferchk").await;
+    db.source_sql("CREATE TABLE d (id int PRIMARY KEY, k int)")
+        .await;
+    db.target_sql(
+        "CREATE TABLE d (id int PRIMARY KEY, k int, CONSTRAINT d_k UNIQUE (k) DEFERRABLE)",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE d").await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.lines().any(|l| l.starts_with("WARNING")
+            && l.contains("DEFERRABLE unique constraints on the target: \"public\".\"d\" (d_k)")),
+        "{text}"
+    );
+}

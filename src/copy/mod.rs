@@ -146,6 +146,39 @@ pub async fn loud_trigger_tables(
     Ok(loud)
 }
 
+/// The DEFERRABLE unique and primary-key constraints of the target tables (`table (constraint)`)
+/// when the target role sets `session_replication_role = replica`, as PostgreSQL's own subscriber
+/// does: a deferrable constraint is checked by a trigger, which does not fire then, so a row the
+/// source sends that clashes with one written on the target goes in beside it, unnoticed.
+pub async fn unenforced_unique_constraints(
+    target: &Client,
+    tables: &[PublishedTable],
+) -> Result<Vec<String>> {
+    let context = |e| Error::postgres("reading the target's unique constraints", e);
+    let version = crate::sql::server_version(target).await.map_err(context)?;
+    let replica: bool = target
+        .query_one(may_quiet_triggers_sql(version), &[])
+        .await
+        .map_err(context)?
+        .get(0);
+    if !replica {
+        return Ok(Vec::new());
+    }
+    let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    Ok(target
+        .query(
+            "SELECT n || ' (' || pg_catalog.quote_ident(k.conname) || ')' \
+             FROM unnest($1::text[]) n JOIN pg_catalog.pg_constraint k ON k.conrelid = pg_catalog.to_regclass(n) \
+             WHERE k.contype IN ('p', 'u') AND k.condeferrable ORDER BY 1",
+            &[&names],
+        )
+        .await
+        .map_err(context)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
 /// Checks the target tables: they exist with the published columns, and are empty (or are emptied
 /// with `truncate`). Returns per table whether binary COPY can be used (same column types).
 async fn prepare_target(
