@@ -79,6 +79,9 @@ pub struct TableFile {
     pub target: Option<String>,
     /// Conflict policies for this table, over the global ones.
     pub conflicts: Option<crate::apply::conflict::PoliciesFile>,
+    /// Source column -> target column, for changes that name a column the target has under
+    /// another name (a rename the source made in the middle of a transaction).
+    pub columns: Option<BTreeMap<String, String>>,
 }
 
 /// Names given as one comma-separated string or as a list.
@@ -257,6 +260,9 @@ pub fn changed_on_reload(old: &toml::Value, new: &toml::Value) -> Vec<String> {
 
 /// Source table -> target table, both `(schema, table)`.
 pub type TableMap = HashMap<(String, String), (String, String)>;
+
+/// Source table `(schema, table)` -> its columns' target names, where they differ.
+pub type ColumnMap = HashMap<(String, String), HashMap<String, String>>;
 
 /// The file's `[tables."schema.table"] target = ..` renames.
 pub fn table_map(file: &FileConfig) -> Result<TableMap> {
@@ -586,6 +592,15 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
             config
                 .table_map
                 .insert(parse_table_name(source_name)?, parse_table_name(to)?);
+        }
+        if let Some(columns) = table.columns.as_ref().filter(|c| !c.is_empty()) {
+            config.column_map.insert(
+                parse_table_name(source_name)?,
+                columns
+                    .iter()
+                    .map(|(s, t)| (s.clone(), t.clone()))
+                    .collect(),
+            );
         }
     }
     let retry = file.retry.clone().unwrap_or_default();

@@ -129,6 +129,8 @@ pub fn source_schema(rel: &Relation) -> &str {
 pub struct RelationCache {
     /// Source (schema, table) -> target (schema, table), where they differ.
     table_map: Arc<crate::config::TableMap>,
+    /// Source column -> target column, per source table, where they differ.
+    column_map: Arc<crate::config::ColumnMap>,
     relations: HashMap<Oid, Arc<RelationEntry>>,
     /// Relations whose latest description does not fit the target (no such table, a column
     /// missing ...): the error, raised when a change uses the relation. PostgreSQL also
@@ -145,6 +147,12 @@ impl RelationCache {
             table_map,
             ..Default::default()
         }
+    }
+
+    /// With `[tables."s.t".columns]`: source columns applied to target columns of other names.
+    pub fn with_column_map(mut self, column_map: Arc<crate::config::ColumnMap>) -> Self {
+        self.column_map = column_map;
+        self
     }
 
     pub fn get(&self, oid: Oid) -> Result<&Arc<RelationEntry>> {
@@ -233,11 +241,17 @@ impl RelationCache {
         };
         let mut quoted_columns = Vec::with_capacity(relation.columns.len());
         let mut target_columns = Vec::with_capacity(relation.columns.len());
+        let renames = self
+            .column_map
+            .get(&(schema.clone(), relation.name.clone()));
         for column in &relation.columns {
+            let wanted = renames
+                .and_then(|r| r.get(&column.name))
+                .unwrap_or(&column.name);
             let index = target
                 .columns
                 .iter()
-                .position(|t| t.name == column.name)
+                .position(|t| t.name == *wanted)
                 .ok_or_else(|| {
                     // A column of the same position and type had another name, which the target
                     // still has: renamed on the source. Adding a column would leave it empty.
@@ -252,12 +266,14 @@ impl RelationCache {
                     });
                     if let Some(old) = renamed {
                         return Error::definite(format!(
-                            "column {} of table {shown} is gone on the source and {} is new in its place: if it was renamed, rename it on the target too (ALTER TABLE {} RENAME COLUMN {} TO {}); if one was dropped and the other added, add {} on the target (ALTER TABLE {} ADD COLUMN ...); then start pgapply again",
+                            "column {} of table {shown} is gone on the source and {} is new in its place: if it was renamed, rename it on the target too (ALTER TABLE {} RENAME COLUMN {} TO {}; if the source renamed it in the middle of a transaction, whose earlier changes still name {}, also map the old name onto it in the config file until pgapply is past them: {}); if one was dropped and the other added, add {} on the target (ALTER TABLE {} ADD COLUMN ...); then start pgapply again",
                             quote_ident(&old),
                             quote_ident(&column.name),
                             target.qualified,
                             quote_ident(&old),
                             quote_ident(&column.name),
+                            quote_ident(&old),
+                            column_map_lines(&schema, &relation.name, &old, &column.name),
                             quote_ident(&column.name),
                             target.qualified
                         ));
@@ -274,12 +290,18 @@ impl RelationCache {
                         })
                         .map(|t| quote_ident(&t.name))
                         .collect();
+                    let mapped = if wanted != &column.name {
+                        format!(" (mapped to {} by the config file)", quote_ident(wanted))
+                    } else {
+                        String::new()
+                    };
                     let renamed = match candidates.as_slice() {
                         [] => String::new(),
                         [one] => format!(
-                            "; or, if the source renamed {one} to {new}, rename it on the target instead (ALTER TABLE {table} RENAME COLUMN {one} TO {new})",
+                            "; or, if the source renamed {one} to {new}, rename it on the target instead (ALTER TABLE {table} RENAME COLUMN {one} TO {new}); or, if {one} was renamed from {new} on the target already, following a rename on the source that these changes come before, map the old name onto it in the config file until pgapply is past them ({lines})",
                             new = quote_ident(&column.name),
-                            table = target.qualified
+                            table = target.qualified,
+                            lines = column_map_lines(&schema, &relation.name, &column.name, &target.columns.iter().find(|t| quote_ident(&t.name) == *one).map(|t| t.name.clone()).unwrap_or_default()),
                         ),
                         more => format!(
                             "; or, if the source renamed one of {} to {}, rename that one on the target instead",
@@ -288,7 +310,7 @@ impl RelationCache {
                         ),
                     };
                     Error::definite(format!(
-                        "column {} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} ...){renamed}",
+                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} ...){renamed}",
                         quote_ident(&column.name),
                         target.qualified,
                         target.qualified,
@@ -303,7 +325,7 @@ impl RelationCache {
                     crate::sql::generated_column_fix(&target.qualified, &quote_ident(&column.name), None)
                 )));
             }
-            quoted_columns.push(quote_ident(&column.name));
+            quoted_columns.push(quote_ident(wanted));
             target_columns.push(index);
         }
         let key_columns = relation
@@ -579,6 +601,19 @@ fn rename_table_sql(from: &TargetTable, schema: &str, name: &str) -> String {
         ));
     }
     steps.join("; ")
+}
+
+/// The config file lines that apply source column `from` of table `schema.table` to target
+/// column `to` (`[tables."s.t".columns]`), as one line of advice.
+fn column_map_lines(schema: &str, table: &str, from: &str, to: &str) -> String {
+    let toml = |s: &str| format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""));
+    let name = format!("{schema}.{table}");
+    format!(
+        "[tables.{}.columns] {} = {}",
+        toml(&name),
+        toml(from),
+        toml(to)
+    )
 }
 
 #[cfg(test)]

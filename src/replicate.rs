@@ -74,6 +74,8 @@ pub struct RunConfig {
     pub copy: CopySettings,
     /// Source table -> target table, where they differ.
     pub table_map: crate::config::TableMap,
+    /// Source column -> target column, per source table, where they differ.
+    pub column_map: crate::config::ColumnMap,
     /// Streaming, two-phase, binary, messages, origin: as asked; negotiated per server.
     pub requested: Requested,
     /// Where streamed transactions are spooled (default: a directory under the temp dir).
@@ -111,6 +113,7 @@ impl RunConfig {
             copy_only: false,
             copy: CopySettings::default(),
             table_map: Default::default(),
+            column_map: Default::default(),
             requested: Requested::default(),
             spool_dir: None,
             policies: Default::default(),
@@ -840,6 +843,7 @@ async fn run_in_span(
     let options = ApplierOptions {
         shared_targets,
         table_map: Arc::new(config.table_map.clone()),
+        column_map: Arc::new(config.column_map.clone()),
         policies: Arc::new(config.policies.clone()),
         policy_updates: config.policy_updates.clone(),
         skip_lsn: store

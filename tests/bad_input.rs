@@ -1883,3 +1883,43 @@ async fn check_names_a_deferrable_unique_constraint_on_the_target() {
         "{text}"
     );
 }
+
+/// A column renamed on the source in the middle of a transaction that writes it before and
+/// after: the error says to rename it on the target and map the old name onto it; with both
+/// done, the transaction applies whole, its earlier changes into the renamed column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_renamed_inside_a_transaction_is_applied_through_a_column_map() {
+    let db = TestDb::new("renmid").await;
+    db.both("CREATE TABLE t1 (id int PRIMARY KEY, k3 int)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t1").await;
+    db.source_sql("INSERT INTO t1 VALUES (1, 1), (2, 2)").await;
+    db.source_sql(
+        "BEGIN; UPDATE t1 SET k3 = 100 WHERE id = 1; INSERT INTO t1 VALUES (3, 101); \
+         ALTER TABLE t1 RENAME COLUMN k3 TO k4; UPDATE t1 SET k4 = 200 WHERE id = 2; \
+         INSERT INTO t1 VALUES (4, 102); COMMIT",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let map = r#"[tables."public.t1".columns] "k3" = "k4""#;
+    assert!(
+        stderr(&out).contains("RENAME COLUMN \"k3\" TO \"k4\"") && stderr(&out).contains(map),
+        "{}",
+        stderr(&out)
+    );
+    db.target_sql("ALTER TABLE t1 RENAME COLUMN k3 TO k4").await;
+    let config = std::env::temp_dir().join(format!("pgapply-renmid-{}.toml", std::process::id()));
+    std::fs::write(&config, "[tables.\"public.t1\".columns]\nk3 = \"k4\"\n").unwrap();
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &["--endpos", &endpos, "--config", config.to_str().unwrap()],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("t1").await;
+}

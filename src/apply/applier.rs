@@ -559,6 +559,8 @@ pub struct ApplierOptions {
     pub spool_dir: std::path::PathBuf,
     /// Source table -> target table, where they differ.
     pub table_map: Arc<crate::config::TableMap>,
+    /// Source column -> target column, per source table, where they differ.
+    pub column_map: Arc<crate::config::ColumnMap>,
     pub policies: Arc<PolicyMap>,
     pub policy_updates: Option<watch::Receiver<Arc<PolicyMap>>>,
     pub skip_lsn: Option<Lsn>,
@@ -778,7 +780,8 @@ impl Applier {
             in_flight_values: 0,
             progress,
             settings,
-            relations: RelationCache::new(options.table_map.clone()),
+            relations: RelationCache::new(options.table_map.clone())
+                .with_column_map(options.column_map.clone()),
             statements: HashMap::new(),
             full_as_text: FULL_AS_TEXT.lock().map(|s| s.clone()).unwrap_or_default(),
             begin,

@@ -162,6 +162,7 @@ pub struct DispatcherOptions {
     pub skip_lsn: Option<Lsn>,
     pub serial_through: Arc<std::sync::atomic::AtomicU64>,
     pub table_map: Arc<crate::config::TableMap>,
+    pub column_map: Arc<crate::config::ColumnMap>,
     pub queue_bytes: usize,
 }
 
@@ -179,7 +180,7 @@ impl Dispatcher {
             applied,
             stopped,
             catalog,
-            relations: RelationCache::new(options.table_map),
+            relations: RelationCache::new(options.table_map).with_column_map(options.column_map),
             keys: HashMap::new(),
             resume: options.resume,
             skip_lsn: options.skip_lsn,

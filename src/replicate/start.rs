@@ -95,6 +95,7 @@ impl ApplyStart {
                 skip_lsn: options.skip_lsn,
                 serial_through: serial_through.clone(),
                 table_map: options.table_map.clone(),
+                column_map: options.column_map.clone(),
                 queue_bytes: config.queue_bytes,
             },
         );
