@@ -309,8 +309,11 @@ impl RelationCache {
                             quote_ident(&column.name)
                         ),
                     };
+                    // (A built-in type by its name; another one is left for the user to fill in.)
+                    let type_name = tokio_postgres::types::Type::from_oid(column.type_oid)
+                        .map_or_else(|| "...".to_owned(), |t| t.name().to_owned());
                     Error::definite(format!(
-                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} ...){renamed}",
+                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}",
                         quote_ident(&column.name),
                         target.qualified,
                         target.qualified,

@@ -125,7 +125,11 @@ async fn column_missing_on_target() {
     db.source_sql("INSERT INTO t VALUES (1, 'x')").await;
     expect_failure(
         db.pgapply("p", &[]),
-        &["column \"extra\"", "\"public\".\"t\""],
+        &[
+            "column \"extra\"",
+            "\"public\".\"t\"",
+            "ADD COLUMN \"extra\" text",
+        ],
     )
     .await;
 }
