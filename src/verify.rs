@@ -828,7 +828,7 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
                 for (from, to) in &r.mismatches {
                     if from.is_none() && to.is_none() {
                         crate::out!(
-                            "          key range: the whole table (compared as one chunk; where the table has a key, a smaller --chunk-rows narrows it down)"
+                            "          key range: the whole table (compared as one chunk: chunks are cut from the source's rows, and it has no more than --chunk-rows of them, or no key to cut by; rows only the target has are in it too)"
                         );
                         continue;
                     }
