@@ -170,7 +170,8 @@ pub struct RunArgs {
     /// something or lasts a minute; 0 retries forever [default: 0].
     #[arg(long, env = "PGAPPLY_MAX_RETRIES")]
     pub max_retries: Option<u32>,
-    /// How often to report progress to the source when nothing else prompts it [default: 10s].
+    /// How often to report progress to the source when nothing else prompts it; below half the
+    /// source's wal_sender_timeout, or the source may end the connection [default: 10s].
     #[arg(long, env = "PGAPPLY_STATUS_INTERVAL", value_parser = crate::config::parse_duration)]
     pub status_interval: Option<Duration>,
     /// Largest protocol message accepted from the source, in bytes; a larger one is refused

@@ -34,6 +34,11 @@ pub fn check_run_only(config: &RunConfig) -> Result<()> {
             "--copy-only goes with --copy-data: it stops after the initial copy",
         ));
     }
+    if config.copy.truncate_target && !config.copy_data {
+        return Err(Error::usage(
+            "--truncate-target goes with --copy-data: it empties the target tables before the initial copy (without a copy, nothing is emptied)",
+        ));
+    }
     if config.copy_only && config.endpos.is_some() {
         return Err(Error::usage(
             "--copy-only stops after the initial copy, before any change: --endpos does not apply",

@@ -698,7 +698,7 @@ async fn run_in_span(
             // changes the copy holds (it knows nothing of the copy's position).
             if let Some(pid) = session.slot_active_pid(&config.slot).await? {
                 return Err(Error::transient(format!(
-                    "replication slot {:?} is in use by process {pid} on the source (another pgapply streaming it?): stop that one before a run with --copy-data copies the tables published since; it must end first",
+                    "replication slot {:?} is in use on the source (its walsender is process {pid} there; another pgapply streaming it?): stop that one before a run with --copy-data copies the tables published since; it must end first",
                     config.slot
                 )));
             }

@@ -1927,3 +1927,50 @@ async fn a_column_renamed_inside_a_transaction_is_applied_through_a_column_map()
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("t1").await;
 }
+
+/// A foreign key the target checks (its role may not set session_replication_role) refusing a
+/// replicated row, while streaming and in the initial copy: each error says why it fires and
+/// what to do, not only how to skip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_key_the_target_checks_is_explained() {
+    let db = TestDb::new("fkexplain").await;
+    db.both(
+        "CREATE TABLE parent (id int PRIMARY KEY); \
+         CREATE TABLE child (id int PRIMARY KEY, parent_id int REFERENCES parent)",
+    )
+    .await;
+    db.source_sql("INSERT INTO parent VALUES (1)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE parent, child")
+        .await;
+    let writer = format!("w_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {writer} LOGIN PASSWORD 'w-secret'; GRANT INSERT, UPDATE, DELETE, SELECT, TRUNCATE ON parent, child TO {writer}; \
+         GRANT CREATE ON DATABASE {} TO {writer};",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={writer} password=w-secret dbname={}",
+        db.target_port, db.name
+    );
+    // Mirrored from now on: the parent row the child refers to never came.
+    db.source_sql("INSERT INTO child VALUES (1, 1)").await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &target,
+            &db.slot(),
+            "p",
+            &["--endpos", &db.source_wal().await],
+        ),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("GRANT SET ON PARAMETER session_replication_role")
+            && stderr(&out).contains("the target lacks the row it refers to"),
+        "{}",
+        stderr(&out)
+    );
+}

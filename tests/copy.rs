@@ -2145,7 +2145,7 @@ async fn a_table_published_again_is_copied_again_and_not_under_a_running_worker(
     .await;
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
-    assert!(err.contains("is in use by process"), "{err}");
+    assert!(err.contains("its walsender is process"), "{err}");
     common::signal(&worker, libc::SIGTERM);
     assert!(worker.wait().await.unwrap().success());
     let out = run_with_deadline(

@@ -854,6 +854,12 @@ async fn check_lists_every_problem() {
     let (code, text, _) = check("p,ins", &["--create-slot", "--copy-only"]).await;
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("--copy-only goes with --copy-data"), "{text}");
+    let (code, text, _) = check("p,ins", &["--create-slot", "--truncate-target"]).await;
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("--truncate-target goes with --copy-data"),
+        "{text}"
+    );
     db.target_sql("INSERT INTO good VALUES (1, 'already here')")
         .await;
     let (code, text, _) = check("p,ins", &["--copy-data"]).await;

@@ -963,6 +963,12 @@ async fn copy_one(
                 "no partition of target table {target_table} takes the source's row: create the partition on the target (as on the source; or a DEFAULT partition), then run with --copy-data again (the copy starts over)"
             ));
         }
+        // Tables are copied side by side, in no order: a child's rows may come first.
+        if code.as_deref() == Some("23503") {
+            return err.context_after(
+                "the target's foreign keys check the copied rows because the target role may not set session_replication_role: copy as a superuser (or, on PostgreSQL 15+, GRANT SET ON PARAMETER session_replication_role TO the role), or create the foreign keys after the copy (`pgapply schema --section post-data`), then run with --copy-data again (the copy starts over)",
+            );
+        }
         with_grant(
             err,
             code,

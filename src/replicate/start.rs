@@ -258,7 +258,7 @@ pub(super) async fn refuse_lost_changes(
     // to say (the run waits for it as for a previous run's session), not lost changes.
     if let Some(pid) = session.slot_active_pid(slot).await? {
         return Err(Error::transient(format!(
-            "replication slot {slot:?} is in use by process {pid} on the source (another pgapply streaming it, or the session of a run that just ended): it must end first"
+            "replication slot {slot:?} is in use on the source (its walsender is process {pid} there: another pgapply streaming it, or the session of a run that just ended; `pgapply status` shows the running worker): it must end first"
         )));
     }
     let Some(confirmed) = session.slot_confirmed(slot).await? else {

@@ -320,7 +320,12 @@ impl ReplicationSession {
             tokio::select! {
                 r = &mut create => {
                     return r.map_err(|e| {
-                        e.context(format!("creating replication slot {slot:?} on the source"))
+                        let e = e.context(format!("creating replication slot {slot:?} on the source"));
+                        if e.message().contains("wal_level") {
+                            e.context_after("set wal_level = logical in the source's postgresql.conf (ALTER SYSTEM SET wal_level = logical) and restart it")
+                        } else {
+                            e
+                        }
                     });
                 }
                 _ = every.tick() => tracing::warn!(

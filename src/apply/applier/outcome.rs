@@ -376,6 +376,17 @@ impl Applier {
             },
             // NOT NULL on the target: a column the source does not send (dropped there, or
             // target-only) without a default, or one the source sends NULL in.
+            // A foreign key checked on the target: quiet under PostgreSQL's own subscriber.
+            Some("23503") => {
+                let constraint = db
+                    .and_then(|d| d.constraint())
+                    .map(|c| format!(" {}", quote_ident(c)))
+                    .unwrap_or_default();
+                format!(
+                    "the foreign key{constraint} of target table {table} checks replicated changes, which it does only when the target role may not set session_replication_role (PostgreSQL's own subscriber keeps foreign keys quiet): apply as a superuser or, on PostgreSQL 15+, GRANT SET ON PARAMETER session_replication_role TO the role, and start pgapply again; or the target lacks the row it refers to (a mirror started without --copy-data holds only the rows changed since it began): copy the missing rows from the source, then start pgapply again; or {}",
+                    self.skip_hint(about.commit_lsn)
+                )
+            }
             Some("23502") if db.and_then(|d| d.column()).is_some() => {
                 let column = db.and_then(|d| d.column()).unwrap_or_default();
                 let quoted = quote_ident(column);
