@@ -1,28 +1,24 @@
--- A table's columns join what each group checks of the tables it writes (pgapply.check_group).
--- A statement's parameters keep the column types they were prepared with: a target column changed
--- while pgapply runs (numeric to integer, say) would take the source's values through the
--- server's assignment cast, which rounds instead of failing. So each group passes what pgapply
--- read of every table it writes, its columns' names, types and type modifiers included, and raises
--- if any of it changed; the run then starts again and prepares its statements anew, and a value
--- that no longer fits fails as it would at a fresh start. (The group's statements hold ROW
--- EXCLUSIVE on the table: a column cannot change under them until the group ends.)
-CREATE OR REPLACE FUNCTION pgapply.batching_fingerprint(rel oid)
+-- The columns of every table a group writes join what the group checks before it commits
+-- (pgapply.check_group). A statement's parameters keep the column types they were prepared with: a
+-- target column changed while pgapply runs (numeric to integer, say) would take the source's
+-- values through the server's assignment cast, which rounds instead of failing. So each group
+-- passes, per table it writes, the column types pgapply read ("c|" and, per column in attnum
+-- order, "type:typmod,"), and raises PGA03 if they are no longer a prefix of the table's (a column
+-- added at the end changes nothing a statement wrote; one dropped or changed does). The run then
+-- starts again, reads the table anew and prepares its statements anew, and a value that no longer
+-- fits fails as it would at a fresh start. The group's statements hold ROW EXCLUSIVE on the table:
+-- no column can change under them until the group ends. (pgapply.batching_fingerprint is left as
+-- it was, so that a worker of an older pgapply on the same database keeps working.)
+CREATE OR REPLACE FUNCTION pgapply.columns_fingerprint(rel oid)
 RETURNS text LANGUAGE plpgsql STABLE AS $$
 DECLARE
     result text;
 BEGIN
-    SELECT concat_ws('|', c.relkind::text, c.relhasrules::text, c.relhassubclass::text,
-        coalesce((SELECT string_agg(t.oid::text || ':' || t.tgenabled::text, ',' ORDER BY t.oid)
-                  FROM pg_catalog.pg_trigger t WHERE t.tgrelid = c.oid), '-'),
-        coalesce((SELECT string_agg(i.indexrelid::text, ',' ORDER BY i.indexrelid)
-                  FROM pg_catalog.pg_index i
-                  WHERE i.indrelid = c.oid AND (i.indisunique OR i.indisexclusion)), '-'),
-        coalesce((SELECT string_agg(a.attnum::text || ':' || a.atttypid::text || ':' || a.atttypmod::text
-                                    || ':' || md5(a.attname::text), ',' ORDER BY a.attnum)
-                  FROM pg_catalog.pg_attribute a
-                  WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), '-'))
+    SELECT 'c|' || coalesce(string_agg(a.atttypid::text || ':' || a.atttypmod::text || ',', '' ORDER BY a.attnum), '')
     INTO result
-    FROM pg_catalog.pg_class c WHERE c.oid = rel;
+    FROM pg_catalog.pg_attribute a
+    WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped
+      AND EXISTS (SELECT 1 FROM pg_catalog.pg_class c WHERE c.oid = rel);
     RETURN result;
 END $$;
 
@@ -45,10 +41,21 @@ BEGIN
         SELECT r.rel INTO changed
         FROM unnest(pg_catalog.string_to_array(rels, ',')::oid[],
                     pg_catalog.string_to_array(fingerprints, E'\n')) AS r(rel, fingerprint)
-        WHERE pgapply.batching_fingerprint(r.rel) IS DISTINCT FROM r.fingerprint
+        WHERE r.fingerprint LIKE 'c|%'
+          AND pg_catalog.left(coalesce(pgapply.columns_fingerprint(r.rel), ''), pg_catalog.length(r.fingerprint)) <> r.fingerprint
         LIMIT 1;
         IF FOUND THEN
-            RAISE EXCEPTION 'the columns, triggers, rules, constraints or unique indexes of table % changed on the target while pgapply ran', changed::regclass
+            RAISE EXCEPTION 'the columns of table % changed on the target while pgapply ran', changed::regclass
+                USING ERRCODE = 'PGA03';
+        END IF;
+        SELECT r.rel INTO changed
+        FROM unnest(pg_catalog.string_to_array(rels, ',')::oid[],
+                    pg_catalog.string_to_array(fingerprints, E'\n')) AS r(rel, fingerprint)
+        WHERE r.fingerprint NOT LIKE 'c|%'
+          AND pgapply.batching_fingerprint(r.rel) IS DISTINCT FROM r.fingerprint
+        LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'the triggers, rules, constraints or unique indexes of table % changed on the target while pgapply ran', changed::regclass
                 USING ERRCODE = 'PGA01';
         END IF;
     END IF;

@@ -55,6 +55,16 @@ impl TargetTable {
     pub fn has_identity_always(&self) -> bool {
         self.columns.iter().any(|c| c.identity_always)
     }
+
+    /// The column types as read, as `pgapply.columns_fingerprint` writes them (migration 0019):
+    /// `c|` and, per column in attnum order, `type:typmod,`.
+    pub fn columns_fingerprint(&self) -> String {
+        let mut out = String::from("c|");
+        for c in &self.columns {
+            out.push_str(&format!("{}:{},", c.type_oid, c.type_modifier));
+        }
+        out
+    }
 }
 
 /// OIDs below this are built in, the same in every cluster (PostgreSQL's FirstNormalObjectId).

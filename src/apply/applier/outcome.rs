@@ -157,9 +157,19 @@ impl Applier {
                     )));
                 }
             }
+            // A column of a table this group writes changed since pgapply read it: its
+            // statements' parameters would be cast to the new type. Applied again, from the
+            // last commit, with the table read anew (planned: not a failed attempt).
+            Err(e) if e.code().map(|c| c.code()) == Some("PGA03") => {
+                if self.failure.is_none() {
+                    self.failure = Some(Error::planned_restart(format!(
+                        "{}: applying again from the last commit, with the table read anew and its statements prepared anew",
+                        describe_postgres(&e)
+                    )));
+                }
+            }
             Err(e) if e.code().map(|c| c.code()) == Some("PGA01") => {
-                // A table this group writes changed since pgapply read it: a column's type (its
-                // statements' parameters would be cast), or a trigger where updates are batched.
+                // A table whose updates this group batched got a trigger (say) meanwhile.
                 if self.failure.is_none() {
                     let through = self.unbatch(None);
                     let again = if through.is_valid() {

@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// How a columns fingerprint starts (`TargetTable::columns_fingerprint`), telling it from a
+/// batching one in `pgapply.check_group`.
+pub(super) const COLUMNS_MARK: &str = "c|";
+
 impl Applier {
     pub(super) async fn queue(
         &mut self,
@@ -85,16 +89,7 @@ impl Applier {
         entry: &RelationEntry,
         mut shape: Shape,
     ) -> Result<Statement> {
-        // The statement's parameter types are the columns' as the table is now: each group
-        // that writes the table checks it has not changed since (`check_unchanged`), as a
-        // column changed under a prepared statement takes values through an assignment cast
-        // (numeric into integer rounds). Read before the prepare: a change in between fails
-        // the check instead of slipping through.
-        let fingerprint = match self.fingerprints.get(&(entry.source.oid, entry.generation)) {
-            Some(f) => f.clone(),
-            None => self.read_fingerprint(entry).await?,
-        };
-        self.check_unchanged(entry, fingerprint);
+        self.check_columns(entry);
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
         }
@@ -146,25 +141,27 @@ impl Applier {
         Ok(statement)
     }
 
-    /// What `pgapply.check_group` compares the target table with (`pgapply.batching_fingerprint`).
-    async fn read_fingerprint(&self, entry: &RelationEntry) -> Result<Arc<str>> {
-        let row = self
-            .catalog
-            .query_one(
-                "SELECT coalesce(pgapply.batching_fingerprint($1), '')",
-                &[&entry.target.oid],
-            )
-            .await
-            .map_err(|e| {
-                Error::postgres(
-                    format!(
-                        "reading the columns and constraints of table {} on the target",
-                        entry.target.qualified
-                    ),
-                    e,
-                )
-            })?;
-        Ok(Arc::from(row.get::<_, String>(0)))
+    /// Has the group check, before it commits, that the target table's columns are still those
+    /// `entry` read (`pgapply.check_group`, migration 0019): the statements' parameters took their
+    /// types, and a column changed under a prepared statement takes values through an
+    /// assignment cast (numeric into integer rounds) where a fresh start would refuse them.
+    /// Read with the table, before any statement was prepared: a change in between fails the
+    /// check instead of slipping through. (Once per table and group: a short scan.)
+    pub(super) fn check_columns(&mut self, entry: &RelationEntry) {
+        let Some(group) = &mut self.group else {
+            return;
+        };
+        let oid = entry.target.oid;
+        if group
+            .relied_on
+            .iter()
+            .any(|(o, f)| *o == oid && f.starts_with(COLUMNS_MARK))
+        {
+            return;
+        }
+        group
+            .relied_on
+            .push((oid, Arc::from(entry.target.columns_fingerprint())));
     }
 
     /// After preparing statements for `entry`: their parameters took the target's column types as

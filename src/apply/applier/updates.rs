@@ -287,11 +287,9 @@ impl Applier {
         let Some(group) = &mut self.group else {
             return;
         };
-        if group
-            .relied_on
-            .iter()
-            .any(|(oid, _)| *oid == entry.target.oid)
-        {
+        if group.relied_on.iter().any(|(oid, f)| {
+            *oid == entry.target.oid && !f.starts_with(super::pipeline::COLUMNS_MARK)
+        }) {
             return;
         }
         group.relied_on.push((entry.target.oid, fingerprint));
@@ -304,6 +302,7 @@ impl Applier {
         unchanged: ColumnSet,
         rows: usize,
     ) -> Result<Statement> {
+        self.check_columns(entry);
         let shape = Shape {
             relation: entry.source.oid,
             generation: entry.generation,
