@@ -319,9 +319,13 @@ impl RelationCache {
                             quote_ident(&column.name)
                         ),
                     };
-                    // (A built-in type by its name; another one is left for the user to fill in.)
-                    let type_name = tokio_postgres::types::Type::from_oid(column.type_oid)
-                        .map_or_else(|| "...".to_owned(), |t| t.name().to_owned());
+                    // (A built-in type without a modifier by its name; another one, or a length or
+                    // precision, is left for the user to fill in.)
+                    let type_name = match tokio_postgres::types::Type::from_oid(column.type_oid) {
+                        Some(t) if column.type_modifier == -1 && t.name() == "char" => "\"char\"".to_owned(),
+                        Some(t) if column.type_modifier == -1 => t.name().to_owned(),
+                        _ => "...".to_owned(),
+                    };
                     Error::definite(format!(
                         "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}",
                         quote_ident(&column.name),
@@ -336,6 +340,18 @@ impl RelationCache {
                     quote_ident(&column.name),
                     target.qualified,
                     crate::sql::generated_column_fix(&target.qualified, &quote_ident(&column.name), None)
+                )));
+            }
+            // (Only through `[tables."s.t".columns]`: the source's names are unique.)
+            if let Some(other) = target_columns.iter().position(|&t| t == index) {
+                return Err(Error::definite(format!(
+                    "columns {} and {} of table {shown} both go to column {} of target table {} (the config file's [tables.\"{}.{}\".columns] maps one onto the other's name): remove or change that mapping, then start pgapply again",
+                    quote_ident(&relation.columns[other].name),
+                    quote_ident(&column.name),
+                    quote_ident(wanted),
+                    target.qualified,
+                    schema,
+                    relation.name
                 )));
             }
             quoted_columns.push(quote_ident(wanted));
@@ -365,11 +381,13 @@ impl RelationCache {
             }
         }
         self.generation += 1;
+        // (The target's names: a key column may be mapped onto another name.)
         let key: Vec<String> = relation
             .columns
             .iter()
-            .filter(|c| c.is_key() && relation.replica_identity != ReplicaIdentity::Full)
-            .map(|c| c.name.clone())
+            .zip(&target_columns)
+            .filter(|(c, _)| c.is_key() && relation.replica_identity != ReplicaIdentity::Full)
+            .map(|(_, &t)| target.columns[t].name.clone())
             .collect();
         // No key and not FULL (identity NOTHING, or a default identity without a primary key):
         // the source refuses UPDATE and DELETE on the table, so no change ever looks a row up.
@@ -616,13 +634,13 @@ fn rename_table_sql(from: &TargetTable, schema: &str, name: &str) -> String {
     steps.join("; ")
 }
 
-/// The config file lines that apply source column `from` of table `schema.table` to target
-/// column `to` (`[tables."s.t".columns]`), as one line of advice.
+/// The config file line that applies source column `from` of table `schema.table` to target
+/// column `to`: a dotted key, one line of valid TOML (before any `[table]` header of the file).
 fn column_map_lines(schema: &str, table: &str, from: &str, to: &str) -> String {
     let toml = |s: &str| format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""));
     let name = format!("{schema}.{table}");
     format!(
-        "[tables.{}.columns] {} = {}",
+        "tables.{}.columns.{} = {} (a line at the top of the file, before any [...] header)",
         toml(&name),
         toml(from),
         toml(to)

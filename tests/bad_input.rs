@@ -1927,7 +1927,7 @@ async fn a_column_renamed_inside_a_transaction_is_applied_through_a_column_map()
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
-    let map = r#"[tables."public.t1".columns] "k3" = "k4""#;
+    let map = r#"tables."public.t1".columns."k3" = "k4""#;
     assert!(
         stderr(&out).contains("RENAME COLUMN \"k3\" TO \"k4\"") && stderr(&out).contains(map),
         "{}",
@@ -1935,7 +1935,8 @@ async fn a_column_renamed_inside_a_transaction_is_applied_through_a_column_map()
     );
     db.target_sql("ALTER TABLE t1 RENAME COLUMN k3 TO k4").await;
     let config = std::env::temp_dir().join(format!("pgapply-renmid-{}.toml", std::process::id()));
-    std::fs::write(&config, "[tables.\"public.t1\".columns]\nk3 = \"k4\"\n").unwrap();
+    // The line as the error printed it.
+    std::fs::write(&config, format!("{map}\n")).unwrap();
     let out = run_with_deadline(
         db.pgapply(
             "p",

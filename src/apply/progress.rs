@@ -822,7 +822,7 @@ async fn bind_origin(client: &Client, name: &str) -> Result<()> {
         return Ok(());
     };
     let why = match e.code().map(|c| c.code()) {
-        Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or free the origins of slots no longer replicated into this target cluster (`pgapply forget --target ... --slot <slot>` in their database; for a database dropped since, SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE 'pgapply%' for those you know to be unused)".to_owned(),
+        Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or free the origins of slots no longer replicated into this target cluster: `pgapply forget --target ... --slot <slot>` in the database each was replicated into (SELECT roname FROM pg_replication_origin lists them; dropping one of a slot still in use makes its changes apply again)".to_owned(),
         _ => match e.as_db_error().and_then(|d| origin_holder(d.message())) {
             Some(pid) => holder_described(client, name, pid).await,
             None => "is another pgapply running for this slot, or hung? The PID below is its session on the target".to_owned(),

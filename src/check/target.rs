@@ -30,7 +30,7 @@ pub(super) async fn check_apply_session(
     match crate::copy::unenforced_unique_constraints(dst, tables).await {
         Ok(found) if found.is_empty() => {}
         Ok(found) => report.warning(format!(
-            "DEFERRABLE unique constraints on the target: {}. pgapply applies with session_replication_role = replica (as PostgreSQL's own subscriber), under which PostgreSQL does not check a deferrable constraint (its check is a trigger): a source row that clashes with a row written on the target goes in beside it, and no insert_exists or update_exists conflict is seen. If the target takes writes of its own, make them NOT DEFERRABLE there (drop and add the constraint again); `pgapply verify` finds rows that slipped in",
+            "DEFERRABLE unique constraints on the target: {}. pgapply applies with session_replication_role = replica (as PostgreSQL's own subscriber), under which PostgreSQL does not check a deferrable constraint (its check is a trigger): a source row that clashes with a row written on the target goes in beside it, and no insert_exists or update_exists conflict is seen. If the target takes writes of its own, either apply as a role that may not set session_replication_role (then the constraints are checked before each commit, but the target's triggers and foreign keys fire too), or make them NOT DEFERRABLE there (drop and add the constraint again; a source statement that swaps keys under it then stops pgapply); `pgapply verify` finds rows that slipped in",
             found.join(", ")
         )),
         Err(e) => report.problem(e.to_string()),

@@ -106,7 +106,7 @@ impl Applier {
             // committed before it are counted and their conflicts recorded first.
             if let Some(e) = self.failure.take() {
                 self.settle_committed().await;
-                return Err(e);
+                return Err(self.unless_table_changed(e).await);
             }
         }
         match self.failure.take() {

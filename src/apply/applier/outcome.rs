@@ -392,6 +392,22 @@ impl Applier {
                     .and_then(|d| d.constraint())
                     .map(|c| format!(" {}", quote_ident(c)))
                     .unwrap_or_default();
+                // (The error names the referencing table: another one when this change removes
+                // or rekeys a row that target rows still refer to.)
+                let referencing = db
+                    .and_then(|d| d.table())
+                    .filter(|t| *t != about.relation.target.name);
+                if let Some(child) = referencing {
+                    let child = match db.and_then(|d| d.schema()) {
+                        Some(schema) => crate::sql::qualified_name(schema, child),
+                        None => quote_ident(child),
+                    };
+                    return format!(
+                        "rows of target table {child} still refer to the row of {table} this {} changes, through its foreign key{constraint} (rows the source does not have there: a target-only table, or one filled from elsewhere), and the foreign key checks replicated changes because the target role may not set session_replication_role: delete or change those rows on the target (or give the foreign key ON DELETE/ON UPDATE CASCADE there), or apply as a superuser or, on PostgreSQL 15+, a role granted SET ON PARAMETER session_replication_role, then start pgapply again; or {}",
+                        about.operation,
+                        self.skip_hint(about.commit_lsn)
+                    );
+                }
                 format!(
                     "the foreign key{constraint} of target table {table} checks replicated changes, which it does only when the target role may not set session_replication_role (PostgreSQL's own subscriber keeps foreign keys quiet): apply as a superuser or, on PostgreSQL 15+, GRANT SET ON PARAMETER session_replication_role TO the role, and start pgapply again; or the target lacks the row it refers to (a mirror started without --copy-data holds only the rows changed since it began): copy the missing rows from the source, then start pgapply again; or {}",
                     self.skip_hint(about.commit_lsn)
