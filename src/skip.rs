@@ -136,6 +136,31 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             )));
         }
     }
+    // --drop-slot: the slot of that name on the given source must be the one this target's state
+    // is about (fan-in: each slot has a source of its own), checked before anything is removed.
+    if let (Some(source), true) = (&source, has_state) {
+        let recorded: Option<String> = client
+            .query_opt(
+                "SELECT source_system_id FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(context)?
+            .and_then(|r| r.get(0));
+        if let Some(recorded) = recorded.filter(|r| !r.is_empty()) {
+            let mut session = crate::source::ReplicationSession::connect(source, 1 << 20)
+                .await
+                .map_err(|e| e.context(format!("source {}", conninfo::describe(source))))?;
+            let identity = session.identify_system().await?;
+            if identity.system_id != recorded {
+                return Err(Error::definite(format!(
+                    "this target's state for slot {slot:?} is about a source with system identifier {recorded}, but --source ({}) is system {}: its slot of that name belongs to another replication. Nothing was removed; give the --source slot {slot:?} replicates from",
+                    conninfo::describe(source),
+                    identity.system_id
+                )));
+            }
+        }
+    }
     // Replication origins belong to the whole target cluster: the slot name claimed by another
     // database's pgapply (`pgapply_<slot>.db<oid>`) is that database's to forget.
     let other: Option<String> = client

@@ -383,6 +383,47 @@ async fn copy_up_to_now(db: &TestDb) {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
+/// A second worker's --copy-data --truncate-target into a table the copy of another slot filled
+/// (fan-in from two sources): refused, naming that slot, and the rows stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_target_refuses_a_table_another_slot_filled() {
+    let db = TestDb::new("faninc").await;
+    db.both("CREATE TABLE shared (id int PRIMARY KEY)").await;
+    db.source_sql(
+        "INSERT INTO shared SELECT generate_series(1, 10); CREATE PUBLICATION p FOR TABLE shared;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    let other = format!("{}_b", db.slot());
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &db.target_conninfo(),
+            &other,
+            "p",
+            &[
+                "--copy-data",
+                "--truncate-target",
+                "--endpos",
+                &db.source_wal().await,
+            ],
+        ),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("the copy of slot '{}'", db.slot()))
+            && stderr(&out).contains("pgapply forget"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM shared").await,
+        10
+    );
+}
+
 /// A copied row no partition of the target takes: the error says to create the partition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copied_row_without_a_target_partition_is_named() {

@@ -1814,6 +1814,39 @@ async fn forget_removes_a_slots_state_and_origins() {
         db.slot().replace('_', "\\_")
     );
     assert!(db.count(&db.target, &origins).await >= 2);
+    // The wrong --source (another cluster, with a slot of the same name): refused before
+    // anything is removed, and that slot stays.
+    let wal_level: String = db
+        .target
+        .query_one("SHOW wal_level", &[])
+        .await
+        .unwrap()
+        .get(0);
+    if wal_level == "logical" {
+        db.target
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&db.slot()],
+            )
+            .await
+            .unwrap();
+        let out = run_with_deadline(
+            forget(&["--drop-slot", "--source", &db.target_conninfo()]),
+            30,
+        )
+        .await;
+        assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("Nothing was removed"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(db.count(&db.target, &origins).await >= 2);
+        db.target
+            .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
+            .await
+            .unwrap();
+    }
     let out = run_with_deadline(
         forget(&["--drop-slot", "--source", &db.source_conninfo()]),
         30,

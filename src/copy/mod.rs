@@ -183,6 +183,7 @@ pub async fn unenforced_unique_constraints(
 /// with `truncate`). Returns per table whether binary COPY can be used (same column types).
 async fn prepare_target(
     target: &Client,
+    slot: &str,
     tables: &[PublishedTable],
     truncate: bool,
     same_major: bool,
@@ -249,6 +250,26 @@ async fn prepare_target(
         }
     }
     if !not_empty.is_empty() {
+        // Rows another worker (another slot, from another source) copied in: emptying the
+        // table would lose them, and that worker never sends them again.
+        let filled: Vec<&PublishedTable> = tables
+            .iter()
+            .filter(|t| not_empty.contains(&t.target_qualified()))
+            .collect();
+        let others = other_slots_filling(target, slot, &filled).await;
+        if !others.is_empty() {
+            return Err(Error::definite(format!(
+                "target table{} {} {} not empty, and the copy of slot{} {} (another worker, into this database) filled {}: emptying {} would lose that worker's rows, which it never sends again. --copy-data copies only into empty tables: copy this source's rows into {} by hand (COPY ... TO/FROM, in a snapshot you then start a slot at), and replicate from then on without --copy-data. If that worker no longer replicates into this database (a migration started over under a new slot), remove its state first (pgapply forget --target ... --slot <that slot>), then run this again",
+                if not_empty.len() == 1 { "" } else { "s" },
+                not_empty.join(", "),
+                if not_empty.len() == 1 { "is" } else { "are" },
+                if others.len() == 1 { "" } else { "s" },
+                others.join(", "),
+                if not_empty.len() == 1 { "it" } else { "them" },
+                if not_empty.len() == 1 { "it" } else { "them" },
+                if not_empty.len() == 1 { "it" } else { "them" },
+            )));
+        }
         if !truncate {
             let why = if late {
                 "published after the initial copy, they are copied into empty tables (the rows the stream brought since they were published are in the copy too)"
@@ -277,6 +298,35 @@ async fn prepare_target(
         tracing::info!(tables = %not_empty.join(", "), "emptied target tables (--truncate-target)");
     }
     Ok(binary)
+}
+
+/// The other slots whose initial copy took in one of `tables` (by source or target name), as
+/// `"slot"` literals for a message; none when that cannot be read.
+async fn other_slots_filling(
+    target: &Client,
+    slot: &str,
+    tables: &[&PublishedTable],
+) -> Vec<String> {
+    let mut schemas = Vec::new();
+    let mut names = Vec::new();
+    for t in tables {
+        schemas.extend([t.schema.clone(), t.target_schema.clone()]);
+        names.extend([t.name.clone(), t.target_name.clone()]);
+    }
+    target
+        .query(
+            "SELECT DISTINCT c.slot_name FROM pgapply.copy_state c \
+             JOIN unnest($2::text[], $3::text[]) AS t(s, n) ON t.s = c.schema_name AND t.n = c.table_name \
+             WHERE c.slot_name <> $1 ORDER BY 1",
+            &[&slot, &schemas, &names],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| crate::sql::shown_literal(&r.get::<_, String>(0)))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// One unit of copy work: a table, or a page range of it.
@@ -519,6 +569,7 @@ pub async fn plan_copy(
     warn_of_loud_triggers(&target, &tables).await?;
     let binary = prepare_target(
         &target,
+        slot,
         &tables,
         settings.truncate_target,
         source_major == target_major,
