@@ -60,3 +60,9 @@ BEGIN
         END IF;
     END IF;
 END $$;
+
+-- The source database a slot replicates from (with source_system_id, the source itself): two
+-- workers of one target database apply the same tables only when they read the same source, so
+-- a warning about that compares both (fan-in from several sources uses the same publication
+-- names everywhere). NULL until the slot's next start.
+ALTER TABLE pgapply.progress ADD COLUMN IF NOT EXISTS source_database text;

@@ -500,6 +500,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
     let (mut config, service) = config::resolve(&args, &file)?;
     config::check_run_only(&config)?;
     let _ = RUN_SLOT.set(config.slot.clone());
+    let _ = pgapply::metrics::METRICS.slot.set(config.slot.clone());
     let (policy_tx, policy_rx) = watch::channel(std::sync::Arc::new(config.policies.clone()));
     config.policy_updates = Some(policy_rx);
     if let Some(addr) = &service.metrics_addr {

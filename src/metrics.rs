@@ -117,6 +117,9 @@ pub struct Metrics {
     pub reconnects: Counter,
     pub conflicts: Mutex<BTreeMap<&'static str, u64>>,
     pub copy: Mutex<BTreeMap<String, (u64, u64)>>,
+    /// The slot this process's worker applies (`pgapply_info{slot=..}`): several workers on one
+    /// host are told apart by it, not only by their ports.
+    pub slot: std::sync::OnceLock<String>,
 }
 
 pub static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(Metrics::default);
@@ -169,6 +172,13 @@ impl Metrics {
     /// The text exposition format.
     pub fn render(&self) -> String {
         let mut out = String::new();
+        if let Some(slot) = self.slot.get() {
+            let escaped = slot.replace('\\', "\\\\").replace('"', "\\\"");
+            let _ = writeln!(
+                out,
+                "# HELP pgapply_info The slot this process applies.\n# TYPE pgapply_info gauge\npgapply_info{{slot=\"{escaped}\"}} 1"
+            );
+        }
         let mut gauge = |name: &str, help: &str, v: f64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         };

@@ -419,7 +419,7 @@ async fn run_in_span(
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
     let publications_dropped =
         record_publications(&setup, &config.slot, &config.publications).await?;
-    warn_of_other_live_slots(&setup, &config.slot, &config.publications).await;
+    warn_of_other_live_slots(&setup, &config.slot, &config.publications, &identity).await;
     // A slot that `pgapply cutover` stopped at a position stays stopped there: after a cutover
     // the target is the primary, and a worker started again (by a service manager, say) must not
     // apply the old source's later writes to it, nor copy the tables again.

@@ -426,6 +426,10 @@ async fn status_and_metrics_move_with_the_workload() {
     .await;
     let m = http_get(port, "/metrics").await;
     assert!(metric(&m, "pgapply_lag_seconds") < 1.0, "{m}");
+    assert!(
+        m.contains(&format!("pgapply_info{{slot=\"{}\"}} 1", db.slot())),
+        "{m}"
+    );
     // status reads the heartbeat the worker writes every status interval.
     wait_for("status to show the transactions", 30, || async {
         let out = run_with_deadline(

@@ -109,7 +109,7 @@ async fn claim_slot_name(client: &Client, slot: &str, origin: &str) -> Result<()
                     .await;
             }
             Err(Error::definite(format!(
-                "slot name {slot:?} is already used by pgapply in database {database:?} of this target cluster: the position is kept in replication origins, which all databases of a cluster share, so give this run another --slot (and make that slot on the source). If nothing replicates into {database:?} under this name any more, drop its claim: SELECT pg_replication_origin_drop({})",
+                "slot name {slot:?} is already used by pgapply in database {database:?} of this target cluster: the position is kept in replication origins, which all databases of a cluster share, so give this run another --slot (and make that slot on the source). If nothing replicates into {database:?} under this name any more, remove its state there: pgapply forget --target <that server, dbname={database}> --slot {slot} (or, for a database dropped since, SELECT pg_replication_origin_drop({}))",
                 crate::sql::quote_literal(&claim)
             )))
         }

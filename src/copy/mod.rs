@@ -300,6 +300,29 @@ async fn prepare_target(
     Ok(binary)
 }
 
+/// Says when target tables the copy fills are published on the target: its rows carry no
+/// replication origin (PostgreSQL's own table sync sets one), so a worker replicating them back
+/// with `--origin none` (a two-way setup) would take them for the target's own writes.
+async fn warn_of_republished(target: &Client, tables: &[PublishedTable]) {
+    let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    let Ok(rows) = target
+        .query(
+            "SELECT string_agg(DISTINCT pg_catalog.quote_ident(p.pubname), ', ') FROM pg_catalog.pg_publication_tables p \
+             WHERE pg_catalog.quote_ident(p.schemaname) || '.' || pg_catalog.quote_ident(p.tablename) = ANY ($1)",
+            &[&names],
+        )
+        .await
+    else {
+        return;
+    };
+    if let Some(publications) = rows.first().and_then(|r| r.get::<_, Option<String>>(0)) {
+        tracing::warn!(
+            publications = %publications,
+            "tables this copy fills are published on the target: the copied rows carry no replication origin, so a worker that replicates them back from the target with --origin none (a two-way setup) receives them as the target's own writes. Make that worker's slot after this copy has finished (or skip the copy's transactions there)"
+        );
+    }
+}
+
 /// The other slots whose initial copy took in one of `tables` (by source or target name), as
 /// `"slot"` literals for a message; none when that cannot be read.
 async fn other_slots_filling(
@@ -567,6 +590,7 @@ pub async fn plan_copy(
         tracing::info!(tables = %names.join(", "), "published after the initial copy: copying their rows in a snapshot of their own; the stream then skips their changes that the copy holds");
     }
     warn_of_loud_triggers(&target, &tables).await?;
+    warn_of_republished(&target, &tables).await;
     let binary = prepare_target(
         &target,
         slot,

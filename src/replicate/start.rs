@@ -258,7 +258,7 @@ pub(super) async fn refuse_lost_changes(
     // to say (the run waits for it as for a previous run's session), not lost changes.
     if let Some(pid) = session.slot_active_pid(slot).await? {
         return Err(Error::transient(format!(
-            "replication slot {slot:?} is in use on the source (its walsender is process {pid} there: another pgapply streaming it, or the session of a run that just ended; `pgapply status` shows the running worker): it must end first"
+            "replication slot {slot:?} is in use on the source (its walsender is process {pid} there: another pgapply streaming it, into this target or another one, or the session of a run that just ended; `pgapply status` on the target shows its running worker): it must end first"
         )));
     }
     let Some(confirmed) = session.slot_confirmed(slot).await? else {
@@ -375,22 +375,32 @@ pub(super) async fn record_publications(
     Ok(dropped)
 }
 
-/// Says when another slot's worker, alive now, applies one of the same publications into this
-/// target database: two workers writing the same tables meet each other's rows as conflicts
-/// (insert_exists), and a conflict policy would only hide that. (Usually a second worker
-/// started by mistake, with another --slot.)
+/// Says when another slot's worker, alive now, applies one of the same publications of the same
+/// source database into this target database: two workers writing the same tables meet each
+/// other's rows as conflicts (insert_exists), and a conflict policy would only hide that.
+/// (Usually a second worker started by mistake, with another --slot.) Records this slot's source
+/// database first, which the other slots' rows are compared by (with the system identifier).
 pub(super) async fn warn_of_other_live_slots(
     target: &tokio_postgres::Client,
     slot: &str,
     publications: &[String],
+    source: &crate::source::SystemIdentity,
 ) {
+    let _ = target
+        .execute(
+            "UPDATE pgapply.progress SET source_database = $2 WHERE slot_name = $1",
+            &[&slot, &source.database],
+        )
+        .await;
     let Ok(rows) = target
         .query(
             "SELECT slot_name, pid, array_to_string(publications, ',') FROM pgapply.progress \
              WHERE slot_name <> $1 AND publications && $2::text[] \
+               AND source_system_id IS NOT DISTINCT FROM $3 \
+               AND coalesce(source_database, $4) = $4 \
                AND heartbeat_at > now() - interval '1 minute' AND stop_lsn IS NULL \
                AND pid IS NOT NULL AND coalesce(state, '') NOT IN ('stopped', 'failed')",
-            &[&slot, &publications],
+            &[&slot, &publications, &source.system_id, &source.database],
         )
         .await
     else {

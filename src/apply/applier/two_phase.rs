@@ -155,7 +155,16 @@ impl Applier {
         if let Err(e) = self.client.batch_execute(&prepare).await {
             // Only an error the server sent says the PREPARE did not happen (as for a COMMIT).
             let refused = e.as_db_error().is_some();
-            let err = Error::postgres(format!("preparing transaction {gid} on the target"), e);
+            let taken = e.code().is_some_and(|c| c.code() == "42710");
+            let mut err = Error::postgres(format!("preparing transaction {gid} on the target"), e);
+            // Prepared transactions' names are the whole cluster's: another database's worker
+            // of a slot with the same name, from a source where the same xid was used.
+            if taken {
+                err = err.context_after(format!(
+                    "a prepared transaction of that name exists in the target cluster already: another database's pgapply with a slot named {:?} (names of prepared transactions are shared by all databases of a cluster) — give one of them another --slot; this one goes on once that transaction is committed or rolled back (pg_prepared_xacts lists it)",
+                    self.slot
+                ));
+            }
             return Err(if refused {
                 self.with_origin_rewound(err).await
             } else {
