@@ -639,6 +639,7 @@ impl Workers {
                 },
             )));
         }
+        let stopping = dispatcher.stop_between.clone();
         let dispatched = dispatcher.run(rx).await;
         let last_end = dispatcher.last_end();
         // Closing the workers' queues lets them finish what they have and stop.
@@ -648,7 +649,29 @@ impl Workers {
         let mut running: futures_util::stream::FuturesUnordered<_> = tasks.into_iter().collect();
         let mut stats = ApplyStats::default();
         let mut result = Ok(());
-        while let Some(joined) = running.next().await {
+        let asked_to_stop = std::time::Instant::now();
+        loop {
+            // Asked to stop: a worker may wait on the server for another's transaction that
+            // will not commit now (its worker stopped before it). Given a few seconds to end at a
+            // transaction boundary, the rest are ended: their open transactions roll back, and
+            // each worker's origin keeps what it committed, so nothing is lost.
+            let joined = if stopping.load(Ordering::Relaxed) {
+                let left =
+                    std::time::Duration::from_secs(5).saturating_sub(asked_to_stop.elapsed());
+                match tokio::time::timeout(left, running.next()).await {
+                    Ok(joined) => joined,
+                    Err(_) => {
+                        tracing::info!("stopping: ending the apply workers still waiting on the target (their open transactions roll back)");
+                        for abort in &aborts {
+                            abort.abort();
+                        }
+                        running.next().await
+                    }
+                }
+            } else {
+                running.next().await
+            };
+            let Some(joined) = joined else { break };
             match joined {
                 Ok(s) => stats.add(&s),
                 Err(e) if e.is_cancelled() => {}

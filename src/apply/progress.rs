@@ -810,17 +810,28 @@ async fn reconcile_origins(client: &Client, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Binds `client`'s session to replication origin `name`.
+/// Binds `client`'s session to replication origin `name`. Held by a session this process left
+/// from an earlier attempt (still waiting on the server), that session is ended first.
 async fn bind_origin(client: &Client, name: &str) -> Result<()> {
-    let Err(e) = client
-        .execute(
-            "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
-            &[&name],
-        )
-        .await
-    else {
+    let setup = || async {
+        client
+            .execute(
+                "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
+                &[&name],
+            )
+            .await
+    };
+    let Err(mut e) = setup().await else {
         return Ok(());
     };
+    if let Some(pid) = e.as_db_error().and_then(|d| origin_holder(d.message())) {
+        if crate::apply::sessions::end_own_earlier_session(client, pid as i32).await {
+            match setup().await {
+                Ok(_) => return Ok(()),
+                Err(again) => e = again,
+            }
+        }
+    }
     let why = match e.code().map(|c| c.code()) {
         Some("53400") => "the target has no free replication origin state: raise max_active_replication_origins (PostgreSQL 18+) or max_replication_slots (before 18) on the target, or free the origins of slots no longer replicated into this target cluster: `pgapply forget --target ... --slot <slot>` in the database each was replicated into (SELECT roname FROM pg_replication_origin lists them; dropping one of a slot still in use makes its changes apply again)".to_owned(),
         _ => match e.as_db_error().and_then(|d| origin_holder(d.message())) {

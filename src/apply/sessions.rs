@@ -34,6 +34,52 @@ pub async fn register(client: &tokio_postgres::Client) {
     }
 }
 
+/// Ends `pid` if it is an apply session this process opened (same pid and start time), left
+/// from an earlier attempt: one waiting on the server (a parallel worker's wait for another's
+/// commit, say) keeps its connection until the server answers, and with it its replication
+/// origin, which the next attempt needs. Returns whether it ended (within 5 s).
+pub async fn end_own_earlier_session(client: &tokio_postgres::Client, pid: i32) -> bool {
+    let (pids, starts): (Vec<i32>, Vec<i64>) = match SESSIONS.lock() {
+        Ok(sessions) => sessions.iter().cloned().unzip(),
+        Err(_) => return false,
+    };
+    let own = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity s \
+                            JOIN unnest($2::int4[], $3::int8[]) o(pid, started) ON o.pid = s.pid \
+                            WHERE s.pid = $1 AND (extract(epoch FROM s.backend_start) * 1000000)::int8 = o.started) \
+                    AND $1 <> pg_catalog.pg_backend_pid()",
+            &[&pid, &pids, &starts],
+        )
+        .await
+        .is_ok_and(|r| r.get::<_, bool>(0));
+    if !own {
+        return false;
+    }
+    if client
+        .execute("SELECT pg_catalog.pg_terminate_backend($1)", &[&pid])
+        .await
+        .is_err()
+    {
+        return false;
+    }
+    tracing::info!(pid, "ended this process's target session of an earlier attempt, which still held what this one needs");
+    for _ in 0..50 {
+        let gone = client
+            .query_one(
+                "SELECT NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = $1)",
+                &[&pid],
+            )
+            .await
+            .is_ok_and(|r| r.get::<_, bool>(0));
+        if gone {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    false
+}
+
 /// Lock waits of the apply sessions, as the heartbeat last saw them.
 #[derive(Default)]
 pub struct LockWaits {
