@@ -466,3 +466,45 @@ async fn a_large_transaction_behind_a_small_queue_goes_through_parallel_workers(
     );
     db.assert_same("big").await;
 }
+
+/// Asked to stop while a worker waits on the target (a user's lock on a table) and the others
+/// wait for its transactions' commits: the workers still waiting after a few seconds are ended
+/// (their open transactions roll back), the process exits 0 well before the forced stop, and a
+/// start after the lock is gone applies everything, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_workers_wait_on_the_target_ends_cleanly() {
+    let db = setup("parstop").await;
+    workload(&db, 40).await;
+    let holder = connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE acct IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut worker = spawn(db.pgapply("p", &["--apply-workers", "3"]));
+    wait_for("a worker waiting for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    common::signal(&worker, libc::SIGTERM);
+    let status = tokio::time::timeout(Duration::from_secs(60), worker.wait())
+        .await
+        .expect("pgapply stops")
+        .unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "stopped after {:?}",
+        asked.elapsed()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(25),
+        "stopped after {:?}",
+        asked.elapsed()
+    );
+    holder.batch_execute("COMMIT").await.unwrap();
+    sync_parallel(&db, "3").await;
+    for t in TABLES {
+        db.assert_same(t).await;
+    }
+}

@@ -640,36 +640,53 @@ impl Workers {
             )));
         }
         let stopping = dispatcher.stop_between.clone();
-        let dispatched = dispatcher.run(rx).await;
+        let aborts: Vec<tokio::task::AbortHandle> =
+            tasks.iter().map(|t| t.abort_handle()).collect();
+        // Asked to stop: a worker may wait on the target (a user's lock), and the others, and the
+        // dispatcher, for its commits. Given a few seconds to end at a transaction boundary,
+        // the workers still busy are ended: their open transactions roll back, and each
+        // worker's origin keeps what it committed, so nothing is lost; the process then stops
+        // cleanly instead of running into the forced stop.
+        let mut stop_seen: Option<std::time::Instant> = None;
+        let mut ended_for_stop = false;
+        let end_for_stop = |stop_seen: &mut Option<std::time::Instant>, ended: &mut bool| {
+            if *ended || !stopping.load(Ordering::Relaxed) {
+                return;
+            }
+            let seen = *stop_seen.get_or_insert_with(std::time::Instant::now);
+            if seen.elapsed() >= STOP_WAIT {
+                tracing::info!("stopping: ending the apply workers still busy on the target (their open transactions roll back)");
+                for abort in &aborts {
+                    abort.abort();
+                }
+                *ended = true;
+            }
+        };
+        let dispatched = {
+            let dispatch = dispatcher.run(rx);
+            tokio::pin!(dispatch);
+            loop {
+                tokio::select! {
+                    d = &mut dispatch => break d,
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {
+                        end_for_stop(&mut stop_seen, &mut ended_for_stop);
+                    }
+                }
+            }
+        };
         let last_end = dispatcher.last_end();
         // Closing the workers' queues lets them finish what they have and stop.
         drop(dispatcher);
-        let aborts: Vec<tokio::task::AbortHandle> =
-            tasks.iter().map(|t| t.abort_handle()).collect();
         let mut running: futures_util::stream::FuturesUnordered<_> = tasks.into_iter().collect();
         let mut stats = ApplyStats::default();
         let mut result = Ok(());
-        let asked_to_stop = std::time::Instant::now();
         loop {
-            // Asked to stop: a worker may wait on the server for another's transaction that
-            // will not commit now (its worker stopped before it). Given a few seconds to end at a
-            // transaction boundary, the rest are ended: their open transactions roll back, and
-            // each worker's origin keeps what it committed, so nothing is lost.
-            let joined = if stopping.load(Ordering::Relaxed) {
-                let left =
-                    std::time::Duration::from_secs(5).saturating_sub(asked_to_stop.elapsed());
-                match tokio::time::timeout(left, running.next()).await {
-                    Ok(joined) => joined,
-                    Err(_) => {
-                        tracing::info!("stopping: ending the apply workers still waiting on the target (their open transactions roll back)");
-                        for abort in &aborts {
-                            abort.abort();
-                        }
-                        running.next().await
-                    }
+            let joined = tokio::select! {
+                joined = running.next() => joined,
+                _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {
+                    end_for_stop(&mut stop_seen, &mut ended_for_stop);
+                    continue;
                 }
-            } else {
-                running.next().await
             };
             let Some(joined) = joined else { break };
             match joined {
@@ -698,12 +715,17 @@ impl Workers {
             // in case they depend on each other in ways not seen here.
             serial_through.fetch_max(last_end.0, Ordering::Relaxed);
             result = Err(e);
+        } else if ended_for_stop {
+            // (The dispatcher saw its workers end: that was the stop.)
         } else if result.is_ok() {
             result = dispatched;
         }
         (stats, result)
     }
 }
+
+/// How long a stop waits for the workers to reach a transaction boundary before ending them.
+const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A copy of a message for another worker (its bytes count once against the queue's budget).
 fn copy(envelope: &Envelope) -> Envelope {
