@@ -345,7 +345,7 @@ impl RelationCache {
             // (Only through `[tables."s.t".columns]`: the source's names are unique.)
             if let Some(other) = target_columns.iter().position(|&t| t == index) {
                 return Err(Error::definite(format!(
-                    "columns {} and {} of table {shown} both go to column {} of target table {} (the config file's [tables.\"{}.{}\".columns] maps one onto the other's name): remove or change that mapping, then start pgapply again",
+                    "columns {} and {} of table {shown} both go to column {} of target table {} (the config file's [tables.\"{}.{}\".columns] maps them onto one name): remove or change that mapping, then start pgapply again",
                     quote_ident(&relation.columns[other].name),
                     quote_ident(&column.name),
                     quote_ident(wanted),
@@ -640,10 +640,10 @@ fn column_map_lines(schema: &str, table: &str, from: &str, to: &str) -> String {
     let toml = |s: &str| format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""));
     let name = format!("{schema}.{table}");
     format!(
-        "tables.{}.columns.{} = {} (a line at the top of the file, before any [...] header)",
-        toml(&name),
-        toml(from),
-        toml(to)
+        "tables.{name}.columns.{from} = {to} (a line at the top of the file, before any [...] header; where the file has a [tables.{name}] header already, write columns.{from} = {to} under it)",
+        name = toml(&name),
+        from = toml(from),
+        to = toml(to)
     )
 }
 

@@ -986,6 +986,14 @@ async fn run_in_span(
             }
         }
     };
+    // Apply sessions ended from this side (parallel workers at a stop, or after a failure) may
+    // live on in the server: a backend waiting for a lock with unread statements in its socket
+    // never sees the close, and keeps its origin and row locks for the next start to wait on.
+    if *shutdown.borrow() || !matches!(&joined, Ok((_, Ok(())))) {
+        if let Ok(client) = target_connection(&pool, &config.target).await {
+            crate::apply::sessions::end_own_lingering(&client).await;
+        }
+    }
     let (stats, apply_result) = match joined {
         Ok(pair) => pair,
         Err(e) => return Err(Error::definite(format!("the apply task failed: {e}"))),

@@ -227,6 +227,14 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
     tx.commit().await.map_err(context)?;
     if rows == 0 && origins.is_empty() {
         crate::out!("the target holds nothing for slot {slot}");
+        // Nothing ties the source's slot of that name to a replication into this target (its
+        // state forgotten earlier, or never here): it may be another one's.
+        if source.is_some() {
+            return Err(Error::definite(format!(
+                "not dropping replication slot {slot:?} on the source: this target holds no state for it, so nothing says it is the slot of a replication into this target (it may be another one's). If it is yours, drop it on the source yourself: SELECT pg_drop_replication_slot({})",
+                crate::sql::shown_literal(&slot)
+            )));
+        }
     } else {
         crate::out!(
             "forgot slot {slot} on the target: {rows} row(s) of pgapply's state and {} replication origin(s); its conflict records stay in pgapply.conflicts",

@@ -413,8 +413,10 @@ async fn truncate_target_refuses_a_table_another_slot_filled() {
     .await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
-        stderr(&out).contains(&format!("the copy of slot '{}'", db.slot()))
-            && stderr(&out).contains("pgapply forget"),
+        stderr(&out).contains(&format!(
+            "\"public\".\"shared\" (copied by slot '{}')",
+            db.slot()
+        )) && stderr(&out).contains(&format!("pgapply forget --target ... --slot {}", db.slot())),
         "{}",
         stderr(&out)
     );

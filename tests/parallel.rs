@@ -474,7 +474,7 @@ async fn a_large_transaction_behind_a_small_queue_goes_through_parallel_workers(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_while_workers_wait_on_the_target_ends_cleanly() {
     let db = setup("parstop").await;
-    workload(&db, 40).await;
+    workload(&db, 200).await;
     let holder = connect(db.target_port, &db.name).await;
     holder
         .batch_execute("BEGIN; LOCK TABLE acct IN ACCESS EXCLUSIVE MODE")
@@ -502,6 +502,18 @@ async fn a_stop_while_workers_wait_on_the_target_ends_cleanly() {
         "stopped after {:?}",
         asked.elapsed()
     );
+    // Its sessions are gone from the target too, the lock still held: a backend waiting for it
+    // with statements unread in its socket would not notice the client's close by itself, and
+    // would keep the origins and row locks the next start needs.
+    wait_for("no pgapply session left on the target", 10, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pgapply'",
+        )
+        .await
+            == 0
+    })
+    .await;
     holder.batch_execute("COMMIT").await.unwrap();
     sync_parallel(&db, "3").await;
     for t in TABLES {

@@ -80,6 +80,46 @@ pub async fn end_own_earlier_session(client: &tokio_postgres::Client, pid: i32) 
     false
 }
 
+/// Ends the apply sessions this process opened that are still on the server once its applier
+/// is done with them (all of them, at the end of a run). A session whose client closed is ended
+/// by the server only when it notices, which a backend waiting for a lock, its socket full of
+/// statements it has not read, does not. Their open transactions roll back.
+pub async fn end_own_lingering(client: &tokio_postgres::Client) {
+    let (pids, starts): (Vec<i32>, Vec<i64>) = match SESSIONS.lock() {
+        Ok(sessions) => sessions.iter().cloned().unzip(),
+        Err(_) => return,
+    };
+    if pids.is_empty() {
+        return;
+    }
+    // (Found first, ended one by one after: a pg_terminate_backend in the WHERE clause may be
+    // evaluated before the join narrows the rows down, on every session of the server.)
+    let found: Vec<i32> = client
+        .query(
+            "SELECT s.pid FROM pg_catalog.pg_stat_activity s \
+             JOIN unnest($1::int4[], $2::int8[]) o(pid, started) ON o.pid = s.pid \
+             WHERE (extract(epoch FROM s.backend_start) * 1000000)::int8 = o.started \
+               AND s.pid <> pg_catalog.pg_backend_pid()",
+            &[&pids, &starts],
+        )
+        .await
+        .map(|rows| rows.iter().map(|r| r.get::<_, i32>(0)).collect())
+        .unwrap_or_default();
+    let mut ended = Vec::new();
+    for pid in found {
+        if client
+            .execute("SELECT pg_catalog.pg_terminate_backend($1)", &[&pid])
+            .await
+            .is_ok()
+        {
+            ended.push(pid);
+        }
+    }
+    if !ended.is_empty() {
+        tracing::info!(sessions = ?ended, "ended this run's target sessions still on the server (their open transactions roll back)");
+    }
+}
+
 /// Lock waits of the apply sessions, as the heartbeat last saw them.
 #[derive(Default)]
 pub struct LockWaits {

@@ -258,16 +258,34 @@ async fn prepare_target(
             .collect();
         let others = other_slots_filling(target, slot, &filled).await;
         if !others.is_empty() {
+            let named: Vec<String> = others
+                .iter()
+                .map(|(table, other)| {
+                    format!(
+                        "{table} (copied by slot {})",
+                        crate::sql::shown_literal(other)
+                    )
+                })
+                .collect();
+            let forget = match others
+                .iter()
+                .map(|(_, o)| o)
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>()
+                .as_slice()
+            {
+                [one] => format!("pgapply forget --target ... --slot {one}"),
+                _ => "pgapply forget --target ... --slot <that slot>".to_owned(),
+            };
             return Err(Error::definite(format!(
-                "target table{} {} {} not empty, and the copy of slot{} {} (another worker, into this database) filled {}: emptying {} would lose that worker's rows, which it never sends again. --copy-data copies only into empty tables: copy this source's rows into {} by hand (COPY ... TO/FROM, in a snapshot you then start a slot at), and replicate from then on without --copy-data. If that worker no longer replicates into this database (a migration started over under a new slot), remove its state first (pgapply forget --target ... --slot <that slot>), then run this again",
-                if not_empty.len() == 1 { "" } else { "s" },
-                not_empty.join(", "),
-                if not_empty.len() == 1 { "is" } else { "are" },
-                if others.len() == 1 { "" } else { "s" },
-                others.join(", "),
-                if not_empty.len() == 1 { "it" } else { "them" },
-                if not_empty.len() == 1 { "it" } else { "them" },
-                if not_empty.len() == 1 { "it" } else { "them" },
+                "target {} {} not empty, and another worker's initial copy (into this database) filled {}: {}. Emptying {} would lose that worker's rows, which it never sends again, and --copy-data copies only into empty tables: copy this source's rows into {} by hand (COPY ... TO/FROM, in a snapshot you then start a slot at), and replicate from then on without --copy-data. If that worker no longer replicates into this database (a migration started over under a new slot), remove its state first ({forget}), then run this again",
+                if named.len() == 1 { "table" } else { "tables" },
+                if named.len() == 1 { "is" } else { "are" },
+                if named.len() == 1 { "it" } else { "them" },
+                named.join(", "),
+                if named.len() == 1 { "it" } else { "them" },
+                if named.len() == 1 { "it" } else { "them" },
             )));
         }
         if !truncate {
@@ -323,33 +341,39 @@ async fn warn_of_republished(target: &Client, tables: &[PublishedTable]) {
     }
 }
 
-/// The other slots whose initial copy took in one of `tables` (by source or target name), as
-/// `"slot"` literals for a message; none when that cannot be read.
+/// The tables of `tables` another slot's initial copy took in (by source or target name), each
+/// as its target name and that slot's name; none when that cannot be read.
 async fn other_slots_filling(
     target: &Client,
     slot: &str,
     tables: &[&PublishedTable],
-) -> Vec<String> {
-    let mut schemas = Vec::new();
-    let mut names = Vec::new();
-    for t in tables {
-        schemas.extend([t.schema.clone(), t.target_schema.clone()]);
-        names.extend([t.name.clone(), t.target_name.clone()]);
-    }
-    target
+) -> Vec<(String, String)> {
+    let Ok(rows) = target
         .query(
-            "SELECT DISTINCT c.slot_name FROM pgapply.copy_state c \
-             JOIN unnest($2::text[], $3::text[]) AS t(s, n) ON t.s = c.schema_name AND t.n = c.table_name \
-             WHERE c.slot_name <> $1 ORDER BY 1",
-            &[&slot, &schemas, &names],
+            "SELECT DISTINCT slot_name, schema_name, table_name FROM pgapply.copy_state \
+             WHERE slot_name <> $1 ORDER BY 1",
+            &[&slot],
         )
         .await
-        .map(|rows| {
-            rows.iter()
-                .map(|r| crate::sql::shown_literal(&r.get::<_, String>(0)))
-                .collect()
-        })
-        .unwrap_or_default()
+    else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for row in rows {
+        let (other, schema, name): (String, String, String) = (row.get(0), row.get(1), row.get(2));
+        for t in tables {
+            let same = (t.schema == schema && t.name == name)
+                || (t.target_schema == schema && t.target_name == name);
+            if same
+                && !found
+                    .iter()
+                    .any(|(q, s)| *q == t.target_qualified() && *s == other)
+            {
+                found.push((t.target_qualified(), other.clone()));
+            }
+        }
+    }
+    found
 }
 
 /// One unit of copy work: a table, or a page range of it.
