@@ -319,7 +319,7 @@ impl ChangeInfo {
     fn describe(&self) -> String {
         // A streamed transaction applied as it arrives has no commit yet.
         let commit = if self.commit_lsn == Lsn(u64::MAX) {
-            "not committed yet".to_owned()
+            "streamed, its commit not received yet".to_owned()
         } else {
             format!("commit {}", self.commit_lsn)
         };

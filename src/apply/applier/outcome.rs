@@ -162,9 +162,11 @@ impl Applier {
             // last commit, with the table read anew (planned: not a failed attempt).
             Err(e) if e.code().map(|c| c.code()) == Some("PGA03") => {
                 if self.failure.is_none() {
+                    let said = e
+                        .as_db_error()
+                        .map_or_else(|| describe_postgres(&e), |db| db.message().to_owned());
                     self.failure = Some(Error::planned_restart(format!(
-                        "{}: applying again from the last commit, with the table read anew and its statements prepared anew",
-                        describe_postgres(&e)
+                        "{said}: applying again from the last commit, with the table read anew and its statements prepared anew"
                     )));
                 }
             }
@@ -177,10 +179,12 @@ impl Applier {
                     } else {
                         "starting again, with the table read anew".to_owned()
                     };
-                    self.failure = Some(Error::transient(format!(
-                        "{}: {again}",
-                        describe_postgres(&e)
-                    )));
+                    // (Planned: the answer to a change on the target, not a failed attempt; the
+                    // message alone, without the PL/pgSQL context.)
+                    let said = e
+                        .as_db_error()
+                        .map_or_else(|| describe_postgres(&e), |db| db.message().to_owned());
+                    self.failure = Some(Error::planned_restart(format!("{said}: {again}")));
                 }
             }
             Err(e) => {
