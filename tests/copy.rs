@@ -456,6 +456,30 @@ async fn a_copied_row_without_a_target_partition_is_named() {
     );
 }
 
+/// The `pgapply run` a `cutover --reverse` printed (its output `text`), as arguments, with the
+/// new and the old primary filled in.
+fn printed_reverse_run(db: &TestDb, text: &str) -> Vec<String> {
+    let printed = text
+        .lines()
+        .find(|l| {
+            l.trim_start()
+                .starts_with("pgapply run --source <new primary>")
+        })
+        .unwrap_or_else(|| panic!("no command printed: {text}"))
+        .replace("<new primary>", "NEW")
+        .replace("<old primary>", "OLD");
+    let (new_primary, old_primary) = (db.target_conninfo(), db.source_conninfo());
+    printed
+        .split_whitespace()
+        .skip(1)
+        .map(|a| match a {
+            "NEW" => new_primary.clone(),
+            "OLD" => old_primary.clone(),
+            other => other.to_owned(),
+        })
+        .collect()
+}
+
 /// Whether a pg_dump at least as new as the source is installed (`pgapply schema` needs one);
 /// says why not when not.
 fn pg_dump_usable() -> bool {
@@ -1021,26 +1045,7 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
         "{again_text}"
     );
     // The printed command, with the two servers filled in.
-    let printed = text
-        .lines()
-        .find(|l| {
-            l.trim_start()
-                .starts_with("pgapply run --source <new primary>")
-        })
-        .unwrap_or_else(|| panic!("no command printed: {text}"))
-        .trim()
-        .replace("<new primary>", "NEW")
-        .replace("<old primary>", "OLD");
-    let (new_primary, old_primary) = (db.target_conninfo(), db.source_conninfo());
-    let mut args: Vec<&str> = printed
-        .split_whitespace()
-        .skip(1)
-        .map(|a| match a {
-            "NEW" => new_primary.as_str(),
-            "OLD" => old_primary.as_str(),
-            other => other,
-        })
-        .collect();
+    let mut args = printed_reverse_run(&db, &text);
     // The application now writes on the new primary.
     db.target_sql("INSERT INTO t (v) VALUES ('written on the new primary')")
         .await;
@@ -1065,7 +1070,8 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
             .await,
         11
     );
-    args.extend_from_slice(&["--endpos", &target_wal]);
+    args.extend(["--endpos".to_owned(), target_wal.clone()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = run_with_deadline(common::pgapply_command(&args), 60).await;
     assert!(out.status.success(), "{args:?}: {}", stderr(&out));
     assert_eq!(
@@ -1131,17 +1137,7 @@ async fn cutover_reverse_through_the_root_of_a_table_only_the_new_primary_partit
         .unwrap()
         .get(0);
     assert!(via_root, "{text}");
-    let printed = text
-        .lines()
-        .find(|l| {
-            l.trim_start()
-                .starts_with("pgapply run --source <new primary>")
-        })
-        .unwrap_or_else(|| panic!("no command printed: {text}"))
-        .trim()
-        .replace("<new primary>", "NEW")
-        .replace("<old primary>", "OLD");
-    let (new_primary, old_primary) = (db.target_conninfo(), db.source_conninfo());
+    let mut args = printed_reverse_run(&db, &text);
     db.target_sql("INSERT INTO g VALUES (11, 'new'), (12, 'new')")
         .await;
     let target_wal: String = db
@@ -1150,16 +1146,8 @@ async fn cutover_reverse_through_the_root_of_a_table_only_the_new_primary_partit
         .await
         .unwrap()
         .get(0);
-    let mut args: Vec<&str> = printed
-        .split_whitespace()
-        .skip(1)
-        .map(|a| match a {
-            "NEW" => new_primary.as_str(),
-            "OLD" => old_primary.as_str(),
-            other => other,
-        })
-        .collect();
-    args.extend_from_slice(&["--endpos", &target_wal]);
+    args.extend(["--endpos".to_owned(), target_wal.clone()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = run_with_deadline(common::pgapply_command(&args), 60).await;
     assert!(out.status.success(), "{args:?}: {}", stderr(&out));
     assert_eq!(

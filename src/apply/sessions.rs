@@ -39,21 +39,7 @@ pub async fn register(client: &tokio_postgres::Client) {
 /// commit, say) keeps its connection until the server answers, and with it its replication
 /// origin, which the next attempt needs. Returns whether it ended (within 5 s).
 pub async fn end_own_earlier_session(client: &tokio_postgres::Client, pid: i32) -> bool {
-    let (pids, starts): (Vec<i32>, Vec<i64>) = match SESSIONS.lock() {
-        Ok(sessions) => sessions.iter().cloned().unzip(),
-        Err(_) => return false,
-    };
-    let own = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity s \
-                            JOIN unnest($2::int4[], $3::int8[]) o(pid, started) ON o.pid = s.pid \
-                            WHERE s.pid = $1 AND (extract(epoch FROM s.backend_start) * 1000000)::int8 = o.started) \
-                    AND $1 <> pg_catalog.pg_backend_pid()",
-            &[&pid, &pids, &starts],
-        )
-        .await
-        .is_ok_and(|r| r.get::<_, bool>(0));
-    if !own {
+    if !own_sessions_on_server(client).await.contains(&pid) {
         return false;
     }
     if client
@@ -85,28 +71,10 @@ pub async fn end_own_earlier_session(client: &tokio_postgres::Client, pid: i32) 
 /// by the server only when it notices, which a backend waiting for a lock, its socket full of
 /// statements it has not read, does not. Their open transactions roll back.
 pub async fn end_own_lingering(client: &tokio_postgres::Client) {
-    let (pids, starts): (Vec<i32>, Vec<i64>) = match SESSIONS.lock() {
-        Ok(sessions) => sessions.iter().cloned().unzip(),
-        Err(_) => return,
-    };
-    if pids.is_empty() {
-        return;
-    }
     // (Found first, ended one by one after: a pg_terminate_backend in the WHERE clause may be
     // evaluated before the join narrows the rows down, on every session of the server.)
-    let found: Vec<i32> = client
-        .query(
-            "SELECT s.pid FROM pg_catalog.pg_stat_activity s \
-             JOIN unnest($1::int4[], $2::int8[]) o(pid, started) ON o.pid = s.pid \
-             WHERE (extract(epoch FROM s.backend_start) * 1000000)::int8 = o.started \
-               AND s.pid <> pg_catalog.pg_backend_pid()",
-            &[&pids, &starts],
-        )
-        .await
-        .map(|rows| rows.iter().map(|r| r.get::<_, i32>(0)).collect())
-        .unwrap_or_default();
     let mut ended = Vec::new();
-    for pid in found {
+    for pid in own_sessions_on_server(client).await {
         if client
             .execute("SELECT pg_catalog.pg_terminate_backend($1)", &[&pid])
             .await
@@ -118,6 +86,29 @@ pub async fn end_own_lingering(client: &tokio_postgres::Client) {
     if !ended.is_empty() {
         tracing::info!(sessions = ?ended, "ended this run's target sessions still on the server (their open transactions roll back)");
     }
+}
+
+/// The apply sessions this process opened (same pid and start time) that are still on the
+/// server, `client`'s own left out; none when that cannot be read.
+async fn own_sessions_on_server(client: &tokio_postgres::Client) -> Vec<i32> {
+    let (pids, starts): (Vec<i32>, Vec<i64>) = match SESSIONS.lock() {
+        Ok(sessions) => sessions.iter().cloned().unzip(),
+        Err(_) => return Vec::new(),
+    };
+    if pids.is_empty() {
+        return Vec::new();
+    }
+    client
+        .query(
+            "SELECT s.pid FROM pg_catalog.pg_stat_activity s \
+             JOIN unnest($1::int4[], $2::int8[]) o(pid, started) ON o.pid = s.pid \
+             WHERE (extract(epoch FROM s.backend_start) * 1000000)::int8 = o.started \
+               AND s.pid <> pg_catalog.pg_backend_pid()",
+            &[&pids, &starts],
+        )
+        .await
+        .map(|rows| rows.iter().map(|r| r.get::<_, i32>(0)).collect())
+        .unwrap_or_default()
 }
 
 /// Lock waits of the apply sessions, as the heartbeat last saw them.
