@@ -210,12 +210,26 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings,
 
 /// libpq keywords tokio-postgres does not know, with what to use instead (its own message says
 /// only "unknown option").
+/// Where the value of the `password` key starts: libpq allows spaces around `=`
+/// (`password = secret`), and a search for `password=` alone would miss those.
+fn password_value_start(conninfo: &str) -> Option<usize> {
+    conninfo.match_indices("password").find_map(|(at, key)| {
+        let before_ok = conninfo[..at]
+            .chars()
+            .next_back()
+            .is_none_or(char::is_whitespace);
+        let rest = &conninfo[at + key.len()..];
+        let after_key = rest.trim_start();
+        let value = after_key.strip_prefix('=')?.trim_start();
+        before_ok.then_some(conninfo.len() - value.len())
+    })
+}
+
 /// Whether the parser's complaint names a word that follows an unquoted `password=`, maybe a
 /// part of the password: `Some(true)` when that word reads `key=value` (as likely a misspelt
 /// key), `Some(false)` when it cannot be a key, `None` when the complaint is about another word.
 fn named_from_password(conninfo: &str, detail: &str) -> Option<bool> {
-    let start = conninfo.find("password=")?;
-    let after = &conninfo[start + "password=".len()..];
+    let after = &conninfo[password_value_start(conninfo)?..];
     if after.starts_with('\'') {
         return None;
     }
@@ -481,6 +495,9 @@ mod tests {
             "host=h password=abc def=x user=u",
             "host=h password=abc def",
             "host=h password=abc def port=5432",
+            // libpq allows spaces around `=`.
+            "host=h password = abc def=x user=u",
+            "host=h password =abc def",
         ] {
             let err = parse("source", conninfo).unwrap_err().to_string();
             assert!(!err.contains("def"), "{err}");

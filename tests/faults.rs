@@ -627,6 +627,68 @@ async fn an_invalidated_slot_is_named_with_what_to_do() {
     );
 }
 
+/// A source whose wal_level is not `logical`: creating the slot fails with the server's words and
+/// what to change, not retried; `check` lists the same setting. (A source cluster of its own.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_without_logical_wal_level_says_what_to_set() {
+    let c = common::clusters();
+    let source = pgapply::cluster::LocalCluster::start(&c.source_bin, &["wal_level = replica"])
+        .expect("a source cluster of its own");
+    let admin = common::connect(source.port, "postgres").await;
+    admin
+        .batch_execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION p FOR TABLE t")
+        .await
+        .unwrap();
+    let db = TestDb::new("walreplica").await;
+    db.target_sql("CREATE TABLE t (id int PRIMARY KEY)").await;
+    let args = |cmd: &'static str| {
+        let mut args = vec![
+            cmd.to_owned(),
+            "--source".to_owned(),
+            source.conninfo("postgres"),
+            "--target".to_owned(),
+            db.target_conninfo(),
+            "--publication".to_owned(),
+            "p".to_owned(),
+            "--slot".to_owned(),
+            "wal_replica_slot".to_owned(),
+        ];
+        if cmd == "run" {
+            args.push("--create-slot".to_owned());
+        }
+        args
+    };
+    let run = args("run");
+    let out = run_with_deadline(
+        common::pgapply_command(&run.iter().map(String::as_str).collect::<Vec<_>>()),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a definite error, not retried: {log}"
+    );
+    assert!(
+        log.contains("creating replication slot \"wal_replica_slot\"")
+            && log.contains("set wal_level = logical in the source's postgresql.conf"),
+        "{log}"
+    );
+    let check = args("check");
+    let out = run_with_deadline(
+        common::pgapply_command(&check.iter().map(String::as_str).collect::<Vec<_>>()),
+        60,
+    )
+    .await;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert_ne!(out.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains("source wal_level is \"replica\": set wal_level = logical"),
+        "{text}"
+    );
+}
+
 /// A source that cannot be reached: pgapply retries with backoff, and once --max-retries are
 /// used up it exits 3 (transient: running it again later resumes), naming the source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
