@@ -3690,3 +3690,41 @@ async fn a_copy_refused_by_a_narrower_column_names_the_column() {
         "{err}"
     );
 }
+
+/// A target role that may not set session_replication_role copies into tables whose foreign keys
+/// check the rows: a row whose referenced row is not on the target stops the copy with what to
+/// do (copy as a role that may, or create the foreign keys after the copy), not the bare error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_key_refusing_a_copied_row_says_what_to_do() {
+    let db = TestDb::new("copyfk").await;
+    db.both(
+        "CREATE TABLE parent (id int PRIMARY KEY); \
+         CREATE TABLE child (id int PRIMARY KEY, pid int REFERENCES parent)",
+    )
+    .await;
+    db.source_sql("INSERT INTO parent VALUES (1); INSERT INTO child VALUES (10, 1)")
+        .await;
+    // Only the child is published: its parent row never reaches the target.
+    db.source_sql("CREATE PUBLICATION p FOR TABLE child").await;
+    let role = format!("fk_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 'f'; CREATE SCHEMA pgapply AUTHORIZATION {role}; \
+         GRANT ALL ON parent, child TO {role};"
+    ))
+    .await;
+    let out = run_with_deadline(
+        db.pgapply_as_target_user(&role, "f", &["--copy-data", "--create-slot"]),
+        60,
+    )
+    .await;
+    let log = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "a definite error: {log}");
+    assert!(
+        log.contains("copying")
+            && log.contains("\"public\".\"child\"")
+            && log.contains("the target's foreign keys check the copied rows")
+            && log.contains("pgapply schema --section post-data"),
+        "{log}"
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM child").await, 0);
+}
