@@ -267,12 +267,7 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             (None, Some(e)) => format!("? bytes ({e})"),
             (None, None) => "? bytes (give --source)".into(),
         };
-        // The seconds are the worker's own figure, as of its last heartbeat.
-        let seconds = match s.lag_seconds {
-            Some(l) if s.state == "streaming" => format!("{l:.1} s"),
-            Some(l) => format!("{l:.1} s when last recorded"),
-            None => "? s".into(),
-        };
+        let seconds = lag_seconds_text(&s.state, s.lag_seconds, s.heartbeat_age_seconds);
         crate::out!("  lag {bytes}, {seconds}");
         crate::out!(
             "  applied {} transactions: {} inserts, {} updates, {} deletes, {} truncates",
@@ -302,4 +297,37 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
         }
     }
     Ok(())
+}
+
+/// The lag in seconds as `status` prints it: the worker's own figure, as of its last heartbeat.
+/// The bytes beside it are read from the source now, and the seconds may be up to a status
+/// interval old: said, so the two are not read as one moment.
+fn lag_seconds_text(state: &str, lag: Option<f64>, heartbeat_age: Option<f64>) -> String {
+    match (lag, heartbeat_age) {
+        (Some(l), Some(age)) if state == "streaming" && age >= 1.0 => {
+            format!("{l:.1} s as of the heartbeat {age:.0} s ago")
+        }
+        (Some(l), _) if state == "streaming" => format!("{l:.1} s"),
+        (Some(l), _) => format!("{l:.1} s when last recorded"),
+        (None, _) => "? s".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lag_seconds_text;
+
+    #[test]
+    fn an_old_heartbeats_lag_says_how_old_it_is() {
+        assert_eq!(
+            lag_seconds_text("streaming", Some(9.7), Some(6.2)),
+            "9.7 s as of the heartbeat 6 s ago"
+        );
+        assert_eq!(lag_seconds_text("streaming", Some(0.2), Some(0.4)), "0.2 s");
+        assert_eq!(
+            lag_seconds_text("stopped", Some(3.0), Some(60.0)),
+            "3.0 s when last recorded"
+        );
+        assert_eq!(lag_seconds_text("streaming", None, Some(1.0)), "? s");
+    }
 }
