@@ -11,6 +11,13 @@ use crate::error::{Error, Result};
 
 /// Parses `conninfo` for the connection called `role` ("source" or "target").
 pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
+    // libpq reads an empty string as "every default" (localhost, the OS user's name): here it is
+    // far more likely an unset shell variable, and would be retried for ever.
+    if conninfo.trim().is_empty() {
+        return Err(Error::usage(format!(
+            "--{role} is empty (an unset shell variable?): give the {role}'s connection string, host=... port=... user=... dbname=... or a postgres:// URL"
+        )));
+    }
     if let Some(problem) = unencoded_url(conninfo) {
         return Err(Error::usage(format!(
             "--{role}: invalid connection string: {problem}"
@@ -503,6 +510,8 @@ mod tests {
             assert!(!err.contains("def"), "{err}");
             assert!(err.contains("single quotes"), "{err}");
         }
+        let err = parse("target", " ").unwrap_err().to_string();
+        assert!(err.starts_with("--target is empty"), "{err}");
         let err = parse("source", "host=h pasword=x").unwrap_err().to_string();
         assert!(err.contains("`pasword`"), "{err}");
         // A word=value after the password: as likely a misspelt key, said as such too.
