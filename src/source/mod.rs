@@ -393,6 +393,7 @@ impl ReplicationSession {
         );
         tracing::debug!(command = %sql, "starting replication");
         self.conn.slot = slot.to_owned();
+        self.conn.publications = publications.to_vec();
         self.conn
             .start_copy_both(&sql)
             .await
