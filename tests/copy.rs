@@ -3728,3 +3728,57 @@ async fn a_foreign_key_refusing_a_copied_row_says_what_to_do() {
     );
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM child").await, 0);
 }
+
+/// A table copied after the initial copy, with a row filter, then published whole by another
+/// publication the run adds, while the source writes nothing the slot applies (the stream has
+/// not passed that copy's position yet): each start names it as a copy to make again, as
+/// `check` does, not only once the stream moved on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_copy_widened_by_another_publication_is_named_while_the_source_is_idle() {
+    let db = TestDb::new("latewiden").await;
+    if common::clusters().source_major < 15 {
+        common::skip("row filters need a PostgreSQL 15 source");
+        return;
+    }
+    db.both("CREATE TABLE stays (id int PRIMARY KEY); CREATE TABLE late (k int PRIMARY KEY)")
+        .await;
+    db.source_sql(
+        "INSERT INTO stays SELECT generate_series(1, 10); \
+         INSERT INTO late SELECT generate_series(1, 100); \
+         CREATE PUBLICATION p FOR TABLE stays; CREATE PUBLICATION pwide FOR TABLE stays;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE late WHERE (k < 50)")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM late").await, 49);
+    db.source_sql("ALTER PUBLICATION pwide ADD TABLE late")
+        .await;
+    let said = |text: &str| {
+        text.lines().any(|l| {
+            l.contains("taken out of the publication and put back, or given another row filter")
+                && l.contains("\"public\".\"late\"")
+        })
+    };
+    for _ in 0..2 {
+        let endpos = db.source_wal().await;
+        let out = run_with_deadline(db.pgapply("p,pwide", &["--endpos", &endpos]), 60).await;
+        let err = stderr(&out);
+        assert!(out.status.success(), "{err}");
+        assert!(said(&err), "{err}");
+    }
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p,pwide",
+            &["--copy-data", "--truncate-target", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("late").await;
+}

@@ -275,17 +275,20 @@ pub async fn forget_unpublished(
         .map(|t| (t.schema, t.name))
         .collect();
     let context = |e| Error::postgres("reading pgapply.copy_state on the target", e);
-    // (A copied table whose copy's position the stream has not passed yet stays: its changes
-    // from before that position, still to come, are to be dropped.)
+    // (A copied table whose copy's position the stream has not passed yet is not forgotten:
+    // its changes from before that position, still to come, are to be dropped. What publishes
+    // it is compared all the same.)
     let rows = target
         .query(
-            "SELECT schema_name, table_name, source_relid FROM pgapply.copy_state WHERE slot_name = $1 \
-             AND NOT (state = 'done' AND synced_lsn IS NOT NULL AND synced_lsn > $2::text::pg_lsn)",
+            "SELECT schema_name, table_name, source_relid, \
+                    coalesce(state = 'done' AND synced_lsn > $2::text::pg_lsn, false) \
+             FROM pgapply.copy_state WHERE slot_name = $1",
             &[&slot, &resume.to_string()],
         )
         .await
         .map_err(context)?;
     let mut recorded: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let stream_behind: Vec<bool> = rows.iter().map(|r| r.get(3)).collect();
     // Renamed on the source (same oid, a published name the copy state does not have): the
     // state follows the new name.
     let renamed: Vec<((String, String), u32)> = rows
@@ -331,7 +334,12 @@ pub async fn forget_unpublished(
             }
         }
     }
-    let gone: Vec<&(String, String)> = recorded.iter().filter(|t| !published.contains(t)).collect();
+    let gone: Vec<&(String, String)> = recorded
+        .iter()
+        .zip(&stream_behind)
+        .filter(|(t, behind)| !**behind && !published.contains(t))
+        .map(|(t, _)| t)
+        .collect();
     let kept: Vec<(String, String)> = recorded
         .iter()
         .filter(|t| published.contains(t))
