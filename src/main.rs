@@ -203,7 +203,11 @@ fn run_span() -> tracing::Span {
     }
 }
 
-fn shutdown_signal() -> watch::Receiver<bool> {
+/// `forced_stop_note`: the target and slot whose status row says "stopped" when the process
+/// ends at once.
+fn shutdown_signal(
+    forced_stop_note: Option<(tokio_postgres::Config, String)>,
+) -> watch::Receiver<bool> {
     use tracing::Instrument;
     let (tx, rx) = watch::channel(false);
     tokio::spawn(async move {
@@ -230,6 +234,10 @@ fn shutdown_signal() -> watch::Receiver<bool> {
             _ = tokio::time::sleep(SHUTDOWN_GRACE) => "the shutdown taking longer than 30 s",
         };
         tracing::warn!("stopping at once after {forced}: the open target transaction is rolled back; the next start resumes after the last committed one");
+        if let Some((target, slot)) = forced_stop_note {
+            let note = pgapply::replicate::note_forced_stop(&target, &slot);
+            let _ = tokio::time::timeout(Duration::from_secs(2), note).await;
+        }
         std::process::exit(EXIT_FORCED_STOP.into());
     }.instrument(run_span()));
     rx
@@ -507,7 +515,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
         metrics::serve(addr).await?;
     }
     reload_on_sighup(reload, policy_tx);
-    let mut shutdown = shutdown_signal();
+    let mut shutdown = shutdown_signal(Some((config.target.clone(), config.slot.clone())));
     let mut backoff = Backoff::new(service.retry_min, service.retry_max);
     // The flushed position each run reports: attempts count the failures in a row of runs that
     // neither moved it nor lasted a minute (a run that applied something, or streamed for a
@@ -575,6 +583,11 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
                         true,
                     );
                     let _ = tokio::time::timeout(Duration::from_secs(5), noting).await;
+                    tracing::info!(
+                        slot = %config.slot,
+                        "replication stopped while waiting to start again (after: {e})"
+                    );
+                    tracing::info!(slot = %config.slot, reason = "Shutdown", "done");
                     return Ok(());
                 }
             }

@@ -185,7 +185,8 @@ impl Metrics {
         gauge(
             RECEIVED_LSN,
             "Highest source WAL position received (LSN as a number).",
-            self.received_lsn.get() as f64,
+            // (The reader records it with each status update; anything applied was received.)
+            self.received_lsn.get().max(self.applied_lsn.get()) as f64,
         );
         gauge(
             APPLIED_LSN,
@@ -399,6 +400,15 @@ pub async fn serve(addr: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_received_position_is_never_shown_behind_the_applied_one() {
+        let m = super::Metrics::default();
+        m.received_lsn.set(5);
+        m.applied_lsn.set(10);
+        let text = m.render();
+        assert!(text.contains("\npgapply_received_lsn 10\n"), "{text}");
+    }
+
     #[tokio::test]
     async fn an_address_is_taken_as_exporters_write_it_and_a_wrong_one_is_a_usage_error() {
         super::serve(":0").await.unwrap();

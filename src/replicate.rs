@@ -41,7 +41,7 @@ mod start;
 
 use copying::*;
 use heartbeat::*;
-pub use heartbeat::{note_waiting, HEARTBEAT_MAX_EVERY};
+pub use heartbeat::{note_forced_stop, note_waiting, HEARTBEAT_MAX_EVERY};
 use reader::*;
 use start::*;
 pub(crate) use start::{binary_unsafe, missing_partition_hint};

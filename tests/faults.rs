@@ -822,6 +822,15 @@ async fn a_second_signal_stops_at_once_when_the_target_holds_a_lock() {
             .any(|l| l.contains("shutting down: after the transaction") && l.contains("run{slot=")),
         "{log}"
     );
+    // `status` does not show the gone process as streaming.
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE state = 'stopped' AND pid IS NULL"
+        )
+        .await,
+        1
+    );
     locker.batch_execute("ROLLBACK").await.unwrap();
     db.sync("p").await;
     db.assert_same("l").await;

@@ -1894,7 +1894,7 @@ async fn a_worker_between_attempts_still_counts_as_running() {
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
     let port = common::free_port();
     let addr = format!("127.0.0.1:{port}");
-    let mut worker = spawn(db.pgapply(
+    let (mut worker, log_path) = common::spawn_logged(db.pgapply(
         "p",
         &[
             "--retry-min",
@@ -1963,6 +1963,17 @@ async fn a_worker_between_attempts_still_counts_as_running() {
         .expect("the worker stops on SIGTERM while it waits")
         .unwrap();
     assert!(status.success(), "worker exit: {status}");
+    // Its log ends as any run's does.
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        log.contains("replication stopped while waiting to start again")
+            && log
+                .trim_end()
+                .lines()
+                .last()
+                .is_some_and(|l| l.contains("done")),
+        "{log}"
+    );
     assert_eq!(
         db.count(
             &db.target,

@@ -43,7 +43,10 @@ pub async fn end_own_earlier_session(client: &tokio_postgres::Client, pid: i32) 
         return false;
     }
     if client
-        .execute("SELECT pg_catalog.pg_terminate_backend($1)", &[&pid])
+        .execute(
+            "SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_catalog.pg_stat_activity WHERE pid = $1",
+            &[&pid],
+        )
         .await
         .is_err()
     {
@@ -75,11 +78,16 @@ pub async fn end_own_lingering(client: &tokio_postgres::Client) {
     // evaluated before the join narrows the rows down, on every session of the server.)
     let mut ended = Vec::new();
     for pid in own_sessions_on_server(client).await {
-        if client
-            .execute("SELECT pg_catalog.pg_terminate_backend($1)", &[&pid])
+        // (Only while it is still there: one that went meanwhile is not counted, and the server
+        // does not warn of a pid that is no backend. In the select list, not in WHERE.)
+        let ended_now = client
+            .query(
+                "SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_catalog.pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
             .await
-            .is_ok()
-        {
+            .is_ok_and(|rows| rows.first().is_some_and(|r| r.get::<_, bool>(0)));
+        if ended_now {
             ended.push(pid);
         }
     }

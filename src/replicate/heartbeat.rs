@@ -331,6 +331,23 @@ pub async fn note_waiting(
     }
 }
 
+/// A process ending at once (a second signal, or a stop that took too long) records that it
+/// stopped, so `status` does not show a gone process as streaming until its heartbeat ages.
+/// Best effort, on a connection of its own (the run's may be the one held up).
+pub async fn note_forced_stop(target: &tokio_postgres::Config, slot: &str) {
+    let Ok(c) = crate::tls::connect(target).await else {
+        return;
+    };
+    let pid = std::process::id() as i32;
+    let _ = c
+        .execute(
+            "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() \
+             WHERE slot_name = $1 AND pid = $2",
+            &[&slot, &pid],
+        )
+        .await;
+}
+
 pub(super) async fn write_heartbeat(
     client: &tokio_postgres::Client,
     slot: &str,

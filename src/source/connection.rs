@@ -209,7 +209,7 @@ fn stream_error_hint(e: &ServerError, slot: &str) -> Option<String> {
         "42704" if e.message.contains("publication") => {
             let slot = crate::sql::shown_literal(slot);
             Some(format!(
-                "if the publication exists now (dropped and created again, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source)"
+                "if the publication exists now (dropped and created again, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
             ))
         }
         "22021" => Some(
