@@ -327,7 +327,7 @@ impl RelationCache {
                         _ => "...".to_owned(),
                     };
                     Error::definite(format!(
-                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}",
+                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}, with the DEFAULT it has on the source if it has one: the rows already there took it on the source; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}",
                         quote_ident(&column.name),
                         target.qualified,
                         target.qualified,

@@ -1995,3 +1995,31 @@ async fn a_foreign_key_the_target_checks_is_explained() {
         stderr(&out)
     );
 }
+
+/// A publication that leaves out some kinds of change (`publish = 'insert'`): the target drifts
+/// from the source with no error, so `check` and every start say so, with the ALTER that undoes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_that_leaves_out_updates_is_named() {
+    let db = TestDb::new("pubops").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v int)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t WITH (publish = 'insert')")
+        .await;
+    db.source_sql("INSERT INTO t VALUES (1, 1); UPDATE t SET v = 2")
+        .await;
+    let said = |text: &str| {
+        text.contains("publication \"p\" does not publish update, delete")
+            && text.contains(
+                "ALTER PUBLICATION \"p\" SET (publish = 'insert, update, delete, truncate')",
+            )
+    };
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.lines().any(|l| l.starts_with("WARNING") && said(l)),
+        "{text}"
+    );
+    let out = db.sync("p").await;
+    assert!(said(&stderr(&out)), "{}", stderr(&out));
+    // As published: the insert, not the update.
+    assert_eq!(db.count(&db.target, "SELECT v::int8 FROM t").await, 1);
+}

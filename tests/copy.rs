@@ -1972,6 +1972,17 @@ async fn a_table_put_back_into_the_publication_is_copied_again() {
         let err = stderr(&out);
         assert!(out.status.success(), "{err}");
         assert!(said(&err), "{err}");
+        // One added is no warning; one left out is.
+        assert_eq!(
+            err.contains("this run replicates more publications than the last one"),
+            publications == "p,pextra",
+            "{err}"
+        );
+        assert_eq!(
+            err.contains("this slot was replicated with other publications until now"),
+            publications == "p",
+            "{err}"
+        );
         check_says().await;
     }
     let (s, t) = db.digest("back").await;

@@ -153,6 +153,14 @@ pub(super) async fn check_source(
             )),
         }
     }
+    match operations_left_out(src, &existing).await {
+        Ok(left_out) => {
+            for warning in left_out {
+                report.warning(warning);
+            }
+        }
+        Err(e) => report.problem(e.to_string()),
+    }
     match src
         .query_opt(
             "SELECT plugin::text, database::text = current_database(), active_pid, \
@@ -498,4 +506,44 @@ async fn root_identity_problem(
         ));
     }
     None
+}
+
+/// The run's publications that leave out some kinds of change (`publish = 'insert'`, say): the
+/// source never sends those, so the target drifts from the source without any error. Said by
+/// `check` and at every start. (A table another of the publications publishes with that kind
+/// still gets it: said all the same, per publication.)
+pub(crate) async fn operations_left_out(
+    src: &Client,
+    publications: &[String],
+) -> crate::error::Result<Vec<String>> {
+    let rows = src
+        .query(
+            "SELECT pubname::text, \
+                    ARRAY[CASE WHEN NOT pubinsert THEN 'insert' END, \
+                          CASE WHEN NOT pubupdate THEN 'update' END, \
+                          CASE WHEN NOT pubdelete THEN 'delete' END, \
+                          CASE WHEN (to_jsonb(p) ->> 'pubtruncate') = 'false' THEN 'truncate' END] \
+             FROM pg_catalog.pg_publication p WHERE pubname = ANY($1) ORDER BY 1",
+            &[&publications],
+        )
+        .await
+        .map_err(|e| crate::error::Error::postgres("reading what the publications publish", e))?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| {
+            let name: String = r.get(0);
+            let left: Vec<String> = r
+                .get::<_, Vec<Option<String>>>(1)
+                .into_iter()
+                .flatten()
+                .collect();
+            (!left.is_empty()).then(|| {
+                format!(
+                    "publication {name:?} does not publish {} (its publish setting): the source never sends those changes, so the target drifts from the source without an error. If that is not meant: ALTER PUBLICATION {} SET (publish = 'insert, update, delete, truncate') on the source; changes made while it was set so are not sent later (`pgapply verify` finds the tables that differ)",
+                    left.join(", "),
+                    quote_ident(&name)
+                )
+            })
+        })
+        .collect())
 }

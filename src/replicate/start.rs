@@ -356,12 +356,20 @@ pub(super) async fn record_publications(
         .as_ref()
         .is_some_and(|p| !same_publications(p, publications));
     let dropped = publications_dropped(previous.as_deref(), publications);
-    if let Some(previous) = previous.filter(|_| changed) {
+    if let Some(previous) = previous.as_ref().filter(|_| changed && !dropped) {
+        // Only added: nothing is left out.
+        tracing::info!(
+            slot,
+            before = %previous.join(","),
+            now = %publications.join(","),
+            "this run replicates more publications than the last one: the tables only the added ones publish are applied from here on"
+        );
+    } else if let Some(previous) = previous.filter(|_| changed) {
         tracing::warn!(
             slot,
             before = %previous.join(","),
             now = %publications.join(","),
-            "this slot was replicated with other publications until now: tables only those published are not applied by this run, and the slot moves past their changes; if that is a mistake, stop pgapply and give --publication {}",
+            "this slot was replicated with other publications until now: the tables only the ones left out publish are not applied by this run, and the slot moves past their changes; if that is a mistake, stop pgapply and give --publication {}",
             previous.join(",")
         );
     }
@@ -462,6 +470,9 @@ pub(super) async fn target_tables_exist(
     }
     for problem in unmatched_table_settings(config, &tables) {
         tracing::warn!("{problem}");
+    }
+    for left_out in crate::check::operations_left_out(&source, &config.publications).await? {
+        tracing::warn!("{left_out}");
     }
     // (A partition listed beside its partitioned root, whose changes come as the root's, is not
     // in the list: `published_tables` leaves it out. Those left come under their own names.)
