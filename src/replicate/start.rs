@@ -514,10 +514,10 @@ pub(super) async fn target_tables_exist(
             all.len()
         ))),
         [one] => Err(Error::definite(format!(
-            "table {one} is published by the source but does not exist on the target: create it on the target (`pgapply schema` copies the published tables' definitions), or take it out of the publication; or, if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; then start pgapply again"
+            "table {one} is published by the source but does not exist on the target: create it on the target as on the source (pg_dump --schema-only --table '{one}' of the source database, into psql on the target: `pgapply schema` is for a target that has none of the published tables yet), or take it out of the publication; or, if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; then start pgapply again"
         ))),
         many => Err(Error::definite(format!(
-            "{} published tables do not exist on the target: {}: create them on the target (`pgapply schema` copies the published tables' definitions), or take them out of the publication; or, if they were renamed on the source, rename them on the target too (ALTER TABLE ... RENAME TO ...); then start pgapply again",
+            "{} published tables do not exist on the target: {}: create them on the target as on the source (pg_dump --schema-only with a --table for each, of the source database, into psql on the target: `pgapply schema` is for a target that has none of the published tables yet), or take them out of the publication; or, if they were renamed on the source, rename them on the target too (ALTER TABLE ... RENAME TO ...); then start pgapply again",
             many.len(),
             many.join(", ")
         ))),
