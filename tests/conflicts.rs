@@ -988,3 +988,35 @@ async fn a_skip_for_the_wrong_lsn_is_refused_or_taken_back() {
         0
     );
 }
+
+/// update_missing = apply_remote for an UPDATE whose new row the source did not send whole (a
+/// large value it left unchanged): the row cannot be inserted, so it is skipped, and the log says
+/// why instead of a bare "policy skip" the user did not ask for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_missing_apply_remote_without_the_whole_row_says_why_it_skipped() {
+    let db = TestDb::new("umtoast").await;
+    db.both("CREATE TABLE ut (id int PRIMARY KEY, n int, big text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE ut").await;
+    // Random text does not compress: stored out of line, and left out of later UPDATEs.
+    db.source_sql(
+        "INSERT INTO ut SELECT 1, 0, string_agg(md5(g::text), '') FROM generate_series(1, 4000) g",
+    )
+    .await;
+    let config = config_file(
+        "umtoast",
+        "[conflicts]\nupdate_missing = \"apply_remote\"\n",
+    );
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.target_sql("DELETE FROM ut").await;
+    db.source_sql("UPDATE ut SET n = 1").await;
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("(update_missing); skipped: policy apply_remote would insert the new row, but the source did not send all of it"),
+        "{err}"
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM ut").await, 0);
+}

@@ -282,6 +282,7 @@ impl HeldChange {
                 conflict: ConflictType::UpdateMissing,
                 policy: Policy::Skip,
                 when_rows: 0,
+                incomplete_row: false,
             }),
             through: None,
         }
@@ -313,6 +314,9 @@ struct Signal {
     conflict: ConflictType,
     policy: Policy,
     when_rows: u64,
+    /// `apply_remote` asked for, but the missing row cannot be inserted: the source did not send
+    /// all of the new row (unchanged TOAST values). Skipped instead, and said why.
+    incomplete_row: bool,
 }
 
 impl ChangeInfo {

@@ -241,6 +241,9 @@ pub(super) fn conflict_sentence(operation: &str, signal: Signal) -> String {
         (_, Policy::ApplyRemote) => {
             format!("{operation} found no row on the target ({kind}); inserted the new row (policy apply_remote)")
         }
+        (_, _) if signal.incomplete_row => format!(
+            "{operation} found no row on the target ({kind}); skipped: policy apply_remote would insert the new row, but the source did not send all of it (a large value it left unchanged, which it sends only when changed)"
+        ),
         (_, p) => format!(
             "{operation} found no row on the target ({kind}); skipped (policy {})",
             p.name()

@@ -135,6 +135,7 @@ impl Applier {
                 conflict: ConflictType::InsertExists,
                 policy,
                 when_rows,
+                incomplete_row: false,
             }),
             through: None,
         };
@@ -436,6 +437,7 @@ impl Applier {
                 conflict: ConflictType::DeleteMissing,
                 policy: self.policies_for(&entry).delete_missing,
                 when_rows: 0,
+                incomplete_row: false,
             }),
             through: None,
         };

@@ -119,6 +119,7 @@ impl Applier {
                 conflict: ConflictType::UpdateMissing,
                 policy: signal.0,
                 when_rows: signal.1,
+                incomplete_row: policy == Policy::ApplyRemote && !complete,
             }),
             through: None,
         };
@@ -424,6 +425,7 @@ impl Applier {
             conflict,
             policy,
             when_rows: 0,
+            incomplete_row: false,
         };
         let mut record = conflict_record(&about, signal);
         record.local_row = crate::apply::unique::rows_json(&clashing);
