@@ -273,6 +273,12 @@ async fn identity_columns_generated_always_on_the_target() {
             && !text.contains("of target table \"public\".\"l\" are GENERATED"),
         "{text}"
     );
+    // A key column is written only by an UPDATE that changes the key: a warning.
+    assert!(
+        text.lines().any(|l| l.starts_with("WARNING")
+            && l.contains("target table \"public\".\"k\": its key column(s) \"id\" are GENERATED ALWAYS AS IDENTITY")),
+        "{text}"
+    );
     // The error says what to change there, naming the column.
     db.source_sql("UPDATE n SET v = '3' WHERE code = 'x'").await;
     let endpos = db.source_wal().await;
