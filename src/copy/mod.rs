@@ -609,7 +609,11 @@ pub async fn plan_copy(
                 .map_err(|e| {
                     Error::postgres("emptying the tables of an unfinished copy on the target", e)
                 })?;
-            tracing::warn!(tables = %emptied.join(", "), "the copy of these tables (published after the initial copy) did not finish: starting it over");
+            let shown: Vec<&str> = emptied
+                .iter()
+                .map(|t| t.strip_prefix("ONLY ").unwrap_or(t))
+                .collect();
+            tracing::warn!(tables = %shown.join(", "), "the copy of these tables (published after the initial copy) did not finish: starting it over");
         }
         tracing::info!(tables = %names.join(", "), "published after the initial copy: copying their rows in a snapshot of their own; the stream then skips their changes that the copy holds");
     }
