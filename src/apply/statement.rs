@@ -24,12 +24,19 @@ pub enum WireValue {
 impl ToSql for WireValue {
     fn to_sql(
         &self,
-        _ty: &Type,
+        ty: &Type,
         out: &mut BytesMut,
     ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
         match self {
             WireValue::Null => Ok(IsNull::Yes),
-            WireValue::Text(b) | WireValue::Binary(b) => {
+            WireValue::Text(b) => {
+                match char_byte(ty, b) {
+                    Some(byte) => out.put_u8(byte),
+                    None => out.put_slice(b),
+                }
+                Ok(IsNull::No)
+            }
+            WireValue::Binary(b) => {
                 out.put_slice(b);
                 Ok(IsNull::No)
             }
@@ -40,14 +47,33 @@ impl ToSql for WireValue {
         true
     }
 
-    fn encode_format(&self, _ty: &Type) -> Format {
+    fn encode_format(&self, ty: &Type) -> Format {
         match self {
             WireValue::Binary(_) => Format::Binary,
+            WireValue::Text(b) if char_byte(ty, b).is_some() => Format::Binary,
             _ => Format::Text,
         }
     }
 
     tokio_postgres::types::to_sql_checked!();
+}
+
+/// The byte of a `"char"` value above 127, sent in binary form (that byte alone), which every
+/// target version reads the same. In text form a PostgreSQL 14 or older source writes it as the
+/// raw byte, which is no valid UTF-8 (the target refuses it as a text parameter), and 15 or later
+/// as `\ooo`, which a target before 15 would read as a backslash.
+fn char_byte(ty: &Type, text: &[u8]) -> Option<u8> {
+    if *ty != Type::CHAR {
+        return None;
+    }
+    match text {
+        [b] if *b >= 0x80 => Some(*b),
+        [b'\\', d @ ..] if d.len() == 3 && d.iter().all(|c| (b'0'..=b'7').contains(c)) => {
+            let value = d.iter().fold(0u16, |v, c| v * 8 + u16::from(c - b'0'));
+            u8::try_from(value).ok()
+        }
+        _ => None,
+    }
 }
 
 impl WireValue {
@@ -371,5 +397,28 @@ fn row_filter(
                 format!("ctid = (SELECT ctid FROM ONLY {table} WHERE {conditions} LIMIT 1)")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_char_byte_above_127_goes_in_binary_form() {
+        let sent = |ty: &Type, text: &[u8]| {
+            let v = WireValue::Text(bytes::Bytes::copy_from_slice(text));
+            let mut out = BytesMut::new();
+            let _ = v.to_sql(ty, &mut out);
+            (v.encode_format(ty), out.to_vec())
+        };
+        // A source before 15: the raw byte; 15 and later: its octal escape.
+        assert!(matches!(sent(&Type::CHAR, &[0xc3]), (Format::Binary, b) if b == [0xc3]));
+        assert!(matches!(sent(&Type::CHAR, b"\\303"), (Format::Binary, b) if b == [0xc3]));
+        // Plain ones, other types, and what is no escape stay text.
+        assert!(matches!(sent(&Type::CHAR, b"a"), (Format::Text, b) if b == b"a"));
+        assert!(matches!(sent(&Type::CHAR, b"\\"), (Format::Text, _)));
+        assert!(matches!(sent(&Type::CHAR, b"\\400"), (Format::Text, _)));
+        assert!(matches!(sent(&Type::TEXT, b"\\303"), (Format::Text, b) if b == b"\\303"));
     }
 }
