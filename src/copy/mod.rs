@@ -1066,6 +1066,22 @@ async fn copy_one(
                 "no partition of target table {target_table} takes the source's row: create the partition on the target (as on the source; or a DEFAULT partition), then run with --copy-data again (the copy starts over)"
             ));
         }
+        if code.as_deref() == Some("22021") {
+            let chars: Vec<String> = table
+                .columns
+                .iter()
+                .filter(|(_, ty)| ty == "\"char\"")
+                .map(|(name, _)| crate::sql::quote_ident(name))
+                .collect();
+            return err.context_after(if chars.is_empty() {
+                "the source's rows hold bytes that are not valid UTF-8 (in a SQL_ASCII source database, bytes above 127 have no known encoding): fix those values on the source, or move the data to a database whose encoding says what the bytes are".to_owned()
+            } else {
+                format!(
+                    "column(s) {} of type \"char\" may hold a byte above 127, which a PostgreSQL 14 or older source writes raw (no valid UTF-8) in the text form the copy between different major versions uses (streamed changes carry such bytes; the copy cannot): set those values to plain characters on the source, or fill the table on the target by hand, then run again",
+                    chars.join(", ")
+                )
+            });
+        }
         // Tables are copied side by side, in no order: a child's rows may come first.
         if code.as_deref() == Some("23503") {
             return err.context_after(
