@@ -425,7 +425,7 @@ impl Applier {
                 if sent {
                     format!("the source's row has NULL in column {quoted} of target table {table}, which is NOT NULL there (not on the source): ALTER TABLE {table} ALTER COLUMN {quoted} DROP NOT NULL on the target, then start pgapply again")
                 } else {
-                    format!("column {quoted} of target table {table} is NOT NULL without a default, and the source does not send it (dropped on the source, or a target-only column): give it a default (ALTER TABLE {table} ALTER COLUMN {quoted} SET DEFAULT ...), drop NOT NULL, or drop the column on the target, then start pgapply again")
+                    format!("column {quoted} of target table {table} is NOT NULL without a default, and the source does not send it (dropped on the source, left out of the publication's column list, or a target-only column): give it a default (ALTER TABLE {table} ALTER COLUMN {quoted} SET DEFAULT ...), drop NOT NULL, or drop the column on the target, then start pgapply again")
                 }
             }
             // No partition takes the row (a partition only the source has), a leaf partition's
