@@ -15,7 +15,7 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     // far more likely an unset shell variable, and would be retried for ever.
     if conninfo.trim().is_empty() {
         return Err(Error::usage(format!(
-            "--{role} is empty (an unset shell variable?): give the {role}'s connection string, host=... port=... user=... dbname=... or a postgres:// URL"
+            "--{role}: the connection string is empty (an unset shell variable?): give the {role}'s, host=... port=... user=... dbname=... or a postgres:// URL"
         )));
     }
     if let Some(problem) = unencoded_url(conninfo) {
@@ -511,7 +511,10 @@ mod tests {
             assert!(err.contains("single quotes"), "{err}");
         }
         let err = parse("target", " ").unwrap_err().to_string();
-        assert!(err.starts_with("--target is empty"), "{err}");
+        assert!(
+            err.starts_with("--target: the connection string is empty"),
+            "{err}"
+        );
         let err = parse("source", "host=h pasword=x").unwrap_err().to_string();
         assert!(err.contains("`pasword`"), "{err}");
         // A word=value after the password: as likely a misspelt key, said as such too.

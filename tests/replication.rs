@@ -1648,28 +1648,31 @@ async fn changes_from_before_the_publication_was_created_are_left_out_with_a_war
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_char_byte_above_127_arrives_as_the_same_byte() {
     let db = TestDb::new("charhigh").await;
-    db.both("CREATE TABLE ch (k \"char\" PRIMARY KEY, c \"char\", n int)")
+    db.both("CREATE DOMAIN dc AS \"char\"; CREATE TABLE ch (k \"char\" PRIMARY KEY, c \"char\", n int, d dc)")
         .await;
     db.publish("CREATE PUBLICATION p FOR TABLE ch").await;
     db.source_sql(
-        "INSERT INTO ch VALUES (chr(195)::\"char\", chr(233)::\"char\", 1), ('a', chr(255)::\"char\", 1); \
+        "INSERT INTO ch VALUES (chr(195)::\"char\", chr(233)::\"char\", 1, chr(200)::\"char\"), ('a', chr(255)::\"char\", 1, 'x'); \
          UPDATE ch SET n = 2 WHERE k = chr(195)::\"char\"; UPDATE ch SET c = chr(196)::\"char\" WHERE k = 'a';",
     )
     .await;
     db.sync("p").await;
     let mut seen = Vec::new();
     for client in [&db.source, &db.target] {
-        let rows: Vec<(i32, i32, i32)> = client
-            .query("SELECT k::int4, c::int4, n FROM ch ORDER BY 1", &[])
+        let rows: Vec<(i32, i32, i32, i32)> = client
+            .query(
+                "SELECT k::int4, c::int4, n, d::\"char\"::int4 FROM ch ORDER BY 1",
+                &[],
+            )
             .await
             .unwrap()
             .iter()
-            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
             .collect();
         seen.push(rows);
     }
     let source = seen[0].clone();
     assert_eq!(source, seen[1]);
     assert_eq!(source.len(), 2);
-    assert!(source.iter().all(|(_, _, n)| *n >= 1));
+    assert!(source.iter().all(|(_, _, n, _)| *n >= 1));
 }

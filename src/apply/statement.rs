@@ -7,7 +7,7 @@
 //! ranges.
 
 use bytes::{BufMut, BytesMut};
-use tokio_postgres::types::{Format, IsNull, ToSql, Type};
+use tokio_postgres::types::{Format, IsNull, Kind, ToSql, Type};
 
 use crate::protocol::pgoutput::Oid;
 use crate::protocol::Value;
@@ -63,7 +63,10 @@ impl ToSql for WireValue {
 /// raw byte, which is no valid UTF-8 (the target refuses it as a text parameter), and 15 or later
 /// as `\ooo`, which a target before 15 would read as a backslash.
 fn char_byte(ty: &Type, text: &[u8]) -> Option<u8> {
-    if *ty != Type::CHAR {
+    // (A domain over `"char"` takes the same binary form.)
+    let is_char =
+        *ty == Type::CHAR || matches!(ty.kind(), Kind::Domain(base) if *base == Type::CHAR);
+    if !is_char {
         return None;
     }
     match text {

@@ -522,7 +522,8 @@ pub(crate) async fn operations_left_out(
                     ARRAY[CASE WHEN NOT pubinsert THEN 'insert' END, \
                           CASE WHEN NOT pubupdate THEN 'update' END, \
                           CASE WHEN NOT pubdelete THEN 'delete' END, \
-                          CASE WHEN (to_jsonb(p) ->> 'pubtruncate') = 'false' THEN 'truncate' END] \
+                          CASE WHEN (to_jsonb(p) ->> 'pubtruncate') = 'false' THEN 'truncate' END], \
+                    to_jsonb(p) ? 'pubtruncate' \
              FROM pg_catalog.pg_publication p WHERE pubname = ANY($1) ORDER BY 1",
             &[&publications],
         )
@@ -537,9 +538,15 @@ pub(crate) async fn operations_left_out(
                 .into_iter()
                 .flatten()
                 .collect();
+            // (PostgreSQL 10 has no TRUNCATE to publish.)
+            let all = if r.get::<_, bool>(2) {
+                "insert, update, delete, truncate"
+            } else {
+                "insert, update, delete"
+            };
             (!left.is_empty()).then(|| {
                 format!(
-                    "publication {name:?} does not publish {} (its publish setting): the source never sends those changes, so the target drifts from the source without an error. If that is not meant: ALTER PUBLICATION {} SET (publish = 'insert, update, delete, truncate') on the source; changes made while it was set so are not sent later (`pgapply verify` finds the tables that differ)",
+                    "publication {name:?} does not publish {} (its publish setting): the source never sends those changes for its tables (unless another of the run's publications publishes them), so the target drifts from the source without an error. If that is not meant: ALTER PUBLICATION {} SET (publish = '{all}') on the source; changes made while it was set so are not sent later (`pgapply verify` finds the tables that differ)",
                     left.join(", "),
                     quote_ident(&name)
                 )

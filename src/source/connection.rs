@@ -209,7 +209,7 @@ fn stream_error_hint(e: &ServerError, slot: &str) -> Option<String> {
         "42704" if e.message.contains("publication") => {
             let slot = crate::sql::shown_literal(slot);
             Some(format!(
-                "if the publication exists now (dropped and created again, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
+                "if it was renamed while pgapply ran, run with its new name in --publication (nothing is lost: pgapply stopped at the rename). If it exists now (dropped and created again, renamed while pgapply was stopped, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
             ))
         }
         "22021" => Some(
@@ -268,8 +268,6 @@ pub struct ReplicationConnection {
     /// A skipped-publication WARNING not looked into yet: kept here across a read that is
     /// cancelled while it looks, so that it is never lost.
     skipped_notice: Option<ServerError>,
-    /// Skipped-publication messages already logged (the source repeats them).
-    skips_logged: std::collections::HashSet<String>,
 }
 
 /// A read smaller than this means the source is keeping up with us message by message.
@@ -332,7 +330,6 @@ impl ReplicationConnection {
             sql_config: config.clone(),
             publications: Vec::new(),
             skipped_notice: None,
-            skips_logged: Default::default(),
         };
         // The user's own `options` (say `-c work_mem=..`) come first: the later of two
         // settings wins, and the text form of the values pgoutput sends depends on pgapply's.
@@ -754,13 +751,13 @@ impl ReplicationConnection {
                 names.join(", "),
             )));
         }
-        if self.skips_logged.insert(said.clone()) {
-            tracing::warn!(
-                source = %self.endpoint,
-                notice = %said,
-                "the source left out a publication for changes written where it did not exist under that name: as meant for changes written before it was created (a slot made first); but if it was dropped and created again, or renamed away and back, while pgapply ran, the changes of its tables written in between were not sent: compare with `pgapply verify`, and copy those tables again if they differ"
-            );
-        }
+        // (Each time: the source says it once per reload of its publications, after a change to
+        // them, so a second drop or rename is not hidden behind the first.)
+        tracing::warn!(
+            source = %self.endpoint,
+            notice = %said,
+            "the source left out a publication for changes written where it did not exist under that name: as meant for changes written before it was created (a slot made first); but if it was dropped and created again, or renamed away and back, the changes of its tables written in between were not sent: compare with `pgapply verify`, and copy those tables again if they differ"
+        );
         Ok(())
     }
 
