@@ -132,6 +132,18 @@ async fn parallel_workers_land_exactly_what_one_connection_would() {
     for table in TABLES {
         db.assert_same(table).await;
     }
+    // The former workers' origins are gone, and their commit-order rows with them.
+    let slot = db.slot();
+    assert_eq!(
+        db.count(
+            &db.target,
+            &format!(
+                "SELECT count(*) FROM pgapply.origin_commit WHERE origin_name IN ('pgapply_{slot}-w2', 'pgapply_{slot}-w3')"
+            )
+        )
+        .await,
+        0
+    );
     // And one connection again, from the same position.
     workload_more(&db, 9).await;
     db.sync("p").await;

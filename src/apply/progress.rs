@@ -443,6 +443,14 @@ impl ProgressStore {
                 )
                 .await
                 .map_err(context)?;
+            // (Its commit-order row goes with it: nothing waits on a worker that is gone.)
+            client
+                .execute(
+                    "DELETE FROM pgapply.origin_commit WHERE origin_name = $1",
+                    &[&origin],
+                )
+                .await
+                .map_err(context)?;
             tracing::info!(origin = %origin, "dropped the replication origin of a former parallel worker");
         }
         Ok(())
