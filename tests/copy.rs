@@ -3793,3 +3793,34 @@ async fn a_late_copy_widened_by_another_publication_is_named_while_the_source_is
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("late").await;
 }
+
+/// A run that switches to another publication giving a copied table a wider row filter (and
+/// leaves the first publication out): the table is named as a copy to make again, although what
+/// publishes it is not compared when a publication is left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_to_a_publication_with_a_wider_filter_is_named() {
+    let db = TestDb::new("switchwide").await;
+    if common::clusters().source_major < 15 {
+        common::skip("row filters need a PostgreSQL 15 source");
+        return;
+    }
+    db.both("CREATE TABLE t2 (id int PRIMARY KEY)").await;
+    db.source_sql(
+        "INSERT INTO t2 SELECT generate_series(1, 100); \
+         CREATE PUBLICATION p FOR TABLE t2 WHERE (id > 50); \
+         CREATE PUBLICATION pwide FOR TABLE t2 WHERE (id > 20);",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t2").await, 50);
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("pwide", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.lines().any(|l| l
+            .contains("taken out of the publication and put back, or given another row filter")
+            && l.contains("\"public\".\"t2\"")),
+        "{err}"
+    );
+}

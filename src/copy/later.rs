@@ -421,7 +421,7 @@ async fn note_memberships(
         };
         let (rows_before, filter_before) = before.get(table).cloned().unwrap_or((None, None));
         let filter = filters.get(table).cloned().unwrap_or_default();
-        let put_back = compare && is_put_back(rows_before, filter_before, current, &filter);
+        let put_back = is_put_back(compare, rows_before, filter_before, current, &filter);
         if put_back {
             returned.push(qualified_name(&table.0, &table.1));
         }
@@ -476,15 +476,19 @@ async fn note_memberships(
     Ok(())
 }
 
-/// Whether a table is published by none of the catalog rows recorded at the last start, or
-/// with another row filter (see `forget_unpublished`). Nothing recorded: nothing to compare.
+/// Whether a table is published by none of the catalog rows recorded at the last start (only
+/// when `membership` may be compared: no publication of the last run left out), or with another
+/// row filter, whatever publications give it (see `forget_unpublished`). Nothing recorded:
+/// nothing to compare.
 fn is_put_back(
+    membership: bool,
     rows_before: Option<Vec<u32>>,
     filter_before: Option<String>,
     current: &[u32],
     filter: &str,
 ) -> bool {
-    rows_before.is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid)))
+    (membership
+        && rows_before.is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid))))
         || filter_before.is_some_and(|f| f != filter)
 }
 
@@ -520,11 +524,7 @@ pub async fn copies_to_make_again(
                 .any(|p| (&p.schema, &p.name) == (&t.0, &t.1))
         })
         .collect();
-    let now = if compare {
-        memberships(source, publications, &tables).await?
-    } else {
-        HashMap::new()
-    };
+    let now = memberships(source, publications, &tables).await?;
     let mut again = Vec::new();
     for row in &rows {
         let table: (String, String) = (row.get(0), row.get(1));
@@ -535,7 +535,7 @@ pub async fn copies_to_make_again(
                 .find(|p| (&p.schema, &p.name) == (&table.0, &table.1))
                 .and_then(|p| p.row_filter.clone())
                 .unwrap_or_default();
-            is_put_back(row.get(2), row.get(3), current, &filter)
+            is_put_back(compare, row.get(2), row.get(3), current, &filter)
         });
         if marked || put_back {
             again.push(qualified_name(&table.0, &table.1));
