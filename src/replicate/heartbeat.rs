@@ -339,13 +339,18 @@ pub async fn note_forced_stop(target: &tokio_postgres::Config, slot: &str) {
         return;
     };
     let pid = std::process::id() as i32;
-    let _ = c
+    // (The run's open transaction may hold the row, in table mode: not waited for.)
+    let _ = c.batch_execute("SET lock_timeout = '1s'").await;
+    let noted = c
         .execute(
             "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() \
              WHERE slot_name = $1 AND pid = $2",
             &[&slot, &pid],
         )
         .await;
+    if noted.is_err() {
+        tracing::warn!("the stop could not be recorded on the target (its row is locked): `pgapply status` shows this process as not responding once its heartbeat is 30 s old");
+    }
 }
 
 pub(super) async fn write_heartbeat(

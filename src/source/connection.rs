@@ -209,7 +209,7 @@ fn stream_error_hint(e: &ServerError, slot: &str) -> Option<String> {
         "42704" if e.message.contains("publication") => {
             let slot = crate::sql::shown_literal(slot);
             Some(format!(
-                "if it was renamed while pgapply ran, run with its new name in --publication (nothing is lost: pgapply stopped at the rename). If it exists now (dropped and created again, renamed while pgapply was stopped, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
+                "if it was renamed while pgapply ran, run with its new name in --publication (pgapply stopped at the rename; a transaction open across it may come only in part: compare with `pgapply verify` after). If it exists now (dropped and created again, renamed while pgapply was stopped, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
             ))
         }
         "22021" => Some(
@@ -268,6 +268,10 @@ pub struct ReplicationConnection {
     /// A skipped-publication WARNING not looked into yet: kept here across a read that is
     /// cancelled while it looks, so that it is never lost.
     skipped_notice: Option<ServerError>,
+    /// The look-up of the publications that notice calls for, in a task of its own: a read
+    /// cancelled meanwhile (the reader's timers do, every second or more often) finds it where
+    /// it was instead of starting it over, which behind a slow link would never finish.
+    publication_lookup: Option<tokio::task::JoinHandle<Result<Vec<String>>>>,
 }
 
 /// A read smaller than this means the source is keeping up with us message by message.
@@ -330,6 +334,7 @@ impl ReplicationConnection {
             sql_config: config.clone(),
             publications: Vec::new(),
             skipped_notice: None,
+            publication_lookup: None,
         };
         // The user's own `options` (say `-c work_mem=..`) come first: the later of two
         // settings wins, and the text form of the values pgoutput sends depends on pgapply's.
@@ -701,30 +706,35 @@ impl ReplicationConnection {
     /// confirmed past them. So: if one of the run's publications is missing on the source now,
     /// stop at once, before anything after this point is applied or confirmed; else warn.
     async fn look_into_skipped_publication(&mut self) -> Result<()> {
-        let client = crate::tls::connect(&self.sql_config).await.map_err(|e| {
-            e.into_error(format!(
+        let lookup = self.publication_lookup.get_or_insert_with(|| {
+            let (config, publications) = (self.sql_config.clone(), self.publications.clone());
+            let what = format!(
                 "source {}: looking up the publications after the source skipped one",
                 self.endpoint
+            );
+            tokio::spawn(tracing::Instrument::in_current_span(async move {
+                let client = crate::tls::connect(&config)
+                    .await
+                    .map_err(|e| e.into_error(what.clone()))?;
+                let rows = client
+                    .query(
+                        "SELECT pubname::text FROM pg_catalog.pg_publication WHERE pubname = ANY($1)",
+                        &[&publications],
+                    )
+                    .await
+                    .map_err(|e| Error::postgres(what, e))?;
+                Ok(rows.iter().map(|r| r.get(0)).collect())
+            }))
+        });
+        // (Awaited by reference: cancelled here, the task goes on, and the next read awaits it.)
+        let done = lookup.await;
+        self.publication_lookup = None;
+        let existing: Vec<String> = done.map_err(|e| {
+            Error::transient(format!(
+                "source {}: looking up the publications after the source skipped one: {e}",
+                self.endpoint
             ))
-        })?;
-        let existing: Vec<String> = client
-            .query(
-                "SELECT pubname::text FROM pg_catalog.pg_publication WHERE pubname = ANY($1)",
-                &[&self.publications],
-            )
-            .await
-            .map_err(|e| {
-                Error::postgres(
-                    format!(
-                        "source {}: looking up the publications after the source skipped one",
-                        self.endpoint
-                    ),
-                    e,
-                )
-            })?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        })??;
         let missing: Vec<&String> = self
             .publications
             .iter()
@@ -746,7 +756,7 @@ impl ReplicationConnection {
             let slot = crate::sql::shown_literal(&self.slot);
             let names: Vec<String> = missing.iter().map(|p| format!("{p:?}")).collect();
             return Err(Error::definite(format!(
-                "source {}: {said}: publication {} of this run no longer exists on the source (renamed or dropped while pgapply ran), and the source would send none of its tables' changes from here on; pgapply stopped before applying or confirming anything after this point. Renamed: run with its new name in --publication (a change is decoded under the name the publication had when it was written). Dropped: the changes written since cannot be decoded: create it again and start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target",
+                "source {}: {said}: publication {} of this run no longer exists on the source (renamed or dropped while pgapply ran), and the source would send none of its tables' changes from here on; pgapply stopped before applying or confirming anything after this point. Renamed: run with its new name in --publication (a change is decoded under the name the publication had when it was written; a transaction open across the rename may have been decoded in part under the old name only: compare its tables with `pgapply verify` after). Dropped: the changes written since cannot be decoded: create it again and start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target",
                 self.endpoint,
                 names.join(", "),
             )));

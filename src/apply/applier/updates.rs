@@ -64,13 +64,18 @@ impl Applier {
         self.before_change(&entry).await?;
         let mut params = Vec::with_capacity(update.new.len() * 2);
         let mut unchanged = identity_kept(&entry, &update);
+        // A value the source left out as unchanged (TOAST), not only an identity column kept.
+        let mut value_left_out = false;
         for (i, value) in update.new.values().enumerate() {
             if unchanged.contains(i) {
                 continue;
             }
             match WireValue::from_value(value) {
                 Some(v) => params.push(v),
-                None => unchanged.insert(i),
+                None => {
+                    unchanged.insert(i);
+                    value_left_out = true;
+                }
             }
         }
         if params.is_empty() {
@@ -119,7 +124,7 @@ impl Applier {
                 conflict: ConflictType::UpdateMissing,
                 policy: signal.0,
                 when_rows: signal.1,
-                incomplete_row: policy == Policy::ApplyRemote && !complete,
+                incomplete_row: policy == Policy::ApplyRemote && !complete && value_left_out,
             }),
             through: None,
         };
