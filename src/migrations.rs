@@ -164,6 +164,7 @@ async fn apply_migrations(client: &mut Client) -> Result<()> {
         .await
         .map_err(context)?;
     let current: i32 = row.get(0);
+    let mut applied = Vec::new();
     for (version, name, sql) in MIGRATIONS {
         if *version <= current {
             continue;
@@ -180,13 +181,22 @@ async fn apply_migrations(client: &mut Client) -> Result<()> {
         )
         .await
         .map_err(context)?;
-        tracing::info!(
+        tracing::debug!(
             version,
             name,
             "applied pgapply schema migration on the target"
         );
+        applied.push(*version);
     }
     tx.commit().await.map_err(context)?;
+    // One line, not one per migration (a first run applies them all).
+    if let (Some(first), Some(last)) = (applied.first(), applied.last()) {
+        tracing::info!(
+            from = first,
+            to = last,
+            "applied pgapply's schema migrations on the target (its own state, schema pgapply)"
+        );
+    }
     Ok(())
 }
 

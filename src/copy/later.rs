@@ -453,7 +453,7 @@ async fn note_memberships(
     if !returned.is_empty() {
         tracing::info!(
             tables = %returned.join(", "),
-            "the publication's rows for these tables were replaced since pgapply last started"
+            "what publishes these tables changed since pgapply last started (their publication rows, or their row filter)"
         );
     }
     let marked: Vec<String> = target
