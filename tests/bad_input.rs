@@ -1470,7 +1470,7 @@ async fn a_publication_created_again_says_why_the_source_stops() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("publication \"p\" does not exist")
-            && err.contains("if the publication exists now (dropped and created again")
+            && err.contains("If it exists now (dropped and created again")
             // This slot by name, dropped before copying again (a copy into the same slot
             // would stream from where it stands, and stop there again).
             && err.contains(&format!("SELECT pg_drop_replication_slot('{}')", db.slot()))
