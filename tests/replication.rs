@@ -1676,3 +1676,28 @@ async fn a_char_byte_above_127_arrives_as_the_same_byte() {
     assert_eq!(source.len(), 2);
     assert!(source.iter().all(|(_, _, n, _)| *n >= 1));
 }
+
+/// A `"char"` byte above 127 inside an array, from a source before 15 (which writes it raw, no
+/// valid UTF-8): not carried (the README says so), but the error says what it is and what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_char_array_byte_above_127_from_an_old_source_is_named() {
+    let db = TestDb::new("chararr").await;
+    if common::source_version(&db).await >= 150000 {
+        common::skip("a source from 15 on writes such a byte as an escape, which streams");
+        return;
+    }
+    db.both("CREATE TABLE ca (id int PRIMARY KEY, a \"char\"[])")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE ca").await;
+    db.source_sql("INSERT INTO ca VALUES (1, ARRAY[chr(195)::\"char\", 'z'])")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the source sent text that is no valid UTF-8 for \"public\".\"ca\"")
+            && err.contains("pgapply skip"),
+        "{err}"
+    );
+}

@@ -509,6 +509,11 @@ impl Applier {
             Some("0A000") if about.operation == "TRUNCATE" => format!(
                 "the source truncated {table}, and a table on the target that the source did not truncate references it: pgapply does not cascade to such tables (nor does PostgreSQL's own subscriber), and PostgreSQL refuses to truncate a referenced table alone even when the referencing one is empty. Drop the foreign key of the referencing table on the target (or that table), then start pgapply again"
             ),
+            // Text that is no valid UTF-8, which nothing on the target changes.
+            Some("22021") => format!(
+                "the source sent text that is no valid UTF-8 for {table}: from a SQL_ASCII source database (bytes above 127 have no known encoding), or a \"char\" byte above 127 inside an array, which a PostgreSQL 14 or older source writes raw. Fix those values on the source (set them to plain characters); this transaction cannot be applied as sent: {}, and copy its rows by hand",
+                self.skip_hint(about.commit_lsn)
+            ),
             c => c
                 .and_then(|c| target_table_hint(c, table, db.map(|d| d.message())))
                 .unwrap_or_else(|| self.skip_hint(about.commit_lsn)),
