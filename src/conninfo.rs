@@ -215,8 +215,6 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings,
     Ok((kept.trim_end().to_owned(), tls, mode_given))
 }
 
-/// libpq keywords tokio-postgres does not know, with what to use instead (its own message says
-/// only "unknown option").
 /// Where the value of the `password` key starts: libpq allows spaces around `=`
 /// (`password = secret`), and a search for `password=` alone would miss those.
 fn password_value_start(conninfo: &str) -> Option<usize> {
@@ -308,6 +306,8 @@ const LIBPQ_KEYWORDS: &[&str] = &[
     "scram_server_key",
 ];
 
+/// libpq keywords tokio-postgres does not know, with what to use instead (its own message says
+/// only "unknown option").
 fn unsupported_hint(conninfo: &str) -> &'static str {
     let has =
         |key: &str| conninfo.contains(&format!("{key}=")) || conninfo.contains(&format!("{key} ="));

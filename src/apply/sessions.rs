@@ -34,6 +34,11 @@ pub async fn register(client: &tokio_postgres::Client) {
     }
 }
 
+/// Ends one session, only while it is still there: one gone meanwhile is not counted, and the
+/// server does not warn of a pid that is no backend. (In the select list, not in WHERE.)
+const END_SESSION_IF_THERE: &str =
+    "SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_catalog.pg_stat_activity WHERE pid = $1";
+
 /// Ends `pid` if it is an apply session this process opened (same pid and start time), left
 /// from an earlier attempt: one waiting on the server (a parallel worker's wait for another's
 /// commit, say) keeps its connection until the server answers, and with it its replication
@@ -42,14 +47,7 @@ pub async fn end_own_earlier_session(client: &tokio_postgres::Client, pid: i32) 
     if !own_sessions_on_server(client).await.contains(&pid) {
         return false;
     }
-    if client
-        .execute(
-            "SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_catalog.pg_stat_activity WHERE pid = $1",
-            &[&pid],
-        )
-        .await
-        .is_err()
-    {
+    if client.execute(END_SESSION_IF_THERE, &[&pid]).await.is_err() {
         return false;
     }
     tracing::info!(pid, "ended this process's target session of an earlier attempt, which still held what this one needs");
@@ -78,13 +76,8 @@ pub async fn end_own_lingering(client: &tokio_postgres::Client) {
     // evaluated before the join narrows the rows down, on every session of the server.)
     let mut ended = Vec::new();
     for pid in own_sessions_on_server(client).await {
-        // (Only while it is still there: one that went meanwhile is not counted, and the server
-        // does not warn of a pid that is no backend. In the select list, not in WHERE.)
         let ended_now = client
-            .query(
-                "SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_catalog.pg_stat_activity WHERE pid = $1",
-                &[&pid],
-            )
+            .query(END_SESSION_IF_THERE, &[&pid])
             .await
             .is_ok_and(|rows| rows.first().is_some_and(|r| r.get::<_, bool>(0)));
         if ended_now {

@@ -207,9 +207,10 @@ fn stream_error_hint(e: &ServerError, slot: &str) -> Option<String> {
         // The slot decodes with the catalog as it was when each change was written. (Copying
         // again into the same slot would stream it from where it stands, and stop there again.)
         "42704" if e.message.contains("publication") => {
+            let start_over = start_over_advice(slot);
             let slot = crate::sql::shown_literal(slot);
             Some(format!(
-                "if it was renamed while pgapply ran, run with its new name in --publication (pgapply stopped at the rename; a transaction open across it may come only in part: compare with `pgapply verify` after). If it exists now (dropped and created again, renamed while pgapply was stopped, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
+                "if it was renamed while pgapply ran, run with its new name in --publication (pgapply stopped at the rename; a transaction open across it may come only in part: compare with `pgapply verify` after). If it exists now (dropped and created again, renamed while pgapply was stopped, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: {start_over}; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
             ))
         }
         "22021" => Some(
@@ -217,6 +218,14 @@ fn stream_error_hint(e: &ServerError, slot: &str) -> Option<String> {
         ),
         _ => None,
     }
+}
+
+/// The way out when the slot holds changes the source cannot decode any more.
+fn start_over_advice(slot: &str) -> String {
+    format!(
+        "start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({})), then run with --create-slot --copy-data --truncate-target",
+        crate::sql::shown_literal(slot)
+    )
 }
 
 fn server_error(fields: backend::ErrorFields<'_>) -> ServerError {
@@ -753,10 +762,10 @@ impl ReplicationConnection {
                 .unwrap_or_default()
         );
         if !missing.is_empty() {
-            let slot = crate::sql::shown_literal(&self.slot);
+            let start_over = start_over_advice(&self.slot);
             let names: Vec<String> = missing.iter().map(|p| format!("{p:?}")).collect();
             return Err(Error::definite(format!(
-                "source {}: {said}: publication {} of this run no longer exists on the source (renamed or dropped while pgapply ran), and the source would send none of its tables' changes from here on; pgapply stopped before applying or confirming anything after this point. Renamed: run with its new name in --publication (a change is decoded under the name the publication had when it was written; a transaction open across the rename may have been decoded in part under the old name only: compare its tables with `pgapply verify` after). Dropped: the changes written since cannot be decoded: create it again and start over with a new slot, with pgapply stopped: drop this one on the source (SELECT pg_drop_replication_slot({slot})), then run with --create-slot --copy-data --truncate-target",
+                "source {}: {said}: publication {} of this run no longer exists on the source (renamed or dropped while pgapply ran), and the source would send none of its tables' changes from here on; pgapply stopped before applying or confirming anything after this point. Renamed: run with its new name in --publication (a change is decoded under the name the publication had when it was written; a transaction open across the rename may have been decoded in part under the old name only: compare its tables with `pgapply verify` after). Dropped: the changes written since cannot be decoded: create it again and {start_over}",
                 self.endpoint,
                 names.join(", "),
             )));
