@@ -1074,7 +1074,7 @@ async fn copy_one(
                 .map(|(name, _)| crate::sql::quote_ident(name))
                 .collect();
             return err.context_after(if chars.is_empty() {
-                "the source's rows hold bytes that are not valid UTF-8 (in a SQL_ASCII source database, bytes above 127 have no known encoding): fix those values on the source, or move the data to a database whose encoding says what the bytes are".to_owned()
+                "the source's rows hold bytes that are not valid UTF-8 (in a SQL_ASCII source database, bytes above 127 have no known encoding; a PostgreSQL 14 or older source also writes a byte above 127 of a column of a domain over \"char\", or of a \"char\" array, raw): fix those values on the source, or move the data to a database whose encoding says what the bytes are".to_owned()
             } else {
                 format!(
                     "column(s) {} of type \"char\" may hold a byte above 127, which a PostgreSQL 14 or older source writes raw (no valid UTF-8) in the text form the copy between different major versions uses (streamed changes carry such bytes; the copy cannot): set those values to plain characters on the source, or fill the table on the target by hand, then run again",
