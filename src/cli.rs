@@ -219,11 +219,11 @@ pub struct VerifyArgs {
     #[command(flatten)]
     pub servers: ServersArgs,
     /// Rows per compared chunk.
-    #[arg(long, default_value = "10000")]
+    #[arg(long, default_value = "10000", value_parser = clap::value_parser!(i64).range(1..))]
     pub chunk_rows: i64,
     /// Tables compared at once.
-    #[arg(long, default_value = "4")]
-    pub jobs: usize,
+    #[arg(long, default_value = "4", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub jobs: u32,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -279,6 +279,10 @@ pub struct SkipArgs {
     /// take back a request not carried out yet.
     #[arg(long)]
     pub lsn: String,
+    /// Skip the transaction even though no recorded error names it (all of its changes are
+    /// lost on the target).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `pgapply forget`.

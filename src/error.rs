@@ -183,9 +183,16 @@ fn classify_postgres(err: &tokio_postgres::Error) -> ErrorClass {
         // A setting that cannot work (the server asked for a password and none was given, say):
         // trying again changes nothing.
         None if err.to_string().starts_with("invalid configuration") => ErrorClass::Definite,
+        // sslmode=require (or verify-*) against a server without TLS: it will not grow it.
+        None if server_lacks_tls(err) => ErrorClass::Definite,
         // Not a server error: connection closed, I/O, timeout.
         None => ErrorClass::Transient,
     }
+}
+
+/// The server answered that it does not do TLS, and sslmode requires it.
+pub fn server_lacks_tls(err: &tokio_postgres::Error) -> bool {
+    std::error::Error::source(err).is_some_and(|s| s.to_string() == "server does not support TLS")
 }
 
 /// The server's message with its detail and hint, on one line.

@@ -614,7 +614,7 @@ async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error>
     let table_map = config::table_map(&file)?;
     let settings = verify::VerifySettings {
         chunk_rows: args.chunk_rows.max(1),
-        jobs: args.jobs.max(1),
+        jobs: args.jobs as usize,
         ..Default::default()
     };
     let results = verify::verify(

@@ -205,6 +205,7 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
         deadpool_postgres::PoolError::Backend(e) => {
             let refused = e.code()
                 == Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE);
+            let lacks_tls = crate::error::server_lacks_tls(&e);
             let err = Error::postgres(
                 format!("connecting to target {}", conninfo::describe(target)),
                 e,
@@ -216,6 +217,8 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
                     "{}: the target database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false): trying again until it allows them",
                     err.message()
                 ))
+            } else if lacks_tls {
+                err.context_after(crate::tls::NO_TLS_ADVICE)
             } else if err.message().ends_with("password missing") {
                 err.context_after(
                     "the target asks for a password: give it in the connection string, PGPASSWORD, ~/.pgpass or --target-password-file",

@@ -24,8 +24,8 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
     // A transaction already applied never comes again: its request would wait for ever.
     let row = client
         .query_opt(
-            "SELECT greatest(lsn, applied_lsn)::text, skip_lsn::text, \
-                    CASE WHEN state = 'failed' THEN last_error END FROM pgapply.progress WHERE slot_name = $1",
+            "SELECT greatest(lsn, applied_lsn)::text, skip_lsn::text, last_error \
+             FROM pgapply.progress WHERE slot_name = $1",
             &[&slot],
         )
         .await
@@ -52,20 +52,33 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
         }
         return Ok(());
     }
-    // The transaction the last error named: another LSN matches only a transaction committing
-    // exactly there, and is most likely a typo.
-    let named = last_error.as_deref().and_then(named_lsn);
-    if let Some(named) = named.filter(|n| *n != lsn) {
-        return Err(Error::definite(format!(
-            "the last error of slot {slot:?} names the source transaction committed at {named}, not {lsn}: give --lsn {named} (a request for another LSN would skip nothing until a transaction commits exactly there)"
-        )));
-    }
-    if let Some(applied) = applied.and_then(|a| a.parse::<Lsn>().ok()) {
+    let applied = applied.and_then(|a| a.parse::<Lsn>().ok());
+    if let Some(applied) = applied {
         if lsn < applied {
             return Err(Error::definite(format!(
                 "the source transaction committed at {lsn} is already applied (slot {slot:?} has applied up to {applied}): nothing to skip; check --lsn against the latest error"
             )));
         }
+    }
+    // The transaction the last error named (kept while a retry runs, until another error
+    // replaces it): another LSN is most likely a typo, and a request with no error behind it
+    // would drop a transaction that applies fine.
+    let named = last_error
+        .as_deref()
+        .and_then(named_lsn)
+        .filter(|n| applied.is_none_or(|a| *n >= a));
+    match named {
+        Some(named) if named != lsn && !args.force => {
+            return Err(Error::definite(format!(
+                "the last error of slot {slot:?} names the source transaction committed at {named}, not {lsn}: give --lsn {named} (or add --force to skip the transaction committed at {lsn} anyway: all of its changes are lost on the target)"
+            )));
+        }
+        None if !args.force => {
+            return Err(Error::definite(format!(
+                "no recorded error of slot {slot:?} names a source transaction still to apply (`pgapply status` shows the last error): skip is for the transaction an apply error names; check --slot and --lsn, or add --force to skip the transaction committed at {lsn} anyway (all of its changes are lost on the target)"
+            )));
+        }
+        _ => {}
     }
     let updated = client
         .execute(

@@ -323,6 +323,9 @@ pub async fn connect_to(
     })
 }
 
+/// What to do when sslmode requires TLS of a server that does not do it.
+pub const NO_TLS_ADVICE: &str = "the server does not accept TLS connections, but sslmode requires TLS: enable ssl on the server, or use sslmode=prefer or disable";
+
 #[derive(Debug)]
 pub enum ConnectError {
     Setup(Error),
@@ -335,7 +338,11 @@ impl ConnectError {
         match self {
             ConnectError::Setup(e) => e.context(context.into()),
             ConnectError::Postgres(e) => {
+                let lacks_tls = crate::error::server_lacks_tls(&e);
                 let err = Error::postgres(context, e);
+                if lacks_tls {
+                    return err.context_after(NO_TLS_ADVICE);
+                }
                 if err.message().ends_with("password missing") {
                     err.context_after(
                         "the server asks for a password: give password= in the connection string, --source-password-file / --target-password-file, PGPASSWORD, or ~/.pgpass",

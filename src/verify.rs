@@ -99,7 +99,7 @@ async fn server_version(client: &Client, role: &str) -> Result<i32> {
 /// types (with the type modifier: `character(8)`, not `character`, which is `character(1)`; a
 /// domain's base type, so that a domain over text is compared in "C" as text is).
 /// Only the key columns proper: an index's INCLUDE columns (11+) may be NULL and need not sort.
-async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(String, String)>> {
+async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<Key>> {
     let key_count = if server_version(source, "source").await? >= 110000 {
         "i.indnkeyatts"
     } else {
@@ -110,7 +110,8 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
             &format!(
                 "SELECT a.attname::text, \
                         CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
-                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END \
+                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END, \
+                        {ENUM_TYPE} \
                  FROM (SELECT i.indrelid, i.indkey, {key_count} AS n FROM pg_catalog.pg_index i \
                        WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
                        ORDER BY i.indisprimary DESC LIMIT 1) i \
@@ -123,11 +124,21 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
         )
         .await
         .map_err(|e| Error::postgres(format!("reading the key of {}", table.qualified()), e))?;
-    let keys: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let keys: Vec<Key> = rows
+        .iter()
+        .map(|r| {
+            let ty: String = r.get(1);
+            Key {
+                by_text: r.get::<_, bool>(2) || collatable(&ty),
+                name: r.get(0),
+                ty,
+            }
+        })
+        .collect();
     // Only keys that are published can be compared.
     if keys
         .iter()
-        .all(|(k, _)| table.columns.iter().any(|(c, _)| c == k))
+        .all(|k| table.columns.iter().any(|(c, _)| *c == k.name))
     {
         Ok(keys)
     } else {
@@ -141,8 +152,8 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<(Str
 async fn target_key_types(
     target: &Client,
     table: &PublishedTable,
-    keys: &[(String, String)],
-) -> Result<Vec<(String, String)>> {
+    keys: &mut [Key],
+) -> Result<Vec<Key>> {
     let qualified = table.target_qualified();
     let exists: bool = target
         .query_one(
@@ -158,13 +169,14 @@ async fn target_key_types(
         )));
     }
     let mut out = Vec::with_capacity(keys.len());
-    for (column, _) in keys {
+    for key in keys.iter_mut() {
+        let column = &key.name;
         let row = target
             .query_opt(
-                "SELECT CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
-                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END \
+                &format!("SELECT CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
+                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END, {ENUM_TYPE} \
                  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
-                 WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped",
+                 WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped"),
                 &[&qualified, column],
             )
             .await
@@ -176,7 +188,17 @@ async fn target_key_types(
                 table.qualified()
             )));
         };
-        out.push((column.clone(), row.get(0)));
+        let ty: String = row.get(0);
+        // Both sides sort the column the same way: by text if either side's type needs it.
+        key.by_text |= row.get::<_, bool>(1) || collatable(&ty);
+        out.push(Key {
+            name: column.clone(),
+            ty,
+            by_text: false,
+        });
+    }
+    for (theirs, key) in out.iter_mut().zip(keys.iter()) {
+        theirs.by_text = key.by_text;
     }
     Ok(out)
 }
@@ -195,19 +217,19 @@ async fn all_chunk_digests(
     side: &str,
     table_sql: &str,
     columns: &str,
-    keys: &[(String, String)],
+    keys: &[Key],
     filter: Option<&str>,
     starts: &[Vec<String>],
 ) -> Result<ChunkDigests> {
     let key_columns = keys
         .iter()
-        .map(|(k, _)| quote_ident(k))
+        .map(|k| quote_ident(&k.name))
         .collect::<Vec<_>>()
         .join(", ");
     let start_columns = keys
         .iter()
         .enumerate()
-        .map(|(i, (k, ty))| format!("b.c{i}::{ty} AS {}", quote_ident(k)))
+        .map(|(i, k)| format!("b.c{i}::{} AS {}", k.ty, quote_ident(&k.name)))
         .collect::<Vec<_>>()
         .join(", ");
     let arrays = (1..=keys.len())
@@ -284,6 +306,20 @@ fn key_text(values: &[String]) -> String {
 /// not `r`: a column named `r` would stand for the whole row.
 const ROW_HASH: &str = "md5(convert_to((r.*)::text, 'UTF8'))";
 
+/// A key column: its name, its type as its side names it, and whether both sides sort it by the
+/// bytes of its UTF-8 text form (text-like types, whose order depends on collations; enums,
+/// whose order is their labels' order on each side).
+struct Key {
+    name: String,
+    ty: String,
+    by_text: bool,
+}
+
+/// Whether a column's type (or, for an array, its element type) is an enum.
+const ENUM_TYPE: &str = "coalesce((SELECT e.typtype = 'e' FROM pg_catalog.pg_type e \
+                         WHERE e.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype \
+                                            WHEN t.typelem <> 0 AND t.typlen = -1 THEN t.typelem ELSE t.oid END), false)";
+
 struct Chunk {
     from: Option<Vec<String>>,
     to: Option<Vec<String>>,
@@ -294,14 +330,14 @@ struct Chunk {
 /// (which differ after an operating system upgrade, a common reason to migrate), their encodings
 /// (the "C" collation is byte order in the database's own encoding: '€' is 0x80 in WIN1252 and
 /// sorts elsewhere in UTF-8) and their types (citext ignores COLLATE and case).
-fn key_expr(prefix: &str, column: &str, ty: &str) -> String {
-    if collatable(ty) {
+fn key_expr(prefix: &str, key: &Key) -> String {
+    if key.by_text {
         format!(
             "pg_catalog.convert_to({prefix}{}::text, 'UTF8')",
-            quote_ident(column)
+            quote_ident(&key.name)
         )
     } else {
-        format!("{prefix}{}", quote_ident(column))
+        format!("{prefix}{}", quote_ident(&key.name))
     }
 }
 
@@ -317,25 +353,25 @@ fn collatable(ty: &str) -> bool {
     )
 }
 
-fn key_list(prefix: &str, keys: &[(String, String)]) -> String {
+fn key_list(prefix: &str, keys: &[Key]) -> String {
     keys.iter()
-        .map(|(k, ty)| key_expr(prefix, k, ty))
+        .map(|k| key_expr(prefix, k))
         .collect::<Vec<_>>()
         .join(", ")
 }
 
-fn row_expr(keys: &[(String, String)]) -> String {
+fn row_expr(keys: &[Key]) -> String {
     format!("({})", key_list("", keys))
 }
 
-fn bound_expr(keys: &[(String, String)], first_param: usize) -> String {
+fn bound_expr(keys: &[Key], first_param: usize) -> String {
     format!(
         "({})",
         keys.iter()
             .enumerate()
-            .map(|(i, (_, ty))| {
-                let cast = format!("${}::text::{ty}", first_param + i);
-                if collatable(ty) {
+            .map(|(i, k)| {
+                let cast = format!("${}::text::{}", first_param + i, k.ty);
+                if k.by_text {
                     format!("pg_catalog.convert_to({cast}::text, 'UTF8')")
                 } else {
                     cast
@@ -351,7 +387,7 @@ async fn chunk_digest(
     side: &str,
     table_sql: &str,
     columns: &str,
-    keys: &[(String, String)],
+    keys: &[Key],
     filter: Option<&str>,
     chunk: &Chunk,
 ) -> Result<(i64, String)> {
@@ -440,8 +476,8 @@ async fn verify_table(
         )
         .await
         .map_err(|e| Error::postgres("setting the target session's search_path", e))?;
-    let keys = key_columns(&source, &table).await?;
-    let target_keys = target_key_types(&target, &table, &keys).await?;
+    let mut keys = key_columns(&source, &table).await?;
+    let target_keys = target_key_types(&target, &table, &mut keys).await?;
     let target_table = own_rows(&target, &table.target_qualified(), "target").await?;
     let columns = table
         .columns
@@ -522,6 +558,8 @@ async fn verify_table(
     let mut chunks = Vec::new();
     // Every chunk's digest on both sides, taken in one pass per side.
     let mut first_pass: Option<(ChunkDigests, ChunkDigests)> = None;
+    // The chunks' first keys after the first, for another pass over the whole table.
+    let mut starts: Vec<Vec<String>> = Vec::new();
     if keys.is_empty() {
         let no_key = "no primary key or replica identity index whose columns are all published: compared as one chunk, without key ranges";
         note = Some(match note.take() {
@@ -535,7 +573,7 @@ async fn verify_table(
     } else {
         let key_texts = keys
             .iter()
-            .map(|(k, _)| format!("{}::text", quote_ident(k)))
+            .map(|k| format!("{}::text", quote_ident(&k.name)))
             .collect::<Vec<_>>()
             .join(", ");
         let order = key_list("", &keys);
@@ -561,7 +599,7 @@ async fn verify_table(
                         _ => Err(Error::definite(format!(
                             "chunking {}: key column {} is NULL in a row (a replica identity index should not allow that)",
                             name,
-                            keys[i].0
+                            keys[i].name
                         ))),
                     })
                     .collect::<Result<Vec<String>>>()
@@ -577,7 +615,7 @@ async fn verify_table(
             from = Some(b.clone());
         }
         chunks.push(Chunk { from, to: None });
-        let starts: Vec<Vec<String>> = bounds.into_iter().skip(1).collect();
+        starts = bounds.into_iter().skip(1).collect();
         let (s, t) = tokio::join!(
             all_chunk_digests(
                 &source,
@@ -621,10 +659,39 @@ async fn verify_table(
     let mut attempt = 0;
     while !pending.is_empty() {
         attempt += 1;
+        // Many chunks to check again: one more pass over the whole table on each side. A range
+        // query per chunk reads the whole table when the key sorts by its text (no index
+        // serves that), so a table whose every chunk differs would take chunks x table size.
+        let whole_pass = attempt > 1
+            && !keys.is_empty()
+            && (pending.len() > 8 || (pending.len() > 1 && keys.iter().any(|k| k.by_text)));
+        if whole_pass {
+            let (s, t) = tokio::join!(
+                all_chunk_digests(
+                    &source,
+                    "source",
+                    &source_table,
+                    &columns,
+                    &keys,
+                    table.row_filter.as_deref(),
+                    &starts,
+                ),
+                all_chunk_digests(
+                    &target,
+                    "target",
+                    &target_table,
+                    &columns,
+                    &target_keys,
+                    target_filter.as_deref(),
+                    &starts,
+                ),
+            );
+            first_pass = Some((s?, t?));
+        }
         let mut again = Vec::new();
         for &index in &pending {
             let chunk = &chunks[index];
-            let (s, t) = match first_pass.as_ref().filter(|_| attempt == 1) {
+            let (s, t) = match first_pass.as_ref().filter(|_| attempt == 1 || whole_pass) {
                 Some((s, t)) => (
                     s.get(&(index as i64)).cloned().unwrap_or_default(),
                     t.get(&(index as i64)).cloned().unwrap_or_default(),

@@ -611,9 +611,9 @@ async fn md5_user_and_target_role_without_origin_rights() {
         .await;
     let endpos = db.source_wal().await;
     // pgapply as the md5 source user and the plain target role.
-    let as_plain_roles = |extra: &[&str]| {
+    let as_plain_roles_do = |what: &str, extra: &[&str]| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgapply"));
-        cmd.arg("run")
+        cmd.arg(what)
             .arg("--source")
             .arg(format!(
                 "host=127.0.0.1 port={} user={user} password=md5-secret dbname={}",
@@ -629,6 +629,7 @@ async fn md5_user_and_target_role_without_origin_rights() {
             .kill_on_drop(true);
         cmd
     };
+    let as_plain_roles = |extra: &[&str]| as_plain_roles_do("run", extra);
     let cmd = as_plain_roles(&["--endpos", &endpos]);
     let out = run_with_deadline(cmd, 60).await;
     let err = stderr(&out);
@@ -659,6 +660,14 @@ async fn md5_user_and_target_role_without_origin_rights() {
         ],
     )
     .await;
+    // And `check` says so before a run does.
+    let out = run_with_deadline(as_plain_roles_do("check", &["--apply-workers", "2"]), 60).await;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("--apply-workers above 1 records progress in replication origins"),
+        "{text}"
+    );
 }
 
 /// Settings that are wrong in themselves: exit 2 ("nothing was started"), one line naming the

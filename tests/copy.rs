@@ -1612,20 +1612,24 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
     db.source_sql(
         "CREATE TABLE t (k text COLLATE \"C\" PRIMARY KEY, f float8); \
          CREATE TABLE c (code char(4) PRIMARY KEY, r real); \
-         CREATE DOMAIN dcode AS text COLLATE \"C\"; CREATE TABLE d (k dcode PRIMARY KEY);",
+         CREATE DOMAIN dcode AS text COLLATE \"C\"; CREATE TABLE d (k dcode PRIMARY KEY); \
+         CREATE TYPE st AS ENUM ('new', 'active', 'closed'); CREATE TABLE e (k st, n int, PRIMARY KEY (k, n));",
     )
     .await;
+    // (The enum's labels in another order on the target: its rows sort differently there.)
     db.target_sql(
         "CREATE TABLE t (k text COLLATE \"und-x-icu\" PRIMARY KEY, f float8); \
          CREATE TABLE c (code char(4) PRIMARY KEY, r real); \
-         CREATE DOMAIN dcode AS text COLLATE \"und-x-icu\"; CREATE TABLE d (k dcode PRIMARY KEY);",
+         CREATE DOMAIN dcode AS text COLLATE \"und-x-icu\"; CREATE TABLE d (k dcode PRIMARY KEY); \
+         CREATE TYPE st AS ENUM ('active', 'closed', 'new'); CREATE TABLE e (k st, n int, PRIMARY KEY (k, n));",
     )
     .await;
     db.source_sql(
         "INSERT INTO t SELECT CASE WHEN g % 2 = 0 THEN upper(md5(g::text)) ELSE md5(g::text) END, g / 10.0 FROM generate_series(1, 3000) g; \
          INSERT INTO c SELECT lpad(g::text, 4, 'x'), g / 3.0 FROM generate_series(1, 900) g; \
          INSERT INTO d SELECT CASE WHEN g % 2 = 0 THEN upper(md5(g::text)) ELSE md5(g::text) END FROM generate_series(1, 500) g; \
-         CREATE PUBLICATION p FOR TABLE t, c, d;",
+         INSERT INTO e SELECT (ARRAY['new', 'active', 'closed'])[g % 3 + 1]::st, g FROM generate_series(1, 300) g; \
+         CREATE PUBLICATION p FOR TABLE t, c, d, e;",
     )
     .await;
     copy_up_to_now(&db).await;
@@ -1636,7 +1640,8 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
     assert!(
         text.contains("OK        \"public\".\"t\" (3000 rows, 30 chunks)")
             && text.contains("OK        \"public\".\"c\" (900 rows, 9 chunks)")
-            && text.contains("OK        \"public\".\"d\" (500 rows, 5 chunks)"),
+            && text.contains("OK        \"public\".\"d\" (500 rows, 5 chunks)")
+            && text.contains("OK        \"public\".\"e\" (300 rows, 3 chunks)"),
         "{text}"
     );
     // And a changed row is still found, in its chunk.
@@ -1649,6 +1654,19 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
         text.contains("MISMATCH  \"public\".\"c\"")
             && text.contains("key range [(x400) .. (x500))")
             && text.contains("OK        \"public\".\"t\""),
+        "{text}"
+    );
+    // Every chunk of the text-keyed table differs: checked again in whole passes, each row
+    // counted once.
+    db.target_sql("UPDATE c SET r = 450 / 3.0 WHERE code = 'x450'")
+        .await;
+    db.target_sql("UPDATE t SET f = f + 1").await;
+    let out = run_with_deadline(verify(), 120).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("MISMATCH  \"public\".\"t\": source 3000 rows, target 3000 rows")
+            && text.matches("key range").count() == 30,
         "{text}"
     );
 }

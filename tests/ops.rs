@@ -1206,7 +1206,16 @@ async fn status_and_skip_take_the_config_file() {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!text.contains(&db.slot()), "{text}");
     write("");
+    // No recorded error names a transaction: refused (it would drop one that applies fine),
+    // unless forced.
     let out = run_with_deadline(cmd(&["skip", "--lsn", "FF/0"]), 30).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no recorded error of slot") && stderr(&out).contains("--force"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run_with_deadline(cmd(&["skip", "--lsn", "FF/0", "--force"]), 30).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains(&db.slot()),
@@ -1220,7 +1229,7 @@ async fn status_and_skip_take_the_config_file() {
         text.contains("will skip the source transaction committed at FF/0"),
         "{text}"
     );
-    let out = run_with_deadline(cmd(&["skip", "--lsn", "FF/1"]), 30).await;
+    let out = run_with_deadline(cmd(&["skip", "--lsn", "FF/1", "--force"]), 30).await;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(

@@ -315,3 +315,24 @@ async fn require_against_a_server_without_tls_fails_clearly() {
         "{err}"
     );
 }
+
+/// The target side too: a definite error (exit 1) with the same advice, not a retry for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_against_a_target_without_tls_is_not_retried() {
+    let c = common::clusters();
+    let source = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        c.source_port
+    );
+    let target = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=require",
+        c.target_port
+    );
+    let out = run_with_deadline(pgapply(&source, &target, &[]), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("does not accept TLS connections, but sslmode requires TLS"),
+        "{err}"
+    );
+}

@@ -222,6 +222,9 @@ async fn origin_rows_position(client: &Client, origin: &str) -> Result<Lsn> {
     }
 }
 
+/// Why `--apply-workers` above 1 is refused for a role without origin rights (`run` and `check`).
+pub const WORKERS_NEED_ORIGINS: &str = "--apply-workers above 1 records progress in replication origins, but the target role may not use them: use --apply-workers 1, or apply as a role that may (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions)";
+
 impl ProgressStore {
     /// Chooses the mode, checks the recorded source identity, and returns the resume position
     /// (`0/0` when nothing was applied yet).
@@ -338,9 +341,7 @@ impl ProgressStore {
     /// shared by several connections (see `apply::parallel`).
     pub async fn for_worker(&self, client: &Client, index: usize) -> Result<ProgressStore> {
         let ProgressMode::Origin { name } = &self.mode else {
-            return Err(Error::definite(
-                "--apply-workers above 1 records progress in replication origins, but the target role may not use them: use --apply-workers 1, or apply as a role that may (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions)",
-            ));
+            return Err(Error::definite(WORKERS_NEED_ORIGINS));
         };
         if index == 0 {
             return Ok(self.clone());

@@ -260,7 +260,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             &emptied,
         )
         .await;
-        check_apply_session(dst, &mut report, &tables, two_phase).await;
+        check_apply_session(dst, &mut report, &tables, two_phase, config.apply_workers).await;
     }
     finish(report)
 }

@@ -14,6 +14,7 @@ pub(super) async fn check_apply_session(
     report: &mut Report,
     tables: &[crate::copy::PublishedTable],
     two_phase: bool,
+    apply_workers: usize,
 ) {
     match crate::migrations::refuse_read_only(dst).await {
         Ok(()) => report.ok("the target takes writes"),
@@ -34,6 +35,24 @@ pub(super) async fn check_apply_session(
             found.join(", ")
         )),
         Err(e) => report.problem(e.to_string()),
+    }
+    // As `run` decides: parallel workers keep their progress in replication origins only.
+    if apply_workers > 1 {
+        let may = query_bool(
+            dst,
+            "SELECT rolsuper OR (has_function_privilege('pg_catalog.pg_replication_origin_create(text)', 'EXECUTE') \
+                                 AND has_function_privilege('pg_catalog.pg_replication_origin_session_setup(text)', 'EXECUTE')) \
+             FROM pg_catalog.pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await;
+        match may {
+            Ok(true) => report.ok("the target role may use replication origins (--apply-workers)"),
+            Ok(false) => report.problem(crate::apply::progress::WORKERS_NEED_ORIGINS),
+            Err(e) => report.problem(format!(
+                "target: cannot read the role's rights on replication origins: {e}"
+            )),
+        }
     }
     if two_phase {
         let prepared = dst
