@@ -260,6 +260,73 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// A copy of this stopped cluster's data directory, itself stopped, on a port of its own: the
+    /// same system (a cold backup), to be started as a standby or as a restored server.
+    pub fn copy_of_stopped(&self) -> io::Result<LocalCluster> {
+        static COPIES: AtomicUsize = AtomicUsize::new(0);
+        if !self.stopped {
+            return Err(io::Error::other("copy_of_stopped: stop the cluster first"));
+        }
+        let n = COPIES.fetch_add(1, Ordering::SeqCst);
+        let data_dir =
+            std::env::temp_dir().join(format!("{DIR_PREFIX}{}-copy{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&data_dir);
+        // (cp -a keeps the owner and the modes the server insists on.)
+        let out = Command::new("cp")
+            .arg("-a")
+            .arg(&self.data_dir)
+            .arg(&data_dir)
+            .output()?;
+        check(out, "cp -a")?;
+        Ok(LocalCluster {
+            port: free_port()?,
+            data_dir,
+            bin: self.bin.clone(),
+            major: self.major,
+            owner: self.owner,
+            stopped: true,
+        })
+    }
+
+    /// Starts a stopped cluster again, on its port.
+    pub fn start_again(&mut self) -> io::Result<()> {
+        self.pg_ctl_start()?;
+        self.stopped = false;
+        Ok(())
+    }
+
+    /// Makes the next start a standby's (with no primary to follow: it replays what its pg_wal
+    /// holds and waits).
+    pub fn make_standby(&self) -> io::Result<()> {
+        if self.major >= 12 {
+            std::fs::write(self.data_dir.join("standby.signal"), "")?;
+        } else {
+            std::fs::write(self.data_dir.join("recovery.conf"), "standby_mode = 'on'\n")?;
+        }
+        if let Some((uid, gid)) = self.owner {
+            for name in ["standby.signal", "recovery.conf"] {
+                let path = self.data_dir.join(name);
+                if path.exists() {
+                    std::os::unix::fs::chown(&path, Some(uid), Some(gid))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Promotes a running standby, waiting until it takes writes (a new timeline).
+    pub fn promote(&self) -> io::Result<()> {
+        check(
+            self.command("pg_ctl")
+                .arg("-D")
+                .arg(&self.data_dir)
+                .args(["-w", "-t", "120", "promote"])
+                .output()?,
+            "pg_ctl promote",
+        )
+        .map(drop)
+    }
+
     /// A libpq connection string for `dbname` as the superuser.
     pub fn conninfo(&self, dbname: &str) -> String {
         format!(

@@ -101,6 +101,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "column_types",
         include_str!("../migrations/0019_column_types.sql"),
     ),
+    (
+        20,
+        "source_timeline",
+        include_str!("../migrations/0020_source_timeline.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

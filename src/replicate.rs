@@ -447,6 +447,14 @@ async fn run_in_span(
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
     source_has_reached(&mut session, identity.wal_position, resume).await?;
+    on_the_timeline_applied_from(
+        &setup,
+        &mut session,
+        &config.slot,
+        identity.timeline,
+        resume,
+    )
+    .await?;
     // (Reading the published tables may wait for a lock on the source.)
     let Some(shared_targets) =
         unless_stopped(&mut shutdown, target_tables_exist(&config, &setup)).await
@@ -678,6 +686,9 @@ async fn run_in_span(
         match unless_stopped(&mut shutdown, ensured).await {
             Some(result) => result?,
             None => return Ok(stopped()),
+        }
+        if config.failover_slot && session.standby_slots_unset().await? {
+            tracing::warn!("{}", crate::source::STANDBY_SLOTS_UNSET);
         }
         if copy_status == CopyStatus::Done {
             // (Reading the published tables may wait for a lock on the source.)
@@ -1114,6 +1125,58 @@ async fn source_has_reached(
     Err(Error::definite(format!(
         "the target has applied changes from this source up to {resume}, but the source's WAL ends at {wal_end}: the source is not the server those changes came from (a standby that was behind was promoted, or the server was restored from a backup), and its transactions below {resume} would be skipped. Compare the tables (pgapply verify), then start over: under a new --slot with --copy-data --truncate-target, or, to keep this slot name, delete its row from pgapply.progress on the target first"
     )))
+}
+
+/// Refuses a source whose history forked from the timeline the target's position was read on,
+/// below that position: a standby that was behind when it was promoted starts a new timeline at
+/// its own end of WAL, and the target then holds changes of the old primary the new one never had,
+/// while the new primary's own transactions up to that position would be skipped without a word
+/// (once its WAL is past the position, `source_has_reached` cannot tell). Then records the
+/// timeline this run streams from.
+async fn on_the_timeline_applied_from(
+    setup: &tokio_postgres::Client,
+    session: &mut ReplicationSession,
+    slot: &str,
+    timeline: u32,
+    resume: Lsn,
+) -> Result<()> {
+    let recorded: Option<i64> = setup
+        .query_opt(
+            "SELECT source_timeline FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+        .and_then(|r| r.get(0));
+    let start_over = "Compare the tables (pgapply verify), then start over: under a new --slot with --copy-data --truncate-target, or, to keep this slot name, delete its row from pgapply.progress on the target first";
+    if let Some(recorded) =
+        recorded.filter(|r| *r != i64::from(timeline) && resume.is_valid() && timeline > 0)
+    {
+        let history = session.timeline_history(timeline).await?;
+        match history.iter().find(|(t, _)| i64::from(*t) == recorded) {
+            Some((_, end)) if resume <= *end => {}
+            Some((_, end)) => {
+                return Err(Error::definite(format!(
+                    "the source is on timeline {timeline}, which forked from timeline {recorded} at {end} (a failover, or a restore to a point in time), but the target has applied changes of timeline {recorded} up to {resume}: it holds changes this server never had, and this server's own transactions between {end} and {resume} would be skipped. {start_over}"
+                )));
+            }
+            None => {
+                return Err(Error::definite(format!(
+                    "the target has applied changes of timeline {recorded} of this source up to {resume}, but the source is on timeline {timeline}, whose history does not go through timeline {recorded}: it is not the server those changes came from (an old primary after a failover, say). Point --source at the server that took over, or, if this is the right one: {start_over}"
+                )));
+            }
+        }
+    }
+    if recorded != Some(i64::from(timeline)) {
+        setup
+            .execute(
+                "UPDATE pgapply.progress SET source_timeline = $2 WHERE slot_name = $1",
+                &[&slot, &i64::from(timeline)],
+            )
+            .await
+            .map_err(|e| Error::postgres("recording the source's timeline on the target", e))?;
+    }
+    Ok(())
 }
 
 /// How long the source may say nothing before the connection is presumed lost. A source busy

@@ -1143,3 +1143,156 @@ async fn a_target_turned_read_only_is_named_not_skipped() {
     db.sync("p").await;
     db.assert_same("t").await;
 }
+
+/// A failover to a standby that was behind: the promoted server's timeline forks below what the
+/// target applied from the old primary. pgapply refuses it (the target holds changes that server
+/// never had, and its own transactions up to there would be skipped), even once its WAL is past
+/// the target's position; a slot whose target applied nothing past the fork goes on from the new
+/// timeline. (A source cluster of its own, and a cold copy of it as the standby.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahead() {
+    let c = common::clusters();
+    let mut primary = pgapply::cluster::LocalCluster::start(&c.source_bin, &[])
+        .expect("a source cluster of its own");
+    let admin = common::connect(primary.port, "postgres").await;
+    for sql in [
+        "CREATE TABLE t (id int PRIMARY KEY, v text)",
+        "CREATE PUBLICATION p FOR TABLE t",
+        "SELECT pg_create_logical_replication_slot('fork_slot', 'pgoutput')",
+        "SELECT pg_create_logical_replication_slot('ok_slot', 'pgoutput')",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    let ahead = TestDb::new("tlfork").await;
+    let behind = TestDb::new("tlok").await;
+    for db in [&ahead, &behind] {
+        db.target_sql("CREATE TABLE t (id int PRIMARY KEY, v text)")
+            .await;
+    }
+    let apply = |port: u16, db: &TestDb, slot: &str, endpos: &str| {
+        let source = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
+        let target = db.target_conninfo();
+        common::pgapply_command(&[
+            "run",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            slot,
+            "--endpos",
+            endpos,
+        ])
+    };
+    async fn wal(client: &tokio_postgres::Client) -> String {
+        let row = client
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap();
+        row.get::<_, String>(0)
+    }
+    admin
+        .batch_execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, 10) g")
+        .await
+        .unwrap();
+    let endpos = wal(&admin).await;
+    for (db, slot) in [(&ahead, "fork_slot"), (&behind, "ok_slot")] {
+        let out = run_with_deadline(apply(primary.port, db, slot, &endpos), 60).await;
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let recorded: Option<i64> = ahead
+        .target
+        .query_one("SELECT source_timeline FROM pgapply.progress", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(recorded, Some(1));
+    // The standby: a copy taken now, so it lacks what the primary writes next.
+    drop(admin);
+    primary.stop("fast").unwrap();
+    let mut standby = primary.copy_of_stopped().unwrap();
+    primary.start_again().unwrap();
+    let admin = common::connect(primary.port, "postgres").await;
+    admin
+        .batch_execute("INSERT INTO t SELECT g, 'lost' FROM generate_series(11, 20) g")
+        .await
+        .unwrap();
+    let endpos = wal(&admin).await;
+    let out = run_with_deadline(apply(primary.port, &ahead, "fork_slot", &endpos), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let applied: String = ahead
+        .target
+        .query_one(
+            "SELECT greatest(coalesce((SELECT lsn FROM pgapply.progress), '0/0'), \
+                    coalesce(pg_replication_origin_progress('pgapply_fork_slot', true), '0/0'))::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // The primary fails; the standby takes over and writes on, past that position.
+    drop(admin);
+    primary.stop("immediate").unwrap();
+    standby.make_standby().unwrap();
+    standby.start_again().unwrap();
+    standby.promote().unwrap();
+    let new_primary = common::connect(standby.port, "postgres").await;
+    let mut next = 100;
+    wait_for(
+        "the new primary's WAL to pass the target's position",
+        60,
+        || {
+            next += 1000;
+            let client = &new_primary;
+            let applied = applied.clone();
+            async move {
+                client
+                    .batch_execute(&format!(
+                    "INSERT INTO t SELECT g, 'new' FROM generate_series({next}, {next} + 999) g"
+                ))
+                    .await
+                    .unwrap();
+                client
+                    .query_one(
+                        "SELECT pg_current_wal_lsn() > $1::text::pg_lsn",
+                        &[&applied],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, bool>(0)
+            }
+        },
+    )
+    .await;
+    let endpos = wal(&new_primary).await;
+    let out = run_with_deadline(apply(standby.port, &ahead, "fork_slot", &endpos), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the source is on timeline 2, which forked from timeline 1 at")
+            && err.contains(&format!("up to {applied}"))
+            && err.contains("pgapply verify"),
+        "{err}"
+    );
+    // The slot whose target stopped before the fork goes on, from the new timeline.
+    let out = run_with_deadline(apply(standby.port, &behind, "ok_slot", &endpos), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let expected: i64 = new_primary
+        .query_one("SELECT count(*) FROM t", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        behind.count(&behind.target, "SELECT count(*) FROM t").await,
+        expected
+    );
+    let recorded: Option<i64> = behind
+        .target
+        .query_one("SELECT source_timeline FROM pgapply.progress", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(recorded, Some(2));
+}

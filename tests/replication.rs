@@ -1244,6 +1244,12 @@ async fn failover_slot() {
         failover(db.slot()).await,
         "the existing slot was not changed"
     );
+    // The test source has no synchronized_standby_slots: the user hears what that risks.
+    assert!(
+        stderr(&out).contains("synchronized_standby_slots is empty on the source"),
+        "{}",
+        stderr(&out)
+    );
     db.assert_same("t").await;
     for (slot, extra) in [
         ("failover_new", vec!["--create-slot"]),

@@ -65,6 +65,18 @@ pub(super) async fn check_source(
                     version / 10000
                 ));
             }
+            if config.failover_slot
+                && version >= 170000
+                && query_bool(
+                    src,
+                    "SELECT pg_catalog.current_setting('synchronized_standby_slots') = ''",
+                    &[],
+                )
+                .await
+                .unwrap_or(false)
+            {
+                report.warning(crate::source::STANDBY_SLOTS_UNSET);
+            }
             // --binary falls back to text, for the whole stream, rather than refuse: said here.
             if config.requested.binary {
                 if version < 140000 {

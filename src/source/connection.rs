@@ -138,6 +138,8 @@ impl QueryResult {
 /// An error the server sent: SQLSTATE and message.
 #[derive(Debug, Clone)]
 pub struct ServerError {
+    /// ERROR, WARNING, NOTICE.. (the untranslated one where the server sends it, 9.6+).
+    pub severity: String,
     pub code: String,
     pub message: String,
     pub detail: Option<String>,
@@ -230,6 +232,7 @@ fn start_over_advice(slot: &str) -> String {
 
 fn server_error(fields: backend::ErrorFields<'_>) -> ServerError {
     let mut e = ServerError {
+        severity: String::new(),
         code: String::new(),
         message: String::new(),
         detail: None,
@@ -239,6 +242,8 @@ fn server_error(fields: backend::ErrorFields<'_>) -> ServerError {
     while let Ok(Some(field)) = fields.next() {
         let value = String::from_utf8_lossy(field.value_bytes()).into_owned();
         match field.type_() {
+            b'V' => e.severity = value,
+            b'S' if e.severity.is_empty() => e.severity = value,
             b'C' => e.code = value,
             b'M' => e.message = value,
             b'D' => e.detail = Some(value),
@@ -682,7 +687,13 @@ impl ReplicationConnection {
                             self.skipped_notice = Some(n);
                             continue;
                         }
-                        tracing::info!(source = %self.endpoint, notice = %n.message, "source notice");
+                        // A WARNING says something is wrong (a standby that holds logical
+                        // replication back, say): seen, and with what the server says to do.
+                        if n.severity == "WARNING" {
+                            tracing::warn!(source = %self.endpoint, warning = %n, "source warning");
+                        } else {
+                            tracing::info!(source = %self.endpoint, notice = %n.message, "source notice");
+                        }
                     }
                 }
                 b'E' => {
@@ -799,6 +810,7 @@ impl ReplicationConnection {
 
 fn unreachable_error() -> ServerError {
     ServerError {
+        severity: "ERROR".into(),
         code: "XX000".into(),
         message: "unparseable error response".into(),
         detail: None,

@@ -24,6 +24,29 @@ pub struct SystemIdentity {
     pub database: String,
 }
 
+/// Why a failover slot alone does not make a failover safe.
+pub const STANDBY_SLOTS_UNSET: &str = "--failover-slot: synchronized_standby_slots is empty on the source, so pgapply may apply changes a standby has not received yet; after a failover to that standby the target would hold changes the new primary never had (pgapply then refuses to go on from it). Set synchronized_standby_slots on the source to the physical slots of the standbys that may take over (and sync_replication_slots = on on them)";
+
+/// A timeline history file's entries: "parent timeline, switch point, reason" per line (comments
+/// and blank lines aside). `Err` holds a line that does not read so.
+pub fn parse_timeline_history(content: &str) -> std::result::Result<Vec<(u32, Lsn)>, String> {
+    let mut entries = Vec::new();
+    for line in content.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut fields = line.split_whitespace();
+        let timeline = fields.next().and_then(|t| t.parse::<u32>().ok());
+        let switch = fields.next().and_then(|l| l.parse::<Lsn>().ok());
+        match (timeline, switch) {
+            (Some(t), Some(l)) => entries.push((t, l)),
+            _ => return Err(line.to_owned()),
+        }
+    }
+    Ok(entries)
+}
+
 /// A new slot's starting point and the snapshot that shows the data as of that point.
 #[derive(Debug, Clone)]
 pub struct ExportedSnapshot {
@@ -210,6 +233,43 @@ impl ReplicationSession {
             )
             .await?;
         Ok(r.first("ms").and_then(|t| t.parse().ok()).unwrap_or(0))
+    }
+
+    /// Where each earlier timeline in the history of `timeline` ended: (timeline, switch point),
+    /// from the source's TIMELINE_HISTORY (timeline 1 has no history).
+    pub async fn timeline_history(&mut self, timeline: u32) -> Result<Vec<(u32, Lsn)>> {
+        if timeline <= 1 {
+            return Ok(Vec::new());
+        }
+        let r = self
+            .conn
+            .simple_query(&format!("TIMELINE_HISTORY {timeline}"))
+            .await?;
+        let content = r.first("content").ok_or_else(|| {
+            Error::definite(format!(
+                "TIMELINE_HISTORY {timeline} on the source returned no content"
+            ))
+        })?;
+        parse_timeline_history(content).map_err(|line| {
+            Error::definite(format!(
+                "the source's history of timeline {timeline} has a line pgapply cannot read: {line:?}"
+            ))
+        })
+    }
+
+    /// Whether a 17+ source lets logical replication run ahead of its standbys: its
+    /// `synchronized_standby_slots` is empty.
+    pub async fn standby_slots_unset(&mut self) -> Result<bool> {
+        if self.conn.server_version < 170000 {
+            return Ok(false);
+        }
+        let r = self
+            .conn
+            .simple_query(
+                "SELECT pg_catalog.current_setting('synchronized_standby_slots') AS slots",
+            )
+            .await?;
+        Ok(r.first("slots").is_some_and(str::is_empty))
     }
 
     /// Whether the source is a standby (logical decoding from a standby is 16+).
@@ -521,4 +581,23 @@ fn create_slot_sql(slot: &str, snapshot: &str, two_phase: bool, failover: bool) 
         quote_ident(slot),
         options.join(", ")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeline_history_reads_as_where_each_timeline_ended() {
+        let history = "1\t0/3B323498\tno recovery target specified\n\n# a comment\n2\t1/A0\tat restore point \"x\"\n";
+        assert_eq!(
+            parse_timeline_history(history),
+            Ok(vec![(1, Lsn(0x3B32_3498)), (2, Lsn(0x1_0000_00A0))])
+        );
+        assert_eq!(parse_timeline_history(""), Ok(Vec::new()));
+        assert_eq!(
+            parse_timeline_history("1 nowhere reason"),
+            Err("1 nowhere reason".to_owned())
+        );
+    }
 }
