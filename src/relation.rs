@@ -300,10 +300,13 @@ impl RelationCache {
                         })
                         .map(|t| quote_ident(&t.name))
                         .collect();
-                    let mapped = if wanted != &column.name {
-                        format!(" (mapped to {} by the config file)", quote_ident(wanted))
+                    let (mapped, or_mapping) = if wanted != &column.name {
+                        (
+                            format!(" (mapped to {} by the config file)", quote_ident(wanted)),
+                            "; or correct that column's entry under [tables] in the config file",
+                        )
                     } else {
-                        String::new()
+                        (String::new(), "")
                     };
                     let renamed = match candidates.as_slice() {
                         [] => String::new(),
@@ -327,11 +330,11 @@ impl RelationCache {
                         _ => "...".to_owned(),
                     };
                     Error::definite(format!(
-                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}, with the DEFAULT it has on the source if it has one: the rows already there took it on the source; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}",
+                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}, with the DEFAULT it has on the source if it has one: the rows already there took it on the source; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}{or_mapping}",
                         quote_ident(&column.name),
                         target.qualified,
                         target.qualified,
-                        quote_ident(&column.name)
+                        quote_ident(wanted)
                     ))
                 })?;
             if target.columns[index].generated {

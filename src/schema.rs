@@ -385,6 +385,9 @@ pub async fn schema(
                 // A type or function from an extension: pg_dump --schema leaves extensions out.
                 // Or from a schema no published table is in, which the dump does not cover.
                 Some("42704") | Some("42883") => "; if it comes from an extension, CREATE EXTENSION it on the target first; if it is defined in a schema without published tables (the dump covers only the published tables' schemas), create it on the target first",
+                // A type (or function) of a schema no published table is in: the dump neither
+                // covers nor creates that schema.
+                Some("3F000") => "; a type or function the tables use may be defined in a schema without published tables (the dump covers only the published tables' schemas): create that schema and what the tables use from it on the target first",
                 // A foreign key to a table that is not published.
                 Some("42P01") => "; a table it refers to may not be published: publish it, or create it on the target first",
                 // Some of the definitions are there already: all or nothing, so none was made.

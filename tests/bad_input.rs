@@ -1958,6 +1958,45 @@ async fn a_column_renamed_inside_a_transaction_is_applied_through_a_column_map()
     db.assert_same("t1").await;
 }
 
+/// A column map onto a target column that does not exist: `check` names the mapped column, and
+/// `run` says to add that one (or correct the map), not the source's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_mapped_onto_a_missing_target_column_is_named_by_its_target_name() {
+    let db = TestDb::new("mapmiss").await;
+    db.both("CREATE TABLE t2 (id int PRIMARY KEY, a int)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t2").await;
+    db.source_sql("INSERT INTO t2 VALUES (1, 1)").await;
+    let config = std::env::temp_dir().join(format!("pgapply-mapmiss-{}.toml", std::process::id()));
+    std::fs::write(&config, "[tables.\"public.t2\".columns]\na = \"x\"\n").unwrap();
+    let config_arg = config.to_str().unwrap();
+    let out = run_with_deadline(
+        db.on_both("check", &["--slot", &db.slot(), "--config", config_arg]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("column \"x\" of \"public\".\"t2\" is published but missing on the target"),
+        "{text}"
+    );
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--config", config_arg]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("(mapped to \"x\" by the config file)")
+            && err.contains("ADD COLUMN \"x\" int4")
+            && err.contains("or correct that column's entry under [tables]"),
+        "{err}"
+    );
+    let _ = std::fs::remove_file(&config);
+}
+
 /// A foreign key the target checks (its role may not set session_replication_role) refusing a
 /// replicated row, while streaming and in the initial copy: each error says why it fires and
 /// what to do, not only how to skip.

@@ -258,6 +258,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             (&truncated, &updated),
             must_be_empty,
             &emptied,
+            &config.column_map,
         )
         .await;
         check_apply_session(dst, &mut report, &tables, two_phase, config.apply_workers).await;

@@ -77,6 +77,7 @@ pub(super) async fn check_target(
     (truncated, updated): (&[bool], &[bool]),
     copy_pending: bool,
     emptied: &[String],
+    column_map: &crate::config::ColumnMap,
 ) {
     // (A schema pgapply that exists already is what counts then: another role's may refuse.
     // Only pgapply's own tables there: a user's tables in a schema of that name are theirs.)
@@ -148,6 +149,22 @@ pub(super) async fn check_target(
         return;
     }
     for (i, table) in tables.iter().enumerate() {
+        // The target's names of the published columns (`[tables."s.t".columns]` renames them
+        // for the stream): what the target table must have.
+        let mapped;
+        let table = match column_map.get(&(table.schema.clone(), table.name.clone())) {
+            Some(renames) => {
+                let mut t = table.clone();
+                for (column, _) in &mut t.columns {
+                    if let Some(to) = renames.get(column.as_str()) {
+                        *column = to.clone();
+                    }
+                }
+                mapped = t;
+                &mapped
+            }
+            None => table,
+        };
         let truncates = truncated.get(i).copied().unwrap_or(false);
         let qualified = table.target_qualified();
         let rows = dst

@@ -513,6 +513,19 @@ pub(super) async fn target_tables_exist(
             "none of the {} published tables exists on the target: create them first, for example with `pgapply schema --source ... --target ... --publication ... --section pre-data` (and `--section post-data` after the initial copy, for the keys and indexes); or check --target",
             all.len()
         ))),
+        [one] if tables
+            .iter()
+            .any(|t| t.target_qualified() == *one && t.qualified() != *one) =>
+        {
+            let source_name = tables
+                .iter()
+                .find(|t| t.target_qualified() == *one)
+                .map(|t| t.qualified())
+                .unwrap_or_default();
+            Err(Error::definite(format!(
+                "target table {one}, onto which [tables] in the config file maps published source table {source_name}, does not exist on the target: create it there with the source table's columns (pg_dump --schema-only --table '{source_name}' of the source database, renamed to {one}), or correct that [tables] entry; then start pgapply again"
+            )))
+        }
         [one] => Err(Error::definite(format!(
             "table {one} is published by the source but does not exist on the target: create it on the target as on the source (pg_dump --schema-only --table '{one}' of the source database, into psql on the target: `pgapply schema` is for a target that has none of the published tables yet), or take it out of the publication; or, if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; then start pgapply again"
         ))),
