@@ -13,7 +13,7 @@ pub(crate) use source::operations_left_out;
 mod target;
 
 use source::check_source;
-use target::{check_apply_session, check_target};
+use target::{check_apply_session, check_target, with_target_columns};
 
 struct Report {
     problems: Vec<String>,
@@ -254,11 +254,10 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
             dst,
             source.as_ref(),
             &mut report,
-            &tables,
+            &with_target_columns(&tables, &config.column_map),
             (&truncated, &updated),
             must_be_empty,
             &emptied,
-            &config.column_map,
         )
         .await;
         check_apply_session(dst, &mut report, &tables, two_phase, config.apply_workers).await;

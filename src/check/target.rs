@@ -69,6 +69,28 @@ pub(super) async fn check_apply_session(
     }
 }
 
+/// The published tables with their columns under the target's names (`[tables."s.t".columns]`
+/// renames them for the stream): what the target tables must have.
+pub(super) fn with_target_columns(
+    tables: &[crate::copy::PublishedTable],
+    column_map: &crate::config::ColumnMap,
+) -> Vec<crate::copy::PublishedTable> {
+    tables
+        .iter()
+        .map(|table| {
+            let mut t = table.clone();
+            if let Some(renames) = column_map.get(&(table.schema.clone(), table.name.clone())) {
+                for (column, _) in &mut t.columns {
+                    if let Some(to) = renames.get(column.as_str()) {
+                        *column = to.clone();
+                    }
+                }
+            }
+            t
+        })
+        .collect()
+}
+
 pub(super) async fn check_target(
     dst: &Client,
     source: Option<&Client>,
@@ -77,7 +99,6 @@ pub(super) async fn check_target(
     (truncated, updated): (&[bool], &[bool]),
     copy_pending: bool,
     emptied: &[String],
-    column_map: &crate::config::ColumnMap,
 ) {
     // (A schema pgapply that exists already is what counts then: another role's may refuse.
     // Only pgapply's own tables there: a user's tables in a schema of that name are theirs.)
@@ -149,22 +170,6 @@ pub(super) async fn check_target(
         return;
     }
     for (i, table) in tables.iter().enumerate() {
-        // The target's names of the published columns (`[tables."s.t".columns]` renames them
-        // for the stream): what the target table must have.
-        let mapped;
-        let table = match column_map.get(&(table.schema.clone(), table.name.clone())) {
-            Some(renames) => {
-                let mut t = table.clone();
-                for (column, _) in &mut t.columns {
-                    if let Some(to) = renames.get(column.as_str()) {
-                        *column = to.clone();
-                    }
-                }
-                mapped = t;
-                &mapped
-            }
-            None => table,
-        };
         let truncates = truncated.get(i).copied().unwrap_or(false);
         let qualified = table.target_qualified();
         let rows = dst
