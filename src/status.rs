@@ -65,11 +65,16 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             "the target has no pgapply state (schema pgapply): pgapply has not run against this database yet",
         ));
     }
+    // The commit time goes with the position shown: the progress row's own (written in the same
+    // transaction as its position) when that position is the later one, as after a kill -9
+    // that left the heartbeat's copy behind.
     let rows = target
         .query(
             "SELECT slot_name, coalesce(state, 'unknown'), pid, \
                     greatest(lsn, applied_lsn)::text, \
-                    to_char(last_commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+                    to_char(CASE WHEN lsn IS NOT NULL AND (applied_lsn IS NULL OR lsn >= applied_lsn) \
+                                      AND commit_time IS NOT NULL THEN commit_time ELSE last_commit_time END \
+                            AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
                     extract(epoch FROM now() - heartbeat_at)::float8, lag_seconds, \
                     transactions, inserts, updates, deletes, truncates, conflicts::text, \
                     to_jsonb(p) ->> 'stop_lsn', to_jsonb(p) ->> 'skip_lsn', \
