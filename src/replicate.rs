@@ -820,8 +820,18 @@ async fn run_in_span(
         negotiated.describe()
     };
     tracing::info!(negotiated = %shown, "replication options for this source");
+    // (Of several hosts, the one this session reached.)
+    let source_shown = if config.source.get_hosts().len() > 1 {
+        format!(
+            "{} (connected to {})",
+            conninfo::describe(&config.source),
+            session.endpoint()
+        )
+    } else {
+        conninfo::describe(&config.source)
+    };
     tracing::info!(
-        source = %conninfo::describe(&config.source),
+        source = %source_shown,
         target_server = %conninfo::describe(&config.target),
         server_version = session.server_version(),
         protocol_version = negotiated.protocol_version,
