@@ -70,6 +70,32 @@ fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
     parts.join(" ")
 }
 
+/// The line of `sql` that holds character `position` (1-based, as the server counts), shortened.
+fn statement_at(sql: &str, position: usize) -> Option<String> {
+    let offset = sql.char_indices().nth(position.checked_sub(1)?)?.0;
+    let start = sql[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let end = sql[offset..].find('\n').map_or(sql.len(), |i| offset + i);
+    let shorten = |line: &str| match line.char_indices().nth(200) {
+        Some((cut, _)) => format!("{}...", &line[..cut]),
+        None => line.to_owned(),
+    };
+    let line = shorten(sql[start..end].trim());
+    // Inside a statement of several lines (a CREATE TABLE's column, say): which one.
+    let head = sql[..start]
+        .lines()
+        .rev()
+        .take_while(|l| !l.trim_end().ends_with(';'))
+        .last()
+        .map(str::trim)
+        .filter(|l| !l.is_empty());
+    Some(match head {
+        Some(head) if !line.starts_with("CREATE ") && !line.starts_with("ALTER ") => {
+            format!("{line} (in {})", shorten(head))
+        }
+        _ => line,
+    })
+}
+
 /// Drops `SET name = ...;` lines of settings the target does not know: a newer pg_dump sets
 /// parameters an older server rejects (`transaction_timeout` from 17, `default_table_access_method`
 /// from 12), and the dump is otherwise valid for it.
@@ -295,6 +321,14 @@ pub async fn schema(
         .map(|r| r.get(0))
         .collect();
     let sql = without_unknown_settings(&sql, &known);
+    let target_major: i32 = target
+        .query_one(
+            "SELECT current_setting('server_version_num')::int / 10000",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the target version", e))?
+        .get(0);
     // One transaction: for post-data, the tables renamed by the config file take their source
     // names while the dump runs (pg_dump knows only those); they all end under their own names.
     let tag = format!(
@@ -381,6 +415,25 @@ pub async fn schema(
         .batch_execute(&sql)
         .await
         .map_err(|e| {
+            // The statement the server refused, as the dump wrote it (its position is in the
+            // whole text sent).
+            let at = e
+                .as_db_error()
+                .and_then(|d| match d.position() {
+                    Some(tokio_postgres::error::ErrorPosition::Original(p)) => {
+                        statement_at(&sql, *p as usize)
+                    }
+                    _ => None,
+                })
+                .map(|line| format!("; the statement: {line}"))
+                .unwrap_or_default();
+            // A syntax the target's version does not know (generated columns before 12,
+            // COMPRESSION before 14, ...).
+            let older = if e.code().map(|c| c.code()) == Some("42601") && target_major < source_major {
+                format!("; the target runs PostgreSQL {target_major}, older than the source's {source_major}, and the dump uses what the source's version has: create that table on the target by hand, without what its version lacks, and leave it out of this step's tables (or use a target of the source's version or newer)")
+            } else {
+                String::new()
+            };
             let hint = match e.code().map(|c| c.code()) {
                 // A type or function from an extension: pg_dump --schema leaves extensions out.
                 // Or from a schema no published table is in, which the dump does not cover.
@@ -394,7 +447,7 @@ pub async fn schema(
                 Some("42P07") | Some("42710") => "; an object the dump creates is on the target already (named below; was this section run before?): drop what is there, or create the missing tables by hand (pg_dump --schema-only --table ...)",
                 _ => "",
             };
-            Error::postgres(format!("creating the definitions on the target (all or nothing: nothing was created){hint}"), e)
+            Error::postgres(format!("creating the definitions on the target (all or nothing: nothing was created){hint}{older}{at}"), e)
         })?;
     // (The schemas the `[tables]` mapping moves tables to, too.)
     let mut shown = schemas;
@@ -441,6 +494,21 @@ fn move_table(schema: &str, name: &str, to_schema: &str, to_name: &str) -> Strin
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_statement_at_a_position_is_named_with_its_table() {
+        let sql = "SET x = 1;\nCREATE TABLE public.t (\n    a integer,\n    g integer GENERATED ALWAYS AS ((a + 1)) STORED\n);\nCREATE INDEX i ON t (a);";
+        let at = |needle: &str| sql.find(needle).unwrap() + 1;
+        assert_eq!(
+            statement_at(sql, at("GENERATED")).as_deref(),
+            Some("g integer GENERATED ALWAYS AS ((a + 1)) STORED (in CREATE TABLE public.t ()")
+        );
+        assert_eq!(
+            statement_at(sql, at("INDEX")).as_deref(),
+            Some("CREATE INDEX i ON t (a);")
+        );
+        assert_eq!(statement_at(sql, 10_000), None);
+    }
 
     #[test]
     fn settings_the_target_does_not_know_are_dropped() {
