@@ -1644,6 +1644,14 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
             && text.contains("OK        \"public\".\"e\" (300 rows, 3 chunks)"),
         "{text}"
     );
+    // `check` says the target orders the enum otherwise.
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.lines().any(|l| l.starts_with("WARNING")
+            && l.contains("column \"k\" of \"public\".\"e\": its enum type on the target has the source's values in another order")),
+        "{text}"
+    );
     // And a changed row is still found, in its chunk.
     db.target_sql("UPDATE c SET r = 0 WHERE code = 'x450'")
         .await;

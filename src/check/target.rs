@@ -436,6 +436,25 @@ pub(super) async fn check_target(
                         source_row.get::<_, String>(1),
                         lacking.join(", ")
                     ));
+                } else {
+                    // Same labels, another order: the rows are the same, but the target sorts
+                    // and compares them otherwise (ORDER BY, <, range partitions, indexes).
+                    let shared: Vec<&String> = labels
+                        .iter()
+                        .filter(|l| source_labels.contains(l))
+                        .collect();
+                    let source_order: Vec<&String> = source_labels
+                        .iter()
+                        .filter(|l| labels.contains(l))
+                        .collect();
+                    if shared != source_order {
+                        report.warning(format!(
+                            "column {} of {qualified}: its enum type on the target has the source's values in another order ({} there, {} on the source): the rows replicate as they are, but queries on the target sort and compare them otherwise (ORDER BY, <, >); `pgapply verify` compares them by their text",
+                            quote_ident(column),
+                            shared.iter().map(|l| crate::sql::shown_literal(l)).collect::<Vec<_>>().join(", "),
+                            source_order.iter().map(|l| crate::sql::shown_literal(l)).collect::<Vec<_>>().join(", ")
+                        ));
+                    }
                 }
             }
         }
@@ -444,22 +463,39 @@ pub(super) async fn check_target(
         if let Some(src) = source {
             let generated = src
                 .query(
-                    "SELECT a.attname::text FROM pg_catalog.pg_attribute a \
+                    "SELECT a.attname::text, coalesce(to_jsonb(a) ->> 'attgenerated', '') = 'v' \
+                     FROM pg_catalog.pg_attribute a \
                      WHERE a.attrelid = $1::text::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped \
                        AND coalesce(to_jsonb(a) ->> 'attgenerated', '') <> '' ORDER BY a.attnum",
                     &[&table.qualified()],
                 )
                 .await
-                .map(|rows| rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>())
+                .map(|rows| {
+                    rows.iter()
+                        .map(|r| (r.get::<_, String>(0), r.get::<_, bool>(1)))
+                        .collect::<Vec<_>>()
+                })
                 .unwrap_or_default();
-            for column in generated {
+            let target_major = crate::sql::server_version(dst).await.unwrap_or(0) / 10000;
+            for (column, is_virtual) in generated {
                 let plain_on_target = rows
                     .iter()
                     .any(|r| r.get::<_, String>(0) == column && !r.get::<_, bool>(3));
                 if plain_on_target && !table.columns.iter().any(|(c, _)| *c == column) {
                     fine = false;
+                    // (Generated columns are 12+; a VIRTUAL one is never published.)
+                    let make_generated = if target_major >= 12 || target_major == 0 {
+                        "make it generated on the target too (the same GENERATED ALWAYS AS expression)"
+                    } else {
+                        "fill it on the target some other way (a trigger: PostgreSQL before 12 has no generated columns), or drop it there"
+                    };
+                    let publish = if is_virtual {
+                        " (a VIRTUAL generated column is never published)"
+                    } else {
+                        ", or on a PostgreSQL 18 source publish it (publish_generated_columns = stored)"
+                    };
                     report.warning(format!(
-                        "column {} of {qualified} is generated on the source, which does not publish its values, and a plain column on the target: it stays empty (NULL or its default) there; make it generated on the target too (the same GENERATED ALWAYS AS expression), or on a PostgreSQL 18 source publish it (publish_generated_columns = stored)",
+                        "column {} of {qualified} is generated on the source, which does not publish its values, and a plain column on the target: it stays empty (NULL or its default) there; {make_generated}{publish}",
                         quote_ident(&column)
                     ));
                 }
