@@ -118,6 +118,48 @@ impl RelationEntry {
     }
 }
 
+/// A built-in number, text or time type as `format_type` names it, from its OID and modifier
+/// (the Relation message's): the types whose modifier says how much they hold.
+fn builtin_type_name(oid: Oid, modifier: i32) -> Option<String> {
+    let with = |base: &str, m: Option<String>, after: &str| match m {
+        Some(m) => format!("{base}({m}){after}"),
+        None => format!("{base}{after}"),
+    };
+    let precision = (modifier >= 0).then(|| modifier.to_string());
+    let length = (modifier >= 4).then(|| (modifier - 4).to_string());
+    Some(match oid {
+        21 => "smallint".to_owned(),
+        23 => "integer".to_owned(),
+        20 => "bigint".to_owned(),
+        700 => "real".to_owned(),
+        701 => "double precision".to_owned(),
+        25 => "text".to_owned(),
+        1700 => {
+            if modifier < 4 {
+                return Some("numeric".to_owned());
+            }
+            // (The scale is 11 signed bits from PostgreSQL 15, which allows a negative one.)
+            let m = modifier - 4;
+            let scale = ((m & 0x7ff) ^ 1024) - 1024;
+            if scale < 0 {
+                return None;
+            }
+            with(
+                "numeric",
+                Some(format!("{},{scale}", (m >> 16) & 0xffff)),
+                "",
+            )
+        }
+        1043 => with("character varying", length, ""),
+        1042 => with("character", length, ""),
+        1114 => with("timestamp", precision, " without time zone"),
+        1184 => with("timestamp", precision, " with time zone"),
+        1083 => with("time", precision, " without time zone"),
+        1266 => with("time", precision, " with time zone"),
+        _ => return None,
+    })
+}
+
 /// Whether binary values of the source's type may not fit the target's: another type (a
 /// user-defined type counts as another on every cluster: its OID differs), except text, varchar
 /// and char, which send the same bytes.
@@ -410,6 +452,25 @@ impl RelationCache {
                 }
             }
         }
+        // A column the source changed to hold more (ALTER TABLE .. TYPE numeric(30,10), say)
+        // while the target's still holds less: the target's assignment cast rounds without a
+        // word. Said at each Relation message (each start, and each change of the table).
+        for (column, &t) in relation.columns.iter().zip(&target_columns) {
+            let target_column = &target.columns[t];
+            let Some(source_type) = builtin_type_name(column.type_oid, column.type_modifier) else {
+                continue;
+            };
+            if let Some(how) = crate::check::narrower(&source_type, &target_column.type_name) {
+                tracing::warn!(
+                    relation = %shown,
+                    "column {} is {source_type} on the source and {} on the target, which {how}: change it on the target first (ALTER TABLE {} ALTER COLUMN {} TYPE {source_type}); `pgapply verify` finds the rows already changed",
+                    quote_ident(&column.name),
+                    target_column.type_name,
+                    target.qualified,
+                    quote_ident(&target_column.name)
+                );
+            }
+        }
         let type_differs = relation
             .columns
             .iter()
@@ -652,7 +713,39 @@ fn column_map_lines(schema: &str, table: &str, from: &str, to: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{binary_forms_differ, rename_table_sql, TargetTable};
+    use super::{binary_forms_differ, builtin_type_name, rename_table_sql, TargetTable};
+
+    #[test]
+    fn built_in_types_are_named_as_format_type_names_them() {
+        // numeric(30,10): ((30 << 16) | 10) + 4.
+        assert_eq!(
+            builtin_type_name(1700, (30 << 16 | 10) + 4).as_deref(),
+            Some("numeric(30,10)")
+        );
+        assert_eq!(builtin_type_name(1700, -1).as_deref(), Some("numeric"));
+        // numeric(5,-2), PostgreSQL 15+: left alone.
+        assert_eq!(builtin_type_name(1700, (5 << 16 | 0x7fe) + 4), None);
+        assert_eq!(
+            builtin_type_name(1043, 24).as_deref(),
+            Some("character varying(20)")
+        );
+        assert_eq!(
+            builtin_type_name(1114, 3).as_deref(),
+            Some("timestamp(3) without time zone")
+        );
+        assert_eq!(
+            builtin_type_name(1184, -1).as_deref(),
+            Some("timestamp with time zone")
+        );
+        assert_eq!(builtin_type_name(16, -1), None);
+        // And what they are compared with.
+        assert!(crate::check::narrower("numeric(30,10)", "numeric(20,5)").is_some());
+        assert!(crate::check::narrower(
+            "timestamp(6) without time zone",
+            "timestamp(3) without time zone"
+        )
+        .is_some());
+    }
 
     #[test]
     fn a_rename_sets_the_schema_then_the_name() {

@@ -1997,6 +1997,29 @@ async fn a_column_mapped_onto_a_missing_target_column_is_named_by_its_target_nam
     let _ = std::fs::remove_file(&config);
 }
 
+/// A column the source widened (numeric(20,5) to numeric(30,10)) while the target's stayed: the
+/// target rounds the values without a word, so pgapply warns, naming the column and the ALTER.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_the_source_widened_is_named_while_the_target_rounds() {
+    let db = TestDb::new("widened").await;
+    db.both("CREATE TABLE w (id int PRIMARY KEY, n numeric(20,5))")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE w").await;
+    db.source_sql("ALTER TABLE w ALTER COLUMN n TYPE numeric(30,10)")
+        .await;
+    db.source_sql("INSERT INTO w VALUES (1, 1.0123456789)")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("column \"n\" is numeric(30,10) on the source and numeric(20,5) on the target, which rounds the source's values without a word")
+            && err.contains("ALTER COLUMN \"n\" TYPE numeric(30,10)"),
+        "{err}"
+    );
+}
+
 /// A foreign key the target checks (its role may not set session_replication_role) refusing a
 /// replicated row, while streaming and in the initial copy: each error says why it fires and
 /// what to do, not only how to skip.

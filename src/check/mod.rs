@@ -13,6 +13,7 @@ pub(crate) use source::operations_left_out;
 mod target;
 
 use source::check_source;
+pub(crate) use target::narrower;
 use target::{check_apply_session, check_target, with_target_columns};
 
 struct Report {

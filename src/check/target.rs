@@ -599,7 +599,7 @@ pub(super) async fn source_column_definition(
 
 /// How a target type of the same family holds less than the source's, if it does: what then
 /// happens to the values that do not fit (refused, or rounded without a word).
-pub(super) fn narrower(source: &str, target: &str) -> Option<&'static str> {
+pub(crate) fn narrower(source: &str, target: &str) -> Option<&'static str> {
     // Arrays: as their elements.
     if let (Some(s), Some(t)) = (
         source.trim().strip_suffix("[]"),
