@@ -239,7 +239,7 @@ pub struct CutoverArgs {
     pub max_lag: String,
     /// Give up if the lag or the drain takes longer than this; transient errors are retried
     /// until then (--retry-min, --retry-max and --max-retries are for `run`).
-    #[arg(long, default_value = "10m", value_parser = crate::config::parse_duration)]
+    #[arg(long, default_value = "10m", value_parser = crate::config::parse_positive_duration)]
     pub timeout: Duration,
     /// Make these source roles read-only and end their sessions before draining.
     #[arg(long, value_delimiter = ',', value_name = "ROLE,...")]

@@ -47,6 +47,16 @@ pub fn check_run_only(config: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// A duration setting that must not be 0 (a time limit).
+pub fn parse_positive_duration(text: &str) -> std::result::Result<Duration, String> {
+    match parse_duration(text)? {
+        d if d.is_zero() => Err(format!(
+            "{text:?} is no time at all: give a time limit (for example \"10m\")"
+        )),
+        d => Ok(d),
+    }
+}
+
 /// A duration setting ("500ms", "10s", "5m"), at most ten years.
 pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
     let d = humantime::parse_duration(text.trim())
@@ -630,6 +640,12 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
             .clone()
             .or_else(|| file.metrics_addr.clone()),
     };
+    // (No wait at all would retry a server that is down in a tight loop.)
+    if service.retry_min.is_zero() {
+        return Err(Error::usage(
+            "retry_min is 0: give the shortest wait between retries, at least 1ms (for example \"1s\")",
+        ));
+    }
     if service.retry_min > service.retry_max {
         return Err(Error::usage(format!(
             "retry_min ({}) is longer than retry_max ({}){}: the shortest wait between retries must not exceed the longest",
