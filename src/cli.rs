@@ -250,6 +250,10 @@ pub struct CutoverArgs {
     /// Prepare replication from the target back to the source (publication and slot on the target).
     #[arg(long)]
     pub reverse: bool,
+    /// Leave out step 5's comparison of the tables, which takes most of the time writes are
+    /// frozen: for a database verified beforehand (`pgapply verify` while mirroring).
+    #[arg(long)]
+    pub no_verify: bool,
     /// Cut over again although a cutover of the slot finished: after a rehearsal, when the
     /// applications still write to the source (never once they write to the target).
     #[arg(long)]

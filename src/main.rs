@@ -658,6 +658,7 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
             .collect(),
         all_sequences: args.all_sequences,
         reverse: args.reverse,
+        no_verify: args.no_verify,
         again: args.again,
     };
     // A signal ends it with what is left to do (writes may be frozen by then), not in silence.

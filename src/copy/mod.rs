@@ -1082,6 +1082,13 @@ async fn copy_one(
                 )
             });
         }
+        // An infinite interval (17+) or numeric (14+) into a target of an older major.
+        let infinite = message_has_infinity(&err);
+        if infinite && matches!(code.as_deref(), Some("22P02" | "22007" | "22008")) {
+            return err.context_after(
+                "the source holds an infinite value the target's PostgreSQL version cannot read (an infinite interval needs 17, an infinite numeric 14): change those values on the source, or copy into a target of the source's version or newer",
+            );
+        }
         // Tables are copied side by side, in no order: a child's rows may come first.
         if code.as_deref() == Some("23503") {
             return err.context_after(
@@ -1263,4 +1270,10 @@ pub async fn summary(target: &Client, slot: &str) -> Result<HashMap<String, (Str
             )
         })
         .collect())
+}
+
+/// Whether the target refused a value written `infinity` (its message quotes the value).
+fn message_has_infinity(err: &Error) -> bool {
+    let message = err.message().to_ascii_lowercase();
+    message.contains("\"infinity\"") || message.contains("\"-infinity\"")
 }

@@ -67,6 +67,8 @@ pub struct CutoverSettings {
     pub freeze_roles: Vec<String>,
     pub all_sequences: bool,
     pub reverse: bool,
+    /// Leave out step 5 (`--no-verify`).
+    pub no_verify: bool,
     /// Run although a cutover of the slot finished already (`--again`).
     pub again: bool,
 }
@@ -572,21 +574,25 @@ pub async fn cutover(
     STEP.store(5, Ordering::Relaxed);
     // 5. Verify. Everything up to the end is applied and nothing after it will be: a chunk that
     // differs stays so, and checking it again would only keep the writes frozen longer.
-    let verify_settings = VerifySettings {
-        attempts: 1,
-        ..verify_settings
-    };
-    let results = verify::verify(
-        &run_config.source,
-        &run_config.target,
-        &run_config.publications,
-        &run_config.table_map,
-        &verify_settings,
-    )
-    .await
-    .map_err(frozen)?;
-    verify::report(&results, false).map_err(|e| frozen(e.context("step 5")))?;
-    crate::out!("step 5: {} table(s) verified", results.len());
+    if settings.no_verify {
+        crate::out!("step 5: left out (--no-verify): compare the tables with `pgapply verify` before the application writes to the target, if it was not done while mirroring");
+    } else {
+        let verify_settings = VerifySettings {
+            attempts: 1,
+            ..verify_settings
+        };
+        let results = verify::verify(
+            &run_config.source,
+            &run_config.target,
+            &run_config.publications,
+            &run_config.table_map,
+            &verify_settings,
+        )
+        .await
+        .map_err(frozen)?;
+        verify::report(&results, false).map_err(|e| frozen(e.context("step 5")))?;
+        crate::out!("step 5: {} table(s) verified", results.len());
+    }
 
     STEP.store(6, Ordering::Relaxed);
     // 6. Reverse replication.
