@@ -297,6 +297,7 @@ pub async fn cutover(
                 })
         };
         let first_heartbeat = heartbeat().await?;
+        let mut said_waiting = false;
         loop {
             let (_, confirmed, current) = slot_state(&source, &slot).await?;
             let bytes = current.0.saturating_sub(confirmed.0);
@@ -343,7 +344,11 @@ pub async fn cutover(
             } else {
                 ""
             };
-            crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed}){waiting}");
+            // (Said once while it waits for the heartbeat: the figures change little meanwhile.)
+            if waiting.is_empty() || !said_waiting {
+                crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed}){waiting}");
+            }
+            said_waiting |= !waiting.is_empty();
             if below && answering {
                 break;
             }
