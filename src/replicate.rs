@@ -1141,8 +1141,9 @@ async fn source_has_reached(
 /// below that position: a standby that was behind when it was promoted starts a new timeline at
 /// its own end of WAL, and the target then holds changes of the old primary the new one never had,
 /// while the new primary's own transactions up to that position would be skipped without a word
-/// (once its WAL is past the position, `source_has_reached` cannot tell). Then records the
-/// timeline this run streams from.
+/// (once its WAL is past the position, `source_has_reached` cannot tell); and one whose timeline
+/// has the recorded number but began elsewhere. Then records the timeline this run streams from
+/// and where it began (nothing for a standby source, which changes timelines as it streams).
 async fn on_the_timeline_applied_from(
     setup: &tokio_postgres::Client,
     session: &mut ReplicationSession,
@@ -1150,38 +1151,66 @@ async fn on_the_timeline_applied_from(
     timeline: u32,
     resume: Lsn,
 ) -> Result<()> {
-    let recorded: Option<i64> = setup
+    if timeline == 0 {
+        return Ok(());
+    }
+    let row = setup
         .query_opt(
-            "SELECT source_timeline FROM pgapply.progress WHERE slot_name = $1",
+            "SELECT source_timeline, source_timeline_start::text FROM pgapply.progress WHERE slot_name = $1",
             &[&slot],
         )
         .await
-        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
-        .and_then(|r| r.get(0));
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
+    let recorded: Option<i64> = row.as_ref().and_then(|r| r.get(0));
+    let recorded_start: Option<Lsn> = row
+        .as_ref()
+        .and_then(|r| r.get::<_, Option<String>>(1))
+        .and_then(|l| l.parse().ok());
+    let history = session.timeline_history(timeline).await?;
+    // Where this timeline began: the switch point from its parent (0/0 for the first).
+    let began = history.last().map_or(Lsn(0), |(_, l)| *l);
     let start_over = "Compare the tables (pgapply verify), then start over: under a new --slot with --copy-data --truncate-target, or, to keep this slot name, delete its row from pgapply.progress on the target first";
-    if let Some(recorded) =
-        recorded.filter(|r| *r != i64::from(timeline) && resume.is_valid() && timeline > 0)
-    {
-        let history = session.timeline_history(timeline).await?;
-        match history.iter().find(|(t, _)| i64::from(*t) == recorded) {
-            Some((_, end)) if resume <= *end => {}
-            Some((_, end)) => {
-                return Err(Error::definite(format!(
-                    "the source is on timeline {timeline}, which forked from timeline {recorded} at {end} (a failover, or a restore to a point in time), but the target has applied changes of timeline {recorded} up to {resume}: it holds changes this server never had, and this server's own transactions between {end} and {resume} would be skipped. {start_over}"
-                )));
-            }
-            None => {
-                return Err(Error::definite(format!(
-                    "the target has applied changes of timeline {recorded} of this source up to {resume}, but the source is on timeline {timeline}, whose history does not go through timeline {recorded}: it is not the server those changes came from (an old primary after a failover, say). Point --source at the server that took over, or, if this is the right one: {start_over}"
-                )));
+    match recorded {
+        Some(recorded) if recorded != i64::from(timeline) && resume.is_valid() => {
+            match history.iter().find(|(t, _)| i64::from(*t) == recorded) {
+                Some((_, end)) if resume <= *end => {}
+                Some((_, end)) => {
+                    return Err(Error::definite(format!(
+                        "the source is on timeline {timeline}, which forked from timeline {recorded} at {end} (a failover, or a restore to a point in time), but the target has applied changes of timeline {recorded} up to {resume}: it holds changes this server never had, and this server's own transactions between {end} and {resume} would be skipped. {start_over}"
+                    )));
+                }
+                None => {
+                    return Err(Error::definite(format!(
+                        "the target has applied changes of timeline {recorded} of this source up to {resume}, but the source is on timeline {timeline}, whose history does not go through timeline {recorded}: it is not the server those changes came from (an old primary after a failover, say). Point --source at the server that took over, or, if this is the right one: {start_over}"
+                    )));
+                }
             }
         }
+        // The same number, another timeline: two servers promoted from one parent (without a
+        // shared WAL archive) both took it, at different points.
+        Some(_) if resume.is_valid() => {
+            if let Some(start) = recorded_start.filter(|s| *s != began) {
+                if resume > start.min(began) {
+                    return Err(Error::definite(format!(
+                        "the source's timeline {timeline} began at {began}, but the timeline {timeline} the target has applied changes of (up to {resume}) began at {start}: two servers were promoted to the same timeline number, and this one is not the server those changes came from. Point --source at the server that took over, or, if this is the right one: {start_over}"
+                    )));
+                }
+            }
+        }
+        _ => {}
     }
-    if recorded != Some(i64::from(timeline)) {
+    // A standby follows its upstream onto new timelines while it streams: what the timeline
+    // was at the start says nothing of later positions, so nothing is recorded (and checked).
+    let (timeline, began) = if session.in_recovery().await? {
+        (None, None)
+    } else {
+        (Some(i64::from(timeline)), Some(began.to_string()))
+    };
+    if recorded != timeline || recorded_start.map(|s| s.to_string()) != began {
         setup
             .execute(
-                "UPDATE pgapply.progress SET source_timeline = $2 WHERE slot_name = $1",
-                &[&slot, &i64::from(timeline)],
+                "UPDATE pgapply.progress SET source_timeline = $2, source_timeline_start = $3::text::pg_lsn WHERE slot_name = $1",
+                &[&slot, &timeline, &began],
             )
             .await
             .map_err(|e| Error::postgres("recording the source's timeline on the target", e))?;

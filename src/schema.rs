@@ -81,13 +81,14 @@ fn statement_at(sql: &str, position: usize) -> Option<String> {
     };
     let line = shorten(sql[start..end].trim());
     // Inside a statement of several lines (a CREATE TABLE's column, say): which one.
+    // (pg_dump puts a blank line and a `--` comment block before each statement.)
     let head = sql[..start]
         .lines()
         .rev()
         .take_while(|l| !l.trim_end().ends_with(';'))
-        .last()
         .map(str::trim)
-        .filter(|l| !l.is_empty());
+        .filter(|l| !l.is_empty() && !l.starts_with("--"))
+        .last();
     Some(match head {
         Some(head) if !line.starts_with("CREATE ") && !line.starts_with("ALTER ") => {
             format!("{line} (in {})", shorten(head))
@@ -497,7 +498,7 @@ mod tests {
 
     #[test]
     fn the_statement_at_a_position_is_named_with_its_table() {
-        let sql = "SET x = 1;\nCREATE TABLE public.t (\n    a integer,\n    g integer GENERATED ALWAYS AS ((a + 1)) STORED\n);\nCREATE INDEX i ON t (a);";
+        let sql = "SET x = 1;\n\n--\n-- Name: t; Type: TABLE; Schema: public\n--\n\nCREATE TABLE public.t (\n    a integer,\n    g integer GENERATED ALWAYS AS ((a + 1)) STORED\n);\nCREATE INDEX i ON t (a);";
         let at = |needle: &str| sql.find(needle).unwrap() + 1;
         assert_eq!(
             statement_at(sql, at("GENERATED")).as_deref(),

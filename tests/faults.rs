@@ -1295,4 +1295,93 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
         .unwrap()
         .get(0);
     assert_eq!(recorded, Some(2));
+    let applied: String = behind
+        .target
+        .query_one(
+            "SELECT greatest(coalesce((SELECT lsn FROM pgapply.progress), '0/0'), \
+                    coalesce(pg_replication_origin_progress('pgapply_ok_slot', true), '0/0'))::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // Another copy of the old primary, as it was when it failed, promoted too: without a
+    // shared archive it takes timeline 2 as well, begun at another point.
+    let mut second = primary.copy_of_stopped().unwrap();
+    second.make_standby().unwrap();
+    second.start_again().unwrap();
+    second.promote().unwrap();
+    let other = common::connect(second.port, "postgres").await;
+    let mut next = 100_000;
+    wait_for("the second new primary's WAL to pass the target's position", 60, || {
+        next += 1000;
+        let client = &other;
+        let applied = applied.clone();
+        async move {
+            client
+                .batch_execute(&format!(
+                    "INSERT INTO t SELECT g, 'other' FROM generate_series({next}, {next} + 999) g"
+                ))
+                .await
+                .unwrap();
+            client
+                .query_one(
+                    "SELECT pg_current_wal_lsn() > $1::text::pg_lsn",
+                    &[&applied],
+                )
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        }
+    })
+    .await;
+    let endpos = wal(&other).await;
+    let out = run_with_deadline(apply(second.port, &behind, "ok_slot", &endpos), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("two servers were promoted to the same timeline number"),
+        "{err}"
+    );
+}
+
+/// `target_session_attrs=read-write` with several hosts in --source: a host whose sessions are
+/// read-only (a standby, or an old primary back as one) is passed over for the next, as libpq
+/// does. (A read-only cluster of its own as the first host.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_first_host_is_passed_over_for_one_that_takes_writes() {
+    let c = common::clusters();
+    let read_only =
+        pgapply::cluster::LocalCluster::start(&c.source_bin, &["default_transaction_read_only = on"])
+            .expect("a read-only cluster of its own");
+    let db = TestDb::new("tsattrs").await;
+    let admin = common::connect(read_only.port, "postgres").await;
+    admin
+        .batch_execute("SET default_transaction_read_only = off")
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {}", db.name))
+        .await
+        .unwrap();
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1), (2)").await;
+    let endpos = db.source_wal().await;
+    let source = format!(
+        "host=127.0.0.1,127.0.0.1 port={},{} user=postgres dbname={} target_session_attrs=read-write",
+        read_only.port, db.source_port, db.name
+    );
+    let out = run_with_deadline(
+        db.pgapply_via(&source, &db.target_conninfo(), &db.slot(), "p", &["--endpos", &endpos]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("(connected to 127.0.0.1:{})", db.source_port)),
+        "{err}"
+    );
+    db.assert_same("t").await;
 }

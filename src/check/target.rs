@@ -40,7 +40,9 @@ pub(super) async fn check_apply_session(
     if apply_workers > 1 {
         let may = query_bool(
             dst,
-            "SELECT rolsuper OR (has_function_privilege('pg_catalog.pg_replication_origin_create(text)', 'EXECUTE') \
+            // (Before 14 the functions also insist on a superuser, whatever the grants.)
+            "SELECT rolsuper OR (pg_catalog.current_setting('server_version_num')::int >= 140000 \
+                                 AND has_function_privilege('pg_catalog.pg_replication_origin_create(text)', 'EXECUTE') \
                                  AND has_function_privilege('pg_catalog.pg_replication_origin_session_setup(text)', 'EXECUTE')) \
              FROM pg_catalog.pg_roles WHERE rolname = current_user",
             &[],

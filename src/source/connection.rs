@@ -16,7 +16,7 @@ use postgres_protocol::authentication::sasl::{self, ScramSha256};
 use postgres_protocol::message::{backend, frontend};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio_postgres::config::Host;
+use tokio_postgres::config::{Host, TargetSessionAttrs};
 
 use crate::error::{Error, Result};
 
@@ -310,15 +310,58 @@ impl ReplicationConnection {
             .get_connect_timeout()
             .copied()
             .unwrap_or(crate::conninfo::CONNECT_TIMEOUT);
-        let (stream, endpoint, host) = open_stream(config, each * 2).await?;
-        let shown = endpoint.clone();
-        let handshake = Self::handshake(stream, endpoint, host, config, max_message_bytes, user);
-        match tokio::time::timeout(each, handshake).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::transient(format!(
-                "source {shown} accepted the connection but did not complete the PostgreSQL handshake within {} (connect_timeout): is it overloaded or stopped, and is that port PostgreSQL's?",
-                humantime::format_duration(each)
-            ))),
+        // As libpq: with target_session_attrs, a host whose session is not of that kind is
+        // left for the next one (after a failover, the old primary may be back as a standby).
+        let wanted = config.get_target_session_attrs();
+        let mut from = 0;
+        let mut unsuitable = None;
+        loop {
+            let Some((stream, endpoint, host, index)) =
+                open_stream(config, each * 2, from, unsuitable.is_some()).await?
+            else {
+                return Err(unsuitable.unwrap_or_else(|| {
+                    Error::definite("source connection: no host given")
+                }));
+            };
+            from = index + 1;
+            let shown = endpoint.clone();
+            let handshake =
+                Self::handshake(stream, endpoint, host, config, max_message_bytes, user.clone());
+            // (A host that fails the handshake leaves the next one to try, as in libpq.)
+            let mut conn = match tokio::time::timeout(each, handshake).await {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(e)) => {
+                    unsuitable = Some(e);
+                    continue;
+                }
+                Err(_) => {
+                    unsuitable = Some(Error::transient(format!(
+                        "source {shown} accepted the connection but did not complete the PostgreSQL handshake within {} (connect_timeout): is it overloaded or stopped, and is that port PostgreSQL's?",
+                        humantime::format_duration(each)
+                    )));
+                    continue;
+                }
+            };
+            if wanted == TargetSessionAttrs::Any {
+                return Ok(conn);
+            }
+            let read_only = conn
+                .simple_query("SHOW transaction_read_only")
+                .await?
+                .rows
+                .first()
+                .and_then(|r| r.first().cloned().flatten())
+                .is_some_and(|v| v == "on");
+            if read_only == (wanted == TargetSessionAttrs::ReadOnly) {
+                return Ok(conn);
+            }
+            conn.close().await;
+            // (Transient: during a failover the new primary takes writes a moment later.)
+            unsuitable = Some(Error::transient(format!(
+                "source {shown} is {} and --source asks for target_session_attrs={}: no host of --source fits (yet)",
+                if read_only { "read-only (a standby?)" } else { "read-write" },
+                if wanted == TargetSessionAttrs::ReadOnly { "read-only" } else { "read-write" }
+            )));
         }
     }
 
@@ -837,10 +880,15 @@ pub fn parse_server_version(text: &str) -> u32 {
     }
 }
 
+/// Opens a connection to the first host of `config`, from its `from`th on, that accepts one:
+/// the stream, the endpoint, the name TLS verifies, and the host's index. `None` when none is
+/// left after `from` and `tried_before` says an earlier host answered.
 async fn open_stream(
     config: &tokio_postgres::Config,
     timeout: Duration,
-) -> Result<(Stream, String, String)> {
+    from: usize,
+    tried_before: bool,
+) -> Result<Option<(Stream, String, String, usize)>> {
     let hosts = config.get_hosts();
     let hostaddrs = config.get_hostaddrs();
     let ports = config.get_ports();
@@ -851,7 +899,7 @@ async fn open_stream(
     } else {
         hosts
     };
-    for i in 0..hosts.len().max(hostaddrs.len()) {
+    for i in from..hosts.len().max(hostaddrs.len()) {
         let port = ports
             .get(i)
             .or_else(|| ports.first())
@@ -877,7 +925,7 @@ async fn open_stream(
                 {
                     Ok(Ok(s)) => {
                         let _ = s.set_nodelay(true);
-                        return Ok((Stream::Tcp(s), endpoint, tls_name));
+                        return Ok(Some((Stream::Tcp(s), endpoint, tls_name, i)));
                     }
                     Ok(Err(e)) => {
                         last_err = Some(Error::io(format!("connecting to source {endpoint}"), e))
@@ -894,7 +942,7 @@ async fn open_stream(
                 let path = dir.join(format!(".s.PGSQL.{port}"));
                 let endpoint = path.display().to_string();
                 match tokio::net::UnixStream::connect(&path).await {
-                    Ok(s) => return Ok((Stream::Unix(s), endpoint, String::new())),
+                    Ok(s) => return Ok(Some((Stream::Unix(s), endpoint, String::new(), i))),
                     Err(e) => {
                         last_err = Some(Error::io(format!("connecting to source {endpoint}"), e))
                     }
@@ -902,7 +950,11 @@ async fn open_stream(
             }
         }
     }
-    Err(last_err.unwrap_or_else(|| Error::definite("source connection: no host given")))
+    match last_err {
+        Some(e) if !tried_before => Err(e),
+        _ if tried_before => Ok(None),
+        _ => Err(Error::definite("source connection: no host given")),
+    }
 }
 
 #[cfg(test)]
