@@ -106,6 +106,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "source_timeline",
         include_str!("../migrations/0020_source_timeline.sql"),
     ),
+    (
+        21,
+        "slot_tables",
+        include_str!("../migrations/0021_slot_tables.sql"),
+    ),
 ];
 
 /// An arbitrary, fixed advisory lock key: "pgapply" in ASCII.

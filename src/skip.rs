@@ -218,6 +218,23 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
                 .await
                 .map_err(context)?;
         }
+        // (Made by a later migration than the others: perhaps not there.)
+        let noted: bool = tx
+            .query_one(
+                "SELECT pg_catalog.to_regclass('pgapply.slot_tables') IS NOT NULL",
+                &[],
+            )
+            .await
+            .map_err(context)?
+            .get(0);
+        if noted {
+            tx.execute(
+                "DELETE FROM pgapply.slot_tables WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(context)?;
+        }
         // (Keyed by origin name: the slot's and its workers'.)
         rows += tx
             .execute(

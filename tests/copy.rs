@@ -414,7 +414,7 @@ async fn truncate_target_refuses_a_table_another_slot_filled() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
         stderr(&out).contains(&format!(
-            "\"public\".\"shared\" (copied by slot '{}')",
+            "\"public\".\"shared\" (filled by slot '{}')",
             db.slot()
         )) && stderr(&out).contains(&format!("pgapply forget --target ... --slot {}", db.slot())),
         "{}",
@@ -423,6 +423,72 @@ async fn truncate_target_refuses_a_table_another_slot_filled() {
     assert_eq!(
         db.count(&db.target, "SELECT count(*) FROM shared").await,
         10
+    );
+}
+
+/// The same for a table another slot only streams into (started without an initial copy, as
+/// the other sources of a fan-in are): its rows are never sent again, so emptying it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_target_refuses_a_table_another_slot_streams_into() {
+    let db = TestDb::new("faninstream").await;
+    db.both("CREATE TABLE shared (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE shared").await;
+    db.source_sql("INSERT INTO shared SELECT generate_series(1, 10)")
+        .await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &db.source_wal().await]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let other = format!("{}_b", db.slot());
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &db.target_conninfo(),
+            &other,
+            "p",
+            &[
+                "--copy-data",
+                "--truncate-target",
+                "--endpos",
+                &db.source_wal().await,
+            ],
+        ),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!(
+            "\"public\".\"shared\" (filled by slot '{}')",
+            db.slot()
+        )) && stderr(&out).contains("by its initial copy or its stream"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM shared").await,
+        10
+    );
+}
+
+/// A table the copy fills that the target publishes (the way back of a two-way set-up): the
+/// copied rows carry no origin, which the copy says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copied_table_the_target_publishes_is_named() {
+    let db = TestDb::new("copyback").await;
+    db.both("CREATE TABLE tw (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO tw VALUES (1); CREATE PUBLICATION p FOR TABLE tw;")
+        .await;
+    db.target_sql("CREATE PUBLICATION back FOR TABLE tw").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--copy-data", "--create-slot", "--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("tables this copy fills are published on the target"),
+        "{}",
+        stderr(&out)
     );
 }
 

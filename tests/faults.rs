@@ -1313,27 +1313,31 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
     second.promote().unwrap();
     let other = common::connect(second.port, "postgres").await;
     let mut next = 100_000;
-    wait_for("the second new primary's WAL to pass the target's position", 60, || {
-        next += 1000;
-        let client = &other;
-        let applied = applied.clone();
-        async move {
-            client
-                .batch_execute(&format!(
+    wait_for(
+        "the second new primary's WAL to pass the target's position",
+        60,
+        || {
+            next += 1000;
+            let client = &other;
+            let applied = applied.clone();
+            async move {
+                client
+                    .batch_execute(&format!(
                     "INSERT INTO t SELECT g, 'other' FROM generate_series({next}, {next} + 999) g"
                 ))
-                .await
-                .unwrap();
-            client
-                .query_one(
-                    "SELECT pg_current_wal_lsn() > $1::text::pg_lsn",
-                    &[&applied],
-                )
-                .await
-                .unwrap()
-                .get::<_, bool>(0)
-        }
-    })
+                    .await
+                    .unwrap();
+                client
+                    .query_one(
+                        "SELECT pg_current_wal_lsn() > $1::text::pg_lsn",
+                        &[&applied],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, bool>(0)
+            }
+        },
+    )
     .await;
     let endpos = wal(&other).await;
     let out = run_with_deadline(apply(second.port, &behind, "ok_slot", &endpos), 60).await;
@@ -1351,9 +1355,11 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_first_host_is_passed_over_for_one_that_takes_writes() {
     let c = common::clusters();
-    let read_only =
-        pgapply::cluster::LocalCluster::start(&c.source_bin, &["default_transaction_read_only = on"])
-            .expect("a read-only cluster of its own");
+    let read_only = pgapply::cluster::LocalCluster::start(
+        &c.source_bin,
+        &["default_transaction_read_only = on"],
+    )
+    .expect("a read-only cluster of its own");
     let db = TestDb::new("tsattrs").await;
     let admin = common::connect(read_only.port, "postgres").await;
     admin
@@ -1373,7 +1379,13 @@ async fn a_read_only_first_host_is_passed_over_for_one_that_takes_writes() {
         read_only.port, db.source_port, db.name
     );
     let out = run_with_deadline(
-        db.pgapply_via(&source, &db.target_conninfo(), &db.slot(), "p", &["--endpos", &endpos]),
+        db.pgapply_via(
+            &source,
+            &db.target_conninfo(),
+            &db.slot(),
+            "p",
+            &["--endpos", &endpos],
+        ),
         60,
     )
     .await;

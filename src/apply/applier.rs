@@ -599,12 +599,13 @@ pub type SharedTargets = HashMap<String, Vec<(String, String)>>;
 pub const OWN_SCHEMA: &str = "pgapply";
 
 /// The tables pgapply's migrations make in `OWN_SCHEMA`.
-pub const OWN_TABLES: [&str; 5] = [
+pub const OWN_TABLES: [&str; 6] = [
     "progress",
     "copy_state",
     "conflicts",
     "origin_commit",
     "schema_migrations",
+    "slot_tables",
 ];
 
 /// Whether `schema`.`name` is a table of pgapply's own state.
@@ -624,6 +625,11 @@ pub fn own_table_sql(schema: &str, name: &str) -> String {
     )
 }
 
+/// Target tables (slot, schema, name) this process noted in pgapply.slot_tables.
+static TABLES_NOTED: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashSet<(String, String, String)>>,
+> = std::sync::LazyLock::new(Default::default);
+
 /// Tables (slot, relation) already named by `Applier::entry` in this process: parallel workers
 /// and retries share it.
 static NOT_COPIED_WARNED: std::sync::LazyLock<
@@ -631,6 +637,42 @@ static NOT_COPIED_WARNED: std::sync::LazyLock<
 > = std::sync::LazyLock::new(Default::default);
 
 impl Applier {
+    /// Notes that this slot's stream writes a target table (pgapply.slot_tables), once a
+    /// process: another slot's `--copy-data --truncate-target` must not empty it. Best effort
+    /// (a failure is logged at debug level): it protects, it does not apply anything.
+    async fn note_table_written(&self, entry: &RelationEntry) {
+        let key = (
+            self.slot.clone(),
+            entry.target.schema.clone(),
+            entry.target.name.clone(),
+        );
+        let new = TABLES_NOTED
+            .lock()
+            .map(|noted| !noted.contains(&key))
+            .unwrap_or(true);
+        if !new {
+            return;
+        }
+        let noted = self
+            .catalog
+            .execute(
+                "INSERT INTO pgapply.slot_tables (slot_name, schema_name, table_name) VALUES ($1, $2, $3) \
+                 ON CONFLICT DO NOTHING",
+                &[&key.0, &key.1, &key.2],
+            )
+            .await;
+        match noted {
+            Ok(_) => {
+                if let Ok(mut set) = TABLES_NOTED.lock() {
+                    set.insert(key);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "noting a table the stream writes in pgapply.slot_tables")
+            }
+        }
+    }
+
     pub async fn new(
         client: deadpool_postgres::Object,
         catalog: deadpool_postgres::Object,
@@ -1217,7 +1259,10 @@ impl Applier {
                     }
                 }
                 match self.relations.update(r, &self.catalog).await {
-                    Ok(_) => Ok(()),
+                    Ok(entry) => {
+                        self.note_table_written(&entry).await;
+                        Ok(())
+                    }
                     // Raised by the first change of it, if one comes (see `RelationCache`).
                     Err(e) if !e.is_transient() => {
                         tracing::debug!(relation = %name, error = %e, "relation not usable on the target");

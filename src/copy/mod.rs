@@ -262,7 +262,7 @@ async fn prepare_target(
                 .iter()
                 .map(|(table, other)| {
                     format!(
-                        "{table} (copied by slot {})",
+                        "{table} (filled by slot {})",
                         crate::sql::shown_literal(other)
                     )
                 })
@@ -279,7 +279,7 @@ async fn prepare_target(
                 _ => "pgapply forget --target ... --slot <that slot>".to_owned(),
             };
             return Err(Error::definite(format!(
-                "target {} {} not empty, and another worker's initial copy (into this database) filled {}: {}. Emptying {} would lose that worker's rows, which it never sends again, and --copy-data copies only into empty tables: copy this source's rows into {} by hand (COPY ... TO/FROM, in a snapshot you then start a slot at), and replicate from then on without --copy-data. If that worker no longer replicates into this database (a migration started over under a new slot), remove its state first ({forget}), then run this again",
+                "target {} {} not empty, and another worker (into this database) filled {}, by its initial copy or its stream: {}. Emptying {} would lose that worker's rows, which it never sends again, and --copy-data copies only into empty tables: copy this source's rows into {} by hand (COPY ... TO/FROM, in a snapshot you then start a slot at), and replicate from then on without --copy-data. If that worker no longer replicates into this database (a migration started over under a new slot), remove its state first ({forget}), then run this again",
                 if named.len() == 1 { "table" } else { "tables" },
                 if named.len() == 1 { "is" } else { "are" },
                 if named.len() == 1 { "it" } else { "them" },
@@ -322,11 +322,13 @@ async fn prepare_target(
 /// replication origin (PostgreSQL's own table sync sets one), so a worker replicating them back
 /// with `--origin none` (a two-way setup) would take them for the target's own writes.
 async fn warn_of_republished(target: &Client, tables: &[PublishedTable]) {
+    // (Compared as regclass: pgapply quotes every name, PostgreSQL's quote_ident only where
+    // needed.)
     let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
     let Ok(rows) = target
         .query(
             "SELECT string_agg(DISTINCT pg_catalog.quote_ident(p.pubname), ', ') FROM pg_catalog.pg_publication_tables p \
-             WHERE pg_catalog.quote_ident(p.schemaname) || '.' || pg_catalog.quote_ident(p.tablename) = ANY ($1)",
+             WHERE format('%I.%I', p.schemaname, p.tablename)::regclass = ANY ($1::text[]::regclass[])",
             &[&names],
         )
         .await
@@ -350,8 +352,10 @@ async fn other_slots_filling(
 ) -> Vec<(String, String)> {
     let Ok(rows) = target
         .query(
-            "SELECT DISTINCT slot_name, schema_name, table_name FROM pgapply.copy_state \
-             WHERE slot_name <> $1 ORDER BY 1",
+            "SELECT slot_name, schema_name, table_name FROM pgapply.copy_state WHERE slot_name <> $1 \
+             UNION SELECT s.slot_name, s.schema_name, s.table_name FROM pgapply.slot_tables s \
+                   JOIN pgapply.progress p USING (slot_name) WHERE s.slot_name <> $1 \
+             ORDER BY 1",
             &[&slot],
         )
         .await

@@ -319,14 +319,19 @@ impl ReplicationConnection {
             let Some((stream, endpoint, host, index)) =
                 open_stream(config, each * 2, from, unsuitable.is_some()).await?
             else {
-                return Err(unsuitable.unwrap_or_else(|| {
-                    Error::definite("source connection: no host given")
-                }));
+                return Err(unsuitable
+                    .unwrap_or_else(|| Error::definite("source connection: no host given")));
             };
             from = index + 1;
             let shown = endpoint.clone();
-            let handshake =
-                Self::handshake(stream, endpoint, host, config, max_message_bytes, user.clone());
+            let handshake = Self::handshake(
+                stream,
+                endpoint,
+                host,
+                config,
+                max_message_bytes,
+                user.clone(),
+            );
             // (A host that fails the handshake leaves the next one to try, as in libpq.)
             let mut conn = match tokio::time::timeout(each, handshake).await {
                 Ok(Ok(conn)) => conn,
