@@ -924,12 +924,19 @@ async fn ensure_origin(client: &Client, name: &str) -> Result<(), tokio_postgres
         )
         .await?;
     if !row.get::<_, bool>(0) {
-        client
+        let created = client
             .execute(
                 "SELECT pg_catalog.pg_replication_origin_create($1)",
                 &[&name],
             )
-            .await?;
+            .await;
+        match created {
+            // Another process of the slot made it in between (two started at once): there now.
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {}
+            other => {
+                other?;
+            }
+        }
     }
     Ok(())
 }
