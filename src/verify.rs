@@ -315,10 +315,15 @@ struct Key {
     by_text: bool,
 }
 
-/// Whether a column's type (or, for an array, its element type) is an enum.
-const ENUM_TYPE: &str = "coalesce((SELECT e.typtype = 'e' FROM pg_catalog.pg_type e \
-                         WHERE e.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype \
-                                            WHEN t.typelem <> 0 AND t.typlen = -1 THEN t.typelem ELSE t.oid END), false)";
+/// Whether a column's type is an enum, or built on one: through domains and arrays, to any
+/// depth (a domain over an array of a domain over an enum).
+const ENUM_TYPE: &str = "coalesce((WITH RECURSIVE b(oid, depth) AS ( \
+                             SELECT t.oid, 0 \
+                             UNION ALL \
+                             SELECT CASE WHEN bt.typtype = 'd' THEN bt.typbasetype ELSE bt.typelem END, b.depth + 1 \
+                             FROM b JOIN pg_catalog.pg_type bt ON bt.oid = b.oid \
+                             WHERE b.depth < 16 AND (bt.typtype = 'd' OR (bt.typelem <> 0 AND bt.typlen = -1))) \
+                         SELECT bool_or(e.typtype = 'e') FROM b JOIN pg_catalog.pg_type e ON e.oid = b.oid), false)";
 
 struct Chunk {
     from: Option<Vec<String>>,

@@ -1683,7 +1683,8 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
         "CREATE TABLE t (k text COLLATE \"C\" PRIMARY KEY, f float8); \
          CREATE TABLE c (code char(4) PRIMARY KEY, r real); \
          CREATE DOMAIN dcode AS text COLLATE \"C\"; CREATE TABLE d (k dcode PRIMARY KEY); \
-         CREATE TYPE st AS ENUM ('new', 'active', 'closed'); CREATE TABLE e (k st, n int, PRIMARY KEY (k, n));",
+         CREATE TYPE st AS ENUM ('new', 'active', 'closed'); CREATE TABLE e (k st, n int, PRIMARY KEY (k, n)); \
+         CREATE DOMAIN dst AS st; CREATE TABLE f (k dst PRIMARY KEY);",
     )
     .await;
     // (The enum's labels in another order on the target: its rows sort differently there.)
@@ -1691,7 +1692,8 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
         "CREATE TABLE t (k text COLLATE \"und-x-icu\" PRIMARY KEY, f float8); \
          CREATE TABLE c (code char(4) PRIMARY KEY, r real); \
          CREATE DOMAIN dcode AS text COLLATE \"und-x-icu\"; CREATE TABLE d (k dcode PRIMARY KEY); \
-         CREATE TYPE st AS ENUM ('active', 'closed', 'new'); CREATE TABLE e (k st, n int, PRIMARY KEY (k, n));",
+         CREATE TYPE st AS ENUM ('active', 'closed', 'new'); CREATE TABLE e (k st, n int, PRIMARY KEY (k, n)); \
+         CREATE DOMAIN dst AS st; CREATE TABLE f (k dst PRIMARY KEY);",
     )
     .await;
     db.source_sql(
@@ -1699,7 +1701,8 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
          INSERT INTO c SELECT lpad(g::text, 4, 'x'), g / 3.0 FROM generate_series(1, 900) g; \
          INSERT INTO d SELECT CASE WHEN g % 2 = 0 THEN upper(md5(g::text)) ELSE md5(g::text) END FROM generate_series(1, 500) g; \
          INSERT INTO e SELECT (ARRAY['new', 'active', 'closed'])[g % 3 + 1]::st, g FROM generate_series(1, 300) g; \
-         CREATE PUBLICATION p FOR TABLE t, c, d, e;",
+         INSERT INTO f VALUES ('new'), ('active'), ('closed'); \
+         CREATE PUBLICATION p FOR TABLE t, c, d, e, f;",
     )
     .await;
     copy_up_to_now(&db).await;
@@ -1711,7 +1714,8 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
         text.contains("OK        \"public\".\"t\" (3000 rows, 30 chunks)")
             && text.contains("OK        \"public\".\"c\" (900 rows, 9 chunks)")
             && text.contains("OK        \"public\".\"d\" (500 rows, 5 chunks)")
-            && text.contains("OK        \"public\".\"e\" (300 rows, 3 chunks)"),
+            && text.contains("OK        \"public\".\"e\" (300 rows, 3 chunks)")
+            && text.contains("OK        \"public\".\"f\" (3 rows"),
         "{text}"
     );
     // `check` says the target orders the enum otherwise.
