@@ -446,7 +446,7 @@ async fn run_in_span(
         }
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
-    source_has_reached(&mut session, identity.wal_position, resume).await?;
+    source_has_reached(&mut session, &config.slot, identity.wal_position, resume).await?;
     on_the_timeline_applied_from(
         &setup,
         &mut session,
@@ -542,6 +542,11 @@ async fn run_in_span(
         // with a new one (only now, once the target tables were found ready for it).
         if slot_exists {
             session.drop_slot(&config.slot).await?;
+        }
+        // (Asked before the slot is made: its snapshot lasts only until the session's next
+        // command.)
+        if config.failover_slot && session.standby_slots_unset().await? {
+            tracing::warn!("{}", crate::source::STANDBY_SLOTS_UNSET);
         }
         // A stop asked for during the copy (or while the slot waits for running transactions)
         // ends it: tables not finished are copied again by the next run with --copy-data, as
@@ -1114,6 +1119,7 @@ fn peak_rss_mb() -> i64 {
 /// below that position.
 async fn source_has_reached(
     session: &mut ReplicationSession,
+    slot: &str,
     wal_end: Lsn,
     resume: Lsn,
 ) -> Result<()> {
@@ -1133,7 +1139,8 @@ async fn source_has_reached(
         )));
     }
     Err(Error::definite(format!(
-        "the target has applied changes from this source up to {resume}, but the source's WAL ends at {wal_end}: the source is not the server those changes came from (a standby that was behind was promoted, or the server was restored from a backup), and its transactions below {resume} would be skipped. Compare the tables (pgapply verify), then start over: under a new --slot with --copy-data --truncate-target, or, to keep this slot name, delete its row from pgapply.progress on the target first"
+        "the target has applied changes from this source up to {resume}, but the source's WAL ends at {wal_end}: the source is not the server those changes came from (a standby that was behind was promoted, or the server was restored from a backup), and its transactions below {resume} would be skipped: {}",
+        start_over_advice_for_another_server(slot)
     )))
 }
 
@@ -1169,19 +1176,19 @@ async fn on_the_timeline_applied_from(
     let history = session.timeline_history(timeline).await?;
     // Where this timeline began: the switch point from its parent (0/0 for the first).
     let began = history.last().map_or(Lsn(0), |(_, l)| *l);
-    let start_over = "Compare the tables (pgapply verify), then start over: under a new --slot with --copy-data --truncate-target, or, to keep this slot name, delete its row from pgapply.progress on the target first";
+    let start_over = start_over_advice_for_another_server(slot);
     match recorded {
         Some(recorded) if recorded != i64::from(timeline) && resume.is_valid() => {
             match history.iter().find(|(t, _)| i64::from(*t) == recorded) {
                 Some((_, end)) if resume <= *end => {}
                 Some((_, end)) => {
                     return Err(Error::definite(format!(
-                        "the source is on timeline {timeline}, which forked from timeline {recorded} at {end} (a failover, or a restore to a point in time), but the target has applied changes of timeline {recorded} up to {resume}: it holds changes this server never had, and this server's own transactions between {end} and {resume} would be skipped. {start_over}"
+                        "the source is on timeline {timeline}, which forked from timeline {recorded} at {end} (a failover, or a restore to a point in time), but the target has applied changes of timeline {recorded} up to {resume}: it holds changes this server never had, and this server's own transactions between {end} and {resume} would be skipped: {start_over}"
                     )));
                 }
                 None => {
                     return Err(Error::definite(format!(
-                        "the target has applied changes of timeline {recorded} of this source up to {resume}, but the source is on timeline {timeline}, whose history does not go through timeline {recorded}: it is not the server those changes came from (an old primary after a failover, say). Point --source at the server that took over, or, if this is the right one: {start_over}"
+                        "the target has applied changes of timeline {recorded} of this source up to {resume}, but the source is on timeline {timeline}, whose history does not go through timeline {recorded}: it is not the server those changes came from (an old primary after a failover, say). Point --source at the server that took over; or, if this is the right one: {start_over}"
                     )));
                 }
             }
@@ -1192,7 +1199,7 @@ async fn on_the_timeline_applied_from(
             if let Some(start) = recorded_start.filter(|s| *s != began) {
                 if resume > start.min(began) {
                     return Err(Error::definite(format!(
-                        "the source's timeline {timeline} began at {began}, but the timeline {timeline} the target has applied changes of (up to {resume}) began at {start}: two servers were promoted to the same timeline number, and this one is not the server those changes came from. Point --source at the server that took over, or, if this is the right one: {start_over}"
+                        "the source's timeline {timeline} began at {began}, but the timeline {timeline} the target has applied changes of (up to {resume}) began at {start}: two servers were promoted to the same timeline number, and this one is not the server those changes came from. Point --source at the server that took over; or, if this is the right one: {start_over}"
                     )));
                 }
             }
@@ -1216,6 +1223,15 @@ async fn on_the_timeline_applied_from(
             .map_err(|e| Error::postgres("recording the source's timeline on the target", e))?;
     }
     Ok(())
+}
+
+/// What to do when the target holds changes the source never had: the slot's state on the
+/// target (its progress, its copy's record, its origins) must go with the slot, or a new copy
+/// would find the old one "done" and copy nothing.
+fn start_over_advice_for_another_server(slot: &str) -> String {
+    format!(
+        "compare the tables (pgapply verify), then start over: under a new --slot with --copy-data --truncate-target, or, to keep this slot name, remove its state and its slot first (pgapply forget --target ... --slot {slot} --drop-slot --source ...), then run with --copy-data --truncate-target"
+    )
 }
 
 /// How long the source may say nothing before the connection is presumed lost. A source busy

@@ -65,22 +65,27 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             "the target has no pgapply state (schema pgapply): pgapply has not run against this database yet",
         ));
     }
-    // The commit time goes with the position shown: the progress row's own (written in the same
-    // transaction as its position) when that position is the later one, as after a kill -9
-    // that left the heartbeat's copy behind.
+    // The position: the latest of the progress row's (table mode), the origin's row in
+    // pgapply.origin_commit (origin mode; both written in the transaction they record) and the
+    // heartbeat's copy (which a kill -9 leaves behind). The commit time goes with it: the
+    // progress row's own, or the heartbeat's when that is the latest; none is kept with the
+    // origin's row.
     let rows = target
         .query(
             "SELECT slot_name, coalesce(state, 'unknown'), pid, \
-                    greatest(lsn, applied_lsn)::text, \
-                    to_char(CASE WHEN lsn IS NOT NULL AND (applied_lsn IS NULL OR lsn >= applied_lsn) \
-                                      AND commit_time IS NOT NULL THEN commit_time ELSE last_commit_time END \
+                    greatest(lsn, applied_lsn, o.end_lsn)::text, \
+                    to_char(CASE WHEN lsn IS NOT NULL AND lsn >= greatest(applied_lsn, o.end_lsn) \
+                                      AND commit_time IS NOT NULL THEN commit_time \
+                                 WHEN applied_lsn >= greatest(lsn, o.end_lsn) THEN last_commit_time END \
                             AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
                     extract(epoch FROM now() - heartbeat_at)::float8, lag_seconds, \
                     transactions, inserts, updates, deletes, truncates, conflicts::text, \
                     to_jsonb(p) ->> 'stop_lsn', to_jsonb(p) ->> 'skip_lsn', \
                     CASE WHEN state = 'failed' THEN to_jsonb(p) ->> 'last_error' END, \
                     source_system_id \
-             FROM pgapply.progress p WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
+             FROM pgapply.progress p \
+             LEFT JOIN pgapply.origin_commit o ON o.origin_name = 'pgapply_' || p.slot_name \
+             WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
             &[&args.slot.clone().or_else(|| file.slot.clone())],
         )
         .await

@@ -1251,6 +1251,20 @@ async fn failover_slot() {
         stderr(&out)
     );
     db.assert_same("t").await;
+    // (Each slot below starts over: the state of the one before is removed, or the copy's
+    // --truncate-target would be refused for emptying a table another slot streams into.)
+    let forget = |slot: String| {
+        let target = db.target_conninfo();
+        async move {
+            let out = run_with_deadline(
+                common::pgapply_command(&["forget", "--target", &target, "--slot", &slot]),
+                60,
+            )
+            .await;
+            assert!(out.status.success(), "{}", stderr(&out));
+        }
+    };
+    forget(db.slot()).await;
     for (slot, extra) in [
         ("failover_new", vec!["--create-slot"]),
         ("failover_copy", vec!["--copy-data", "--truncate-target"]),
@@ -1270,10 +1284,16 @@ async fn failover_slot() {
             failover(slot.to_owned()).await,
             "{slot} is not a failover slot"
         );
+        assert!(
+            stderr(&out).contains("synchronized_standby_slots is empty on the source"),
+            "{slot}: {}",
+            stderr(&out)
+        );
         db.source
             .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
             .await
             .expect("drop slot");
+        forget(slot.to_owned()).await;
     }
 }
 
