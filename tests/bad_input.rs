@@ -1967,7 +1967,11 @@ async fn a_column_mapped_onto_a_missing_target_column_is_named_by_its_target_nam
     db.publish("CREATE PUBLICATION p FOR TABLE t2").await;
     db.source_sql("INSERT INTO t2 VALUES (1, 1)").await;
     let config = std::env::temp_dir().join(format!("pgapply-mapmiss-{}.toml", std::process::id()));
-    std::fs::write(&config, "[tables.\"public.t2\".columns]\na = \"x\"\n").unwrap();
+    std::fs::write(
+        &config,
+        "[tables.\"public.t2\".columns]\na = \"x\"\nzz = \"b\"\n",
+    )
+    .unwrap();
     let config_arg = config.to_str().unwrap();
     let out = run_with_deadline(
         db.on_both("check", &["--slot", &db.slot(), "--config", config_arg]),
@@ -1977,7 +1981,8 @@ async fn a_column_mapped_onto_a_missing_target_column_is_named_by_its_target_nam
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
     assert!(
-        text.contains("column \"x\" of \"public\".\"t2\" is published but missing on the target"),
+        text.contains("column \"x\" of \"public\".\"t2\" is published but missing on the target")
+            && text.contains("maps column \"zz\" of table \"public\".\"t2\", which the publications do not publish"),
         "{text}"
     );
     let endpos = db.source_wal().await;

@@ -250,6 +250,22 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
                 ));
             }
         }
+        // A column map entry that maps nothing: a misspelt source column or table.
+        for ((schema, name), renames) in &config.column_map {
+            let published = tables
+                .iter()
+                .find(|t| t.schema == *schema && t.name == *name);
+            for from in renames.keys() {
+                let known = published.is_some_and(|t| t.columns.iter().any(|(c, _)| c == from));
+                if !known {
+                    report.warning(format!(
+                        "[tables] in the config file maps column {} of table {}, which the publications do not publish (a misspelling?): that entry maps nothing",
+                        crate::sql::quote_ident(from),
+                        crate::sql::qualified_name(schema, name)
+                    ));
+                }
+            }
+        }
         let must_be_empty = copy_pending && !config.copy.truncate_target;
         check_target(
             dst,
