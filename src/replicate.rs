@@ -1230,7 +1230,7 @@ async fn on_the_timeline_applied_from(
 /// would find the old one "done" and copy nothing.
 fn start_over_advice_for_another_server(slot: &str) -> String {
     format!(
-        "compare the tables (pgapply verify), then start over: under a new --slot with --copy-data --truncate-target, or, to keep this slot name, remove its state and its slot first (pgapply forget --target ... --slot {slot} --drop-slot --source ...), then run with --copy-data --truncate-target"
+        "compare the tables (pgapply verify), then start over: remove the slot's state on the target and the slot (pgapply forget --target ... --slot {slot} --drop-slot --source ...), then run with --copy-data --truncate-target (under this slot name or a new one)"
     )
 }
 

@@ -259,7 +259,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
                 let known = published.is_some_and(|t| t.columns.iter().any(|(c, _)| c == from));
                 if !known {
                     report.warning(format!(
-                        "[tables] in the config file maps column {} of table {}, which the publications do not publish (a misspelling?): that entry maps nothing",
+                        "[tables] in the config file maps column {} of table {}, which the publications do not publish now: fine while changes from before a rename of it on the source still come (remove the entry once pgapply is past them); otherwise a misspelling, which maps nothing",
                         crate::sql::quote_ident(from),
                         crate::sql::qualified_name(schema, name)
                     ));

@@ -275,8 +275,8 @@ async fn prepare_target(
                 .collect::<Vec<_>>()
                 .as_slice()
             {
-                [one] => format!("pgapply forget --target ... --slot {one}"),
-                _ => "pgapply forget --target ... --slot <that slot>".to_owned(),
+                [one] => format!("pgapply forget --target ... --slot {one}, with --drop-slot --source ... if its slot on the source is not used either"),
+                _ => "pgapply forget --target ... --slot <that slot>, with --drop-slot --source ... if its slot on the source is not used either".to_owned(),
             };
             return Err(Error::definite(format!(
                 "target {} {} not empty, and another worker (into this database) filled {}, by its initial copy or its stream: {}. Emptying {} would lose that worker's rows, which it never sends again, and --copy-data copies only into empty tables: copy this source's rows into {} by hand (COPY ... TO/FROM, in a snapshot you then start a slot at), and replicate from then on without --copy-data. If that worker no longer replicates into this database (a migration started over under a new slot), remove its state first ({forget}), then run this again",
