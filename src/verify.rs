@@ -451,6 +451,74 @@ async fn chunk_digest(
     Ok((row.get(0), row.get(1)))
 }
 
+/// What a table's comparison reads on each side: both are read at once.
+struct Sides<'a> {
+    source: &'a Client,
+    target: &'a Client,
+    source_table: &'a str,
+    target_table: &'a str,
+    columns: &'a str,
+    keys: &'a [Key],
+    target_keys: &'a [Key],
+    source_filter: Option<&'a str>,
+    target_filter: Option<&'a str>,
+}
+
+impl Sides<'_> {
+    /// Every chunk's digest on both sides, one pass over the table each.
+    async fn all_chunk_digests(
+        &self,
+        starts: &[Vec<String>],
+    ) -> Result<(ChunkDigests, ChunkDigests)> {
+        let (s, t) = tokio::join!(
+            all_chunk_digests(
+                self.source,
+                "source",
+                self.source_table,
+                self.columns,
+                self.keys,
+                self.source_filter,
+                starts
+            ),
+            all_chunk_digests(
+                self.target,
+                "target",
+                self.target_table,
+                self.columns,
+                self.target_keys,
+                self.target_filter,
+                starts
+            ),
+        );
+        Ok((s?, t?))
+    }
+
+    /// One chunk's count and digest on both sides.
+    async fn chunk_digest(&self, chunk: &Chunk) -> Result<((i64, String), (i64, String))> {
+        let (s, t) = tokio::join!(
+            chunk_digest(
+                self.source,
+                "source",
+                self.source_table,
+                self.columns,
+                self.keys,
+                self.source_filter,
+                chunk
+            ),
+            chunk_digest(
+                self.target,
+                "target",
+                self.target_table,
+                self.columns,
+                self.target_keys,
+                self.target_filter,
+                chunk
+            ),
+        );
+        Ok((s?, t?))
+    }
+}
+
 /// Compares one target table with what the source has for it: `table`, and `also`, the other
 /// source tables mapped onto the same target table (their rows are compared together).
 async fn verify_table(
@@ -560,6 +628,17 @@ async fn verify_table(
             }
         }
     }
+    let sides = Sides {
+        source: &source,
+        target: &target,
+        source_table: &source_table,
+        target_table: &target_table,
+        columns: &columns,
+        keys: &keys,
+        target_keys: &target_keys,
+        source_filter: table.row_filter.as_deref(),
+        target_filter: target_filter.as_deref(),
+    };
     let mut chunks = Vec::new();
     // Every chunk's digest on both sides, taken in one pass per side.
     let mut first_pass: Option<(ChunkDigests, ChunkDigests)> = None;
@@ -621,27 +700,7 @@ async fn verify_table(
         }
         chunks.push(Chunk { from, to: None });
         starts = bounds.into_iter().skip(1).collect();
-        let (s, t) = tokio::join!(
-            all_chunk_digests(
-                &source,
-                "source",
-                &source_table,
-                &columns,
-                &keys,
-                table.row_filter.as_deref(),
-                &starts,
-            ),
-            all_chunk_digests(
-                &target,
-                "target",
-                &target_table,
-                &columns,
-                &target_keys,
-                target_filter.as_deref(),
-                &starts,
-            ),
-        );
-        first_pass = Some((s?, t?));
+        first_pass = Some(sides.all_chunk_digests(&starts).await?);
     }
     let mut result = TableResult {
         table: name,
@@ -671,27 +730,7 @@ async fn verify_table(
             && !keys.is_empty()
             && (pending.len() > 8 || (pending.len() > 1 && keys.iter().any(|k| k.by_text)));
         if whole_pass {
-            let (s, t) = tokio::join!(
-                all_chunk_digests(
-                    &source,
-                    "source",
-                    &source_table,
-                    &columns,
-                    &keys,
-                    table.row_filter.as_deref(),
-                    &starts,
-                ),
-                all_chunk_digests(
-                    &target,
-                    "target",
-                    &target_table,
-                    &columns,
-                    &target_keys,
-                    target_filter.as_deref(),
-                    &starts,
-                ),
-            );
-            first_pass = Some((s?, t?));
+            first_pass = Some(sides.all_chunk_digests(&starts).await?);
         }
         let mut again = Vec::new();
         for &index in &pending {
@@ -701,29 +740,7 @@ async fn verify_table(
                     s.get(&(index as i64)).cloned().unwrap_or_default(),
                     t.get(&(index as i64)).cloned().unwrap_or_default(),
                 ),
-                None => {
-                    let (s, t) = tokio::join!(
-                        chunk_digest(
-                            &source,
-                            "source",
-                            &source_table,
-                            &columns,
-                            &keys,
-                            table.row_filter.as_deref(),
-                            chunk,
-                        ),
-                        chunk_digest(
-                            &target,
-                            "target",
-                            &target_table,
-                            &columns,
-                            &target_keys,
-                            target_filter.as_deref(),
-                            chunk,
-                        ),
-                    );
-                    (s?, t?)
-                }
+                None => sides.chunk_digest(chunk).await?,
             };
             if s == t || attempt >= settings.attempts {
                 result.source_rows += s.0;

@@ -383,19 +383,10 @@ async fn copy_up_to_now(db: &TestDb) {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
-/// A second worker's --copy-data --truncate-target into a table the copy of another slot filled
-/// (fan-in from two sources): refused, naming that slot, and the rows stay.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn truncate_target_refuses_a_table_another_slot_filled() {
-    let db = TestDb::new("faninc").await;
-    db.both("CREATE TABLE shared (id int PRIMARY KEY)").await;
-    db.source_sql(
-        "INSERT INTO shared SELECT generate_series(1, 10); CREATE PUBLICATION p FOR TABLE shared;",
-    )
-    .await;
-    copy_up_to_now(&db).await;
+/// `pgapply run --copy-data --truncate-target` of publication p under a second slot.
+async fn copy_under_another_slot(db: &TestDb) -> std::process::Output {
     let other = format!("{}_b", db.slot());
-    let out = run_with_deadline(
+    run_with_deadline(
         db.pgapply_via(
             &db.source_conninfo(),
             &db.target_conninfo(),
@@ -410,7 +401,21 @@ async fn truncate_target_refuses_a_table_another_slot_filled() {
         ),
         60,
     )
+    .await
+}
+
+/// A second worker's --copy-data --truncate-target into a table the copy of another slot filled
+/// (fan-in from two sources): refused, naming that slot, and the rows stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_target_refuses_a_table_another_slot_filled() {
+    let db = TestDb::new("faninc").await;
+    db.both("CREATE TABLE shared (id int PRIMARY KEY)").await;
+    db.source_sql(
+        "INSERT INTO shared SELECT generate_series(1, 10); CREATE PUBLICATION p FOR TABLE shared;",
+    )
     .await;
+    copy_up_to_now(&db).await;
+    let out = copy_under_another_slot(&db).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
         stderr(&out).contains(&format!(
@@ -437,23 +442,7 @@ async fn truncate_target_refuses_a_table_another_slot_streams_into() {
         .await;
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &db.source_wal().await]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
-    let other = format!("{}_b", db.slot());
-    let out = run_with_deadline(
-        db.pgapply_via(
-            &db.source_conninfo(),
-            &db.target_conninfo(),
-            &other,
-            "p",
-            &[
-                "--copy-data",
-                "--truncate-target",
-                "--endpos",
-                &db.source_wal().await,
-            ],
-        ),
-        60,
-    )
-    .await;
+    let out = copy_under_another_slot(&db).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
         stderr(&out).contains(&format!(

@@ -1144,6 +1144,45 @@ async fn a_target_turned_read_only_is_named_not_skipped() {
     db.assert_same("t").await;
 }
 
+/// Where the target of `db` has applied slot `slot` up to (its progress row, or its origin).
+async fn applied_position(db: &TestDb, slot: &str) -> String {
+    db.target
+        .query_one(
+            "SELECT greatest(coalesce((SELECT lsn FROM pgapply.progress), '0/0'), \
+                    coalesce(pg_replication_origin_progress('pgapply_' || $1, true), '0/0'))::text",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Inserts rows into `t` (ids from `first`, value `tag`) until the server's WAL is past `lsn`.
+async fn write_past(client: &tokio_postgres::Client, lsn: &str, first: i32, tag: &str) {
+    let mut next = first;
+    wait_for(
+        "the new primary's WAL to pass the target's position",
+        60,
+        || {
+            next += 1000;
+            async move {
+                client
+                    .batch_execute(&format!(
+                    "INSERT INTO t SELECT g, '{tag}' FROM generate_series({next}, {next} + 999) g"
+                ))
+                    .await
+                    .unwrap();
+                client
+                    .query_one("SELECT pg_current_wal_lsn() > $1::text::pg_lsn", &[&lsn])
+                    .await
+                    .unwrap()
+                    .get::<_, bool>(0)
+            }
+        },
+    )
+    .await;
+}
+
 /// A failover to a standby that was behind: the promoted server's timeline forks below what the
 /// target applied from the old primary. pgapply refuses it (the target holds changes that server
 /// never had, and its own transactions up to there would be skipped), even once its WAL is past
@@ -1222,16 +1261,7 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
     let endpos = wal(&admin).await;
     let out = run_with_deadline(apply(primary.port, &ahead, "fork_slot", &endpos), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
-    let applied: String = ahead
-        .target
-        .query_one(
-            "SELECT greatest(coalesce((SELECT lsn FROM pgapply.progress), '0/0'), \
-                    coalesce(pg_replication_origin_progress('pgapply_fork_slot', true), '0/0'))::text",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let applied = applied_position(&ahead, "fork_slot").await;
     // The primary fails; the standby takes over and writes on, past that position.
     drop(admin);
     primary.stop("immediate").unwrap();
@@ -1239,33 +1269,7 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
     standby.start_again().unwrap();
     standby.promote().unwrap();
     let new_primary = common::connect(standby.port, "postgres").await;
-    let mut next = 100;
-    wait_for(
-        "the new primary's WAL to pass the target's position",
-        60,
-        || {
-            next += 1000;
-            let client = &new_primary;
-            let applied = applied.clone();
-            async move {
-                client
-                    .batch_execute(&format!(
-                    "INSERT INTO t SELECT g, 'new' FROM generate_series({next}, {next} + 999) g"
-                ))
-                    .await
-                    .unwrap();
-                client
-                    .query_one(
-                        "SELECT pg_current_wal_lsn() > $1::text::pg_lsn",
-                        &[&applied],
-                    )
-                    .await
-                    .unwrap()
-                    .get::<_, bool>(0)
-            }
-        },
-    )
-    .await;
+    write_past(&new_primary, &applied, 100, "new").await;
     let endpos = wal(&new_primary).await;
     let out = run_with_deadline(apply(standby.port, &ahead, "fork_slot", &endpos), 60).await;
     let err = stderr(&out);
@@ -1295,16 +1299,7 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
         .unwrap()
         .get(0);
     assert_eq!(recorded, Some(2));
-    let applied: String = behind
-        .target
-        .query_one(
-            "SELECT greatest(coalesce((SELECT lsn FROM pgapply.progress), '0/0'), \
-                    coalesce(pg_replication_origin_progress('pgapply_ok_slot', true), '0/0'))::text",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let applied = applied_position(&behind, "ok_slot").await;
     // Another copy of the old primary, as it was when it failed, promoted too: without a
     // shared archive it takes timeline 2 as well, begun at another point.
     let mut second = primary.copy_of_stopped().unwrap();
@@ -1312,33 +1307,7 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
     second.start_again().unwrap();
     second.promote().unwrap();
     let other = common::connect(second.port, "postgres").await;
-    let mut next = 100_000;
-    wait_for(
-        "the second new primary's WAL to pass the target's position",
-        60,
-        || {
-            next += 1000;
-            let client = &other;
-            let applied = applied.clone();
-            async move {
-                client
-                    .batch_execute(&format!(
-                    "INSERT INTO t SELECT g, 'other' FROM generate_series({next}, {next} + 999) g"
-                ))
-                    .await
-                    .unwrap();
-                client
-                    .query_one(
-                        "SELECT pg_current_wal_lsn() > $1::text::pg_lsn",
-                        &[&applied],
-                    )
-                    .await
-                    .unwrap()
-                    .get::<_, bool>(0)
-            }
-        },
-    )
-    .await;
+    write_past(&other, &applied, 100_000, "other").await;
     let endpos = wal(&other).await;
     let out = run_with_deadline(apply(second.port, &behind, "ok_slot", &endpos), 60).await;
     let err = stderr(&out);
