@@ -364,12 +364,13 @@ impl RelationCache {
                             quote_ident(&column.name)
                         ),
                     };
-                    // (A built-in type without a modifier by its name; another one, or a length or
-                    // precision, is left for the user to fill in.)
+                    // (A built-in type by its name, with its length or precision where it is one
+                    // of those `builtin_type_name` knows; another one is left for the user.)
                     let type_name = match tokio_postgres::types::Type::from_oid(column.type_oid) {
                         Some(t) if column.type_modifier == -1 && t.name() == "char" => "\"char\"".to_owned(),
                         Some(t) if column.type_modifier == -1 => t.name().to_owned(),
-                        _ => "...".to_owned(),
+                        _ => builtin_type_name(column.type_oid, column.type_modifier)
+                            .unwrap_or_else(|| "...".to_owned()),
                     };
                     Error::definite(format!(
                         "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}, with the DEFAULT it has on the source if it has one: the rows already there took it on the source; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}{or_mapping}",

@@ -705,6 +705,7 @@ async fn run_in_span(
                 &config.table_map,
                 resume,
                 publications_dropped,
+                config.copy_data && config.copy.truncate_target && fence.is_none(),
             );
             match unless_stopped(&mut shutdown, forgetting).await {
                 Some(result) => result?,

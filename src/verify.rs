@@ -552,10 +552,18 @@ async fn verify_table(
     let mut keys = key_columns(&source, &table).await?;
     let target_keys = target_key_types(&target, &table, &mut keys).await?;
     let target_table = own_rows(&target, &table.target_qualified(), "target").await?;
+    // A "char" byte above 127 is written raw (no valid UTF-8) by PostgreSQL 14 and older, as an
+    // octal escape by 15 and later: compared as the number both sides agree on.
     let columns = table
         .columns
         .iter()
-        .map(|(c, _)| quote_ident(c))
+        .map(|(c, ty)| {
+            if ty == "\"char\"" {
+                format!("pg_catalog.int4({}) AS {}", quote_ident(c), quote_ident(c))
+            } else {
+                quote_ident(c)
+            }
+        })
         .collect::<Vec<_>>()
         .join(", ");
     let mut note = None;

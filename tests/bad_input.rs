@@ -132,6 +132,15 @@ async fn column_missing_on_target() {
         ],
     )
     .await;
+    // A type with a length: named with it.
+    db.target_sql("ALTER TABLE t ADD COLUMN extra text").await;
+    db.source_sql("ALTER TABLE t ADD COLUMN vc varchar(50); INSERT INTO t VALUES (2, 'y', 'z')")
+        .await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &["ADD COLUMN \"vc\" character varying(50)"],
+    )
+    .await;
 }
 
 /// A value an older target refuses although both columns have the same type (numeric
@@ -156,9 +165,38 @@ async fn a_value_an_older_target_refuses_is_said_so() {
     )
     .await;
     assert!(
-        !last.contains("change the column on the target to fit"),
+        !last.contains("change the column on the target to fit")
+            && last.contains("changing the value on the source now does not replace it"),
         "{last}"
     );
+}
+
+/// A value a target trigger refuses (a 22xxx error of its own): the advice says the change is in
+/// the slot already (a fix on the source comes after it), and what does help.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_a_target_trigger_refuses_is_not_fixed_on_the_source() {
+    let db = TestDb::new("trigval").await;
+    db.both("CREATE TABLE n (id int PRIMARY KEY, v int)").await;
+    db.target_sql(
+        "CREATE FUNCTION no_negatives() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.v < 0 THEN RAISE EXCEPTION 'negative' USING ERRCODE = '22023'; END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER no_negatives BEFORE INSERT ON n FOR EACH ROW EXECUTE PROCEDURE no_negatives(); \
+         ALTER TABLE n ENABLE ALWAYS TRIGGER no_negatives;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE n").await;
+    db.source_sql("INSERT INTO n VALUES (1, -1)").await;
+    expect_failure(
+        db.pgapply("p", &[]),
+        &[
+            "target table \"public\".\"n\" refuses the source's value",
+            "changing the value on the source now does not replace it",
+            "Change the column, type or trigger on the target",
+            "pgapply skip",
+            "pgapply verify",
+        ],
+    )
+    .await;
 }
 
 /// A target column narrower than the source's: the error names the table and says to widen the

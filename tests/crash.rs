@@ -339,10 +339,7 @@ async fn rewind_slot(db: &TestDb, copy: &str) {
             == 0
     })
     .await;
-    db.source
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
-        .await
-        .unwrap();
+    db.drop_slot().await;
     db.source
         .execute(
             "SELECT pg_copy_logical_replication_slot($1, $2)",

@@ -273,10 +273,7 @@ async fn a_slot_confirmed_past_the_target_is_refused() {
     db.source_sql("INSERT INTO t VALUES (1)").await;
     db.sync("p").await;
     db.source_sql("INSERT INTO t VALUES (2)").await;
-    db.source
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
-        .await
-        .unwrap();
+    db.drop_slot().await;
     db.source
         .execute(
             "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",

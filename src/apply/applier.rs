@@ -1442,7 +1442,7 @@ impl Applier {
                     && self.group.as_ref().is_some_and(|g| g.transactions > 0) =>
             {
                 let through = self.unbatch(None);
-                Err(Error::transient(format!(
+                Err(Error::planned_restart(format!(
                     "{}; applying the source transactions up to commit {through} again one at a time, so that those before it are committed",
                     e.message()
                 )))

@@ -250,6 +250,7 @@ pub(super) async fn memberships(
 /// with `--copy-data` copies it again, as a table published later (`--truncate-target` for its
 /// rows), or the user clears the mark. Not compared when a publication the last run gave is
 /// left out now (its rows no longer count); one added leaves the earlier rows in place.
+#[allow(clippy::too_many_arguments)]
 pub async fn forget_unpublished(
     target: &Client,
     source_config: &tokio_postgres::Config,
@@ -258,6 +259,7 @@ pub async fn forget_unpublished(
     table_map: &crate::config::TableMap,
     resume: crate::protocol::Lsn,
     publications_dropped: bool,
+    copying_again: bool,
 ) -> Result<()> {
     let source = connect_source(source_config).await?;
     let published_now = published_tables(&source, publications, table_map).await?;
@@ -355,6 +357,7 @@ pub async fn forget_unpublished(
             &kept,
             &filters,
             compare,
+            copying_again,
         )
         .await?;
     }
@@ -378,6 +381,7 @@ pub async fn forget_unpublished(
 /// Compares what publishes each of `tables` now with what did at the last start (see
 /// `forget_unpublished`), marks those put back since as copies to make again, and records what
 /// publishes them now.
+#[allow(clippy::too_many_arguments)]
 async fn note_memberships(
     target: &Client,
     source: &Client,
@@ -386,6 +390,7 @@ async fn note_memberships(
     tables: &[(String, String)],
     filters: &HashMap<(String, String), String>,
     compare: bool,
+    copying_again: bool,
 ) -> Result<()> {
     let context = |e| {
         Error::postgres(
@@ -466,7 +471,12 @@ async fn note_memberships(
         .iter()
         .map(|r| qualified_name(&r.get::<_, String>(0), &r.get::<_, String>(1)))
         .collect();
-    if !marked.is_empty() {
+    if !marked.is_empty() && copying_again {
+        tracing::info!(
+            tables = %marked.join(", "),
+            "taken out of the publication and put back, or given another row filter or column list, after their copy: this run (--copy-data --truncate-target) copies them again"
+        );
+    } else if !marked.is_empty() {
         tracing::warn!(
             tables = %marked.join(", "),
             "taken out of the publication and put back, or given another row filter or column list, after their copy: the source did not send their changes while they were out, nor rows a new filter takes, so rows may be missing or stale on the target (pgapply verify compares them). A run with --copy-data --truncate-target copies them again; if nothing is missing, stop this warning with UPDATE pgapply.copy_state SET recopy = false WHERE slot_name = '{}' on the target",
@@ -489,7 +499,51 @@ fn is_put_back(
 ) -> bool {
     (membership
         && rows_before.is_some_and(|b| !b.is_empty() && !b.iter().any(|oid| current.contains(oid))))
-        || filter_before.is_some_and(|f| f != filter)
+        || filter_before.is_some_and(|f| !same_filters(&f, filter))
+}
+
+/// Whether two row filters, each the publications' filters ORed (`(a) OR (b)`), are the same
+/// set in any order: the order follows the source's catalog, which any ALTER PUBLICATION may
+/// change without changing what is published.
+fn same_filters(a: &str, b: &str) -> bool {
+    if a == b {
+        return true;
+    }
+    let (mut a, mut b) = (filter_parts(a), filter_parts(b));
+    a.sort_unstable();
+    b.sort_unstable();
+    a == b
+}
+
+/// The ORed parts of a row filter: split at ` OR ` outside parentheses, quoted literals and
+/// quoted names.
+fn filter_parts(filter: &str) -> Vec<&str> {
+    let bytes = filter.as_bytes();
+    let (mut parts, mut start, mut depth, mut quote) = (Vec::new(), 0, 0i32, None::<u8>);
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        match quote {
+            // (A doubled quote inside reads as leaving and entering again: the same.)
+            Some(q) if c == q => quote = None,
+            Some(_) => {}
+            None => match c {
+                b'\'' | b'"' => quote = Some(c),
+                b'(' => depth += 1,
+                b')' => depth -= 1,
+                b' ' if depth == 0 && bytes[i..].starts_with(b" OR ") => {
+                    parts.push(&filter[start..i]);
+                    i += 4;
+                    start = i;
+                    continue;
+                }
+                _ => {}
+            },
+        }
+        i += 1;
+    }
+    parts.push(&filter[start..]);
+    parts
 }
 
 /// For `pgapply check`: the copied tables a run would name as copies to make again (marked at an
@@ -555,4 +609,36 @@ pub async fn set_synced_lsn(target: &Client, slot: &str, at: crate::protocol::Ls
         .await
         .map_err(|e| Error::postgres("recording the copy's snapshot position on the target", e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_filters_in_another_order_are_the_same() {
+        assert!(same_filters(
+            "((id < 50)) OR ((id >= 100))",
+            "((id >= 100)) OR ((id < 50))"
+        ));
+        assert!(same_filters("((a))", "((a))"));
+        assert!(!same_filters("((id < 50))", "((id < 50)) OR ((id >= 100))"));
+        assert!(!same_filters(
+            "((id < 50)) OR ((id > 1))",
+            "((id < 50)) OR ((id >= 100))"
+        ));
+        // ` OR ` inside parentheses or quotes does not split.
+        assert_eq!(
+            filter_parts("((a = 1) OR (b = 2)) OR ((v = ') OR (')) OR ((\"x OR y\" = 1))"),
+            vec![
+                "((a = 1) OR (b = 2))",
+                "((v = ') OR ('))",
+                "((\"x OR y\" = 1))"
+            ]
+        );
+        assert!(same_filters(
+            "((v = 'it''s')) OR ((id > 1))",
+            "((id > 1)) OR ((v = 'it''s'))"
+        ));
+    }
 }

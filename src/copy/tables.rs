@@ -276,7 +276,8 @@ async fn read_published_tables(
             .iter()
             .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
             .collect();
-        // (The same filter from two publications once: `(a) OR (a)` would read as another one.)
+        // (The same filter from two publications once: `(a) OR (a)` would read as another one.
+        // Sorted: the catalog's order changes with any ALTER PUBLICATION.)
         let row_filter = m.filters.filter(|f| !f.is_empty()).map(|f| {
             let mut unique: Vec<&String> = Vec::new();
             for x in &f {
@@ -284,6 +285,7 @@ async fn read_published_tables(
                     unique.push(x);
                 }
             }
+            unique.sort();
             unique
                 .iter()
                 .map(|x| format!("({x})"))

@@ -31,13 +31,17 @@ pub async fn plan_sequences(
         .collect();
     let rows = source
         .query(
-            // Used: owned by a published table or by one of its ancestors (a partition's serial
-            // column takes its values from the partitioned table's sequence), or named in a
-            // column default of one (`DEFAULT nextval('invoice_no')`).
+            // Used: owned by a published table, by one of its ancestors (a partition's serial
+            // column takes its values from the partitioned table's sequence) or by one of its
+            // partitions (a table with a serial column of its own, attached to a root published
+            // whole), or named in a column default of one (`DEFAULT nextval('invoice_no')`).
             &format!(
-                "WITH RECURSIVE rel (oid) AS ( \
-                 SELECT x::regclass::oid FROM unnest($1::text[]) x \
-                 UNION SELECT i.inhparent FROM pg_inherits i JOIN rel ON i.inhrelid = rel.oid), \
+                "WITH RECURSIVE published (oid) AS (SELECT x::regclass::oid FROM unnest($1::text[]) x), \
+             up (oid) AS (SELECT oid FROM published \
+                 UNION SELECT i.inhparent FROM pg_inherits i JOIN up ON i.inhrelid = up.oid), \
+             down (oid) AS (SELECT oid FROM published \
+                 UNION SELECT i.inhrelid FROM pg_inherits i JOIN down ON i.inhparent = down.oid), \
+             rel (oid) AS (SELECT oid FROM up UNION SELECT oid FROM down), \
              in_default AS ( \
                  SELECT dd.refobjid AS oid FROM pg_depend dd \
                  JOIN pg_attrdef ad ON dd.classid = 'pg_attrdef'::regclass AND dd.objid = ad.oid \

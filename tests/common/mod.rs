@@ -251,6 +251,27 @@ impl TestDb {
     }
 
     /// Waits until a worker streams from this database's slot.
+    /// Drops this database's slot on the source once no walsender holds it (a pgapply that just
+    /// exited may leave its walsender a moment longer).
+    pub async fn drop_slot(&self) {
+        let slot = self.slot();
+        wait_for("the slot to be released", 60, || async {
+            self.source
+                .query_one(
+                    "SELECT NOT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map(|r| r.get::<_, bool>(0))
+                .unwrap_or(false)
+        })
+        .await;
+        self.source
+            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+            .expect("drop the slot");
+    }
+
     pub async fn wait_slot_active(&self) {
         let slot = self.slot();
         // A slot being created is active already, but has no confirmed position until its

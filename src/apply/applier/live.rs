@@ -241,14 +241,22 @@ impl Applier {
             )
             .await
             .map_err(|e| Error::postgres("configuring the streamed-transaction session", e))?;
-        // Newer limits (14+, 17+): an error on an older server only means there is no limit.
-        for sql in [
-            "SET idle_session_timeout = 0",
-            "SET transaction_timeout = 0",
-        ] {
-            let _ = helper.client.batch_execute(sql).await;
-            let _ = helper.catalog.batch_execute(sql).await;
-        }
+        // Newer limits (14+, 17+), set where the server has them (a SET of an unknown one would
+        // be an ERROR in the target's log).
+        let newer_limits =
+            "SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings \
+                            WHERE name IN ('idle_session_timeout', 'transaction_timeout')";
+        let configured = |e| Error::postgres("configuring the streamed-transaction session", e);
+        helper
+            .client
+            .batch_execute(newer_limits)
+            .await
+            .map_err(configured)?;
+        helper
+            .catalog
+            .batch_execute(newer_limits)
+            .await
+            .map_err(configured)?;
         let prepare = |sql: &'static str| {
             let client = helper.client.clone();
             async move {

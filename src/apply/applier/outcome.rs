@@ -93,7 +93,8 @@ impl Applier {
     /// causes it.
     pub(super) fn retry_unbatched(&mut self, err: Error, through: Option<Lsn>) {
         let through = self.unbatch(through);
-        self.failure = Some(Error::transient(format!(
+        // (Planned: the next step of finding the change, not a failed attempt.)
+        self.failure = Some(Error::planned_restart(format!(
             "{}; applying the source transactions up to commit {through} again one change at a time to find the one that fails",
             err.message()
         )));
@@ -384,7 +385,7 @@ impl Applier {
             }
             // A value the target refuses: name the columns it can come from.
             Some(c) if value_refused(c) => match about.relation.narrower_candidates().as_slice() {
-                [] => format!("target table {table} refuses the source's value, though none of its columns of a built-in type differs from the source's: a PostgreSQL older than the source's refuses some values that newer versions take (numeric 'Infinity' before 14, say), a user-defined type (an enum, a domain) may differ between the two clusters, and a target trigger may raise it. Change the value on the source, or the column (or trigger) on the target, then start pgapply again; or {}", self.skip_hint(about.commit_lsn)),
+                [] => format!("target table {table} refuses the source's value, though none of its columns of a built-in type differs from the source's: a PostgreSQL older than the source's refuses some values that newer versions take (numeric 'Infinity' before 14, an infinite interval before 17), a user-defined type (an enum, a domain) may differ between the two clusters, and a target trigger may raise it. This change is in the slot already: changing the value on the source now does not replace it. Change the column, type or trigger on the target so that it takes the value, then start pgapply again; where the target cannot hold the value at all, {}, and put that transaction's rows right on the target by hand (`pgapply verify` names the rows that differ)", self.skip_hint(about.commit_lsn)),
                 [one] => format!("column {one} of target table {table} does not take the source's value: its type differs from the source column's; change it on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)"),
                 many => format!("a column of target table {table} does not take the source's value; these columns' types differ from the source's: {}: change the one the error is about on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)", many.join(", ")),
             },
