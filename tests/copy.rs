@@ -203,10 +203,7 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM dogs").await, 20);
 
     // The slot is lost: a new one would skip what the old one held. Refused, with the way out.
-    db.source
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
-        .await
-        .unwrap();
+    db.drop_slot().await;
     db.source_sql("INSERT INTO dogs VALUES (200, NULL, 'calm')")
         .await;
     let out = run_with_deadline(db.pgapply("p", &["--create-slot"]), 60).await;
@@ -236,10 +233,7 @@ async fn inheritance_children_are_copied_once_and_user_defined_types_arrive() {
     // Once more, with `later` out of the publication: the copy's record holds only what this
     // copy took (an interrupted copy empties what is recorded there before it starts over, and
     // `later` is no longer pgapply's to empty).
-    db.source
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
-        .await
-        .unwrap();
+    db.drop_slot().await;
     db.source_sql("ALTER PUBLICATION p DROP TABLE later").await;
     copy_again().await;
     let recorded = format!(
@@ -730,10 +724,7 @@ async fn schema_then_copy_then_cutover_with_sequences() {
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(text.contains("by `pgapply cutover`"), "{text}");
     // Nor does it copy the tables again when the slot is gone, whatever its options say.
-    db.source
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot()])
-        .await
-        .unwrap();
+    db.drop_slot().await;
     let out = run_with_deadline(
         db.pgapply("p", &["--copy-data", "--truncate-target", "--create-slot"]),
         60,
@@ -771,11 +762,16 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.both(
         "CREATE TABLE events (id serial, at int NOT NULL, PRIMARY KEY (id, at)) PARTITION BY RANGE (at); \
          CREATE TABLE events_a PARTITION OF events FOR VALUES FROM (0) TO (100); \
-         CREATE TABLE events_b PARTITION OF events FOR VALUES FROM (100) TO (200);",
+         CREATE TABLE events_b PARTITION OF events FOR VALUES FROM (100) TO (200); \
+         CREATE TABLE events_c (id serial, at int NOT NULL, PRIMARY KEY (id, at)); \
+         ALTER TABLE events ATTACH PARTITION events_c FOR VALUES FROM (200) TO (300);",
     )
     .await;
+    // events_c, a table of its own attached as a partition, keeps its own sequence, which
+    // rows inserted into it directly take.
     db.source_sql(
         "INSERT INTO events (at) SELECT g % 200 FROM generate_series(1, 300) g; \
+         INSERT INTO events_c (at) SELECT 200 + g FROM generate_series(1, 5) g; \
          CREATE PUBLICATION p FOR TABLE events;",
     )
     .await;
@@ -823,18 +819,23 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     assert_eq!(db.count(&db.source, &frozen).await, 0);
     // No worker runs: the cutover catches up itself before it freezes writes, applies the rest,
     // then copies the sequence that the partitions' column takes its values from (owned by the
-    // partitioned table).
+    // partitioned table), and the one a partition owns.
     let text = db.cutover(&["--freeze-writes", &role]).await;
     assert!(
         text.contains("before freezing writes")
             && text.contains(&format!("read-only now in database \"{}\"", db.name))
-            && text.contains("step 4: copied 1 sequence(s)"),
+            && text.contains("step 4: copied 2 sequence(s)"),
         "{text}"
     );
     assert_eq!(
         db.count(&db.target, "SELECT nextval('events_id_seq')")
             .await,
         302
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT nextval('events_c_id_seq')")
+            .await,
+        6
     );
     db.assert_same("events").await;
 }
@@ -3879,7 +3880,15 @@ async fn a_late_copy_widened_by_another_publication_is_named_while_the_source_is
         60,
     )
     .await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    // The run that copies it again says so, and gives no warning to do it.
+    assert!(
+        !err.lines().any(|l| l.contains(" WARN ") && said(l))
+            && err.lines().any(|l| said(l)
+                && l.contains("this run (--copy-data --truncate-target) copies them again")),
+        "{err}"
+    );
     db.assert_same("late").await;
 }
 
@@ -3912,4 +3921,190 @@ async fn a_switch_to_a_publication_with_a_wider_filter_is_named() {
             && l.contains("\"public\".\"t2\"")),
         "{err}"
     );
+}
+
+/// A table in two publications with different row filters: an ALTER PUBLICATION that changes
+/// neither filter (it moves the publication's catalog row, and with it the order the source
+/// lists the filters in) does not name the table as a copy to make again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filters_listed_in_another_order_are_the_same_filter() {
+    let db = TestDb::new("filterorder").await;
+    if common::clusters().source_major < 15 {
+        common::skip("row filters need a PostgreSQL 15 source");
+        return;
+    }
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql(
+        "INSERT INTO t SELECT generate_series(1, 200); \
+         CREATE PUBLICATION pa FOR TABLE t WHERE (id < 50); \
+         CREATE PUBLICATION pb FOR TABLE t WHERE (id >= 100);",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "pa,pb",
+            &["--copy-data", "--create-slot", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 150);
+    for publication in ["pa", "pb", "pa"] {
+        db.source_sql(&format!(
+            "ALTER PUBLICATION {publication} SET (publish = 'insert, update, delete, truncate')"
+        ))
+        .await;
+        let endpos = db.source_wal().await;
+        let out = run_with_deadline(db.pgapply("pa,pb", &["--endpos", &endpos]), 60).await;
+        let err = stderr(&out);
+        assert!(out.status.success(), "{err}");
+        assert!(
+            !err.contains("taken out of the publication and put back"),
+            "{err}"
+        );
+    }
+}
+
+/// Two publications giving one table different column lists (15+): the source ends the stream at
+/// that table's first change, so `--copy-data` refuses before it makes a slot or copies a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_column_lists_are_refused_before_the_copy() {
+    let db = TestDb::new("mixedlists").await;
+    if common::clusters().source_major < 15 {
+        common::skip("column lists need a PostgreSQL 15 source");
+        return;
+    }
+    db.both("CREATE TABLE t (id int PRIMARY KEY, a text, b text)")
+        .await;
+    db.source_sql(
+        "INSERT INTO t VALUES (1, 'a', 'b'); \
+         CREATE PUBLICATION pa FOR TABLE t (id, a); CREATE PUBLICATION pb FOR TABLE t (id, b);",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "pa,pb",
+            &["--copy-data", "--create-slot", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("publish different column lists of public.t")
+            && err.contains("nothing was copied"),
+        "{err}"
+    );
+    assert_eq!(db.slot_count().await, 0);
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 0);
+    // What the refusal spares: the source refuses the stream at the table's first change.
+    db.source
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&db.slot()],
+        )
+        .await
+        .expect("create slot");
+    db.source_sql("INSERT INTO t VALUES (2, 'a', 'b')").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("pa,pb", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot use different column lists"), "{err}");
+}
+
+/// `--copy-data --create-slot --copy-jobs 1` up to the source's position now: its log.
+async fn copy_up_to_now_logged(db: &TestDb) -> String {
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--copy-data",
+                "--create-slot",
+                "--copy-jobs",
+                "1",
+                "--endpos",
+                &endpos,
+            ],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    stderr(&out)
+}
+
+/// Whether the copy's log says `table` went in frozen (None: no such line).
+fn copied_frozen(log: &str, table: &str) -> Option<bool> {
+    let line = log
+        .lines()
+        .find(|l| l.contains(" copied ") && l.contains(&format!("\"public\".\"{table}\"")))?;
+    Some(line.contains("frozen=true"))
+}
+
+/// A table copied whole into an empty target table goes in frozen (COPY FREEZE, the table emptied
+/// in the copy's transaction): on 14+, its pages come out all-visible. Not a table other tables'
+/// foreign keys reference (TRUNCATE refuses it), nor any table while a logical slot in the target
+/// database could pass the TRUNCATE on. Every row arrives either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_copied_whole_into_an_empty_table_goes_in_frozen() {
+    let db = TestDb::new("copyfrozen").await;
+    db.both(
+        "CREATE TABLE parent (id int PRIMARY KEY); \
+         CREATE TABLE child (id int PRIMARY KEY, pid int REFERENCES parent, v text);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO parent SELECT g FROM generate_series(1, 100) g; \
+         INSERT INTO child SELECT g, g % 100 + 1, repeat('x', 50) FROM generate_series(1, 5000) g; \
+         CREATE PUBLICATION p FOR TABLE parent, child;",
+    )
+    .await;
+    let log = copy_up_to_now_logged(&db).await;
+    assert_eq!(copied_frozen(&log, "child"), Some(true), "{log}");
+    assert_eq!(copied_frozen(&log, "parent"), Some(false), "{log}");
+    db.assert_same("parent").await;
+    db.assert_same("child").await;
+    if common::target_version(&db).await >= 140000 {
+        db.target_sql("ANALYZE child").await;
+        assert_eq!(
+            db.count(
+                &db.target,
+                "SELECT count(*) FROM pg_class WHERE relname = 'child' AND relpages > 0 AND relallvisible = relpages"
+            )
+            .await,
+            1
+        );
+    }
+
+    // A logical slot in the target database: nothing is truncated, nothing frozen.
+    let other = TestDb::new("copyfrozenslot").await;
+    other.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    other
+        .source_sql(
+            "INSERT INTO t SELECT generate_series(1, 1000); CREATE PUBLICATION p FOR TABLE t;",
+        )
+        .await;
+    let downstream = format!("down_{}", other.name);
+    other
+        .target
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&downstream],
+        )
+        .await
+        .expect("a slot on the target");
+    let log = copy_up_to_now_logged(&other).await;
+    other
+        .target
+        .execute("SELECT pg_drop_replication_slot($1)", &[&downstream])
+        .await
+        .expect("drop the target's slot");
+    assert_eq!(copied_frozen(&log, "t"), Some(false), "{log}");
+    other.assert_same("t").await;
 }

@@ -621,6 +621,9 @@ pub async fn plan_copy(
         }
         tracing::info!(tables = %names.join(", "), "published after the initial copy: copying their rows in a snapshot of their own; the stream then skips their changes that the copy holds");
     }
+    if late.is_none() && source_major >= 15 {
+        refuse_mixed_column_lists(&source, publications).await?;
+    }
     warn_of_loud_triggers(&target, &tables).await?;
     warn_of_republished(&target, &tables).await;
     let binary = prepare_target(
@@ -1039,7 +1042,7 @@ async fn copy_one(
     } else {
         format!(" ({columns})")
     };
-    let copy_in = format!("COPY {}{into} FROM STDIN{format}", table.target_qualified());
+    let copy_in = format!("COPY {}{into} FROM STDIN", table.target_qualified());
     let what = match pages {
         Some((s, e)) if e != i64::MAX => format!("{qualified} pages {s}..{e}"),
         Some((s, _)) => format!("{qualified} pages {s}.."),
@@ -1190,11 +1193,35 @@ async fn copy_one(
             .await
             .map_err(dst_err)?;
     }
+    // A table copied whole into an empty table on the target goes in frozen where it can.
+    let frozen = pages.is_none() && begin_frozen_copy(&target_tx, &target_table).await?;
     let out = source_tx.copy_out(&copy_out).await.map_err(src_err)?;
-    let sink = target_tx
-        .copy_in::<_, bytes::Bytes>(&copy_in)
-        .await
-        .map_err(dst_err)?;
+    let sink = if frozen {
+        match target_tx
+            .copy_in::<_, bytes::Bytes>(&copy_in_with(&copy_in, binary, true))
+            .await
+        {
+            Ok(sink) => sink,
+            Err(e) => {
+                // (Refused before any row: "prior transaction activity", say.) The table is
+                // emptied by the TRUNCATE; its rows go in as in any other COPY.
+                tracing::debug!(table = %target_table, error = %crate::error::describe_postgres(&e), "COPY FREEZE refused; copying without it");
+                target_tx
+                    .batch_execute("ROLLBACK TO SAVEPOINT pgapply_freeze")
+                    .await
+                    .map_err(dst_err)?;
+                target_tx
+                    .copy_in::<_, bytes::Bytes>(&copy_in_with(&copy_in, binary, false))
+                    .await
+                    .map_err(dst_err)?
+            }
+        }
+    } else {
+        target_tx
+            .copy_in::<_, bytes::Bytes>(&copy_in_with(&copy_in, binary, false))
+            .await
+            .map_err(dst_err)?
+    };
     pin_mut!(out);
     pin_mut!(sink);
     let mut bytes = 0u64;
@@ -1252,8 +1279,113 @@ async fn copy_one(
     target_tx.commit().await.map_err(dst_err)?;
     source_tx.commit().await.map_err(src_err)?;
     progress.jobs_left.fetch_sub(1, Ordering::SeqCst);
-    tracing::info!(table = %what, rows, bytes, "copied");
+    tracing::info!(table = %what, rows, bytes, frozen, "copied");
     Ok(())
+}
+
+/// Refuses, before the slot and the copy, a table the publications give different column lists
+/// (15+): the source ends the stream at its first change ("cannot use different column lists for
+/// table ... in different publications"), which would come only after the whole copy.
+async fn refuse_mixed_column_lists(source: &Client, publications: &[String]) -> Result<()> {
+    let mixed: Vec<String> = source
+        .query(
+            "SELECT pg_catalog.format('%I.%I', schemaname, tablename) FROM pg_catalog.pg_publication_tables \
+             WHERE pubname = ANY ($1) GROUP BY schemaname, tablename \
+             HAVING count(DISTINCT attnames) > 1 ORDER BY 1",
+            &[&publications],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the publications' column lists on the source", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if mixed.is_empty() {
+        return Ok(());
+    }
+    Err(Error::definite(format!(
+        "the publications {} publish different column lists of {}: the source ends replication at the first change of such a table (\"cannot use different column lists for table ... in different publications\"), which would come after the whole copy; nothing was copied: give every publication the same column list for it, or replicate the publications with separate slots (`pgapply check` lists such problems)",
+        publications.join(", "),
+        mixed.join(", ")
+    )))
+}
+
+/// `copy_in` (`COPY t (columns) FROM STDIN`) with its options.
+fn copy_in_with(copy_in: &str, binary: bool, freeze: bool) -> String {
+    match (binary, freeze) {
+        (true, true) => format!("{copy_in} (FORMAT binary, FREEZE)"),
+        (true, false) => format!("{copy_in} (FORMAT binary)"),
+        (false, true) => format!("{copy_in} (FREEZE)"),
+        (false, false) => copy_in.to_owned(),
+    }
+}
+
+/// Readies `COPY .. FREEZE` into `table` (the target's, quoted), in a savepoint of the copy's
+/// transaction: true when the table is locked, still empty, and truncated in that savepoint, which
+/// FREEZE requires; false (the savepoint undone) when it cannot be.
+///
+/// Why: rows copied frozen (and, 14+, their pages marked all-visible) need no hint bits set by
+/// the key built after them (`schema --section post-data`) or the first scans, and the target's
+/// VACUUM need not freeze them later, one more write of every page of a table months after a
+/// migration. The TRUNCATE must be one nobody sees: not with a logical replication slot in the
+/// target database (a subscriber of the target would be sent it), not on a table with TRUNCATE
+/// triggers or one other tables' foreign keys reference (TRUNCATE refuses it), and not where
+/// the role may not truncate, row security may hide rows from the check that it is empty, a READ COMMITTED transaction is not the default (FREEZE refuses an
+/// older snapshot) or the table is not a plain one (partitioned, foreign). The lock held from
+/// here to the commit keeps readers of the target table waiting for the copy of that table; a
+/// lock someone else holds is waited for a second at most.
+async fn begin_frozen_copy(
+    target_tx: &tokio_postgres::Transaction<'_>,
+    table: &str,
+) -> Result<bool> {
+    let failed = |e: tokio_postgres::Error| {
+        Error::postgres(
+            format!("getting target table {table} ready for the copy"),
+            e,
+        )
+    };
+    let eligible: bool = target_tx
+        .query_one(
+            "SELECT c.relkind = 'r' AND NOT c.relrowsecurity \
+               AND current_setting('transaction_isolation') = 'read committed' \
+               AND pg_catalog.has_table_privilege(c.oid, 'TRUNCATE') \
+               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k WHERE k.confrelid = c.oid AND k.contype = 'f') \
+               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger g WHERE g.tgrelid = c.oid AND g.tgtype & 32 <> 0) \
+               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots s \
+                               WHERE s.slot_type = 'logical' AND s.database = current_database()) \
+             FROM pg_catalog.pg_class c WHERE c.oid = $1::text::regclass",
+            &[&table],
+        )
+        .await
+        .map_err(failed)?
+        .get(0);
+    if !eligible {
+        return Ok(false);
+    }
+    target_tx
+        .batch_execute("SAVEPOINT pgapply_freeze; SET LOCAL lock_timeout = '1s'")
+        .await
+        .map_err(failed)?;
+    let emptied = target_tx
+        .batch_execute(&format!(
+            "LOCK TABLE ONLY {table} IN ACCESS EXCLUSIVE MODE; \
+             DO $pgapply$ BEGIN IF EXISTS (SELECT 1 FROM ONLY {table}) THEN \
+               RAISE EXCEPTION 'not empty'; END IF; END $pgapply$; \
+             TRUNCATE ONLY {table}; SET LOCAL lock_timeout = 0"
+        ))
+        .await;
+    match emptied {
+        Ok(()) => Ok(true),
+        Err(e) => {
+            tracing::debug!(table, error = %crate::error::describe_postgres(&e), "copying without FREEZE");
+            target_tx
+                .batch_execute(
+                    "ROLLBACK TO SAVEPOINT pgapply_freeze; RELEASE SAVEPOINT pgapply_freeze",
+                )
+                .await
+                .map_err(failed)?;
+            Ok(false)
+        }
+    }
 }
 
 /// Per table: rows and state, for status output.
