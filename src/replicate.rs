@@ -420,6 +420,12 @@ async fn run_in_span(
         .is_some();
     let (store, mut resume) =
         ProgressStore::open(&setup, &config.slot, &identity.system_id).await?;
+    // (Before a slot is made or a table copied for a run that could not apply.)
+    if config.apply_workers > 1 && store.is_table_mode() {
+        return Err(Error::definite(
+            crate::apply::progress::WORKERS_NEED_ORIGINS,
+        ));
+    }
     let publications_dropped =
         record_publications(&setup, &config.slot, &config.publications).await?;
     warn_of_other_live_slots(&setup, &config.slot, &config.publications, &identity).await;

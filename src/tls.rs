@@ -117,8 +117,20 @@ pub fn settings_for(config: &tokio_postgres::Config) -> TlsSettings {
         .unwrap_or_default()
 }
 
+/// Where a TLS handshake leaves the server's certificate (DER), for SCRAM channel binding.
+pub type SeenCertificate = Arc<Mutex<Option<Vec<u8>>>>;
+
 /// The rustls connector for a server, verifying as its `sslmode` says.
 pub fn make_tls(config: &tokio_postgres::Config) -> Result<MakeRustlsConnect> {
+    make_tls_seeing(config, None)
+}
+
+/// `make_tls`, keeping the server's certificate in `seen` (the replication connection, whose
+/// SCRAM exchange is pgapply's own, binds it to the TLS channel as libpq does).
+pub fn make_tls_seeing(
+    config: &tokio_postgres::Config,
+    seen: Option<SeenCertificate>,
+) -> Result<MakeRustlsConnect> {
     let settings = settings_for(config);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let root = settings.root_cert.clone().or_else(|| {
@@ -169,9 +181,89 @@ pub fn make_tls(config: &tokio_postgres::Config) -> Result<MakeRustlsConnect> {
         .with_safe_default_protocol_versions()
         .map_err(|e| Error::definite(format!("TLS setup: {e}")))?
         .dangerous()
-        .with_custom_certificate_verifier(Arc::new(Verifier { check, provider }))
+        .with_custom_certificate_verifier(Arc::new(Verifier {
+            check,
+            provider,
+            seen,
+        }))
         .with_no_client_auth();
     Ok(MakeRustlsConnect::new(client))
+}
+
+/// The `tls-server-end-point` channel binding data of a server certificate (RFC 5929, as
+/// PostgreSQL computes it): the certificate's hash, by the hash function of its signature
+/// algorithm, SHA-256 where that is MD5 or SHA-1. None for a certificate whose algorithm names no
+/// hash pgapply knows (Ed25519, say, for which the server cannot compute one either).
+pub fn tls_server_end_point(certificate: &[u8]) -> Option<Vec<u8>> {
+    use sha2::Digest;
+    let oid = signature_algorithm(certificate)?;
+    // 1.2.840.113549.1.1.x (RSA) and 1.2.840.10045.4.x (ECDSA).
+    const RSA: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01];
+    const ECDSA: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04];
+    let hash = match oid {
+        o if o.starts_with(RSA) && o.len() == RSA.len() + 1 => match o[RSA.len()] {
+            // md5 and sha1: SHA-256 instead
+            0x04 | 0x05 | 0x0b => 256,
+            0x0e => 224,
+            0x0c => 384,
+            0x0d => 512,
+            _ => return None,
+        },
+        o if o == [ECDSA, &[0x01]].concat() => 256,
+        o if o.starts_with(ECDSA) && o.len() == ECDSA.len() + 2 && o[ECDSA.len()] == 0x03 => {
+            match o[ECDSA.len() + 1] {
+                0x01 => 224,
+                0x02 => 256,
+                0x03 => 384,
+                0x04 => 512,
+                _ => return None,
+            }
+        }
+        _ => return None,
+    };
+    Some(match hash {
+        224 => sha2::Sha224::digest(certificate).to_vec(),
+        256 => sha2::Sha256::digest(certificate).to_vec(),
+        384 => sha2::Sha384::digest(certificate).to_vec(),
+        _ => sha2::Sha512::digest(certificate).to_vec(),
+    })
+}
+
+/// The OID (its encoded bytes) of a DER certificate's signatureAlgorithm: `Certificate ::=
+/// SEQUENCE { tbsCertificate, signatureAlgorithm SEQUENCE { OID, .. }, signature }`.
+fn signature_algorithm(der: &[u8]) -> Option<&[u8]> {
+    // One TLV: (tag, contents, the rest after it).
+    fn tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+        let (&tag, rest) = input.split_first()?;
+        let (&first, rest) = rest.split_first()?;
+        let (len, rest) = if first < 0x80 {
+            (first as usize, rest)
+        } else {
+            let n = (first & 0x7f) as usize;
+            if n == 0 || n > 4 || rest.len() < n {
+                return None;
+            }
+            let len = rest[..n].iter().fold(0usize, |a, &b| (a << 8) | b as usize);
+            (len, &rest[n..])
+        };
+        if rest.len() < len {
+            return None;
+        }
+        Some((tag, &rest[..len], &rest[len..]))
+    }
+    let (0x30, certificate, _) = tlv(der)? else {
+        return None;
+    };
+    let (0x30, _, rest) = tlv(certificate)? else {
+        return None;
+    };
+    let (0x30, algorithm, _) = tlv(rest)? else {
+        return None;
+    };
+    let (0x06, oid, _) = tlv(algorithm)? else {
+        return None;
+    };
+    Some(oid)
 }
 
 fn verifier(
@@ -196,6 +288,7 @@ enum Check {
 struct Verifier {
     check: Check,
     provider: Arc<rustls::crypto::CryptoProvider>,
+    seen: Option<SeenCertificate>,
 }
 
 impl ServerCertVerifier for Verifier {
@@ -207,6 +300,11 @@ impl ServerCertVerifier for Verifier {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        if let Some(seen) = &self.seen {
+            if let Ok(mut seen) = seen.lock() {
+                *seen = Some(end_entity.to_vec());
+            }
+        }
         match &self.check {
             Check::Nothing => Ok(ServerCertVerified::assertion()),
             Check::Full(v) => {
@@ -351,6 +449,47 @@ impl ConnectError {
                     err
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A certificate's outline: SEQUENCE { SEQUENCE (tbs), SEQUENCE { OID, NULL }, BIT STRING }.
+    fn certificate(oid: &[u8]) -> Vec<u8> {
+        let mut algorithm = vec![0x06, oid.len() as u8];
+        algorithm.extend_from_slice(oid);
+        algorithm.extend_from_slice(&[0x05, 0x00]);
+        let mut body = vec![0x30, 0x03, 0x02, 0x01, 0x01, 0x30, algorithm.len() as u8];
+        body.extend_from_slice(&algorithm);
+        body.extend_from_slice(&[0x03, 0x02, 0x00, 0xff]);
+        let mut der = vec![0x30, 0x81, body.len() as u8];
+        der.extend_from_slice(&body);
+        der
+    }
+
+    #[test]
+    fn the_end_point_hash_follows_the_signature_algorithm() {
+        let rsa = |last: u8| certificate(&[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, last]);
+        let ecdsa = |last: u8| certificate(&[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03, last]);
+        let len = |der: Vec<u8>| tls_server_end_point(&der).map(|h| h.len());
+        assert_eq!(len(rsa(0x0b)), Some(32)); // sha256WithRSAEncryption
+        assert_eq!(len(rsa(0x05)), Some(32)); // sha1WithRSAEncryption: SHA-256
+        assert_eq!(len(rsa(0x0c)), Some(48));
+        assert_eq!(len(rsa(0x0d)), Some(64));
+        assert_eq!(len(ecdsa(0x02)), Some(32));
+        assert_eq!(len(ecdsa(0x03)), Some(48));
+        assert_eq!(len(certificate(&[0x2b, 0x65, 0x70])), None); // Ed25519
+        let der = rsa(0x0b);
+        assert_eq!(
+            tls_server_end_point(&der),
+            Some(<sha2::Sha256 as sha2::Digest>::digest(&der).to_vec())
+        );
+        // Cut short anywhere: no answer, no panic.
+        for n in 0..der.len() {
+            assert_eq!(tls_server_end_point(&der[..n]), None);
         }
     }
 }

@@ -553,12 +553,13 @@ async fn verify_table(
     let target_keys = target_key_types(&target, &table, &mut keys).await?;
     let target_table = own_rows(&target, &table.target_qualified(), "target").await?;
     // A "char" byte above 127 is written raw (no valid UTF-8) by PostgreSQL 14 and older, as an
-    // octal escape by 15 and later: compared as the number both sides agree on.
+    // octal escape by 15 and later: compared as the number both sides agree on. (Not a key
+    // column: keys keep their type, to be compared with the chunks' bounds.)
     let columns = table
         .columns
         .iter()
         .map(|(c, ty)| {
-            if ty == "\"char\"" {
+            if ty == "\"char\"" && !keys.iter().any(|k| k.name == *c) {
                 format!("pg_catalog.int4({}) AS {}", quote_ident(c), quote_ident(c))
             } else {
                 quote_ident(c)

@@ -764,7 +764,14 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
          CREATE TABLE events_a PARTITION OF events FOR VALUES FROM (0) TO (100); \
          CREATE TABLE events_b PARTITION OF events FOR VALUES FROM (100) TO (200); \
          CREATE TABLE events_c (id serial, at int NOT NULL, PRIMARY KEY (id, at)); \
-         ALTER TABLE events ATTACH PARTITION events_c FOR VALUES FROM (200) TO (300);",
+         ALTER TABLE events ATTACH PARTITION events_c FOR VALUES FROM (200) TO (300); \
+         CREATE TABLE plain_par (id serial PRIMARY KEY);",
+    )
+    .await;
+    // An inheritance child, not published (ONLY its parent is): its sequence is not the
+    // cutover's, and the target need not have it.
+    db.source_sql(
+        "CREATE TABLE kid (kid_no serial) INHERITS (plain_par); INSERT INTO kid DEFAULT VALUES",
     )
     .await;
     // events_c, a table of its own attached as a partition, keeps its own sequence, which
@@ -772,7 +779,7 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.source_sql(
         "INSERT INTO events (at) SELECT g % 200 FROM generate_series(1, 300) g; \
          INSERT INTO events_c (at) SELECT 200 + g FROM generate_series(1, 5) g; \
-         CREATE PUBLICATION p FOR TABLE events;",
+         CREATE PUBLICATION p FOR TABLE events, ONLY plain_par;",
     )
     .await;
     copy_up_to_now(&db).await;
@@ -824,7 +831,8 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     assert!(
         text.contains("before freezing writes")
             && text.contains(&format!("read-only now in database \"{}\"", db.name))
-            && text.contains("step 4: copied 2 sequence(s)"),
+            && text.contains("step 4: copied 3 sequence(s)")
+            && !text.contains("kid_kid_no_seq\" does not exist"),
         "{text}"
     );
     assert_eq!(
@@ -4056,17 +4064,21 @@ async fn a_table_copied_whole_into_an_empty_table_goes_in_frozen() {
     let db = TestDb::new("copyfrozen").await;
     db.both(
         "CREATE TABLE parent (id int PRIMARY KEY); \
-         CREATE TABLE child (id int PRIMARY KEY, pid int REFERENCES parent, v text);",
+         CREATE TABLE child (id int PRIMARY KEY, pid int REFERENCES parent, v text); \
+         CREATE TABLE tree (id int PRIMARY KEY, up int REFERENCES tree);",
     )
     .await;
     db.source_sql(
         "INSERT INTO parent SELECT g FROM generate_series(1, 100) g; \
          INSERT INTO child SELECT g, g % 100 + 1, repeat('x', 50) FROM generate_series(1, 5000) g; \
-         CREATE PUBLICATION p FOR TABLE parent, child;",
+         INSERT INTO tree VALUES (1, NULL), (2, 1); \
+         CREATE PUBLICATION p FOR TABLE parent, child, tree;",
     )
     .await;
     let log = copy_up_to_now_logged(&db).await;
     assert_eq!(copied_frozen(&log, "child"), Some(true), "{log}");
+    // (A foreign key of a table to itself does not stop its TRUNCATE.)
+    assert_eq!(copied_frozen(&log, "tree"), Some(true), "{log}");
     assert_eq!(copied_frozen(&log, "parent"), Some(false), "{log}");
     db.assert_same("parent").await;
     db.assert_same("child").await;

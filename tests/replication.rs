@@ -1701,14 +1701,20 @@ async fn a_char_byte_above_127_arrives_as_the_same_byte() {
     assert_eq!(source, seen[1]);
     assert_eq!(source.len(), 2);
     assert!(source.iter().all(|(_, _, n, _)| *n >= 1));
-    // verify compares such a column too (a "char" key or domain not: the README says so).
-    db.both("CREATE TABLE chv (id int PRIMARY KEY, c \"char\")")
-        .await;
+    // verify compares such a column too (a "char" key or domain not: the README says so), and
+    // a table keyed by a "char" column of plain letters.
+    db.both(
+        "CREATE TABLE chv (id int PRIMARY KEY, c \"char\"); \
+         CREATE TABLE chk (c \"char\" PRIMARY KEY, v int); \
+         INSERT INTO chk SELECT chr(65 + g)::\"char\", g FROM generate_series(0, 20) g;",
+    )
+    .await;
     db.source_sql("INSERT INTO chv VALUES (1, chr(195)::\"char\"), (2, 'a')")
         .await;
     db.target_sql("INSERT INTO chv VALUES (1, chr(195)::\"char\"), (2, 'a')")
         .await;
-    db.source_sql("CREATE PUBLICATION pv FOR TABLE chv").await;
+    db.source_sql("CREATE PUBLICATION pv FOR TABLE chv, chk")
+        .await;
     let source = db.source_conninfo();
     let target = db.target_conninfo();
     let verify = |extra: &'static str| {

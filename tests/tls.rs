@@ -29,7 +29,10 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 /// A CA and a server certificate for `localhost` (no IP address in it), and a second, unrelated CA.
 fn make_certs() -> Certs {
-    let dir = std::env::temp_dir().join(format!("pgapply-tls-{}", std::process::id()));
+    // (One directory per call: tests run side by side, each with its own CA and servers.)
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("pgapply-tls-{}-{call}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     openssl(
@@ -139,6 +142,7 @@ fn tls_cluster(certs: &Certs) -> LocalCluster {
     std::fs::write(
         cluster.data_dir.join("pg_hba.conf"),
         "local all all trust\nhostnossl all all 0.0.0.0/0 reject\nhostnossl replication all 0.0.0.0/0 reject\n\
+         hostssl all binder 127.0.0.1/32 scram-sha-256\nhostssl replication binder 127.0.0.1/32 scram-sha-256\n\
          hostssl all postgres 127.0.0.1/32 trust\nhostssl replication postgres 127.0.0.1/32 trust\n",
     )
     .unwrap();
@@ -291,6 +295,63 @@ async fn tls_modes_on_both_connections() {
     assert!(!out.status.success());
     assert!(
         stderr(&out).contains("sslrootcert /nonexistent/root.crt"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// SCRAM over TLS binds the replication connection to the TLS channel (SCRAM-SHA-256-PLUS, the
+/// server certificate's hash), as libpq does: `channel_binding=require` works against a server
+/// that offers it (the server checks the hash pgapply sends), and refuses one that lets pgapply
+/// in without SCRAM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channel_binding_on_the_replication_connection() {
+    let certs = make_certs();
+    let source = tls_cluster(&certs);
+    let target = tls_cluster(&certs);
+    let ca = certs.dir.join("ca.crt");
+    let admin = format!(
+        "host=localhost port={} user=postgres dbname=postgres sslmode=verify-full sslrootcert={}",
+        source.port,
+        ca.display()
+    );
+    let dst = format!(
+        "host=localhost port={} user=postgres dbname=postgres sslmode=verify-full sslrootcert={}",
+        target.port,
+        ca.display()
+    );
+    sql(&dst, "CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    sql(&admin, "CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    sql(&admin, "SET password_encryption = 'scram-sha-256'; CREATE ROLE binder LOGIN REPLICATION SUPERUSER PASSWORD 'bind-secret'").await;
+    sql(&admin, "CREATE PUBLICATION p FOR TABLE t").await;
+    sql(
+        &admin,
+        "SELECT pg_create_logical_replication_slot('tls_slot', 'pgoutput')",
+    )
+    .await;
+    sql(&admin, "INSERT INTO t VALUES (1, 'bound')").await;
+    let endpos = sql(&admin, "SELECT pg_current_wal_lsn()::text")
+        .await
+        .remove(0);
+    let bound = format!(
+        "host=localhost port={} user=binder password=bind-secret dbname=postgres sslmode=require channel_binding=require",
+        source.port
+    );
+    let out = run_with_deadline(pgapply(&bound, &dst, &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        sql(&dst, "SELECT v FROM t").await,
+        vec!["bound".to_string()]
+    );
+    // Trust authentication: nothing is bound, so require refuses, naming the setting.
+    let trusted = format!(
+        "host=localhost port={} user=postgres dbname=postgres sslmode=require channel_binding=require",
+        source.port
+    );
+    let out = run_with_deadline(pgapply(&trusted, &dst, &["--endpos", &endpos]), 60).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("channel_binding=require") && !stderr(&out).contains("bind-secret"),
         "{}",
         stderr(&out)
     );

@@ -1326,13 +1326,14 @@ fn copy_in_with(copy_in: &str, binary: bool, freeze: bool) -> String {
 /// Why: rows copied frozen (and, 14+, their pages marked all-visible) need no hint bits set by
 /// the key built after them (`schema --section post-data`) or the first scans, and the target's
 /// VACUUM need not freeze them later, one more write of every page of a table months after a
-/// migration. The TRUNCATE must be one nobody sees: not with a logical replication slot in the
-/// target database (a subscriber of the target would be sent it), not on a table with TRUNCATE
-/// triggers or one other tables' foreign keys reference (TRUNCATE refuses it), and not where
-/// the role may not truncate, row security may hide rows from the check that it is empty, a READ COMMITTED transaction is not the default (FREEZE refuses an
-/// older snapshot) or the table is not a plain one (partitioned, foreign). The lock held from
-/// here to the commit keeps readers of the target table waiting for the copy of that table; a
-/// lock someone else holds is waited for a second at most.
+/// migration. The TRUNCATE must be one nobody sees or is refused: not with a logical replication
+/// slot in the target database (a subscriber of the target would be sent it), not on a table
+/// with TRUNCATE triggers or one other tables' foreign keys reference (TRUNCATE refuses it), and
+/// not where the role may not truncate, row security may hide rows from the check that it is
+/// empty, a READ COMMITTED transaction is not the default (FREEZE refuses an older snapshot) or
+/// the table is not a plain one (partitioned, foreign). The lock held from here to the commit
+/// keeps readers of the target table waiting for the copy of that table; a lock someone else
+/// holds is waited for a second at most.
 async fn begin_frozen_copy(
     target_tx: &tokio_postgres::Transaction<'_>,
     table: &str,
@@ -1348,7 +1349,8 @@ async fn begin_frozen_copy(
             "SELECT c.relkind = 'r' AND NOT c.relrowsecurity \
                AND current_setting('transaction_isolation') = 'read committed' \
                AND pg_catalog.has_table_privilege(c.oid, 'TRUNCATE') \
-               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k WHERE k.confrelid = c.oid AND k.contype = 'f') \
+               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k \
+                               WHERE k.confrelid = c.oid AND k.conrelid <> c.oid AND k.contype = 'f') \
                AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger g WHERE g.tgrelid = c.oid AND g.tgtype & 32 <> 0) \
                AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots s \
                                WHERE s.slot_type = 'logical' AND s.database = current_database()) \
@@ -1365,18 +1367,39 @@ async fn begin_frozen_copy(
         .batch_execute("SAVEPOINT pgapply_freeze; SET LOCAL lock_timeout = '1s'")
         .await
         .map_err(failed)?;
-    let emptied = target_tx
-        .batch_execute(&format!(
-            "LOCK TABLE ONLY {table} IN ACCESS EXCLUSIVE MODE; \
-             DO $pgapply$ BEGIN IF EXISTS (SELECT 1 FROM ONLY {table}) THEN \
-               RAISE EXCEPTION 'not empty'; END IF; END $pgapply$; \
-             TRUNCATE ONLY {table}; SET LOCAL lock_timeout = 0"
-        ))
-        .await;
+    let emptied = async {
+        target_tx
+            .batch_execute(&format!("LOCK TABLE ONLY {table} IN ACCESS EXCLUSIVE MODE"))
+            .await?;
+        let empty: bool = target_tx
+            .query_one(
+                &format!("SELECT NOT EXISTS (SELECT 1 FROM ONLY {table})"),
+                &[],
+            )
+            .await?
+            .get(0);
+        if empty {
+            target_tx
+                .batch_execute(&format!(
+                    "TRUNCATE ONLY {table}; SET LOCAL lock_timeout = 0"
+                ))
+                .await?;
+        }
+        Ok::<_, tokio_postgres::Error>(empty)
+    }
+    .await;
     match emptied {
-        Ok(()) => Ok(true),
-        Err(e) => {
-            tracing::debug!(table, error = %crate::error::describe_postgres(&e), "copying without FREEZE");
+        Ok(true) => Ok(true),
+        outcome => {
+            match outcome {
+                Err(e) => {
+                    tracing::info!(table, error = %crate::error::describe_postgres(&e), "copying without FREEZE")
+                }
+                _ => tracing::info!(
+                    table,
+                    "the target table is no longer empty: copying without FREEZE"
+                ),
+            }
             target_tx
                 .batch_execute(
                     "ROLLBACK TO SAVEPOINT pgapply_freeze; RELEASE SAVEPOINT pgapply_freeze",

@@ -34,13 +34,15 @@ pub async fn plan_sequences(
             // Used: owned by a published table, by one of its ancestors (a partition's serial
             // column takes its values from the partitioned table's sequence) or by one of its
             // partitions (a table with a serial column of its own, attached to a root published
-            // whole), or named in a column default of one (`DEFAULT nextval('invoice_no')`).
+            // whole; not an inheritance child, which is published, and copied, as a table of
+            // its own), or named in a column default of one (`DEFAULT nextval('invoice_no')`).
             &format!(
                 "WITH RECURSIVE published (oid) AS (SELECT x::regclass::oid FROM unnest($1::text[]) x), \
              up (oid) AS (SELECT oid FROM published \
                  UNION SELECT i.inhparent FROM pg_inherits i JOIN up ON i.inhrelid = up.oid), \
              down (oid) AS (SELECT oid FROM published \
-                 UNION SELECT i.inhrelid FROM pg_inherits i JOIN down ON i.inhparent = down.oid), \
+                 UNION SELECT i.inhrelid FROM pg_inherits i JOIN down ON i.inhparent = down.oid \
+                 JOIN pg_class p ON p.oid = i.inhrelid WHERE p.relispartition), \
              rel (oid) AS (SELECT oid FROM up UNION SELECT oid FROM down), \
              in_default AS ( \
                  SELECT dd.refobjid AS oid FROM pg_depend dd \

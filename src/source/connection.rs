@@ -62,21 +62,29 @@ impl Stream {
     }
 }
 
+/// The TLS channel a SCRAM exchange may be bound to.
+#[derive(Default)]
+struct Channel {
+    tls: bool,
+    /// The server certificate's `tls-server-end-point` data, when its hash is one pgapply knows.
+    end_point: Option<Vec<u8>>,
+}
+
 /// SSLRequest, then the TLS handshake when the server agrees (libpq's sslmode semantics).
 async fn negotiate_tls(
     stream: Stream,
     host: &str,
     endpoint: &str,
     config: &tokio_postgres::Config,
-) -> Result<Stream> {
+) -> Result<(Stream, Channel)> {
     use crate::tls::SslMode;
     use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
     let settings = crate::tls::settings_for(config);
     let Stream::Tcp(mut tcp) = stream else {
-        return Ok(stream);
+        return Ok((stream, Channel::default()));
     };
     if settings.mode == SslMode::Disable {
-        return Ok(Stream::Tcp(tcp));
+        return Ok((Stream::Tcp(tcp), Channel::default()));
     }
     let mut request = BytesMut::new();
     frontend::ssl_request(&mut request);
@@ -102,13 +110,14 @@ async fn negotiate_tls(
     }
     if answer[0] != b'S' {
         if settings.mode == SslMode::Prefer {
-            return Ok(Stream::Tcp(tcp));
+            return Ok((Stream::Tcp(tcp), Channel::default()));
         }
         return Err(Error::definite(format!(
             "source {endpoint} does not accept TLS connections, but sslmode requires TLS: enable ssl on the server, or use sslmode=prefer or disable"
         )));
     }
-    let mut maker = crate::tls::make_tls(config)?;
+    let seen = crate::tls::SeenCertificate::default();
+    let mut maker = crate::tls::make_tls_seeing(config, Some(seen.clone()))?;
     let connect =
         <tokio_postgres_rustls::MakeRustlsConnect as MakeTlsConnect<TcpStream>>::make_tls_connect(
             &mut maker, host,
@@ -117,7 +126,17 @@ async fn negotiate_tls(
     let tls = connect.connect(tcp).await.map_err(|e| {
         Error::definite(format!("TLS handshake with source {endpoint} failed: {e}: check sslrootcert (the CA that signed the server's certificate) and, with verify-full, that the certificate names the host you connect to; sslmode=require encrypts without checking"))
     })?;
-    Ok(Stream::Tls(Box::new(tls)))
+    let end_point = seen
+        .lock()
+        .ok()
+        .and_then(|c| c.as_deref().and_then(crate::tls::tls_server_end_point));
+    Ok((
+        Stream::Tls(Box::new(tls)),
+        Channel {
+            tls: true,
+            end_point,
+        },
+    ))
 }
 
 /// The result of a simple query: column names and rows of text values.
@@ -380,7 +399,7 @@ impl ReplicationConnection {
         user: String,
     ) -> Result<Self> {
         let dbname = config.get_dbname().unwrap_or(&user).to_owned();
-        let stream = negotiate_tls(stream, &host, &endpoint, config).await?;
+        let (stream, channel) = negotiate_tls(stream, &host, &endpoint, config).await?;
         let mut conn = ReplicationConnection {
             stream,
             read: BytesMut::with_capacity(READ_CHUNK),
@@ -417,7 +436,13 @@ impl ReplicationConnection {
             .map_err(|e| Error::io("source connection: encoding startup", e))?;
         conn.flush().await?;
         let password = config.get_password().map(|p| p.to_vec());
-        conn.authenticate(&user, password.as_deref()).await?;
+        conn.authenticate(
+            &user,
+            password.as_deref(),
+            &channel,
+            config.get_channel_binding(),
+        )
+        .await?;
         Ok(conn)
     }
 
@@ -530,7 +555,26 @@ impl ReplicationConnection {
         }
     }
 
-    async fn authenticate(&mut self, user: &str, password: Option<&[u8]>) -> Result<()> {
+    /// Authenticates as libpq does, `channel_binding` included: SCRAM-SHA-256-PLUS over TLS
+    /// where the server offers it (unless disabled), so that a man in the middle of the TLS
+    /// connection (possible with sslmode=require, which does not check the certificate) is
+    /// caught; `require` refuses any authentication without it.
+    async fn authenticate(
+        &mut self,
+        user: &str,
+        password: Option<&[u8]>,
+        channel: &Channel,
+        binding: tokio_postgres::config::ChannelBinding,
+    ) -> Result<()> {
+        use tokio_postgres::config::ChannelBinding as Wanted;
+        let required = matches!(binding, Wanted::Require);
+        let endpoint = self.endpoint.clone();
+        let unbound = |how: &str| {
+            Error::definite(format!(
+                "channel_binding=require, but source {endpoint} {how}: channel binding needs TLS (sslmode=require or stronger) and scram-sha-256 authentication in the source's pg_hba.conf; or leave channel_binding out (prefer binds where the server can)"
+            ))
+        };
+        let mut bound = false;
         let need_password = || {
             Error::definite(format!(
                 "source requires a password for user {user:?}: give password= in --source, --source-password-file, PGPASSWORD, or ~/.pgpass"
@@ -550,7 +594,16 @@ impl ReplicationConnection {
                         self.endpoint
                     )));
                 }
+                backend::Message::AuthenticationOk if required && !bound => {
+                    return Err(unbound("let pgapply in without SCRAM authentication"));
+                }
                 backend::Message::AuthenticationOk => {}
+                backend::Message::AuthenticationCleartextPassword
+                | backend::Message::AuthenticationMd5Password(_)
+                    if required =>
+                {
+                    return Err(unbound("asks for a password without SCRAM"));
+                }
                 backend::Message::AuthenticationCleartextPassword => {
                     let pw = password.ok_or_else(need_password)?;
                     frontend::password_message(pw, &mut self.write)
@@ -568,19 +621,41 @@ impl ReplicationConnection {
                 backend::Message::AuthenticationSasl(body) => {
                     let pw = password.ok_or_else(need_password)?;
                     let mut mechanisms = body.mechanisms();
-                    let mut supported = false;
+                    let (mut plain, mut plus) = (false, false);
                     while let Ok(Some(m)) = mechanisms.next() {
-                        if m == sasl::SCRAM_SHA_256 {
-                            supported = true;
+                        plain |= m == sasl::SCRAM_SHA_256;
+                        plus |= m == sasl::SCRAM_SHA_256_PLUS;
+                    }
+                    let may_bind = !matches!(binding, Wanted::Disable);
+                    let (mechanism, data) = match &channel.end_point {
+                        Some(end_point) if plus && may_bind => (
+                            sasl::SCRAM_SHA_256_PLUS,
+                            sasl::ChannelBinding::tls_server_end_point(end_point.clone()),
+                        ),
+                        _ if required && !channel.tls => {
+                            return Err(unbound("is reached without TLS"))
                         }
-                    }
-                    if !supported {
-                        return Err(Error::definite(
-                            "source offers no SASL mechanism pgapply supports (SCRAM-SHA-256 without channel binding)",
-                        ));
-                    }
-                    let s = ScramSha256::new(pw, sasl::ChannelBinding::unsupported());
-                    frontend::sasl_initial_response(sasl::SCRAM_SHA_256, s.message(), &mut self.write)
+                        _ if required && !plus => {
+                            return Err(unbound("does not offer SCRAM-SHA-256-PLUS"))
+                        }
+                        _ if required => {
+                            return Err(unbound("has a certificate whose signature algorithm names no hash pgapply can bind with"))
+                        }
+                        _ if !plain => {
+                            return Err(Error::definite(
+                                "source offers no SASL mechanism pgapply supports (SCRAM-SHA-256, SCRAM-SHA-256-PLUS)",
+                            ))
+                        }
+                        // ("y": the client could bind, the server offered no binding; a server
+                        // that can bind sees a man in the middle who took it off the list.)
+                        Some(_) if may_bind => {
+                            (sasl::SCRAM_SHA_256, sasl::ChannelBinding::unrequested())
+                        }
+                        _ => (sasl::SCRAM_SHA_256, sasl::ChannelBinding::unsupported()),
+                    };
+                    bound = mechanism == sasl::SCRAM_SHA_256_PLUS;
+                    let s = ScramSha256::new(pw, data);
+                    frontend::sasl_initial_response(mechanism, s.message(), &mut self.write)
                         .map_err(|e| Error::io("encoding SASL", e))?;
                     self.flush().await?;
                     scram = Some(s);
