@@ -82,10 +82,21 @@ fn unencoded_url(conninfo: &str) -> Option<String> {
     let rest = conninfo
         .strip_prefix("postgresql://")
         .or_else(|| conninfo.strip_prefix("postgres://"))?;
-    let rest = rest.split('?').next().unwrap_or(rest);
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    (authority.matches('@').count() > 1 || path.contains('@')).then(|| {
-        "the URL has an @ where the server or database should be: a user or password with @, / or : in it must be percent-encoded in a URL (@ as %40, / as %2F, : as %3A), or give the password with PGPASSWORD or a password file".to_owned()
+    // The authority ends at the first / ? or #; an @ after it is one of a password (unless it
+    // is in a key=value parameter's value: `?application_name=a@b`).
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, after) = rest.split_at(end);
+    let (path, query) = after.split_once('?').unwrap_or((after, ""));
+    let in_query = query.split('&').any(|kv| {
+        kv.find('@')
+            .is_some_and(|at| kv.find('=').is_none_or(|eq| at < eq))
+    });
+    (authority.matches('@').count() > 1
+        || path.contains('@')
+        || in_query
+        || after.split_once('#').is_some_and(|(_, f)| f.contains('@')))
+    .then(|| {
+        "the URL has an @ where the server or database should be: a user or password with @, /, :, ? or # in it must be percent-encoded in a URL (@ as %40, / as %2F, : as %3A, ? as %3F, # as %23), or give the password with PGPASSWORD or a password file".to_owned()
     })
 }
 
@@ -619,11 +630,19 @@ mod tests {
         for url in [
             "postgres://postgres:Sup3r:P@ss/w0rd@127.0.0.1:5521/app",
             "postgresql://u:pa/ss@host/db",
+            "postgresql://repl:my?pass@SECRETword@127.0.0.1:56300/shop",
+            "postgresql://u:S3cr@t:/?#%pw@host/db",
+            "postgresql://u:a#b@host/db",
         ] {
             let err = parse("source", url).unwrap_err().to_string();
             assert!(err.contains("must be percent-encoded"), "{err}");
-            assert!(!err.contains("w0rd") && !err.contains("ss@"), "{err}");
+            assert!(
+                !err.contains("w0rd") && !err.contains("ss@") && !err.contains("SECRET"),
+                "{err}"
+            );
         }
+        // An @ in a parameter's value is no password's.
+        assert!(parse("source", "postgres://u@h:1/db?application_name=a@b").is_ok());
         assert!(parse(
             "source",
             "postgres://u:P%40ss%2Fw0rd@h:1/db?sslmode=disable"

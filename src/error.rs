@@ -185,9 +185,31 @@ fn classify_postgres(err: &tokio_postgres::Error) -> ErrorClass {
         None if err.to_string().starts_with("invalid configuration") => ErrorClass::Definite,
         // sslmode=require (or verify-*) against a server without TLS: it will not grow it.
         None if server_lacks_tls(err) => ErrorClass::Definite,
+        // A certificate the connection's sslmode and sslrootcert do not accept: nor will they.
+        None if certificate_refused(err) => ErrorClass::Definite,
         // Not a server error: connection closed, I/O, timeout.
         None => ErrorClass::Transient,
     }
+}
+
+/// The TLS handshake refused the server's certificate (another CA, another name, expired).
+pub fn certificate_refused(err: &tokio_postgres::Error) -> bool {
+    let refused = |e: &(dyn std::error::Error + 'static)| {
+        e.downcast_ref::<rustls::Error>()
+            .is_some_and(|e| matches!(e, rustls::Error::InvalidCertificate(_)))
+    };
+    let mut source = std::error::Error::source(err);
+    while let Some(s) = source {
+        let inner = s
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .is_some_and(|e| refused(e));
+        if inner || refused(s) {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// The server answered that it does not do TLS, and sslmode requires it.

@@ -206,6 +206,7 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
             let refused = e.code()
                 == Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE);
             let lacks_tls = crate::error::server_lacks_tls(&e);
+            let bad_certificate = crate::error::certificate_refused(&e);
             let err = Error::postgres(
                 format!("connecting to target {}", conninfo::describe(target)),
                 e,
@@ -219,6 +220,8 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
                 ))
             } else if lacks_tls {
                 err.context_after(crate::tls::NO_TLS_ADVICE)
+            } else if bad_certificate {
+                err.context_after(crate::tls::CERTIFICATE_ADVICE)
             } else if err.message().ends_with("password missing") {
                 err.context_after(
                     "the target asks for a password: give it in the connection string, PGPASSWORD, ~/.pgpass or --target-password-file",

@@ -14,6 +14,10 @@ pub struct SlotStatus {
     pub pid: Option<i32>,
     pub applied_lsn: Option<String>,
     pub last_commit_time: Option<String>,
+    /// When `last_commit_time` is not known for the applied position (it is kept with the
+    /// progress row and the heartbeat, not with a replication origin's commits): the commit time
+    /// the worker last recorded, for a position at or before the applied one.
+    pub recorded_commit_time: Option<String>,
     pub heartbeat_age_seconds: Option<f64>,
     pub lag_seconds: Option<f64>,
     /// With --source: the source's WAL position minus the applied position.
@@ -55,6 +59,12 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
     let target_config = crate::config::resolve_target(&args.servers, file)?;
     let source_config = crate::config::resolve_optional_source(&args.servers, file)?;
     let target = connect("target", &target_config).await?;
+    // A lock held on pgapply's tables (a long transaction, a DDL waiting) must not make status,
+    // which is wanted most when something is wrong, wait without a word.
+    target
+        .batch_execute("SET lock_timeout = '10s'")
+        .await
+        .map_err(|e| Error::postgres("setting lock_timeout on the target", e))?;
     let exists: bool = target
         .query_one("SELECT to_regclass('pgapply.progress') IS NOT NULL", &[])
         .await
@@ -82,7 +92,9 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
                     transactions, inserts, updates, deletes, truncates, conflicts::text, \
                     to_jsonb(p) ->> 'stop_lsn', to_jsonb(p) ->> 'skip_lsn', \
                     CASE WHEN state = 'failed' THEN to_jsonb(p) ->> 'last_error' END, \
-                    source_system_id \
+                    source_system_id, \
+                    to_char(greatest(commit_time, last_commit_time) AT TIME ZONE 'UTC', \
+                            'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
              FROM pgapply.progress p \
              LEFT JOIN pgapply.origin_commit o ON o.origin_name = 'pgapply_' || p.slot_name \
              WHERE $1::text IS NULL OR slot_name = $1 ORDER BY slot_name",
@@ -199,6 +211,11 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             pid: row.get(2),
             applied_lsn: applied,
             last_commit_time: row.get(4),
+            recorded_commit_time: row
+                .get::<_, Option<String>>(4)
+                .is_none()
+                .then(|| row.get(17))
+                .flatten(),
             heartbeat_age_seconds: row.get(5),
             lag_seconds: row.get(6),
             lag_bytes,
@@ -267,10 +284,14 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
         if let Some(error) = &s.last_error {
             crate::out!("  error: {error}");
         }
+        let commit = match (&s.last_commit_time, &s.recorded_commit_time) {
+            (Some(t), _) => t.clone(),
+            (None, Some(t)) => format!("{t} or later"),
+            (None, None) => "-".to_owned(),
+        };
         crate::out!(
-            "  applied up to {} (source commit {})",
+            "  applied up to {} (source commit {commit})",
             s.applied_lsn.as_deref().unwrap_or("-"),
-            s.last_commit_time.as_deref().unwrap_or("-")
         );
         let bytes = match (&s.lag_bytes, &s.source_error) {
             (Some(b), _) => format!("{b} bytes"),

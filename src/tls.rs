@@ -422,6 +422,7 @@ pub async fn connect_to(
 }
 
 /// What to do when sslmode requires TLS of a server that does not do it.
+pub const CERTIFICATE_ADVICE: &str = "check sslrootcert (the CA that signed the server's certificate) and, with verify-full, that the certificate names the host you connect to; sslmode=require encrypts without checking";
 pub const NO_TLS_ADVICE: &str = "the server does not accept TLS connections, but sslmode requires TLS: enable ssl on the server, or use sslmode=prefer or disable";
 
 #[derive(Debug)]
@@ -437,9 +438,13 @@ impl ConnectError {
             ConnectError::Setup(e) => e.context(context.into()),
             ConnectError::Postgres(e) => {
                 let lacks_tls = crate::error::server_lacks_tls(&e);
+                let bad_certificate = crate::error::certificate_refused(&e);
                 let err = Error::postgres(context, e);
                 if lacks_tls {
                     return err.context_after(NO_TLS_ADVICE);
+                }
+                if bad_certificate {
+                    return err.context_after(CERTIFICATE_ADVICE);
                 }
                 if err.message().ends_with("password missing") {
                     err.context_after(

@@ -1185,6 +1185,12 @@ async fn status_and_skip_take_the_config_file() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(text.contains(&db.slot()), "{text}");
+    // A commit time is shown, whichever store holds the position (a replication origin keeps
+    // none: then the latest one recorded, "or later").
+    assert!(
+        text.contains("(source commit 2") && !text.contains("(source commit -)"),
+        "{text}"
+    );
     // The slot there narrows status to it, as --slot does.
     {
         let mut other = std::fs::File::create(&config).unwrap();

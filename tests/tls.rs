@@ -286,6 +286,23 @@ async fn tls_modes_on_both_connections() {
         stderr(&out)
     );
 
+    // The same on the target: exit 1 with the advice, not retried for ever.
+    let out = run_with_deadline(
+        pgapply(
+            &src_full,
+            &conn(target.port, "localhost", "verify-ca", &other),
+            &["--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("connecting to target") && stderr(&out).contains("check sslrootcert"),
+        "{}",
+        stderr(&out)
+    );
+
     // verify-full without a root certificate: told what to set.
     let out = run_with_deadline(
         pgapply(&format!("host=localhost port={} user=postgres dbname=postgres sslmode=verify-full sslrootcert=/nonexistent/root.crt", source.port), &dst_full, &[]),

@@ -124,7 +124,10 @@ async fn negotiate_tls(
         )
         .map_err(|e| Error::definite(format!("TLS setup for source {endpoint}: {e}")))?;
     let tls = connect.connect(tcp).await.map_err(|e| {
-        Error::definite(format!("TLS handshake with source {endpoint} failed: {e}: check sslrootcert (the CA that signed the server's certificate) and, with verify-full, that the certificate names the host you connect to; sslmode=require encrypts without checking"))
+        Error::definite(format!(
+            "TLS handshake with source {endpoint} failed: {e}: {}",
+            crate::tls::CERTIFICATE_ADVICE
+        ))
     })?;
     let end_point = seen
         .lock()
