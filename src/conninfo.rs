@@ -58,7 +58,7 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
             unsupported_hint(&rest)
         ))
     })?;
-    complete_from_environment(&mut config);
+    complete_from_environment(&mut config).map_err(|e| e.context(format!("--{role}")))?;
     detect_dead_peers(&mut config);
     let mut tls = tls;
     // As in libpq, the connection string's sslmode wins over PGSSLMODE.
@@ -358,9 +358,15 @@ fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-fn complete_from_environment(config: &mut tokio_postgres::Config) {
+fn complete_from_environment(config: &mut tokio_postgres::Config) -> Result<()> {
     // (hostaddr alone names the server: libpq then connects there, not to localhost.)
     if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+        // A service file would name the server: not read, so not silently replaced by localhost.
+        if env("PGSERVICE").is_some() {
+            return Err(Error::usage(
+                "PGSERVICE is set, but pgapply does not read connection service files: give host=, port=, user= and dbname= in the connection string (or PGHOST, PGPORT, PGUSER, PGDATABASE)",
+            ));
+        }
         match env("PGHOST") {
             Some(host) => {
                 for h in host.split(',') {
@@ -373,8 +379,16 @@ fn complete_from_environment(config: &mut tokio_postgres::Config) {
         }
     }
     if config.get_ports().is_empty() {
-        if let Some(port) = env("PGPORT").and_then(|p| p.parse().ok()) {
-            config.port(port);
+        if let Some(ports) = env("PGPORT") {
+            // One port for every host, or one per host, as in libpq.
+            for p in ports.split(',') {
+                let port: u16 = p.trim().parse().map_err(|_| {
+                    Error::usage(format!(
+                        "PGPORT {ports:?} is not a port number (or a comma-separated list of them, one per host)"
+                    ))
+                })?;
+                config.port(port);
+            }
         }
     }
     if config.get_user().is_none() {
@@ -395,6 +409,7 @@ fn complete_from_environment(config: &mut tokio_postgres::Config) {
     if config.get_application_name().is_none() {
         config.application_name("pgapply");
     }
+    Ok(())
 }
 
 fn pgpass_path() -> Option<PathBuf> {

@@ -31,17 +31,30 @@ fn libpq_value(value: &str) -> String {
 /// pgapply itself connects (sslmode and sslrootcert are pgapply's, not tokio-postgres's).
 fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
     let mut parts = Vec::new();
-    if let Some(tokio_postgres::config::Host::Tcp(h)) = config.get_hosts().first() {
-        parts.push(format!("host={}", libpq_value(h)));
+    // Every host, as libpq lists them (pg_dump tries them in turn, as pgapply does).
+    let list = |items: Vec<String>| libpq_value(&items.join(","));
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            tokio_postgres::config::Host::Unix(p) => p.to_string_lossy().into_owned(),
+        })
+        .collect();
+    if !hosts.is_empty() {
+        parts.push(format!("host={}", list(hosts)));
     }
-    if let Some(tokio_postgres::config::Host::Unix(p)) = config.get_hosts().first() {
-        parts.push(format!("host={}", libpq_value(&p.to_string_lossy())));
+    let addrs: Vec<String> = config
+        .get_hostaddrs()
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    if !addrs.is_empty() {
+        parts.push(format!("hostaddr={}", list(addrs)));
     }
-    if let Some(addr) = config.get_hostaddrs().first() {
-        parts.push(format!("hostaddr={}", libpq_value(&addr.to_string())));
-    }
-    if let Some(port) = config.get_ports().first() {
-        parts.push(format!("port={port}"));
+    let ports: Vec<String> = config.get_ports().iter().map(|p| p.to_string()).collect();
+    if !ports.is_empty() {
+        parts.push(format!("port={}", list(ports)));
     }
     if let Some(u) = config.get_user() {
         parts.push(format!("user={}", libpq_value(u)));
@@ -524,5 +537,16 @@ mod tests {
     #[test]
     fn libpq_values_are_quoted() {
         assert_eq!(libpq_value("a b'c\\d"), "'a b\\'c\\\\d'");
+    }
+
+    #[test]
+    fn pg_dump_is_given_every_host() {
+        let config =
+            crate::conninfo::parse("source", "host=a,b port=5433,5434 user=u dbname=d").unwrap();
+        let text = libpq_conninfo(&config);
+        assert!(
+            text.contains("host='a,b'") && text.contains("port='5433,5434'"),
+            "{text}"
+        );
     }
 }

@@ -2138,3 +2138,33 @@ async fn a_publication_that_leaves_out_updates_is_named() {
     // As published: the insert, not the update.
     assert_eq!(db.count(&db.target, "SELECT v::int8 FROM t").await, 1);
 }
+
+/// PGPORT that is no port (or list of ports), and PGSERVICE (service files are not read) when
+/// the connection string leaves the server to the environment: named, instead of connecting to
+/// localhost:5432.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn environment_pgport_and_pgservice_are_not_passed_over() {
+    for (name, value, said) in [
+        ("PGPORT", "abc", "PGPORT \"abc\" is not a port number"),
+        ("PGSERVICE", "src", "PGSERVICE is set"),
+    ] {
+        let mut cmd = common::pgapply_command(&[
+            "check",
+            "--source",
+            "user=u dbname=d",
+            "--target",
+            "host=127.0.0.1 port=1 user=u dbname=d",
+            "--publication",
+            "p",
+        ]);
+        cmd.env(name, value).env_remove("PGHOST");
+        let out = run_with_deadline(cmd, 30).await;
+        // (check reports it as the problem it found, exit 1; run exits 2 on it.)
+        assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains(said) && !stderr(&out).contains(":5432"),
+            "{}",
+            stderr(&out)
+        );
+    }
+}
