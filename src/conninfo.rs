@@ -439,7 +439,17 @@ fn password_in_file(path: &std::path::Path, config: &tokio_postgres::Config) -> 
     // (libpq looks a password up by host, or by hostaddr when no host is given.)
     let host = match (config.get_hosts().first(), config.get_hostaddrs().first()) {
         (Some(Host::Tcp(h)), _) => h.clone(),
-        (Some(Host::Unix(_)), _) => "localhost".to_owned(),
+        // (As libpq: a socket directory is looked up by its path, the default one, which
+        // libpq was built with, as localhost.)
+        (Some(Host::Unix(dir)), _) => {
+            let dir = dir.to_string_lossy();
+            let default = ["/var/run/postgresql", "/run/postgresql", "/tmp"];
+            if default.contains(&dir.trim_end_matches('/')) {
+                "localhost".to_owned()
+            } else {
+                dir.into_owned()
+            }
+        }
         (None, Some(addr)) => addr.to_string(),
         (None, None) => return None,
     };
@@ -625,6 +635,33 @@ mod tests {
         assert!(!d.contains("hunter2"));
         let c = parse("target", "postgres://app:hunter2@h:1/d").unwrap();
         assert!(!describe(&c).contains("hunter2"));
+    }
+
+    #[test]
+    fn a_socket_directory_is_looked_up_by_its_path_the_default_one_as_localhost() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::env::temp_dir().join(format!("pgapply-pgpass-sock-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            "/srv/pg\\:x:5432:*:u:by-path\nlocalhost:5432:*:u:local\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let config = |host: &str| {
+            let mut c = tokio_postgres::Config::new();
+            c.host_path(host).port(5432).user("u").dbname("d");
+            c
+        };
+        assert_eq!(
+            password_in_file(&path, &config("/srv/pg:x")).as_deref(),
+            Some("by-path")
+        );
+        assert_eq!(
+            password_in_file(&path, &config("/var/run/postgresql")).as_deref(),
+            Some("local")
+        );
+        assert_eq!(password_in_file(&path, &config("/elsewhere")), None);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

@@ -11,6 +11,12 @@ use crate::error::{Error, Result};
 pub struct SlotStatus {
     pub slot: String,
     pub state: String,
+    /// For scripts: the state the worker last recorded, one word (`state` says more in words).
+    pub recorded_state: String,
+    /// False when a `streaming` or `copying` worker's heartbeat stopped (killed, cut off).
+    pub responding: bool,
+    /// A `failed` run whose process is still there, waiting to try again.
+    pub retrying: bool,
     pub pid: Option<i32>,
     pub applied_lsn: Option<String>,
     pub last_commit_time: Option<String>,
@@ -186,14 +192,19 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
         let conflicts: String = row.get(12);
         let mut state: String = row.get(1);
+        let recorded_state = state.clone();
         let heartbeat_age: Option<f64> = row.get(5);
         let silent_after = 3.0 * crate::replicate::HEARTBEAT_MAX_EVERY.as_secs_f64();
-        if (state == "streaming" || state == "copying")
-            && heartbeat_age.is_none_or(|age| age > silent_after)
-        {
+        let responding = !((state == "streaming" || state == "copying")
+            && heartbeat_age.is_none_or(|age| age > silent_after));
+        if !responding {
             // Killed, or cut off from the target: it could not record that it stopped.
             state = format!("not responding (last recorded: {state})");
         }
+        let pid: Option<i32> = row.get(2);
+        let retrying = recorded_state == "failed"
+            && pid.is_some()
+            && heartbeat_age.is_some_and(|a| a <= silent_after);
         // A table the copy was taking when the worker stopped (or went silent) is not being
         // copied: the next `run --copy-data` starts its copy over.
         let copy_ended =
@@ -208,7 +219,10 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
         out.push(SlotStatus {
             slot,
             state,
-            pid: row.get(2),
+            recorded_state,
+            responding,
+            retrying,
+            pid,
             applied_lsn: applied,
             last_commit_time: row.get(4),
             recorded_commit_time: row
@@ -271,11 +285,7 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             .unwrap_or_default();
         let pid = s.pid.map(|p| format!(", pid {p}")).unwrap_or_default();
         // A failed run's process still there (its heartbeat fresh): it waits to try again.
-        let silent_after = 3.0 * crate::replicate::HEARTBEAT_MAX_EVERY.as_secs_f64();
-        let waiting = if s.state == "failed"
-            && s.pid.is_some()
-            && s.heartbeat_age_seconds.is_some_and(|a| a <= silent_after)
-        {
+        let waiting = if s.retrying {
             " (the process waits to try again)"
         } else {
             ""

@@ -848,6 +848,60 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.assert_same("events").await;
 }
 
+/// A cutover with no worker streaming the slot drains it itself, over a replication connection:
+/// a source role without REPLICATION is refused before anything is done (no stop position set).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_without_a_worker_needs_a_replication_role_first() {
+    let db = TestDb::new("cutnorepl").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO t VALUES (1); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    copy_up_to_now(&db).await;
+    let role = format!("norepl_{}", db.name);
+    db.source_sql(&format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 'n'; GRANT SELECT ON t TO {role};"
+    ))
+    .await;
+    let source = format!(
+        "host=127.0.0.1 port={} user={role} password=n dbname={}",
+        db.source_port, db.name
+    );
+    let target = db.target_conninfo();
+    let slot = db.slot();
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "cutover",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &slot,
+            "--timeout",
+            "30s",
+        ]),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("nothing was done")
+            && stderr(&out).contains("source role with the REPLICATION attribute"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE stop_lsn IS NOT NULL"
+        )
+        .await,
+        0
+    );
+}
+
 /// `--freeze-writes` run by the least-privileged role the README names (CREATEROLE,
 /// pg_signal_backend, on 16+ ADMIN OPTION without the frozen role's rights): it cannot read the
 /// frozen role's sessions' details in pg_stat_activity, yet ends them.
@@ -3097,6 +3151,13 @@ async fn a_second_copy_of_the_same_slot_waits_for_the_first() {
     assert!(
         err.contains("another pgapply is making the initial copy"),
         "{err}"
+    );
+    // check sees a copy under way, not an interrupted one.
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("is under way") && !text.contains("was interrupted"),
+        "{text}"
     );
     holder.batch_execute("COMMIT").await.unwrap();
     let status = tokio::time::timeout(std::time::Duration::from_secs(60), first.wait())

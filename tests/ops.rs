@@ -693,6 +693,19 @@ async fn status_and_metrics_move_with_the_workload() {
         )),
         "{text}"
     );
+    // The same for scripts, in fields of one word or a flag.
+    let mut c = pgapply();
+    c.args(["status", "--json", "--target", &db.target_conninfo()]);
+    let out = run_with_deadline(c, 30).await;
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let mine = status
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["slot"] == db.slot().as_str()))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(mine["recorded_state"], "streaming", "{status}");
+    assert_eq!(mine["responding"], false, "{status}");
+    assert_eq!(mine["retrying"], false, "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

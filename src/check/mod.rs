@@ -188,7 +188,22 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         } else {
             Vec::new()
         };
-        if status == CopyStatus::Incomplete && !config.copy_data {
+        // (A copy under way shows in its heartbeat: not interrupted, only not finished.)
+        let copying = status == CopyStatus::Incomplete
+            && dst
+                .query_opt(
+                    "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND state = 'copying' \
+                     AND heartbeat_at > now() - interval '30 seconds'",
+                    &[&config.slot],
+                )
+                .await
+                .is_ok_and(|r| r.is_some());
+        if copying {
+            report.ok(format!(
+                "the initial copy for slot {:?} is under way (its worker's heartbeat is recent): `pgapply status` shows its progress",
+                config.slot
+            ));
+        } else if status == CopyStatus::Incomplete && !config.copy_data {
             report.problem(format!(
                 "the initial copy for slot {:?} was interrupted and cannot continue: run with --copy-data to start it over (it empties the tables it had copied: {})",
                 config.slot,

@@ -218,6 +218,25 @@ pub async fn cutover(
             format!("{}_reverse", run_config.slot)
         ));
     }
+    // Step 3 drains the slot itself when no worker streams it: over a replication connection.
+    let (streamed, may_replicate): (bool, bool) = source
+        .query_one(
+            "SELECT coalesce((SELECT bool_or(active) FROM pg_replication_slots WHERE slot_name = $1), false), \
+                    (SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = current_user)",
+            &[&slot],
+        )
+        .await
+        .map(|r| (r.get(0), r.get::<_, Option<bool>>(1).unwrap_or(false)))
+        .map_err(|e| Error::postgres("reading the source role's rights", e))?;
+    if !may_replicate && !streamed {
+        problems.push(format!(
+            "no worker streams slot {slot:?}, so the cutover would apply the rest itself, which needs a source role with the REPLICATION attribute (ALTER ROLE ... REPLICATION on the source), or start the worker (pgapply run) first and let it stream"
+        ));
+    } else if !may_replicate {
+        crate::out!(
+            "before the cutover: WARNING: the source role has no REPLICATION attribute: should the worker streaming slot {slot:?} stop before the end, the cutover cannot apply the rest itself"
+        );
+    }
     if !problems.is_empty() {
         return Err(Error::definite(format!(
             "the cutover would stop half-way (nothing was done): {}",

@@ -250,7 +250,6 @@ impl TestDb {
         text
     }
 
-    /// Waits until a worker streams from this database's slot.
     /// Drops this database's slot on the source once no walsender holds it (a pgapply that just
     /// exited may leave its walsender a moment longer).
     pub async fn drop_slot(&self) {
@@ -272,6 +271,7 @@ impl TestDb {
             .expect("drop the slot");
     }
 
+    /// Waits until a worker streams from this database's slot.
     pub async fn wait_slot_active(&self) {
         let slot = self.slot();
         // A slot being created is active already, but has no confirmed position until its
