@@ -82,21 +82,13 @@ fn unencoded_url(conninfo: &str) -> Option<String> {
     let rest = conninfo
         .strip_prefix("postgresql://")
         .or_else(|| conninfo.strip_prefix("postgres://"))?;
-    // The authority ends at the first / ? or #; an @ after it is one of a password (unless it
-    // is in a key=value parameter's value: `?application_name=a@b`).
+    // The authority ends at the first / ? or #. An @ after it, a password's or a parameter
+    // value's, would be read as the end of the user and password (the parser takes the last
+    // @): it must be encoded.
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, after) = rest.split_at(end);
-    let (path, query) = after.split_once('?').unwrap_or((after, ""));
-    let in_query = query.split('&').any(|kv| {
-        kv.find('@')
-            .is_some_and(|at| kv.find('=').is_none_or(|eq| at < eq))
-    });
-    (authority.matches('@').count() > 1
-        || path.contains('@')
-        || in_query
-        || after.split_once('#').is_some_and(|(_, f)| f.contains('@')))
-    .then(|| {
-        "the URL has an @ where the server or database should be: a user or password with @, /, :, ? or # in it must be percent-encoded in a URL (@ as %40, / as %2F, : as %3A, ? as %3F, # as %23), or give the password with PGPASSWORD or a password file".to_owned()
+    (authority.matches('@').count() > 1 || after.contains('@')).then(|| {
+        "the URL has an @ where the server, database or parameters should be: a user, password or parameter value with @, /, :, ? or # in it must be percent-encoded in a URL (@ as %40, / as %2F, : as %3A, ? as %3F, # as %23), or give the password with PGPASSWORD or a password file".to_owned()
     })
 }
 
@@ -377,6 +369,13 @@ fn complete_from_environment(config: &mut tokio_postgres::Config) -> Result<()> 
                 config.host("localhost");
             }
         }
+    }
+    if env("PGSERVICE").is_some()
+        && (config.get_ports().is_empty() || config.get_dbname().is_none())
+    {
+        return Err(Error::usage(
+            "PGSERVICE is set, but pgapply does not read connection service files: give port= and dbname= (and host=, user=) in the connection string (or PGPORT, PGDATABASE)",
+        ));
     }
     if config.get_ports().is_empty() {
         if let Some(ports) = env("PGPORT") {
@@ -693,8 +692,18 @@ mod tests {
                 "{err}"
             );
         }
-        // An @ in a parameter's value is no password's.
-        assert!(parse("source", "postgres://u@h:1/db?application_name=a@b").is_ok());
+        // An @ in a parameter's value, encoded; unencoded it would end the user and password.
+        assert!(parse("source", "postgres://u@h:1/db?application_name=a%40b").is_ok());
+        let err = parse(
+            "source",
+            "postgresql://h:1/db?application_name=me@x&user=rep&password=secretpw",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("percent-encoded") && !err.contains("secretpw"),
+            "{err}"
+        );
         assert!(parse(
             "source",
             "postgres://u:P%40ss%2Fw0rd@h:1/db?sslmode=disable"

@@ -138,6 +138,9 @@ pub fn make_tls_seeing(
             .map(|h| PathBuf::from(h).join(".postgresql/root.crt"))
             .filter(|p| p.exists())
     });
+    // The root certificates as given: a server whose own certificate is one of them (a
+    // self-signed one, given as its root) is trusted as libpq trusts it.
+    let mut pinned: Vec<Vec<u8>> = Vec::new();
     let roots = match &root {
         Some(path) => {
             let mut store = RootCertStore::empty();
@@ -156,6 +159,7 @@ pub fn make_tls_seeing(
                     ))
                 })?;
             for cert in certs {
+                pinned.push(cert.as_ref().to_vec());
                 store.add(cert).map_err(|e| {
                     Error::definite(format!(
                         "sslrootcert {}: unusable certificate: {e}",
@@ -185,6 +189,7 @@ pub fn make_tls_seeing(
             check,
             provider,
             seen,
+            pinned,
         }))
         .with_no_client_auth();
     Ok(MakeRustlsConnect::new(client))
@@ -289,6 +294,37 @@ struct Verifier {
     check: Check,
     provider: Arc<rustls::crypto::CryptoProvider>,
     seen: Option<SeenCertificate>,
+    /// The sslrootcert certificates, DER.
+    pinned: Vec<Vec<u8>>,
+}
+
+impl Verifier {
+    /// A server certificate that is itself one of the root certificates given (a self-signed
+    /// one, made with `openssl req -x509`, which marks it a CA: webpki refuses a CA as a
+    /// server's certificate, libpq's OpenSSL trusts it): trusted, its name checked for
+    /// verify-full.
+    fn pinned(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        server_name: &ServerName<'_>,
+        full: bool,
+    ) -> Option<std::result::Result<ServerCertVerified, rustls::Error>> {
+        if !self
+            .pinned
+            .iter()
+            .any(|c| c.as_slice() == end_entity.as_ref())
+        {
+            return None;
+        }
+        if !full {
+            return Some(Ok(ServerCertVerified::assertion()));
+        }
+        Some(
+            rustls::server::ParsedCertificate::try_from(end_entity)
+                .and_then(|parsed| rustls::client::verify_server_name(&parsed, server_name))
+                .map(|()| ServerCertVerified::assertion()),
+        )
+    }
 }
 
 impl ServerCertVerifier for Verifier {
@@ -308,7 +344,16 @@ impl ServerCertVerifier for Verifier {
         match &self.check {
             Check::Nothing => Ok(ServerCertVerified::assertion()),
             Check::Full(v) => {
-                v.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+                match v.verify_server_cert(
+                    end_entity,
+                    intermediates,
+                    server_name,
+                    ocsp_response,
+                    now,
+                ) {
+                    Err(e) => self.pinned(end_entity, server_name, true).unwrap_or(Err(e)),
+                    ok => ok,
+                }
             }
             Check::ChainOnly(v) => {
                 match v.verify_server_cert(
@@ -322,7 +367,10 @@ impl ServerCertVerifier for Verifier {
                         CertificateError::NotValidForName
                         | CertificateError::NotValidForNameContext { .. },
                     )) => Ok(ServerCertVerified::assertion()),
-                    other => other,
+                    Err(e) => self
+                        .pinned(end_entity, server_name, false)
+                        .unwrap_or(Err(e)),
+                    ok => ok,
                 }
             }
         }

@@ -127,6 +127,49 @@ fn make_certs() -> Certs {
     Certs { dir }
 }
 
+/// A self-signed server certificate for localhost, as `openssl req -x509` makes it (marked a
+/// CA), given to clients as its own root certificate.
+fn make_self_signed() -> Certs {
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("pgapply-tls-self-{}-{call}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.crt",
+        ],
+    );
+    let _ = StdCommand::new("chown")
+        .args(["-R", "postgres", dir.to_str().unwrap()])
+        .output();
+    let _ = StdCommand::new("chmod")
+        .args(["0600", dir.join("server.key").to_str().unwrap()])
+        .output();
+    let _ = StdCommand::new("chmod")
+        .args(["0755", dir.to_str().unwrap()])
+        .output();
+    let _ = StdCommand::new("chmod")
+        .args(["0644", dir.join("server.crt").to_str().unwrap()])
+        .output();
+    Certs { dir }
+}
+
 fn tls_cluster(certs: &Certs) -> LocalCluster {
     let bin = find_pg_bin().expect("PostgreSQL binaries");
     let cert = format!(
@@ -372,6 +415,54 @@ async fn channel_binding_on_the_replication_connection() {
         "{}",
         stderr(&out)
     );
+}
+
+/// A server whose self-signed certificate (marked a CA, as `openssl req -x509` makes it) is
+/// given as the root certificate: trusted by verify-ca and, for its name, verify-full, as libpq
+/// trusts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_self_signed_certificate_given_as_its_own_root_is_trusted() {
+    let certs = make_self_signed();
+    let source = tls_cluster(&certs);
+    let target = tls_cluster(&certs);
+    let root = certs.dir.join("server.crt");
+    let conn = |port: u16, host: &str, mode: &str| {
+        format!(
+            "host={host} port={port} user=postgres dbname=postgres sslmode={mode} sslrootcert={}",
+            root.display()
+        )
+    };
+    let src = conn(source.port, "localhost", "verify-full");
+    let dst = conn(target.port, "127.0.0.1", "verify-ca");
+    sql(&dst, "CREATE TABLE t (id int PRIMARY KEY)").await;
+    sql(&src, "CREATE TABLE t (id int PRIMARY KEY)").await;
+    sql(&src, "CREATE PUBLICATION p FOR TABLE t").await;
+    sql(
+        &src,
+        "SELECT pg_create_logical_replication_slot('tls_slot', 'pgoutput')",
+    )
+    .await;
+    sql(&src, "INSERT INTO t VALUES (1)").await;
+    let endpos = sql(&src, "SELECT pg_current_wal_lsn()::text")
+        .await
+        .remove(0);
+    let out = run_with_deadline(pgapply(&src, &dst, &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        sql(&dst, "SELECT count(*) FROM t").await,
+        vec!["1".to_string()]
+    );
+    // verify-full still checks the name: 127.0.0.1 is not in the certificate.
+    let out = run_with_deadline(
+        pgapply(
+            &conn(source.port, "127.0.0.1", "verify-full"),
+            &dst,
+            &["--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
