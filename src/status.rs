@@ -107,7 +107,15 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
             &[&args.slot.clone().or_else(|| file.slot.clone())],
         )
         .await
-        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
+        .map_err(|e| {
+            let locked = e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE);
+            let err = Error::postgres("reading pgapply.progress on the target", e);
+            if locked {
+                err.context_after("another session has held a lock on pgapply.progress for 10 s (an open transaction, a DDL): SELECT pid, mode, granted FROM pg_locks WHERE relation = 'pgapply.progress'::regclass on the target names it")
+            } else {
+                err
+            }
+        })?;
     // A source that is down is when status is wanted most: what the target knows is shown,
     // the lag in bytes is not.
     let (source, source_error) = match &source_config {
