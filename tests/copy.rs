@@ -4126,23 +4126,29 @@ async fn a_table_copied_whole_into_an_empty_table_goes_in_frozen() {
     db.both(
         "CREATE TABLE parent (id int PRIMARY KEY); \
          CREATE TABLE child (id int PRIMARY KEY, pid int REFERENCES parent, v text); \
-         CREATE TABLE tree (id int PRIMARY KEY, up int REFERENCES tree);",
+         CREATE TABLE tree (id int PRIMARY KEY, up int REFERENCES tree); \
+         CREATE TABLE small (id int PRIMARY KEY);",
     )
     .await;
     db.source_sql(
         "INSERT INTO parent SELECT g FROM generate_series(1, 100) g; \
-         INSERT INTO child SELECT g, g % 100 + 1, repeat('x', 50) FROM generate_series(1, 5000) g; \
-         INSERT INTO tree VALUES (1, NULL), (2, 1); \
-         CREATE PUBLICATION p FOR TABLE parent, child, tree;",
+         INSERT INTO child SELECT g, g % 100 + 1, repeat('x', 200) FROM generate_series(1, 8000) g; \
+         INSERT INTO tree SELECT g, nullif(g - 1, 0) FROM generate_series(1, 40000) g; \
+         INSERT INTO small SELECT generate_series(1, 10); \
+         CREATE PUBLICATION p FOR TABLE parent, child, tree, small;",
     )
     .await;
     let log = copy_up_to_now_logged(&db).await;
     assert_eq!(copied_frozen(&log, "child"), Some(true), "{log}");
     // (A foreign key of a table to itself does not stop its TRUNCATE.)
     assert_eq!(copied_frozen(&log, "tree"), Some(true), "{log}");
+    // A table of a few pages gains nothing from it.
+    assert_eq!(copied_frozen(&log, "small"), Some(false), "{log}");
     assert_eq!(copied_frozen(&log, "parent"), Some(false), "{log}");
     db.assert_same("parent").await;
     db.assert_same("child").await;
+    db.assert_same("tree").await;
+    db.assert_same("small").await;
     if common::target_version(&db).await >= 140000 {
         db.target_sql("ANALYZE child").await;
         assert_eq!(

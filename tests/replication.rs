@@ -1777,3 +1777,44 @@ async fn a_char_array_byte_above_127_from_an_old_source_is_named() {
         "{err}"
     );
 }
+
+/// Many tables written in each transaction, past the prepared statement cache's bound (made
+/// small here, as thousands of tables reach the real one): each batch size is prepared as it is
+/// needed, the statements used least recently make room, and every change arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tables_past_the_statement_cache_bound() {
+    let db = TestDb::new("manytables").await;
+    let mut ddl = String::new();
+    for i in 0..40 {
+        ddl.push_str(&format!(
+            "CREATE TABLE m{i} (id int PRIMARY KEY, v int); INSERT INTO m{i} SELECT g, 0 FROM generate_series(1, 20) g; "
+        ));
+    }
+    db.both(&ddl).await;
+    db.publish("CREATE PUBLICATION p FOR ALL TABLES").await;
+    let mut work = String::new();
+    for round in 0..5 {
+        work.push_str("BEGIN; ");
+        for i in 0..40 {
+            work.push_str(&format!(
+                "UPDATE m{i} SET v = v + 1 WHERE id <= {}; INSERT INTO m{i} VALUES ({}, {round}); DELETE FROM m{i} WHERE id = {}; ",
+                1 + (i + round) % 8,
+                100 + round,
+                2 + round
+            ));
+        }
+        work.push_str("COMMIT; ");
+    }
+    db.source_sql(&work).await;
+    let endpos = db.source_wal().await;
+    let mut cmd = db.pgapply("p", &["--endpos", &endpos]);
+    cmd.env("PGAPPLY_MAX_STATEMENTS", "16")
+        .env("RUST_LOG", "info,pgapply::apply=debug");
+    let out = run_with_deadline(cmd, 120).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("the half used least recently goes"), "{err}");
+    for i in 0..40 {
+        db.assert_same(&format!("m{i}")).await;
+    }
+}

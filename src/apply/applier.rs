@@ -423,7 +423,7 @@ pub struct Applier {
     failure: Option<Error>,
     settings: ApplySettings,
     relations: RelationCache,
-    statements: HashMap<Shape, Statement>,
+    statements: pipeline::StatementCache,
     /// Relations whose REPLICA IDENTITY FULL matching compares values as text.
     full_as_text: HashSet<Oid>,
     begin: Statement,
@@ -828,7 +828,7 @@ impl Applier {
             settings,
             relations: RelationCache::new(options.table_map.clone())
                 .with_column_map(options.column_map.clone()),
-            statements: HashMap::new(),
+            statements: pipeline::StatementCache::default(),
             full_as_text: FULL_AS_TEXT.lock().map(|s| s.clone()).unwrap_or_default(),
             begin,
             deferred,

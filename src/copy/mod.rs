@@ -1193,8 +1193,12 @@ async fn copy_one(
             .await
             .map_err(dst_err)?;
     }
-    // A table copied whole into an empty table on the target goes in frozen where it can.
-    let frozen = pages.is_none() && begin_frozen_copy(&target_tx, &target_table).await?;
+    // A table copied whole into an empty table on the target goes in frozen where it can (not
+    // a small one: a few pages gain nothing, and the checks cost round trips per table, which
+    // thousands of small tables would feel).
+    let frozen = pages.is_none()
+        && table.pages >= FREEZE_MIN_PAGES
+        && begin_frozen_copy(&target_tx, &target_table).await?;
     let out = source_tx.copy_out(&copy_out).await.map_err(src_err)?;
     let sink = if frozen {
         match target_tx
@@ -1308,6 +1312,9 @@ async fn refuse_mixed_column_lists(source: &Client, publications: &[String]) -> 
         mixed.join(", ")
     )))
 }
+
+/// Tables smaller than this (8 kB pages, 1 MiB) are copied without FREEZE.
+const FREEZE_MIN_PAGES: i64 = 128;
 
 /// `copy_in` (`COPY t (columns) FROM STDIN`) with its options.
 fn copy_in_with(copy_in: &str, binary: bool, freeze: bool) -> String {

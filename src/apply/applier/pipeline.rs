@@ -67,20 +67,16 @@ impl Applier {
         }
     }
 
-    /// Keeps a prepared statement for its shape. The shapes a process meets are many in some
-    /// workloads (under REPLICA IDENTITY FULL each pattern of NULLs is one, each set of unchanged
-    /// TOAST columns eight batch sizes, each relation change a new generation): past a bound the
-    /// cache starts afresh, and what is still used is prepared again. (A statement still in the
-    /// pipeline keeps its own handle; the server forgets it when the last handle goes.)
+    /// Keeps a prepared statement for its shape (see `StatementCache`).
     pub(super) fn remember_statement(&mut self, shape: Shape, statement: Statement) {
-        if self.statements.len() >= MAX_STATEMENTS {
-            tracing::debug!(
-                statements = self.statements.len(),
-                "prepared statement cache full: starting it afresh"
-            );
-            self.statements.clear();
-        }
         self.statements.insert(shape, statement);
+    }
+
+    /// Whether to prepare only the statement needed now, not every batch size of its table at
+    /// once: with the cache a quarter full (hundreds of tables written), eight sizes per table
+    /// would fill it and push out statements still in use.
+    pub(super) fn prepare_sparingly(&self) -> bool {
+        self.statements.len() >= max_statements() / 4
     }
 
     /// The prepared statement for a shape, preparing it the first time.
@@ -298,6 +294,66 @@ impl Applier {
 
 /// Prepared statements kept per target session (see `remember_statement`).
 pub(super) const MAX_STATEMENTS: usize = 4096;
+
+/// The cache's bound: `MAX_STATEMENTS`, or `PGAPPLY_MAX_STATEMENTS` (for tests, which reach it
+/// with a few tables).
+fn max_statements() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("PGAPPLY_MAX_STATEMENTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n >= 4)
+            .unwrap_or(MAX_STATEMENTS)
+    })
+}
+
+/// Prepared statements by shape. The shapes a process meets are many in some workloads (under
+/// REPLICA IDENTITY FULL each pattern of NULLs is one, each set of unchanged TOAST columns eight
+/// batch sizes, each relation change a new generation, thousands of tables): past a bound the
+/// half used least recently goes, and what is used again is prepared again. (A statement still
+/// in the pipeline keeps its own handle; the server forgets it when the last handle goes.)
+#[derive(Default)]
+pub(crate) struct StatementCache {
+    map: HashMap<Shape, (Statement, u64)>,
+    /// Counts uses: an entry's number is its last use.
+    tick: u64,
+}
+
+impl StatementCache {
+    pub(super) fn get(&mut self, shape: &Shape) -> Option<Statement> {
+        self.tick += 1;
+        let tick = self.tick;
+        self.map.get_mut(shape).map(|(s, used)| {
+            *used = tick;
+            s.clone()
+        })
+    }
+
+    pub(super) fn contains_key(&self, shape: &Shape) -> bool {
+        self.map.contains_key(shape)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub(super) fn insert(&mut self, shape: Shape, statement: Statement) {
+        if self.map.len() >= max_statements() {
+            let mut uses: Vec<u64> = self.map.values().map(|(_, used)| *used).collect();
+            let half = uses.len() / 2;
+            let (_, median, _) = uses.select_nth_unstable(half);
+            let median = *median;
+            self.map.retain(|_, (_, used)| *used > median);
+            tracing::debug!(
+                kept = self.map.len(),
+                "prepared statement cache full: the half used least recently goes"
+            );
+        }
+        self.tick += 1;
+        self.map.insert(shape, (statement, self.tick));
+    }
+}
 
 /// Most statements sent and not yet answered (see `bound_in_flight`).
 const MAX_IN_FLIGHT: usize = 8192;

@@ -267,7 +267,8 @@ impl Applier {
             }
             size *= 2;
         }
-        if missing.len() < 2 {
+        // (Many tables written: each size as it is needed, see `prepare_sparingly`.)
+        if missing.len() < 2 || self.prepare_sparingly() {
             return Ok(());
         }
         let prepared = futures_util::future::join_all(missing.iter().map(|sized| {

@@ -322,10 +322,16 @@ impl Applier {
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
         }
-        // Every size this table's batches can take, prepared together: one round trip.
+        // Every size this table's batches can take, prepared together: one round trip (only
+        // the one needed when many tables are written, see `prepare_sparingly`).
         let mut sizes = vec![rows];
         let mut size = 1;
-        while size <= crate::apply::batch::row_limit(entry.source.columns.len()) {
+        let limit = if self.prepare_sparingly() {
+            0
+        } else {
+            crate::apply::batch::row_limit(entry.source.columns.len())
+        };
+        while size <= limit {
             let mut other = shape.clone();
             other.rows = size;
             if size != rows && !self.statements.contains_key(&other) {
