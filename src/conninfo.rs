@@ -352,13 +352,17 @@ fn env(name: &str) -> Option<String> {
 
 fn complete_from_environment(config: &mut tokio_postgres::Config) -> Result<()> {
     // (hostaddr alone names the server: libpq then connects there, not to localhost.)
-    if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
-        // A service file would name the server: not read, so not silently replaced by localhost.
-        if env("PGSERVICE").is_some() {
-            return Err(Error::usage(
-                "PGSERVICE is set, but pgapply does not read connection service files: give host=, port=, user= and dbname= in the connection string (or PGHOST, PGPORT, PGUSER, PGDATABASE)",
-            ));
-        }
+    let no_host = config.get_hosts().is_empty() && config.get_hostaddrs().is_empty();
+    // A service file would name the server: not read, so what it names is not silently replaced
+    // by localhost:5432.
+    if env("PGSERVICE").is_some()
+        && (no_host || config.get_ports().is_empty() || config.get_dbname().is_none())
+    {
+        return Err(Error::usage(
+            "PGSERVICE is set, but pgapply does not read connection service files: give host=, port= and dbname= (and user=) in the connection string (or PGHOST, PGPORT, PGDATABASE, PGUSER)",
+        ));
+    }
+    if no_host {
         match env("PGHOST") {
             Some(host) => {
                 for h in host.split(',') {
@@ -369,13 +373,6 @@ fn complete_from_environment(config: &mut tokio_postgres::Config) -> Result<()> 
                 config.host("localhost");
             }
         }
-    }
-    if env("PGSERVICE").is_some()
-        && (config.get_ports().is_empty() || config.get_dbname().is_none())
-    {
-        return Err(Error::usage(
-            "PGSERVICE is set, but pgapply does not read connection service files: give port= and dbname= (and host=, user=) in the connection string (or PGPORT, PGDATABASE)",
-        ));
     }
     if config.get_ports().is_empty() {
         if let Some(ports) = env("PGPORT") {

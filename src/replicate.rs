@@ -205,8 +205,7 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
         deadpool_postgres::PoolError::Backend(e) => {
             let refused = e.code()
                 == Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE);
-            let lacks_tls = crate::error::server_lacks_tls(&e);
-            let bad_certificate = crate::error::certificate_refused(&e);
+            let tls_advice = crate::tls::tls_advice(&e);
             let err = Error::postgres(
                 format!("connecting to target {}", conninfo::describe(target)),
                 e,
@@ -218,10 +217,8 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
                     "{}: the target database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false): trying again until it allows them",
                     err.message()
                 ))
-            } else if lacks_tls {
-                err.context_after(crate::tls::NO_TLS_ADVICE)
-            } else if bad_certificate {
-                err.context_after(crate::tls::CERTIFICATE_ADVICE)
+            } else if let Some(advice) = tls_advice {
+                err.context_after(advice)
             } else if err.message().ends_with("password missing") {
                 err.context_after(
                     "the target asks for a password: give it in the connection string, PGPASSWORD, ~/.pgpass or --target-password-file",

@@ -470,6 +470,18 @@ pub async fn connect_to(
 }
 
 /// What to do when sslmode requires TLS of a server that does not do it.
+/// What to do about a connection the TLS settings made fail (no TLS on a server sslmode
+/// requires it of, a certificate sslrootcert does not vouch for): settings, not a retry, fix it.
+pub fn tls_advice(e: &tokio_postgres::Error) -> Option<&'static str> {
+    if crate::error::server_lacks_tls(e) {
+        Some(NO_TLS_ADVICE)
+    } else if crate::error::certificate_refused(e) {
+        Some(CERTIFICATE_ADVICE)
+    } else {
+        None
+    }
+}
+
 pub const CERTIFICATE_ADVICE: &str = "check sslrootcert (the CA that signed the server's certificate) and, with verify-full, that the certificate names the host you connect to; sslmode=require encrypts without checking";
 pub const NO_TLS_ADVICE: &str = "the server does not accept TLS connections, but sslmode requires TLS: enable ssl on the server, or use sslmode=prefer or disable";
 
@@ -485,14 +497,10 @@ impl ConnectError {
         match self {
             ConnectError::Setup(e) => e.context(context.into()),
             ConnectError::Postgres(e) => {
-                let lacks_tls = crate::error::server_lacks_tls(&e);
-                let bad_certificate = crate::error::certificate_refused(&e);
+                let advice = tls_advice(&e);
                 let err = Error::postgres(context, e);
-                if lacks_tls {
-                    return err.context_after(NO_TLS_ADVICE);
-                }
-                if bad_certificate {
-                    return err.context_after(CERTIFICATE_ADVICE);
+                if let Some(advice) = advice {
+                    return err.context_after(advice);
                 }
                 if err.message().ends_with("password missing") {
                     err.context_after(

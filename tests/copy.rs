@@ -862,10 +862,7 @@ async fn cutover_without_a_worker_needs_a_replication_role_first() {
         "CREATE ROLE {role} LOGIN PASSWORD 'n'; GRANT SELECT ON t TO {role};"
     ))
     .await;
-    let source = format!(
-        "host=127.0.0.1 port={} user={role} password=n dbname={}",
-        db.source_port, db.name
-    );
+    let source = db.source_conninfo_as(&role, "n");
     let target = db.target_conninfo();
     let slot = db.slot();
     let out = run_with_deadline(
@@ -2991,10 +2988,7 @@ async fn cutover_names_a_table_the_source_role_may_not_read() {
          CREATE ROLE {user} LOGIN REPLICATION PASSWORD 'cut-secret';"
     ))
     .await;
-    let source = format!(
-        "host=127.0.0.1 port={} user={user} password=cut-secret dbname={}",
-        db.source_port, db.name
-    );
+    let source = db.source_conninfo_as(&user, "cut-secret");
     let target = db.target_conninfo();
     let slot = db.slot();
     let out = run_with_deadline(

@@ -1289,22 +1289,7 @@ async fn failover_slot() {
             "{slot}: {}",
             stderr(&out)
         );
-        // (Once the walsender of the run that just ended let go of it.)
-        wait_for("the slot to be released", 60, || async {
-            db.source
-                .query_one(
-                    "SELECT NOT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot],
-                )
-                .await
-                .map(|r| r.get::<_, bool>(0))
-                .unwrap_or(false)
-        })
-        .await;
-        db.source
-            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-            .await
-            .expect("drop slot");
+        db.drop_slot_named(slot).await;
         forget(slot.to_owned()).await;
     }
 }

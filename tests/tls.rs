@@ -107,7 +107,13 @@ fn make_certs() -> Certs {
             "server.crt",
         ],
     );
-    // The server reads its key as the postgres user; the key must not be readable by others.
+    hand_to_postgres(&dir, &["ca.crt", "other.crt"]);
+    Certs { dir }
+}
+
+/// The server reads its key as the postgres user; the key must not be readable by others, the
+/// certificates (`public`) by everyone.
+fn hand_to_postgres(dir: &Path, public: &[&str]) {
     let _ = StdCommand::new("chown")
         .args(["-R", "postgres", dir.to_str().unwrap()])
         .output();
@@ -118,13 +124,9 @@ fn make_certs() -> Certs {
         .args(["0755", dir.to_str().unwrap()])
         .output();
     let _ = StdCommand::new("chmod")
-        .args([
-            "0644",
-            dir.join("ca.crt").to_str().unwrap(),
-            dir.join("other.crt").to_str().unwrap(),
-        ])
+        .arg("0644")
+        .args(public.iter().map(|f| dir.join(f)))
         .output();
-    Certs { dir }
 }
 
 /// A self-signed server certificate for localhost, as `openssl req -x509` makes it (marked a
@@ -155,18 +157,7 @@ fn make_self_signed() -> Certs {
             "server.crt",
         ],
     );
-    let _ = StdCommand::new("chown")
-        .args(["-R", "postgres", dir.to_str().unwrap()])
-        .output();
-    let _ = StdCommand::new("chmod")
-        .args(["0600", dir.join("server.key").to_str().unwrap()])
-        .output();
-    let _ = StdCommand::new("chmod")
-        .args(["0755", dir.to_str().unwrap()])
-        .output();
-    let _ = StdCommand::new("chmod")
-        .args(["0644", dir.join("server.crt").to_str().unwrap()])
-        .output();
+    hand_to_postgres(&dir, &["server.crt"]);
     Certs { dir }
 }
 

@@ -190,14 +190,9 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         };
         // (A copy under way shows in its heartbeat: not interrupted, only not finished.)
         let copying = status == CopyStatus::Incomplete
-            && dst
-                .query_opt(
-                    "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND state = 'copying' \
-                     AND heartbeat_at > now() - interval '30 seconds'",
-                    &[&config.slot],
-                )
+            && crate::copy::copy_under_way(dst, &config.slot)
                 .await
-                .is_ok_and(|r| r.is_some());
+                .unwrap_or(false);
         if copying {
             report.ok(format!(
                 "the initial copy for slot {:?} is under way (its worker's heartbeat is recent): `pgapply status` shows its progress",

@@ -1418,6 +1418,19 @@ async fn begin_frozen_copy(
     }
 }
 
+/// Whether a worker is making the initial copy of `slot` now (its heartbeat is recent).
+pub async fn copy_under_way(target: &Client, slot: &str) -> Result<bool> {
+    Ok(target
+        .query_opt(
+            "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND state = 'copying' \
+             AND heartbeat_at > now() - interval '30 seconds'",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+        .is_some())
+}
+
 /// Per table: rows and state, for status output.
 pub async fn summary(target: &Client, slot: &str) -> Result<HashMap<String, (String, i64)>> {
     let rows = target

@@ -103,15 +103,9 @@ async fn has_progress(target: &Client, slot: &str) -> Result<bool> {
 /// Whether a `pgapply run --copy-data` is copying for the slot now: its state says so and its
 /// heartbeat (every 10 s) is fresh (a killed one's state says so too, but goes stale).
 async fn copy_under_way(target: &Client, slot: &str) -> Result<bool> {
-    Ok(target
-        .query_opt(
-            "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND state = 'copying' \
-             AND heartbeat_at > now() - interval '30 seconds'",
-            &[&slot],
-        )
+    crate::copy::copy_under_way(target, slot)
         .await
-        .map_err(|e| Error::postgres("step 1: reading pgapply.progress on the target", e))?
-        .is_some())
+        .map_err(|e| e.context("step 1"))
 }
 
 /// Sizes like "16MB", "512kB", "1GB" or plain bytes.

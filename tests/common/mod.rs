@@ -148,6 +148,13 @@ impl TestDb {
     }
 
     /// The target database, reached as `user`.
+    pub fn source_conninfo_as(&self, user: &str, password: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user={user} password={password} dbname={}",
+            self.source_port, self.name
+        )
+    }
+
     pub fn target_conninfo_as(&self, user: &str, password: &str) -> String {
         format!(
             "host=127.0.0.1 port={} user={user} password={password} dbname={}",
@@ -253,7 +260,11 @@ impl TestDb {
     /// Drops this database's slot on the source once no walsender holds it (a pgapply that just
     /// exited may leave its walsender a moment longer).
     pub async fn drop_slot(&self) {
-        let slot = self.slot();
+        self.drop_slot_named(&self.slot()).await;
+    }
+
+    /// `drop_slot` of another slot on this database's source.
+    pub async fn drop_slot_named(&self, slot: &str) {
         wait_for("the slot to be released", 60, || async {
             self.source
                 .query_one(
