@@ -70,6 +70,12 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     if tls.root_cert.is_none() {
         tls.root_cert = env("PGSSLROOTCERT").map(PathBuf::from);
     }
+    if tls.client_cert.is_none() {
+        tls.client_cert = env("PGSSLCERT").map(PathBuf::from);
+    }
+    if tls.client_key.is_none() {
+        tls.client_key = env("PGSSLKEY").map(PathBuf::from);
+    }
     config.ssl_mode(tls.mode.for_tokio_postgres());
     crate::tls::register(&config, tls);
     Ok(config)
@@ -135,9 +141,14 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings,
                 tls.root_cert = Some(PathBuf::from(value));
                 Ok(true)
             }
-            "sslcert" | "sslkey" => Err(Error::usage(format!(
-                "{key}: client certificates are not supported yet; authenticate with a password"
-            ))),
+            "sslcert" => {
+                tls.client_cert = Some(PathBuf::from(value));
+                Ok(true)
+            }
+            "sslkey" => {
+                tls.client_key = Some(PathBuf::from(value));
+                Ok(true)
+            }
             _ => Ok(false),
         }
     };
@@ -317,7 +328,7 @@ fn unsupported_hint(conninfo: &str) -> &'static str {
     if has("passfile") {
         "; passfile is not supported: set PGPASSFILE, or give the password with --source-password-file / --target-password-file"
     } else if has("sslpassword") {
-        "; sslpassword is not supported: client certificates are not supported yet, authenticate with a password"
+        "; sslpassword is not supported: give sslkey a key without a passphrase (openssl pkey -in encrypted.key -out plain.key), readable only by its owner"
     } else {
         ""
     }

@@ -74,11 +74,14 @@ fn libpq_conninfo(config: &tokio_postgres::Config) -> String {
         crate::tls::SslMode::VerifyFull => "verify-full",
     };
     parts.push(format!("sslmode={mode}"));
-    if let Some(root) = &tls.root_cert {
-        parts.push(format!(
-            "sslrootcert={}",
-            libpq_value(&root.to_string_lossy())
-        ));
+    for (key, path) in [
+        ("sslrootcert", &tls.root_cert),
+        ("sslcert", &tls.client_cert),
+        ("sslkey", &tls.client_key),
+    ] {
+        if let Some(path) = path {
+            parts.push(format!("{key}={}", libpq_value(&path.to_string_lossy())));
+        }
     }
     parts.join(" ")
 }

@@ -24,7 +24,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::sign::CertifiedKey;
 use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio_postgres::config::Host;
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -45,6 +46,10 @@ pub enum SslMode {
 pub struct TlsSettings {
     pub mode: SslMode,
     pub root_cert: Option<PathBuf>,
+    /// `sslcert` / `sslkey`: a client certificate and its key, for `cert` authentication (or
+    /// `clientcert=verify-full` in pg_hba.conf).
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
 }
 
 impl SslMode {
@@ -181,6 +186,7 @@ pub fn make_tls_seeing(
         (_, Some(roots)) => Check::ChainOnly(verifier(roots, &provider)?),
         (_, None) => Check::Nothing,
     };
+    let identity = client_identity(&settings, &provider)?;
     let client = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| Error::definite(format!("TLS setup: {e}")))?
@@ -190,9 +196,139 @@ pub fn make_tls_seeing(
             provider,
             seen,
             pinned,
-        }))
-        .with_no_client_auth();
+        }));
+    let client = match identity {
+        Some(identity) => client.with_client_cert_resolver(Arc::new(ClientIdentity(identity))),
+        None => client.with_no_client_auth(),
+    };
     Ok(MakeRustlsConnect::new(client))
+}
+
+/// The client certificate and key, as libpq finds them: `sslcert`/`sslkey` (or `PGSSLCERT`,
+/// `PGSSLKEY`), else `~/.postgresql/postgresql.crt` and `.key`. A certificate file that does not
+/// exist means no client certificate (as in libpq, which sends none then); a certificate without
+/// its key, an unreadable or encrypted key, or a key others may read, is an error.
+fn client_identity(
+    settings: &TlsSettings,
+    provider: &rustls::crypto::CryptoProvider,
+) -> Result<Option<Arc<CertifiedKey>>> {
+    let home = || std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".postgresql"));
+    let Some(cert_path) = settings
+        .client_cert
+        .clone()
+        .or_else(|| home().map(|d| d.join("postgresql.crt")))
+        .filter(|p| p.exists())
+    else {
+        return Ok(None);
+    };
+    let key_path = settings
+        .client_key
+        .clone()
+        .or_else(|| home().map(|d| d.join("postgresql.key")));
+    let Some(key_path) = key_path.filter(|p| p.exists()) else {
+        return Err(Error::definite(format!(
+            "sslcert {}: the certificate is there, but not its private key: give it with sslkey=/path/to/key (or PGSSLKEY), or put it at ~/.postgresql/postgresql.key",
+            cert_path.display()
+        )));
+    };
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cert_path)
+        .and_then(|certs| certs.collect::<std::result::Result<_, _>>())
+        .map_err(|e| {
+            Error::definite(format!(
+                "sslcert {}: not a readable PEM certificate file: {e}",
+                cert_path.display()
+            ))
+        })?;
+    if chain.is_empty() {
+        return Err(Error::definite(format!(
+            "sslcert {}: no certificate in it (a PEM file with -----BEGIN CERTIFICATE----- is needed)",
+            cert_path.display()
+        )));
+    }
+    key_file_private(&key_path)?;
+    let text = std::fs::read_to_string(&key_path).map_err(|e| {
+        Error::definite(format!(
+            "sslkey {}: cannot read it: {e}",
+            key_path.display()
+        ))
+    })?;
+    if text.contains("ENCRYPTED") {
+        return Err(Error::definite(format!(
+            "sslkey {}: the key is encrypted, which pgapply does not support (no sslpassword): give it a key without a passphrase, e.g. made with `openssl pkey -in {} -out client-plain.key`, readable only by its owner",
+            key_path.display(),
+            key_path.display()
+        )));
+    }
+    let key = PrivateKeyDer::from_pem_slice(text.as_bytes()).map_err(|e| {
+        Error::definite(format!(
+            "sslkey {}: not a PEM private key (PKCS#8, PKCS#1 or SEC1): {e}",
+            key_path.display()
+        ))
+    })?;
+    let key = provider.key_provider.load_private_key(key).map_err(|e| {
+        Error::definite(format!(
+            "sslkey {}: a key of a kind pgapply cannot sign with (RSA, ECDSA P-256/P-384 and Ed25519 work): {e}",
+            key_path.display()
+        ))
+    })?;
+    let identity = CertifiedKey::new(chain, key);
+    // A version 1 certificate (what `openssl x509 -req` makes without extensions) cannot be
+    // parsed for this check, but libpq and the server accept it: only a definite mismatch is
+    // refused here.
+    if let Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) =
+        identity.keys_match()
+    {
+        return Err(Error::definite(format!(
+            "sslcert {} and sslkey {}: the key is not the certificate's: give the key the certificate was made for",
+            cert_path.display(),
+            key_path.display()
+        )));
+    }
+    Ok(Some(Arc::new(identity)))
+}
+
+/// The one client certificate, offered whenever the server asks for one.
+#[derive(Debug)]
+struct ClientIdentity(Arc<CertifiedKey>);
+
+impl rustls::client::ResolvesClientCert for ClientIdentity {
+    fn resolve(&self, _hints: &[&[u8]], _schemes: &[SignatureScheme]) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
+/// libpq's rule for a client key: no access for group or others when the file is the user's
+/// own; read access for the group at most when it belongs to root (a key managed by the system).
+fn key_file_private(path: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path)
+        .map_err(|e| Error::definite(format!("sslkey {}: cannot read it: {e}", path.display())))?;
+    if !meta.is_file() {
+        return Err(Error::definite(format!(
+            "sslkey {}: not a regular file",
+            path.display()
+        )));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let mode = meta.mode();
+    let too_open = if meta.uid() == me {
+        mode & 0o077 != 0
+    } else {
+        meta.uid() == 0 && mode & 0o037 != 0
+    };
+    if too_open {
+        return Err(Error::definite(format!(
+            "sslkey {}: others may read the key (permissions {:04o}): make it readable by its owner only (chmod 0600), or, owned by root, by its group at most (0640)",
+            path.display(),
+            mode & 0o7777
+        )));
+    }
+    Ok(())
 }
 
 /// The `tls-server-end-point` channel binding data of a server certificate (RFC 5929, as

@@ -157,7 +157,8 @@ fn make_self_signed() -> Certs {
             "server.crt",
         ],
     );
-    hand_to_postgres(&dir, &["server.crt"]);
+    std::fs::copy(dir.join("server.crt"), dir.join("ca.crt")).unwrap();
+    hand_to_postgres(&dir, &["server.crt", "ca.crt"]);
     Certs { dir }
 }
 
@@ -171,13 +172,17 @@ fn tls_cluster(certs: &Certs) -> LocalCluster {
         "ssl_key_file = '{}'",
         certs.dir.join("server.key").display()
     );
-    let cluster = LocalCluster::start(&bin, &["ssl = on", &cert, &key]).expect("start TLS cluster");
+    // The CA that signs client certificates, for `cert` authentication of certuser.
+    let client_ca = format!("ssl_ca_file = '{}'", certs.dir.join("ca.crt").display());
+    let cluster = LocalCluster::start(&bin, &["ssl = on", &cert, &key, &client_ca])
+        .expect("start TLS cluster");
     // Plaintext TCP connections are refused: a success below means TLS was used.
     std::fs::write(
         cluster.data_dir.join("pg_hba.conf"),
         "local all all trust\nhostnossl all all 0.0.0.0/0 reject\nhostnossl replication all 0.0.0.0/0 reject\n\
          hostssl all binder 127.0.0.1/32 scram-sha-256\nhostssl replication binder 127.0.0.1/32 scram-sha-256\n\
-         hostssl all postgres 127.0.0.1/32 trust\nhostssl replication postgres 127.0.0.1/32 trust\n",
+         hostssl all postgres 127.0.0.1/32 trust\nhostssl replication postgres 127.0.0.1/32 trust\n\
+         hostssl all certuser 127.0.0.1/32 cert\nhostssl replication certuser 127.0.0.1/32 cert\n",
     )
     .unwrap();
     let out = StdCommand::new("runuser")
@@ -403,6 +408,136 @@ async fn channel_binding_on_the_replication_connection() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
         stderr(&out).contains("channel_binding=require") && !stderr(&out).contains("bind-secret"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A client certificate for `user`, signed by the test CA, and its key (readable by its owner
+/// only, as libpq requires).
+fn make_client_cert(certs: &Certs, user: &str) -> (PathBuf, PathBuf) {
+    let subject = format!("/CN={user}");
+    openssl(
+        &certs.dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            &subject,
+            "-keyout",
+            "client.key",
+            "-out",
+            "client.csr",
+        ],
+    );
+    openssl(
+        &certs.dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            "client.crt",
+        ],
+    );
+    let key = certs.dir.join("client.key");
+    // (Made by this process: its user's, as libpq wants it, and private.)
+    let _ = StdCommand::new("chmod").arg("0600").arg(&key).output();
+    (certs.dir.join("client.crt"), key)
+}
+
+/// `cert` authentication: the client certificate given with sslcert/sslkey in the connection
+/// string (the source, on its replication connection and the others) or with PGSSLCERT/PGSSLKEY
+/// (the target); pg_dump gets it too (`schema`). A key others may read is refused, naming the
+/// file, as libpq refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificates_on_both_connections() {
+    let certs = make_certs();
+    let source = tls_cluster(&certs);
+    let target = tls_cluster(&certs);
+    let ca = certs.dir.join("ca.crt");
+    let (cert, key) = make_client_cert(&certs, "certuser");
+    let admin = |port: u16| {
+        format!(
+            "host=localhost port={port} user=postgres dbname=postgres sslmode=verify-full sslrootcert={}",
+            ca.display()
+        )
+    };
+    let (src_admin, dst_admin) = (admin(source.port), admin(target.port));
+    for side in [&src_admin, &dst_admin] {
+        sql(side, "CREATE ROLE certuser LOGIN REPLICATION SUPERUSER").await;
+    }
+    sql(
+        &src_admin,
+        "CREATE TABLE t (id int PRIMARY KEY, v text); INSERT INTO t VALUES (1, 'before')",
+    )
+    .await;
+    sql(&src_admin, "CREATE PUBLICATION p FOR TABLE t").await;
+    let as_certuser = |port: u16| {
+        format!(
+            "host=localhost port={port} user=certuser dbname=postgres sslmode=verify-full sslrootcert={}",
+            ca.display()
+        )
+    };
+    let src = format!(
+        "{} sslcert={} sslkey={}",
+        as_certuser(source.port),
+        cert.display(),
+        key.display()
+    );
+    let dst = as_certuser(target.port);
+    let with_env = |mut cmd: tokio::process::Command| {
+        cmd.env("PGSSLCERT", &cert).env("PGSSLKEY", &key);
+        cmd
+    };
+    // The table's definition by pg_dump, which connects with the same certificate.
+    let mut schema = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    schema
+        .args(["schema", "--source", &src, "--target", &dst])
+        .args(["--publication", "p"])
+        .kill_on_drop(true);
+    let out = run_with_deadline(with_env(schema), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let before = sql(&src_admin, "SELECT pg_current_wal_lsn()::text")
+        .await
+        .remove(0);
+    let out = run_with_deadline(
+        with_env(pgapply(&src, &dst, &["--copy-data", "--endpos", &before])),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    sql(&src_admin, "INSERT INTO t VALUES (2, 'streamed')").await;
+    let endpos = sql(&src_admin, "SELECT pg_current_wal_lsn()::text")
+        .await
+        .remove(0);
+    let out = run_with_deadline(with_env(pgapply(&src, &dst, &["--endpos", &endpos])), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        sql(&dst_admin, "SELECT string_agg(v, ',' ORDER BY id) FROM t").await,
+        vec!["before,streamed".to_string()]
+    );
+    // Without the certificate the server refuses certuser.
+    let out = run_with_deadline(pgapply(&src, &dst, &["--endpos", &endpos]), 60).await;
+    assert!(!out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("certificate"), "{}", stderr(&out));
+    // A key the group may read: refused before connecting, naming the file and the fix.
+    let _ = StdCommand::new("chmod").arg("0640").arg(&key).output();
+    let out = run_with_deadline(pgapply(&src, &dst_admin, &["--endpos", &endpos]), 60).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("sslkey {}", key.display()))
+            && stderr(&out).contains("chmod 0600"),
         "{}",
         stderr(&out)
     );
