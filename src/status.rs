@@ -291,7 +291,12 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             .heartbeat_age_seconds
             .map(|a| format!(", last heartbeat {a:.0}s ago"))
             .unwrap_or_default();
-        let pid = s.pid.map(|p| format!(", pid {p}")).unwrap_or_default();
+        // A silent worker's pid is what it last recorded: it may be gone, or be another process.
+        let pid = match (s.pid, s.responding) {
+            (Some(p), true) => format!(", pid {p}"),
+            (Some(p), false) => format!(", last recorded pid {p}"),
+            (None, _) => String::new(),
+        };
         // A failed run's process still there (its heartbeat fresh): it waits to try again.
         let waiting = if s.retrying {
             " (the process waits to try again)"

@@ -682,13 +682,13 @@ async fn status_and_metrics_move_with_the_workload() {
     // A worker killed (or cut off from the target) cannot record that it stopped: its old
     // heartbeat gives it away.
     db.target_sql(
-        "UPDATE pgapply.progress SET state = 'streaming', heartbeat_at = now() - interval '1 minute'",
+        "UPDATE pgapply.progress SET state = 'streaming', heartbeat_at = now() - interval '1 minute', pid = 4242",
     )
     .await;
     let text = status_text().await;
     assert!(
         text.contains(&format!(
-            "slot {}: not responding (last recorded: streaming)",
+            "slot {}: not responding (last recorded: streaming), last recorded pid 4242,",
             db.slot()
         )),
         "{text}"
