@@ -9,6 +9,8 @@ use tokio_postgres::config::Host;
 
 use crate::error::{Error, Result};
 
+mod service;
+
 /// Parses `conninfo` for the connection called `role` ("source" or "target").
 pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     // libpq reads an empty string as "every default" (localhost, the OS user's name): here it is
@@ -23,7 +25,7 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
             "--{role}: invalid connection string: {problem}"
         )));
     }
-    let (rest, tls, mode_given) = take_tls_settings(conninfo)
+    let (rest, tls, mode_given, service) = take_tls_settings(conninfo)
         .map_err(|e| e.context(format!("--{role}: invalid connection string")))?;
     let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
         // The cause (tokio-postgres' error source) names the bad key, never a value; but an
@@ -58,9 +60,16 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
             unsupported_hint(&rest)
         ))
     })?;
+    let mut tls = tls;
+    let mut mode_given = mode_given;
+    // As in libpq, a service's settings come after the connection string's and before the
+    // environment's.
+    if let Some(name) = service.or_else(|| env("PGSERVICE")) {
+        service::complete(&name, &mut config, &mut tls, &mut mode_given)
+            .map_err(|e| e.context(format!("--{role}")))?;
+    }
     complete_from_environment(&mut config).map_err(|e| e.context(format!("--{role}")))?;
     detect_dead_peers(&mut config);
-    let mut tls = tls;
     // As in libpq, the connection string's sslmode wins over PGSSLMODE.
     if !mode_given {
         if let Some(mode) = env("PGSSLMODE") {
@@ -124,12 +133,17 @@ fn detect_dead_peers(config: &mut tokio_postgres::Config) {
 /// `connect_timeout` unless the connection string sets it.
 pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Takes `sslmode` and `sslrootcert` out of a connection string (key=value or URL): pgapply
-/// handles them itself (tokio-postgres knows neither verify-ca/verify-full nor sslrootcert).
+/// A connection string without the settings pgapply handles itself, those settings, whether
+/// sslmode was given, and the service named.
+pub(crate) type TakenSettings = (String, crate::tls::TlsSettings, bool, Option<String>);
+
+/// Takes `sslmode`, `sslrootcert`, `sslcert`, `sslkey` and `service` out of a connection string
+/// (key=value or URL): pgapply handles them itself (tokio-postgres knows none of them).
 /// Also says whether sslmode was given.
-fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings, bool)> {
+pub(crate) fn take_tls_settings(conninfo: &str) -> Result<TakenSettings> {
     let mut tls = crate::tls::TlsSettings::default();
     let mut mode_given = false;
+    let mut service = None;
     let mut apply = |key: &str, value: &str| -> Result<bool> {
         match key {
             "sslmode" => {
@@ -149,13 +163,17 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings,
                 tls.client_key = Some(PathBuf::from(value));
                 Ok(true)
             }
+            "service" => {
+                service = Some(value.to_owned());
+                Ok(true)
+            }
             _ => Ok(false),
         }
     };
     let trimmed = conninfo.trim();
     if trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://") {
         let Some((base, query)) = trimmed.split_once('?') else {
-            return Ok((trimmed.to_owned(), tls, false));
+            return Ok((trimmed.to_owned(), tls, false, None));
         };
         let mut kept = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -169,7 +187,7 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings,
         } else {
             format!("{base}?{}", kept.join("&"))
         };
-        return Ok((rest, tls, mode_given));
+        return Ok((rest, tls, mode_given, service));
     }
     // key = value pairs; values may be single-quoted with \' and \\ escapes.
     let mut kept = String::new();
@@ -226,7 +244,7 @@ fn take_tls_settings(conninfo: &str) -> Result<(String, crate::tls::TlsSettings,
             kept.push(' ');
         }
     }
-    Ok((kept.trim_end().to_owned(), tls, mode_given))
+    Ok((kept.trim_end().to_owned(), tls, mode_given, service))
 }
 
 /// Where the value of the `password` key starts: libpq allows spaces around `=`
@@ -357,22 +375,13 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn env(name: &str) -> Option<String> {
+pub(crate) fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
 fn complete_from_environment(config: &mut tokio_postgres::Config) -> Result<()> {
     // (hostaddr alone names the server: libpq then connects there, not to localhost.)
     let no_host = config.get_hosts().is_empty() && config.get_hostaddrs().is_empty();
-    // A service file would name the server: not read, so what it names is not silently replaced
-    // by localhost:5432.
-    if env("PGSERVICE").is_some()
-        && (no_host || config.get_ports().is_empty() || config.get_dbname().is_none())
-    {
-        return Err(Error::usage(
-            "PGSERVICE is set, but pgapply does not read connection service files: give host=, port= and dbname= (and user=) in the connection string (or PGHOST, PGPORT, PGDATABASE, PGUSER)",
-        ));
-    }
     if no_host {
         match env("PGHOST") {
             Some(host) => {
@@ -727,14 +736,14 @@ mod tests {
 
     #[test]
     fn tls_settings_are_taken_out() {
-        let (rest, tls, given) =
+        let (rest, tls, given, _) =
             take_tls_settings("host=h sslmode=verify-full sslrootcert='/a b/ca.crt' user=u")
                 .unwrap();
         assert!(given);
         assert_eq!(rest, "host=h user=u");
         assert_eq!(tls.mode, crate::tls::SslMode::VerifyFull);
         assert_eq!(tls.root_cert, Some(PathBuf::from("/a b/ca.crt")));
-        let (rest, tls, _) = take_tls_settings(
+        let (rest, tls, _, _) = take_tls_settings(
             "postgres://u@h/db?sslmode=verify-ca&sslrootcert=%2Ftmp%2Fca.crt&application_name=x",
         )
         .unwrap();

@@ -2139,14 +2139,18 @@ async fn a_publication_that_leaves_out_updates_is_named() {
     assert_eq!(db.count(&db.target, "SELECT v::int8 FROM t").await, 1);
 }
 
-/// PGPORT that is no port (or list of ports), and PGSERVICE (service files are not read) when
+/// PGPORT that is no port (or list of ports), and a PGSERVICE no service file defines, when
 /// the connection string leaves the server to the environment: named, instead of connecting to
 /// localhost:5432.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn environment_pgport_and_pgservice_are_not_passed_over() {
     for (name, value, said) in [
         ("PGPORT", "abc", "PGPORT \"abc\" is not a port number"),
-        ("PGSERVICE", "src", "PGSERVICE is set"),
+        (
+            "PGSERVICE",
+            "src",
+            "service \"src\" is not defined in any service file",
+        ),
     ] {
         let mut cmd = common::pgapply_command(&[
             "check",

@@ -45,6 +45,57 @@ mod tempfile_path {
     }
 }
 
+/// Connection services (`service=` and `PGSERVICE`, from `PGSERVICEFILE`): the file's settings
+/// fill in what the connection string leaves out, the string's own win, and a service the file
+/// does not define is named with where pgapply looked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_services_from_a_service_file() {
+    let db = TestDb::new("svc").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1), (2)").await;
+    let endpos = db.source_wal().await;
+    let file = std::env::temp_dir().join(format!("pgapply-services-{}.conf", db.name));
+    std::fs::write(
+        &file,
+        format!(
+            "# services of this test\n[src]\nhost=127.0.0.1\nport={}\nuser=postgres\ndbname={}\n\n\
+             [dst]\nhost=127.0.0.1\nport={}\nuser=postgres\ndbname=postgres\napplication_name=from_file\n",
+            db.source_port, db.name, db.target_port
+        ),
+    )
+    .unwrap();
+    // The target's database from the string (the file's is postgres), the rest from the file.
+    let mut run = db.pgapply_via(
+        "service=src",
+        &format!("dbname={}", db.name),
+        &db.slot(),
+        "p",
+        &["--endpos", &endpos],
+    );
+    run.env("PGSERVICEFILE", &file).env("PGSERVICE", "dst");
+    let out = run_with_deadline(run, 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 2);
+    let mut run = db.pgapply_via(
+        "service=nowhere",
+        &db.target_conninfo(),
+        &db.slot(),
+        "p",
+        &["--endpos", &endpos],
+    );
+    run.env("PGSERVICEFILE", &file);
+    let out = run_with_deadline(run, 60).await;
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("service \"nowhere\" is not defined")
+            && stderr(&out).contains(&file.display().to_string()),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_file_and_precedence() {
     let db = TestDb::new("cfg").await;
