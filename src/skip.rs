@@ -314,10 +314,20 @@ async fn connect_target(
 }
 
 /// The LSN in "--lsn X" of an apply error's hint.
+/// The source transaction an apply error is about: the LSN its skip advice gives, else the
+/// commit its context names (`applying INSERT on table ... (source transaction 826, commit
+/// 0/15691B8): ...`), which errors whose advice is to change the target carry too.
 fn named_lsn(error: &str) -> Option<Lsn> {
-    let rest = error.split("pgapply skip ").nth(1)?;
-    let after = rest.split("--lsn ").nth(1)?;
-    after.split_whitespace().next()?.parse().ok()
+    let advised = || {
+        let rest = error.split("pgapply skip ").nth(1)?;
+        let after = rest.split("--lsn ").nth(1)?;
+        after.split_whitespace().next()?.parse().ok()
+    };
+    let in_context = || {
+        let after = error.split(", commit ").nth(1)?;
+        after.split(')').next()?.trim().parse().ok()
+    };
+    advised().or_else(in_context)
 }
 
 #[cfg(test)]
@@ -331,5 +341,13 @@ mod tests {
             Some(Lsn(0x1D6A410))
         );
         assert_eq!(named_lsn("connection refused"), None);
+        assert_eq!(
+            named_lsn("applying INSERT on table \"public\".\"t\" (source transaction 826, commit 0/15691B8): value \"3000000000\" is out of range for type integer"),
+            Some(Lsn(0x15691B8))
+        );
+        assert_eq!(
+            named_lsn("applying INSERT on table t (source transaction 826, streamed, its commit not received yet): x"),
+            None
+        );
     }
 }

@@ -242,6 +242,47 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
     );
     let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+
+    // A value the target cannot hold: the advice is to change the target, so no skip command
+    // is printed, but skip takes the commit LSN the error names without --force.
+    db.target_sql("DELETE FROM pgapply.conflicts; ALTER TABLE k ADD COLUMN n int2")
+        .await;
+    db.source_sql("ALTER TABLE k ADD COLUMN n int8").await;
+    let skip_lsn = db.source_wal().await;
+    db.source_sql("UPDATE k SET v = 'F', n = 100000 WHERE id = 6")
+        .await;
+    let out = sync_with(&db, &[]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    let named = err
+        .split(", commit ")
+        .nth(1)
+        .and_then(|rest| rest.split(')').next())
+        .unwrap_or_else(|| panic!("a commit LSN in: {err}"))
+        .to_owned();
+    assert!(!named.is_empty() && named != skip_lsn, "{err}");
+    let mut skip = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    skip.args([
+        "skip",
+        "--target",
+        &db.target_conninfo(),
+        "--slot",
+        &db.slot(),
+        "--lsn",
+        &named,
+    ]);
+    let out = run_with_deadline(skip, 30).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = sync_with(&db, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.conflicts WHERE conflict_type = 'skipped_transaction'"
+        )
+        .await,
+        1
+    );
 }
 
 /// Two failing transactions in a row: skipping the first, the run stops at the second, and the
