@@ -290,6 +290,23 @@ pub fn table_map(file: &FileConfig) -> Result<TableMap> {
     Ok(map)
 }
 
+/// The file's `[tables."schema.table".columns]` renames.
+pub fn column_map(file: &FileConfig) -> Result<ColumnMap> {
+    let mut map = ColumnMap::new();
+    for (name, table) in file.tables.iter().flatten() {
+        if let Some(columns) = table.columns.as_ref().filter(|c| !c.is_empty()) {
+            map.insert(
+                parse_table_name(name)?,
+                columns
+                    .iter()
+                    .map(|(s, t)| (s.clone(), t.clone()))
+                    .collect(),
+            );
+        }
+    }
+    Ok(map)
+}
+
 /// Splits `schema.table`; either part may be double-quoted (`"my.schema"."T"`). Names are taken
 /// exactly as written (no case folding).
 pub fn parse_table_name(text: &str) -> Result<(String, String)> {
@@ -608,16 +625,9 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
                 .table_map
                 .insert(parse_table_name(source_name)?, parse_table_name(to)?);
         }
-        if let Some(columns) = table.columns.as_ref().filter(|c| !c.is_empty()) {
-            config.column_map.insert(
-                parse_table_name(source_name)?,
-                columns
-                    .iter()
-                    .map(|(s, t)| (s.clone(), t.clone()))
-                    .collect(),
-            );
-        }
     }
+    config.column_map = column_map(file)?;
+    config.copy.column_map = config.column_map.clone();
     let retry = file.retry.clone().unwrap_or_default();
     let service = ServiceSettings {
         retry_min: args

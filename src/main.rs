@@ -622,6 +622,7 @@ async fn verify_command(args: VerifyArgs, file: FileConfig) -> Result<(), Error>
         &servers.target,
         &servers.publications,
         &table_map,
+        &config::column_map(&file)?,
         &settings,
     )
     .await?;

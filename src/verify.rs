@@ -177,7 +177,7 @@ async fn target_key_types(
                              ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END, {ENUM_TYPE} \
                  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
                  WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped"),
-                &[&qualified, column],
+                &[&qualified, &table.target_column(column)],
             )
             .await
             .map_err(|e| Error::postgres(format!("reading the key columns of {qualified} on the target"), e))?;
@@ -551,7 +551,9 @@ async fn verify_table(
         .map_err(|e| Error::postgres("setting the target session's search_path", e))?;
     let mut keys = key_columns(&source, &table).await?;
     let target_keys = target_key_types(&target, &table, &mut keys).await?;
-    let target_table = own_rows(&target, &table.target_qualified(), "target").await?;
+    // (Columns renamed in the configuration read under their source names.)
+    let target_table =
+        table.target_rows_as_source(&own_rows(&target, &table.target_qualified(), "target").await?);
     // A "char" byte above 127 is written raw (no valid UTF-8) by PostgreSQL 14 and older, as an
     // octal escape by 15 and later: compared as the number both sides agree on. (Not a key
     // column: keys keep their type, to be compared with the chunks' bounds.)
@@ -782,6 +784,7 @@ pub async fn verify(
     target: &tokio_postgres::Config,
     publications: &[String],
     table_map: &TableMap,
+    column_map: &crate::config::ColumnMap,
     settings: &VerifySettings,
 ) -> Result<Vec<TableResult>> {
     let client = connect(source, "source", 3).await?;
@@ -791,7 +794,10 @@ pub async fn verify(
         server_version(&target_client, "target").await?,
     );
     drop(target_client);
-    let tables = published_tables(&client, publications, table_map).await?;
+    let mut tables = published_tables(&client, publications, table_map).await?;
+    for table in &mut tables {
+        table.rename_columns(column_map);
+    }
     let filter_target: bool = client
         .query_one(
             "SELECT coalesce(bool_or(pg_catalog.obj_description(oid, 'pg_publication') = $2), false) \

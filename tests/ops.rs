@@ -314,6 +314,54 @@ async fn table_name_mapping() {
     );
 }
 
+/// Columns renamed in the configuration (the key among them): the initial copy writes them,
+/// the stream applies them, and verify compares them, finding a row changed on the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn column_mapping_in_copy_stream_and_verify() {
+    let db = TestDb::new("cmap").await;
+    db.source_sql("CREATE TABLE c (id int PRIMARY KEY, k3 text, same int)")
+        .await;
+    db.target_sql("CREATE TABLE c (\"Pk\" int PRIMARY KEY, same int, k4 text)")
+        .await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE c").await;
+    db.source_sql("INSERT INTO c SELECT g, 'v' || g, g FROM generate_series(1, 50) g")
+        .await;
+    let config = write_config("[tables.\"public.c\".columns]\nk3 = \"k4\"\nid = \"Pk\"\n");
+    let endpos = db.source_wal().await;
+    let mut cmd = db.pgapply("p", &["--copy-data", "--endpos", &endpos]);
+    cmd.arg("--config").arg(config.arg());
+    let out = run_with_deadline(cmd, 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql("UPDATE c SET k3 = 'new' WHERE id = 7; DELETE FROM c WHERE id = 8; INSERT INTO c VALUES (51, 'v51', 51)")
+        .await;
+    let endpos = db.source_wal().await;
+    let mut cmd = db.pgapply("p", &["--endpos", &endpos]);
+    cmd.arg("--config").arg(config.arg());
+    let out = run_with_deadline(cmd, 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM c WHERE k4 = 'v' || \"Pk\" AND same = \"Pk\" OR \"Pk\" = 7 AND k4 = 'new'"
+        )
+        .await,
+        50
+    );
+    let verify = |config: &std::path::Path| {
+        let mut verify = db.on_both("verify", &["--json"]);
+        verify.arg("--config").arg(config);
+        verify
+    };
+    let out = run_with_deadline(verify(config.arg()), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.target_sql("UPDATE c SET k4 = 'changed' WHERE \"Pk\" = 20")
+        .await;
+    let out = run_with_deadline(verify(config.arg()), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    assert!(text.contains("mismatch"), "{text}");
+}
+
 /// A table applied into a differently named one keeps its serial column's sequence under the
 /// target's name: the cutover sets that one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

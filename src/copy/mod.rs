@@ -49,6 +49,9 @@ pub struct CopySettings {
     pub truncate_target: bool,
     /// Tables with more pages than this are split into page ranges (PostgreSQL 14+ sources).
     pub split_pages: i64,
+    /// The configuration's column renames (`[tables."s.t".columns]`): a renamed column is
+    /// copied into its target column.
+    pub column_map: crate::config::ColumnMap,
 }
 
 impl Default for CopySettings {
@@ -57,6 +60,7 @@ impl Default for CopySettings {
             jobs: 4,
             truncate_target: false,
             split_pages: 16_384,
+            column_map: Default::default(),
         }
     }
 }
@@ -213,11 +217,20 @@ async fn prepare_target(
             )));
         }
         let mut same_types = same_major && !table.binary_unsafe;
-        for (column, source_type) in &table.columns {
-            let found = rows.iter().find(|r| r.get::<_, String>(0) == *column);
+        for (source_column, source_type) in &table.columns {
+            let column = table.target_column(source_column);
+            let found = rows.iter().find(|r| r.get::<_, String>(0) == column);
             let Some(found) = found else {
+                let renamed = if column == source_column {
+                    String::new()
+                } else {
+                    format!(
+                        " (source column {} renamed in the configuration)",
+                        quote_ident(source_column)
+                    )
+                };
                 return Err(Error::definite(format!(
-                    "column {} of table {qualified} is published by the source but does not exist on the target: add it on the target",
+                    "column {}{renamed} of table {qualified} is published by the source but does not exist on the target: add it on the target",
                     quote_ident(column)
                 )));
             };
@@ -498,6 +511,9 @@ pub async fn plan_copy(
         .map_err(|e| Error::postgres("reading the target's version", e))?
         .get::<_, i32>(0) as u32;
     let mut tables = published_tables(&source, publications, table_map).await?;
+    for table in &mut tables {
+        table.rename_columns(&settings.column_map);
+    }
     let all_targets: Vec<String> = tables
         .iter()
         .map(PublishedTable::target_qualified)
@@ -1041,6 +1057,11 @@ async fn copy_one(
         String::new()
     } else {
         format!(" ({columns})")
+    };
+    let into = if columns.is_empty() {
+        into
+    } else {
+        format!(" ({})", table.target_column_list())
     };
     let copy_in = format!("COPY {}{into} FROM STDIN", table.target_qualified());
     let what = match pages {

@@ -2,6 +2,8 @@
 //! hold on the source, with their published columns and row filters, and the target table each
 //! goes to.
 
+use std::collections::HashMap;
+
 use tokio_postgres::Client;
 
 use crate::error::{Error, Result};
@@ -28,9 +30,57 @@ pub struct PublishedTable {
     /// whose binary form carries the source's OIDs; aclitem, which has none; tsquery, whose
     /// empty value does not read back.
     pub binary_unsafe: bool,
+    /// Source column -> its target column, where the configuration renames it
+    /// (`[tables."s.t".columns]`).
+    pub renamed_columns: HashMap<String, String>,
 }
 
 impl PublishedTable {
+    /// The target column a published column goes into.
+    pub fn target_column<'a>(&'a self, source_column: &'a str) -> &'a str {
+        self.renamed_columns
+            .get(source_column)
+            .map_or(source_column, String::as_str)
+    }
+
+    /// Takes the configuration's column renames of this table.
+    pub fn rename_columns(&mut self, column_map: &crate::config::ColumnMap) {
+        if let Some(renames) = column_map.get(&(self.schema.clone(), self.name.clone())) {
+            self.renamed_columns = renames.clone();
+        }
+    }
+
+    /// The target's published columns, in the source's order, named as the source names them:
+    /// a table expression to compare the target's rows with the source's (the table itself
+    /// when no column is renamed). `rows` is the target table as read (`ONLY t` or `t`).
+    pub fn target_rows_as_source(&self, rows: &str) -> String {
+        if self.renamed_columns.is_empty() {
+            return rows.to_owned();
+        }
+        let columns = self
+            .columns
+            .iter()
+            .map(|(c, _)| {
+                format!(
+                    "{} AS {}",
+                    quote_ident(self.target_column(c)),
+                    quote_ident(c)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("(SELECT {columns} FROM {rows}) AS pgapply_renamed")
+    }
+
+    /// The target's column list for the published columns, in the source's order.
+    pub(super) fn target_column_list(&self) -> String {
+        self.columns
+            .iter()
+            .map(|(c, _)| quote_ident(self.target_column(c)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     pub fn qualified(&self) -> String {
         qualified_name(&self.schema, &self.name)
     }
@@ -306,6 +356,7 @@ async fn read_published_tables(
             pages,
             partitioned,
             binary_unsafe,
+            renamed_columns: HashMap::new(),
         });
     }
     // A partition listed beside its partitioned root (a publication through the root and another

@@ -604,6 +604,7 @@ pub async fn cutover(
             &run_config.target,
             &run_config.publications,
             &run_config.table_map,
+            &run_config.column_map,
             &verify_settings,
         )
         .await
