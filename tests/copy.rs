@@ -2888,6 +2888,10 @@ async fn cutover_waits_for_a_copy_still_running() {
     .await;
     db.source_sql("INSERT INTO big VALUES (1001, 'after the snapshot')")
         .await;
+    // The copy outlasts the time a worker gets to show its heartbeat (30 s): that allowance
+    // starts once the copy is done, not with the cutover. (Not a wait for a condition: the
+    // scenario is a copy that takes this long.)
+    tokio::time::sleep(std::time::Duration::from_secs(32)).await;
     holder.batch_execute("COMMIT").await.unwrap();
     let status = tokio::time::timeout(std::time::Duration::from_secs(90), cutover.wait())
         .await
@@ -2902,6 +2906,52 @@ async fn cutover_waits_for_a_copy_still_running() {
     assert!(status.success(), "worker exit: {status}");
     db.assert_same("big").await;
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM big").await, 1001);
+    let _ = std::fs::remove_file(&out_path);
+}
+
+/// `cutover` while `run --copy-data` has not created its slot yet (a lock on a target table
+/// holds its checks back): it waits for the worker instead of calling the slot missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_waits_for_a_worker_still_creating_its_slot() {
+    let db = TestDb::new("cutstart").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO t VALUES (1), (2); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    // A lock that holds the worker's check of the target table, before it creates the slot.
+    let holder = common::connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut worker = spawn(db.pgapply("p", &["--copy-data"]));
+    wait_for("the worker to wait for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    assert_eq!(db.slot_count().await, 0);
+    let out_path =
+        std::env::temp_dir().join(format!("pgapply-cutstart-{}.out", std::process::id()));
+    let slot = db.slot();
+    let mut cutover = db.on_both("cutover", &["--slot", &slot, "--timeout", "60s"]);
+    cutover.stdout(std::fs::File::create(&out_path).unwrap());
+    let mut cutover = cutover.kill_on_drop(true).spawn().unwrap();
+    let said = || std::fs::read_to_string(&out_path).unwrap_or_default();
+    wait_for("the cutover to say it waits for the worker", 30, || async {
+        said().contains("has not created its slot yet")
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(90), cutover.wait())
+        .await
+        .expect("the cutover ends")
+        .unwrap();
+    assert!(status.success(), "cutover exit {status}: {}", said());
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), worker.wait())
+        .await
+        .expect("the worker stops at the cutover's end position")
+        .unwrap();
+    assert!(status.success(), "worker exit: {status}");
+    db.assert_same("t").await;
     let _ = std::fs::remove_file(&out_path);
 }
 

@@ -73,6 +73,53 @@ pub struct CutoverSettings {
     pub again: bool,
 }
 
+/// A `run --copy-data` that has not created its slot yet (it waits for the source's open
+/// transactions, or for a lock on a target table it checks): waited for, rather than the slot
+/// called missing.
+async fn wait_for_a_starting_worker(
+    source: &Client,
+    target: &Client,
+    slot: &str,
+    deadline: Instant,
+) -> Result<()> {
+    let mut said = false;
+    loop {
+        let exists = source
+            .query_opt(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading the slot on the source", e))?
+            .is_some();
+        if exists {
+            return Ok(());
+        }
+        let starting = target
+            .query_opt(
+                "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND state = 'starting'",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+            .is_some();
+        if !starting {
+            // (No worker on its way: slot_state names the missing slot.)
+            return Ok(());
+        }
+        if !said {
+            crate::out!("step 1: the worker for slot {slot:?} is starting and has not created its slot yet (an initial copy waits for the source's open transactions, and for locks on the target's tables); waiting for it");
+            said = true;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::definite(format!(
+                "step 1: the worker for slot {slot:?} was still starting (its slot not created yet on the source) at --timeout: see its log and pgapply status (a lock held on a target table, or a long open transaction on the source, keeps it waiting), then run the cutover again (nothing was changed yet)"
+            )));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 /// Slot state on the source: (active, confirmed flush, source WAL position).
 async fn slot_state(source: &Client, slot: &str) -> Result<(bool, Lsn, Lsn)> {
     let row = source
@@ -259,6 +306,7 @@ pub async fn cutover(
         crate::out!("before the cutover: WARNING: {warning}");
     }
     again(&source, &target, &slot, settings.again, &sequences).await?;
+    wait_for_a_starting_worker(&source, &target, &slot, deadline).await?;
     if slot_state(&source, &slot).await?.0 && !has_progress(&target, &slot).await? {
         return Err(Error::definite(format!(
             "a worker streams slot {slot:?}, but the target has no pgapply progress for it: is --target the database that worker replicates into? (nothing was done)"
@@ -310,6 +358,8 @@ pub async fn cutover(
                 })
         };
         let first_heartbeat = heartbeat().await?;
+        // (From here: a wait for the initial copy above does not count against the worker.)
+        let watching = Instant::now();
         let mut said_waiting = false;
         loop {
             let (_, confirmed, current) = slot_state(&source, &slot).await?;
@@ -368,12 +418,12 @@ pub async fn cutover(
             // A worker writes its heartbeat every 10 s at most: three times that without one,
             // and it is not coming.
             let silent =
-                !answering && started.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY;
+                !answering && watching.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY;
             if Instant::now() > deadline || silent {
                 if !answering {
                     return Err(Error::definite(format!(
                         "step 1: the worker streaming slot {slot:?} wrote no heartbeat on the target in {} (it writes one every status interval, 10 s at most): is it stopped or hung? See its log and pgapply status, then run the cutover again (nothing was changed yet)",
-                        humantime::format_duration(Duration::from_secs(started.elapsed().as_secs()))
+                        humantime::format_duration(Duration::from_secs(watching.elapsed().as_secs()))
                     )));
                 }
                 let hint = match settings.max_lag {
