@@ -1585,6 +1585,7 @@ async fn check_names_a_physical_slot_and_another_roles_schema() {
     let user = format!("chk_{}", db.name);
     db.target_sql(&format!(
         "CREATE SCHEMA pgapply; CREATE TABLE pgapply.progress (slot_name text); \
+         CREATE SEQUENCE pgapply.conflicts_id_seq; \
          CREATE ROLE {user} LOGIN PASSWORD 'chk-secret'; GRANT CREATE ON DATABASE {} TO {user}; \
          GRANT ALL ON t TO {user};",
         db.name
@@ -1603,6 +1604,32 @@ async fn check_names_a_physical_slot_and_another_roles_schema() {
     ] {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }
+    let check_again = || async {
+        let out = run_with_deadline(
+            db.on_both_as_target_user("check", &user, "chk-secret", &["--slot", &db.slot()]),
+            60,
+        )
+        .await;
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    // The schema and tables granted, not the sequence: still a problem (conflict records
+    // could not be numbered).
+    db.target_sql(&format!(
+        "GRANT USAGE, CREATE ON SCHEMA pgapply TO {user}; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA pgapply TO {user}"
+    ))
+    .await;
+    let text = check_again().await;
+    assert!(!text.contains("may keep pgapply's state"), "{text}");
+    // The grants the advice gives, as given, are enough.
+    let advice = text
+        .split(" run GRANT ")
+        .nth(1)
+        .and_then(|rest| rest.split(" (the sequence").next())
+        .unwrap_or_else(|| panic!("grants in: {text}"));
+    db.target_sql(&format!("GRANT {advice}")).await;
+    let text = check_again().await;
+    assert!(text.contains("may keep pgapply's state"), "{text}");
     db.source_sql(&format!("SELECT pg_drop_replication_slot('{}')", db.slot()))
         .await;
 }

@@ -112,6 +112,8 @@ pub(super) async fn check_target(
                                       AND NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relkind = 'r' \
                                                       AND {} \
                                                       AND NOT has_table_privilege(c.oid, 'SELECT, INSERT, UPDATE, DELETE')) \
+                                      AND NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid \
+                                                      AND CASE WHEN c.relkind = 'S' THEN NOT has_sequence_privilege(c.oid, 'USAGE') END) \
                                FROM pg_namespace n WHERE nspname = 'pgapply') \
                          ELSE has_database_privilege(current_database(), 'CREATE') END",
             crate::apply::applier::own_table_sql("'pgapply'", "c.relname")
@@ -135,8 +137,8 @@ pub(super) async fn check_target(
             let (role, database) = crate::sql::role_and_database(dst).await;
             report.problem(match owner {
                 None => format!("the target role may not create schema pgapply, where pgapply keeps its state: GRANT CREATE ON DATABASE {database} TO {role}, or create the schema for it (CREATE SCHEMA pgapply AUTHORIZATION {role})"),
-                Some((_, true)) => "the target role lacks rights on pgapply's tables in its schema pgapply (made by another role): have their owner or a superuser grant it SELECT, INSERT, UPDATE, DELETE on them".to_owned(),
-                Some((owner, false)) => format!("the target role may not use schema pgapply, which role {owner} made: have {owner} grant it USAGE and CREATE on the schema and SELECT, INSERT, UPDATE, DELETE on pgapply's tables there (or drop the schema if no other pgapply uses it)"),
+                Some((_, true)) => format!("the target role lacks rights on pgapply's tables in its schema pgapply (made by another role): have their owner or a superuser run GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA pgapply TO {role}; GRANT USAGE ON ALL SEQUENCES IN SCHEMA pgapply TO {role} (the sequence numbers conflict records)"),
+                Some((owner, false)) => format!("the target role may not use schema pgapply, which role {owner} made: have {owner} run GRANT USAGE, CREATE ON SCHEMA pgapply TO {role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA pgapply TO {role}; GRANT USAGE ON ALL SEQUENCES IN SCHEMA pgapply TO {role} (the sequence numbers conflict records); or drop the schema if no other pgapply uses it"),
             })
         }
         Err(e) => report.problem(format!("target: cannot read the role's privileges: {e}")),
