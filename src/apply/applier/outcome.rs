@@ -384,7 +384,7 @@ impl Applier {
                 )
             }
             // A value the target refuses: name the columns it can come from.
-            Some(c) if value_refused(c) => match about.relation.narrower_candidates().as_slice() {
+            Some(c) if value_refused(c) => match refused_by_type(about.relation.narrower_candidates(), db.map(|d| d.message())).as_slice() {
                 [] => format!("target table {table} refuses the source's value, though none of its columns of a built-in type differs from the source's: a PostgreSQL older than the source's refuses some values that newer versions take (numeric 'Infinity' before 14, an infinite interval before 17), a user-defined type (an enum, a domain) may differ between the two clusters, and a target trigger may raise it. This change is in the slot already: changing the value on the source now does not replace it. Change the column, type or trigger on the target so that it takes the value, then start pgapply again; where the target cannot hold the value at all, {}, and put that transaction's rows right on the target by hand (`pgapply verify` names the rows that differ)", self.skip_hint(about.commit_lsn)),
                 [one] => format!("column {one} of target table {table} does not take the source's value: its type differs from the source column's; change it on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)"),
                 many => format!("a column of target table {table} does not take the source's value; these columns' types differ from the source's: {}: change the one the error is about on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)", many.join(", ")),
@@ -524,6 +524,31 @@ impl Applier {
 
 /// A data exception (class 22) that a target column's type explains: not an encoding problem
 /// (22P05 untranslatable character, 22021 invalid byte sequence), which no column change fixes.
+/// The columns whose type differs from the source's that can be the one a value error is about:
+/// those of the type the error names (`invalid input syntax for type numeric`, `out of range
+/// for type integer`, `value too long for type character varying(10)`), all of them when it
+/// names none. None when it names a type no such column has: the value is refused for another
+/// reason (an older target's type, a domain, a trigger).
+fn refused_by_type(candidates: Vec<String>, message: Option<&str>) -> Vec<String> {
+    let named = message.and_then(|m| {
+        let rest = m.split(" for type ").nth(1)?;
+        let end = rest.find(':').unwrap_or(rest.len());
+        Some(rest[..end].trim().to_owned())
+    });
+    let Some(named) = named else {
+        return candidates;
+    };
+    // A candidate reads `"column" (type)`.
+    candidates
+        .into_iter()
+        .filter(|c| {
+            c.rsplit_once(" (")
+                .and_then(|(_, t)| t.strip_suffix(')'))
+                .is_some_and(|t| t == named || t.split('(').next() == Some(named.as_str()))
+        })
+        .collect()
+}
+
 pub(super) fn value_refused(code: &str) -> bool {
     code.starts_with("22") && !matches!(code, "22P05" | "22021")
 }
@@ -572,5 +597,46 @@ pub(super) fn first_type_mismatch(relation: crate::protocol::pgoutput::Oid) -> b
             seen.insert(relation, Instant::now());
             true
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_value_error_is_put_on_the_columns_of_the_type_it_names() {
+        let candidates = || {
+            vec![
+                "\"mr\" (text)".to_owned(),
+                "\"n\" (integer)".to_owned(),
+                "\"v\" (character varying(10))".to_owned(),
+            ]
+        };
+        assert_eq!(
+            refused_by_type(
+                candidates(),
+                Some("invalid input syntax for type numeric: \"-Infinity\"")
+            ),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            refused_by_type(
+                candidates(),
+                Some("value \"3000000000\" is out of range for type integer")
+            ),
+            vec!["\"n\" (integer)".to_owned()]
+        );
+        assert_eq!(
+            refused_by_type(
+                candidates(),
+                Some("value too long for type character varying(10)")
+            ),
+            vec!["\"v\" (character varying(10))".to_owned()]
+        );
+        assert_eq!(
+            refused_by_type(candidates(), Some("numeric field overflow")).len(),
+            3
+        );
     }
 }
