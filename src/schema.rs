@@ -446,7 +446,10 @@ pub async fn schema(
                 .unwrap_or_default();
             // A syntax the target's version does not know (generated columns before 12,
             // COMPRESSION before 14, ...).
-            let older = if e.code().map(|c| c.code()) == Some("42601") && target_major < source_major {
+            // (Or a type or function only the source's version has: multiranges before 14.)
+            let older = if matches!(e.code().map(|c| c.code()), Some("42601" | "42704" | "42883"))
+                && target_major < source_major
+            {
                 format!("; the target runs PostgreSQL {target_major}, older than the source's {source_major}, and the dump uses what the source's version has: create the published tables on the target yourself instead (pg_dump --schema-only of them from the source, with what PostgreSQL {target_major} lacks edited out, into psql on the target), or use a target of the source's version or newer")
             } else {
                 String::new()

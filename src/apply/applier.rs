@@ -520,6 +520,8 @@ pub struct Applier {
     /// The queue permit of the message being dispatched, for a message forwarded to the helper.
     permit: Option<OwnedSemaphorePermit>,
     copied_tables: Option<Arc<std::collections::HashSet<(String, String)>>>,
+    /// A two-phase slot, which `--copy-data` cannot copy later-published tables from.
+    two_phase_slot: bool,
     /// Relations `entry` has looked up in `copied_tables` already.
     copy_checked: HashSet<Oid>,
     copied_since: Arc<crate::copy::LaterCopies>,
@@ -877,6 +879,7 @@ impl Applier {
             live_helper: None,
             permit: None,
             copied_tables: options.copied_tables,
+            two_phase_slot: options.two_phase,
             copy_checked: HashSet::new(),
             copied_since: options.copied_since,
             copied_since_by_oid: HashMap::new(),
@@ -921,7 +924,12 @@ impl Applier {
                         .lock()
                         .map(|mut w| w.insert((self.slot.clone(), oid)))
                         .unwrap_or(false);
-                if first {
+                if first && self.two_phase_slot {
+                    tracing::warn!(
+                        table = %entry.display_name(),
+                        "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. --copy-data cannot copy it on a two-phase slot: copy its earlier rows by hand (README: \"A table added to the publication later\")"
+                    );
+                } else if first {
                     tracing::warn!(
                         table = %entry.display_name(),
                         "changes arrive for a table the initial copy did not take in (published, or renamed, after it): rows it had before may be missing on the target, and their updates and deletes would then be missing-row conflicts. To copy them, start pgapply again with --copy-data (with --truncate-target if the target table holds rows already: the copy has them too; a target table that also holds other tables' rows is not copied into: copy such rows by hand)"

@@ -218,7 +218,9 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
                 .map(|t| t.qualified())
                 .collect();
             if !not_copied.is_empty() {
-                let how = if config.copy_data {
+                let how = if two_phase {
+                    "the slot is a two-phase one, whose --copy-data cannot copy them: copy their earlier rows by hand (README: \"A table added to the publication later\")"
+                } else if config.copy_data {
                     "this run copies them (--copy-data): their target tables must be empty, or give --truncate-target"
                 } else {
                     "rows they held before they were published are not on the target (none if they were empty then): a run with --copy-data copies them"

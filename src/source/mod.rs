@@ -551,7 +551,7 @@ pub fn two_phase_slot_problem(
     }
     if two_phase && !slot_two_phase {
         return Some(format!(
-            "replication slot {slot:?} was created without two-phase support, which --two-phase needs (a slot cannot be changed to it before PostgreSQL 18): run without --two-phase, or start over with a new slot made by a --two-phase run and the initial copy (give another --slot with --copy-data --truncate-target, or drop this one: the changes it holds go with it)"
+            "replication slot {slot:?} was created without two-phase support, which --two-phase needs (pgapply does not change an existing slot to it): run without --two-phase, or start over with a new slot made by a --two-phase run and the initial copy (give another --slot with --copy-data --truncate-target, or drop this one: the changes it holds go with it)"
         ));
     }
     None
