@@ -1107,6 +1107,22 @@ async fn cutover_reverse_needs_are_checked_before_anything_is_done() {
             .await,
         0
     );
+    // A slot name with no room for "_reverse" (56 to 63 characters): said as such.
+    let long = format!("{:s<60}", "s");
+    let out = run_with_deadline(
+        db.on_both(
+            "cutover",
+            &["--slot", &long, "--timeout", "30s", "--reverse"],
+        ),
+        90,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("longer than PostgreSQL's 63 characters") && !err.contains("42622"),
+        "{err}"
+    );
 }
 
 /// `cutover --reverse`: the new primary gets a publication and a slot, and the command the

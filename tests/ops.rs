@@ -1382,19 +1382,20 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
          CREATE TABLE ok (id int PRIMARY KEY, v text); \
          CREATE TABLE h (id int PRIMARY KEY, c int NOT NULL); CREATE UNIQUE INDEX h_c ON h (c); \
          ALTER TABLE h REPLICA IDENTITY USING INDEX h_c; \
-         CREATE TABLE nothing (id int PRIMARY KEY); ALTER TABLE nothing REPLICA IDENTITY NOTHING;",
+         CREATE TABLE nothing (id int PRIMARY KEY); ALTER TABLE nothing REPLICA IDENTITY NOTHING; \
+         CREATE TABLE dpk (id int, CONSTRAINT dpk_pkey PRIMARY KEY (id) DEFERRABLE);",
     )
     .await;
     db.target_sql(
         "CREATE TABLE k (id int, v text); CREATE TABLE f (x int, v text); \
          CREATE TABLE n (x int, v text); CREATE TABLE ok (id int PRIMARY KEY, v text); \
          CREATE TABLE u (a int NOT NULL, v text); CREATE TABLE h (id int PRIMARY KEY, c int NOT NULL); \
-         CREATE TABLE nothing (id int PRIMARY KEY);",
+         CREATE TABLE nothing (id int PRIMARY KEY); CREATE TABLE dpk (id int PRIMARY KEY);",
     )
     .await;
     // n: no key and the default identity, so the source allows only INSERTs into it: no row is
     // ever looked up there, and nothing is to be said about its indexes.
-    db.publish("CREATE PUBLICATION p FOR TABLE k, f, n, ok, u, h, nothing")
+    db.publish("CREATE PUBLICATION p FOR TABLE k, f, n, ok, u, h, nothing, dpk")
         .await;
     let out = run_with_deadline(
         db.on_both("check", &["--slot", &db.slot(), "--create-slot"]),
@@ -1434,7 +1435,7 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
     // A source table without a replica identity, but with an index that could be one: named.
     let source_warning = |table: &str| {
         text.lines()
-            .find(|l| l.contains(&format!("table \"public\".\"{table}\" has no primary key and no replica identity on the source")))
+            .find(|l| l.contains(&format!("table \"public\".\"{table}\" has no primary key (a DEFERRABLE one does not count) and no replica identity on the source")))
             .map(str::to_owned)
     };
     let u = source_warning("u").unwrap_or_else(|| panic!("{text}"));
@@ -1442,6 +1443,8 @@ async fn a_target_table_without_the_sources_key_is_named_by_check_and_run() {
         u.contains("ALTER TABLE \"public\".\"u\" REPLICA IDENTITY USING INDEX u_a"),
         "{u}"
     );
+    // A DEFERRABLE primary key is no replica identity (the source refuses UPDATEs).
+    assert!(source_warning("dpk").is_some(), "{text}");
     let n = source_warning("n").unwrap_or_else(|| panic!("{text}"));
     assert!(!n.contains("USING INDEX"), "{n}");
     assert!(

@@ -323,12 +323,12 @@ pub(super) async fn check_source(
                                                WHERE a.attrelid = c.oid AND a.attnum = ANY (i.indkey) AND NOT a.attnotnull) \
                              ORDER BY x.relname LIMIT 1)";
         let sql = if table.partitioned {
-            format!("SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+            format!("SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate), \
                     has_table_privilege($1::text::regclass, 'SELECT'), {usable_index} \
              FROM pg_partition_tree($1::text::regclass) t JOIN pg_class c ON c.oid = t.relid \
              JOIN pg_namespace n ON n.oid = c.relnamespace WHERE t.isleaf")
         } else {
-            format!("SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+            format!("SELECT n.nspname::text, c.relname::text, c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate), \
                     has_table_privilege(c.oid, 'SELECT'), {usable_index} \
              FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1::text::regclass")
         };
@@ -359,7 +359,7 @@ pub(super) async fn check_source(
                             ));
                         } else {
                             report.warning(format!(
-                                "table {name} has no primary key and no replica identity on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise add a primary key{index} or ALTER TABLE {name} REPLICA IDENTITY FULL"
+                                "table {name} has no primary key (a DEFERRABLE one does not count) and no replica identity on the source: UPDATE and DELETE on it fail on the source while it is published (fine if it only gets INSERTs); otherwise add a primary key{index} or ALTER TABLE {name} REPLICA IDENTITY FULL"
                             ));
                         }
                     }
@@ -492,7 +492,7 @@ async fn root_identity_problem(
 ) -> Option<String> {
     let row = src
         .query_one(
-            "SELECT c.relreplident::text, EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \
+            "SELECT c.relreplident::text, EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate) \
              FROM pg_catalog.pg_class c WHERE c.oid = $1::text::regclass",
             &[&root],
         )

@@ -250,14 +250,14 @@ pub async fn cutover(
             ));
         }
     }
-    if settings.reverse {
-        problems.extend(reverse_problems(&source, &target, &run_config).await?);
-    }
+    // (The name first: the checks of the reverse side look up objects of that name.)
     if settings.reverse && run_config.slot.len() + "_reverse".len() > 63 {
         problems.push(format!(
-            "--reverse names its slot and publication {:?}, longer than PostgreSQL's 63 characters: use a --slot of at most 55",
+            "--reverse names its slot and publication {:?}, longer than PostgreSQL's 63 characters: a slot of at most 55 characters has room for it; without --reverse this cutover works, and a rollback path can then be set up by hand (a publication on the target and a slot there, streamed by a pgapply run into the old primary with --origin none)",
             format!("{}_reverse", run_config.slot)
         ));
+    } else if settings.reverse {
+        problems.extend(reverse_problems(&source, &target, &run_config).await?);
     }
     // Step 3 drains the slot itself when no worker streams it: over a replication connection.
     let (streamed, may_replicate): (bool, bool) = source
