@@ -29,7 +29,13 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
             &[&slot],
         )
         .await
-        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?;
+        .map_err(|e| {
+            if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                Error::definite("the target has no pgapply state (schema pgapply): pgapply has not run against this database yet, so there is nothing to skip: check --target")
+            } else {
+                Error::postgres("reading pgapply.progress on the target", e)
+            }
+        })?;
     let applied: Option<String> = row.as_ref().and_then(|r| r.get(0));
     let pending: Option<String> = row.as_ref().and_then(|r| r.get(1));
     let last_error: Option<String> = row.as_ref().and_then(|r| r.get(2));

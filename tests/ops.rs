@@ -1292,6 +1292,27 @@ async fn status_and_skip_take_the_config_file() {
         all.extend(["--config", path.as_str()]);
         common::pgapply_command(&all)
     };
+    // A target pgapply never ran against: said so, not as a missing relation.
+    let fresh = TestDb::new("noskip").await;
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "skip",
+            "--target",
+            &fresh.target_conninfo(),
+            "--slot",
+            "s",
+            "--lsn",
+            "0/1",
+        ]),
+        30,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("pgapply has not run against this database yet"),
+        "{}",
+        stderr(&out)
+    );
     write("");
     let out = run_with_deadline(cmd(&["status"]), 30).await;
     assert!(out.status.success(), "{}", stderr(&out));
