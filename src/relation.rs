@@ -270,6 +270,18 @@ impl RelationCache {
             // The same table (same OID) had another name: renamed on the source. A new, empty
             // table on the target would lose the rows the old one holds.
             None => match &known {
+                // Mapped by the configuration: the entry follows the source's name.
+                Some(k)
+                    if k.display_name() != shown && k.target.qualified != k.display_name() =>
+                {
+                    return Err(Error::definite(format!(
+                        "table {} was renamed to {shown} on the source; it is applied into target table {} by its [tables] entry in the configuration: rename that entry after the source's new name ([tables.\"{}.{}\"] target = ...), then start pgapply again",
+                        k.display_name(),
+                        k.target.qualified,
+                        schema.replace('\\', "\\\\").replace('"', "\\\""),
+                        relation.name.replace('\\', "\\\\").replace('"', "\\\""),
+                    )))
+                }
                 Some(k) if k.display_name() != shown => {
                     return Err(Error::definite(format!(
                         "table {} was renamed to {shown} on the source: rename {} on the target too ({}), then start pgapply again",

@@ -312,6 +312,40 @@ async fn table_name_mapping() {
             && text.contains("\"target_table\": \"archive.Dst T\""),
         "{text}"
     );
+    // Renamed on the source while mapped and streaming: the entry is what must follow.
+    let mut cmd = db.pgapply("p", &[]);
+    cmd.arg("--config").arg(config.arg());
+    let (mut worker, log) = common::spawn_logged(cmd);
+    db.source_sql("INSERT INTO src_t VALUES (4, 'e')").await;
+    wait_for("the worker to apply", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM archive.\"Dst T\"")
+            .await
+            == 3
+    })
+    .await;
+    db.source_sql("ALTER TABLE src_t RENAME TO src_t2; INSERT INTO src_t2 VALUES (3, 'd')")
+        .await;
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), worker.wait())
+        .await
+        .expect("the worker stops")
+        .unwrap();
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("rename that entry after the source's new name ([tables.\"public.src_t2\"]"),
+        "{said}"
+    );
+    let endpos = db.source_wal().await;
+    let renamed = write_config("[tables.\"public.src_t2\"]\ntarget = 'archive.\"Dst T\"'\n");
+    let mut cmd = db.pgapply("p", &["--endpos", &endpos]);
+    cmd.arg("--config").arg(renamed.arg());
+    let out = run_with_deadline(cmd, 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM archive.\"Dst T\"")
+            .await,
+        4
+    );
 }
 
 /// Columns renamed in the configuration (the key among them): the initial copy writes them,

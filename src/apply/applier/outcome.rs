@@ -462,7 +462,7 @@ impl Applier {
                 let full = about.relation.source.replica_identity
                     == crate::protocol::pgoutput::ReplicaIdentity::Full;
                 let (kind, take) = if beyond {
-                    ("multiple_unique_conflicts", "\"apply_remote\" (delete the target's clashing rows), \"skip\" or \"keep_local\" (keep them); but no policy covers a unique index that is partial, on an expression, deferrable, or on a column the source does not send, whose key pgapply cannot compute: if the key named below is one, fix the row or drop that index")
+                    ("multiple_unique_conflicts", "\"apply_remote\" (delete the target's clashing rows), \"skip\" or \"keep_local\" (keep them); but no policy covers a unique index that is partial, on an expression, deferrable, or on a column the source does not send, whose key pgapply cannot compute: if the index this error names is one, fix the row or drop that index")
                 } else if about.operation == "INSERT" {
                     ("insert_exists", "\"apply_remote\" (replace the target's row with the source's), \"skip\" or \"keep_local\" (keep the target's)")
                 } else if full {
