@@ -350,6 +350,17 @@ fn reload_on_sighup(
 /// The log filter for a level setting. The connection pool's own warnings ("Connection error:
 /// db error", without the server or the reason) repeat what pgapply says about the same failure
 /// with both: left out unless the setting names the pool.
+/// The crates whose log lines pgapply shows: a directive naming anything else selects nothing.
+const LOGGING_CRATES: [&str; 7] = [
+    "pgapply",
+    "tokio_postgres",
+    "postgres_protocol",
+    "deadpool",
+    "deadpool_postgres",
+    "rustls",
+    "tokio",
+];
+
 /// The filter for a log level (`info`) or RUST_LOG-style directives (`info,pgapply=debug`).
 fn log_filter(level: &str) -> Result<EnvFilter, String> {
     // A bare word is taken by the filter as a module whose every line is shown, and then nothing
@@ -382,6 +393,17 @@ fn log_filter(level: &str) -> Result<EnvFilter, String> {
             return Err(format!(
                 "{directive:?} is not a log level: use one of {}, or directives such as info,pgapply=debug",
                 LEVELS.join(", ")
+            ));
+        }
+        // Any other bare word names a module: one of the crates that log here, or it is a
+        // misspelt level ("inof") that would show nothing at all.
+        let bare = !directive.contains('=') && !directive.contains('[');
+        let first = word.split("::").next().unwrap_or_default();
+        if bare && !LEVELS.contains(&word.as_str()) && !LOGGING_CRATES.contains(&first) {
+            return Err(format!(
+                "{directive:?} is neither a log level nor a module that logs: use one of {}, or directives such as info,pgapply=debug (modules: {})",
+                LEVELS.join(", "),
+                LOGGING_CRATES.join(", ")
             ));
         }
     }

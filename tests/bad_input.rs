@@ -1405,6 +1405,22 @@ async fn a_misspelt_log_level_is_refused() {
             stderr(&out)
         );
     }
+    // Any other word that names no module that logs (a misspelt level) is refused too; a
+    // module that logs stays a valid directive.
+    for (level, refused) in [("inof", true), ("info,warnn", true), ("pgapply", false)] {
+        let mut cmd = common::pgapply_command(&["--log-level", level, "status"]);
+        cmd.env_remove("PGAPPLY_LOG_LEVEL").env_remove("RUST_LOG");
+        let out = run_with_deadline(cmd, 30).await;
+        assert_eq!(
+            stderr(&out).contains("is neither a log level nor a module that logs"),
+            refused,
+            "{level}: {}",
+            stderr(&out)
+        );
+        if refused {
+            assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        }
+    }
     // Asked for JSON lines, the error is one too.
     let mut cmd =
         common::pgapply_command(&["--log-format", "json", "--log-level", "warning", "status"]);
