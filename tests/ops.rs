@@ -891,6 +891,39 @@ async fn json_log_lines_parse() {
     );
 }
 
+/// `check` says what `run` would refuse about the slot's history on the target: progress
+/// recorded from another source, and a slot dropped after changes from it were applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_progress_from_another_source_and_a_slot_gone_since() {
+    let db = TestDb::new("chkhist").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.sync("p").await;
+    let check = || async {
+        let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let text = check().await;
+    assert!(!text.contains("PROBLEM"), "{text}");
+    db.target_sql("UPDATE pgapply.progress SET source_system_id = '42'")
+        .await;
+    let text = check().await;
+    assert!(
+        text.contains("from another source (system identifier 42"),
+        "{text}"
+    );
+    db.target_sql("UPDATE pgapply.progress SET source_system_id = NULL")
+        .await;
+    db.drop_slot().await;
+    let text = check().await;
+    assert!(
+        text.contains("no longer exists on the source, but pgapply applied changes from it")
+            && !text.contains("run with --create-slot"),
+        "{text}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_lists_every_problem() {
     let db = TestDb::new("check").await;

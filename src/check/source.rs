@@ -27,7 +27,39 @@ pub(super) async fn check_source(
         if let Err(e) = crate::replicate::refuse_same_database(dst, &system_id, &database).await {
             report.problem(e.to_string());
         }
+        // The slot's progress on the target, made from another source: `run` refuses it.
+        let recorded: Option<String> = dst
+            .query_opt(
+                "SELECT source_system_id FROM pgapply.progress WHERE slot_name = $1",
+                &[&config.slot],
+            )
+            .await
+            .ok()
+            .flatten()
+            .and_then(|r| r.get(0));
+        if let Some(id) = recorded.filter(|id| *id != system_id) {
+            report.problem(format!(
+                "the target holds progress for slot {:?} from another source (system identifier {id}, this source is {system_id}): is --source the server this slot replicates from? Otherwise give this source another --slot (or, if that other source's worker is gone for good and the target should start over for this one: pgapply forget --slot {})",
+                config.slot, config.slot
+            ));
+        }
     }
+    // What the target applied from the slot already: a slot gone since cannot be replaced by a
+    // new one without losing the changes in between.
+    let applied: Option<String> = match dst {
+        Some(dst) => dst
+            .query_opt(
+                "SELECT nullif(greatest(p.lsn, p.applied_lsn, o.end_lsn), '0/0')::text FROM pgapply.progress p \
+                 LEFT JOIN pgapply.origin_commit o ON o.origin_name = 'pgapply_' || p.slot_name \
+                 WHERE p.slot_name = $1",
+                &[&config.slot],
+            )
+            .await
+            .ok()
+            .flatten()
+            .and_then(|r| r.get(0)),
+        None => None,
+    };
     if let Ok(row) = src
         .query_one(
             "SELECT pg_catalog.pg_is_in_recovery(), current_setting('server_version_num')::int",
@@ -249,6 +281,11 @@ pub(super) async fn check_source(
                 report.ok(format!("slot {:?} exists (pgoutput)", config.slot));
             }
         }
+        Ok(None) if !config.copy_data && applied.is_some() => report.problem(format!(
+            "replication slot {:?} no longer exists on the source, but pgapply applied changes from it up to {}: a new slot would start after changes that were never applied. Start over with --copy-data --truncate-target (copies the published tables again into a new slot)",
+            config.slot,
+            applied.as_deref().unwrap_or_default()
+        )),
         Ok(None) if config.create_slot || config.copy_data => {
             report.ok(format!("slot {:?} will be created", config.slot))
         }
