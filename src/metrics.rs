@@ -314,12 +314,16 @@ fn escape_label(value: &str) -> String {
 const MAX_METRICS_REQUESTS: usize = 16;
 
 /// Binds `addr` and serves metrics in the background.
-pub async fn serve(addr: &str) -> Result<()> {
-    // `:9187`, as exporters write it: every interface.
-    let bound = match addr.strip_prefix(':') {
+/// Where `--metrics-addr` listens: `:9187`, as exporters write it, is every interface.
+pub fn listen_address(addr: &str) -> String {
+    match addr.strip_prefix(':') {
         Some(port) => format!("0.0.0.0:{port}"),
         None => addr.to_owned(),
-    };
+    }
+}
+
+pub async fn serve(addr: &str) -> Result<()> {
+    let bound = listen_address(addr);
     let listener = TcpListener::bind(&bound).await.map_err(|e| {
         let text = format!("--metrics-addr {addr}: cannot listen there: {e}");
         // Not an address at all (say a bare port), or a host name that does not resolve: the

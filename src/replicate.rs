@@ -214,7 +214,7 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
             // for maintenance: it ends some day, and the changes wait in the slot meanwhile.
             if refused {
                 Error::transient(format!(
-                    "{}: the target database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false): trying again until it allows them",
+                    "{}: the target database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false, for maintenance): the changes wait in the slot until it allows them again",
                     err.message()
                 ))
             } else if let Some(advice) = tls_advice {

@@ -634,7 +634,17 @@ impl ConnectError {
             ConnectError::Setup(e) => e.context(context.into()),
             ConnectError::Postgres(e) => {
                 let advice = tls_advice(&e);
+                // `ALTER DATABASE .. ALLOW_CONNECTIONS false` (the only 55000 a connection
+                // gets): maintenance, which ends; transient, as for a running worker.
+                let refused = e.code()
+                    == Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE);
                 let err = Error::postgres(context, e);
+                if refused {
+                    return Error::transient(format!(
+                        "{}: the database refuses connections for now (ALTER DATABASE .. ALLOW_CONNECTIONS false)",
+                        err.message()
+                    ));
+                }
                 if let Some(advice) = advice {
                     return err.context_after(advice);
                 }

@@ -906,6 +906,14 @@ async fn check_names_progress_from_another_source_and_a_slot_gone_since() {
     };
     let text = check().await;
     assert!(!text.contains("PROBLEM"), "{text}");
+    // `:PORT` (every interface), as run takes it.
+    let out = run_with_deadline(
+        db.on_both("check", &["--slot", &db.slot(), "--metrics-addr", ":59187"]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!text.contains("PROBLEM"), "{text}");
     db.target_sql("UPDATE pgapply.progress SET source_system_id = '42'")
         .await;
     let text = check().await;
@@ -915,6 +923,23 @@ async fn check_names_progress_from_another_source_and_a_slot_gone_since() {
     );
     db.target_sql("UPDATE pgapply.progress SET source_system_id = NULL")
         .await;
+    // A target database closed for maintenance: a one-shot command exits 3 (transient).
+    // (From another database: a session cannot close its own.)
+    let admin = common::connect(db.target_port, "postgres").await;
+    let allow = |yes: bool| format!("ALTER DATABASE {} ALLOW_CONNECTIONS {yes}", db.name);
+    admin.batch_execute(&allow(false)).await.unwrap();
+    let out = run_with_deadline(
+        common::pgapply_command(&["status", "--target", &db.target_conninfo()]),
+        30,
+    )
+    .await;
+    admin.batch_execute(&allow(true)).await.unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("refuses connections for now"),
+        "{}",
+        stderr(&out)
+    );
     db.drop_slot().await;
     let text = check().await;
     assert!(

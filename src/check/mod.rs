@@ -49,7 +49,7 @@ pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
         };
     // Where `run` would listen (not listened on here: a running worker may hold it).
     if let Some(addr) = &service.metrics_addr {
-        if let Err(e) = tokio::net::lookup_host(addr.as_str()).await {
+        if let Err(e) = tokio::net::lookup_host(crate::metrics::listen_address(addr)).await {
             report.problem(format!(
                 "--metrics-addr {addr}: {e}; give HOST:PORT, for example 127.0.0.1:9187"
             ));

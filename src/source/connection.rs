@@ -201,7 +201,7 @@ impl ServerError {
         // `ALTER DATABASE .. ALLOW_CONNECTIONS false`, for maintenance: it ends some day.
         if self.code == "55000" && self.message.contains("not currently accepting connections") {
             let message = format!(
-                "{context}: {self}: the source database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false): trying again until it allows them"
+                "{context}: {self}: the source database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false, for maintenance): the changes wait in the slot until it allows them again"
             );
             return Error::transient(message).with_source(self);
         }
