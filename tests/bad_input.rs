@@ -1701,7 +1701,7 @@ async fn a_slot_name_of_another_source_on_the_target() {
     assert!(!out.status.success(), "{err}");
     assert!(
         err.contains("from another source (system identifier 42")
-            && err.contains("DELETE FROM pgapply.progress WHERE slot_name"),
+            && err.contains("pgapply forget --target ... --slot"),
         "{err}"
     );
     db.target_sql("UPDATE pgapply.progress SET state = 'streaming', heartbeat_at = now()")

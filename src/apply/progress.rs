@@ -304,8 +304,7 @@ impl ProgressStore {
             }
             Some(id) if id != source_system_id => {
                 return Err(Error::definite(format!(
-                    "the target holds progress for slot {slot:?} from another source (system identifier {id}, this source is {source_system_id}): give this source another --slot; only if that other source's worker is gone for good and the target should start over for this one, delete the slot's row (DELETE FROM pgapply.progress WHERE slot_name = '{}')",
-                    slot.replace('\'', "''")
+                    "the target holds progress for slot {slot:?} from another source (system identifier {id}, this source is {source_system_id}): give this source another --slot; only if that other source's worker is gone for good and the target should start over for this one, forget that state on the target (pgapply forget --target ... --slot {slot}, without --drop-slot), then start again"
                 )))
             }
             Some(_) => {}
