@@ -341,9 +341,9 @@ async fn run_in_span(
     // Setup, tracker, heartbeat and per applier two connections (statements, catalog reads),
     // plus the dispatcher's catalog reads with parallel workers.
     // (The --streaming parallel helper has a pool of its own: `ApplyStart::add_live_helper`.)
-    // The initial copy needs one per copy job besides the setup session, its heartbeat and the
-    // recorder of its progress.
-    let sessions = (5 + 2 * config.apply_workers.max(1)).max(config.copy.jobs + 4);
+    // The initial copy needs one per copy job besides the setup session, its heartbeat, the
+    // watcher of its lock waits and the recorder of its progress.
+    let sessions = (5 + 2 * config.apply_workers.max(1)).max(config.copy.jobs + 5);
     let pool = target_pool(&config.target, sessions)?;
     // Connecting may take up to connect_timeout: a stop asked meanwhile ends the run at once
     // (nothing has started that needs a graceful end).
@@ -514,6 +514,11 @@ async fn run_in_span(
                 )
             }));
         }
+        // (Aborted when dropped, at the end of the copy or on an early return.)
+        let _lock_watch = Background::spawn({
+            let client = target_connection(&pool, &config.target).await?;
+            |quit| heartbeat::copy_lock_watch(client, quit)
+        });
         if copy_status == CopyStatus::Incomplete {
             copy::reset_interrupted(&setup, &config.slot, &config.table_map).await?;
         }

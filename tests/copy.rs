@@ -2939,7 +2939,7 @@ async fn cutover_waits_for_a_worker_still_creating_its_slot() {
         .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
         .await
         .unwrap();
-    let mut worker = spawn(db.pgapply("p", &["--copy-data"]));
+    let (mut worker, log) = common::spawn_logged(db.pgapply("p", &["--copy-data"]));
     wait_for("the worker to wait for the lock", 60, || async {
         common::waiting_for_a_lock(&db).await > 0
     })
@@ -2954,6 +2954,13 @@ async fn cutover_waits_for_a_worker_still_creating_its_slot() {
     let said = || std::fs::read_to_string(&out_path).unwrap_or_default();
     wait_for("the cutover to say it waits for the worker", 30, || async {
         said().contains("has not created its slot yet")
+    })
+    .await;
+    // The worker's log names the lock and who holds it.
+    wait_for("the worker to name the lock it waits for", 30, || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("the initial copy waits for a lock on table")
+            && text.contains("held by target process(es)")
     })
     .await;
     holder.batch_execute("COMMIT").await.unwrap();

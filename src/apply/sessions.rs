@@ -13,8 +13,21 @@ static SESSIONS: LazyLock<Mutex<Vec<(i32, i64)>>> = LazyLock::new(Mutex::default
 /// How long a session waits before the wait is said.
 const SAY_AFTER: Duration = Duration::from_secs(5);
 
+/// The initial copy's target sessions (its checks of the target tables, and its COPYs), whose
+/// lock waits are said as the apply sessions' are.
+static COPY_SESSIONS: LazyLock<Mutex<Vec<(i32, i64)>>> = LazyLock::new(Mutex::default);
+
 /// Notes an apply session (called once per session, at its start).
 pub async fn register(client: &tokio_postgres::Client) {
+    note(client, &SESSIONS).await;
+}
+
+/// Notes a target session of the initial copy.
+pub async fn register_copy(client: &tokio_postgres::Client) {
+    note(client, &COPY_SESSIONS).await;
+}
+
+async fn note(client: &tokio_postgres::Client, registry: &Mutex<Vec<(i32, i64)>>) {
     let row = client
         .query_one(
             "SELECT pid, (extract(epoch FROM backend_start) * 1000000)::int8 \
@@ -24,12 +37,14 @@ pub async fn register(client: &tokio_postgres::Client) {
         .await;
     if let Ok(row) = row {
         let session = (row.get::<_, i32>(0), row.get::<_, i64>(1));
-        if let Ok(mut sessions) = SESSIONS.lock() {
+        if let Ok(mut sessions) = registry.lock() {
             // Sessions of earlier runs of this process are gone, or will be: the last few do.
             if sessions.len() >= 64 {
                 sessions.remove(0);
             }
-            sessions.push(session);
+            if !sessions.contains(&session) {
+                sessions.push(session);
+            }
         }
     }
 }
@@ -112,19 +127,35 @@ async fn own_sessions_on_server(client: &tokio_postgres::Client) -> Vec<i32> {
         .unwrap_or_default()
 }
 
-/// Lock waits of the apply sessions, as the heartbeat last saw them.
+/// Lock waits of the apply sessions (or the copy's), as the heartbeat last saw them.
 #[derive(Default)]
 pub struct LockWaits {
     /// pid -> since when it waits, and whether that was said.
     waiting: HashMap<i32, (Instant, bool)>,
+    /// The initial copy's sessions rather than the apply sessions.
+    copy: bool,
 }
 
 impl LockWaits {
+    /// The waits of the initial copy's sessions.
+    pub fn for_copy() -> LockWaits {
+        LockWaits {
+            copy: true,
+            ..LockWaits::default()
+        }
+    }
+
     /// Looks at the apply sessions' waits on `client` (a session of its own on the target) and
     /// says one that has lasted `SAY_AFTER`, naming the table and the blocking processes, and
     /// its end.
     pub async fn check(&mut self, client: &tokio_postgres::Client) {
-        let (pids, starts): (Vec<i32>, Vec<i64>) = match SESSIONS.lock() {
+        let registry = if self.copy { &COPY_SESSIONS } else { &SESSIONS };
+        let doing = if self.copy {
+            "the initial copy"
+        } else {
+            "applying"
+        };
+        let (pids, starts): (Vec<i32>, Vec<i64>) = match registry.lock() {
             Ok(sessions) => sessions.iter().cloned().unzip(),
             Err(_) => return,
         };
@@ -195,7 +226,7 @@ impl LockWaits {
                 };
                 tracing::warn!(
                     target_process = pid,
-                    "applying waits for {what} on the target, held by {by} for {} s now: it goes on once they release it ({how})",
+                    "{doing} waits for {what} on the target, held by {by} for {} s now: it goes on once they release it ({how})",
                     now.duration_since(since).as_secs()
                 );
             }
@@ -205,7 +236,7 @@ impl LockWaits {
             if *said && !still.contains_key(pid) {
                 tracing::info!(
                     target_process = pid,
-                    "applying no longer waits for a lock on the target (waited about {} s)",
+                    "{doing} no longer waits for a lock on the target (waited about {} s)",
                     since.elapsed().as_secs()
                 );
             }

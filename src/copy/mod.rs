@@ -502,6 +502,7 @@ pub async fn plan_copy(
 ) -> Result<Option<CopyPlan>> {
     let source = connect_source(source_config).await?;
     let target = crate::replicate::target_connection(target_pool, target_config).await?;
+    crate::apply::sessions::register_copy(&target).await;
     let target_major: u32 = target
         .query_one(
             "SELECT current_setting('server_version_num')::int / 10000",
@@ -822,6 +823,7 @@ pub async fn copy_tables(
             async move {
                 let mut source = connect_source(&source_config).await?;
                 let mut target = crate::replicate::target_connection(&pool, &target_config).await?;
+                crate::apply::sessions::register_copy(&target).await;
                 loop {
                     if failed.load(Ordering::Relaxed) {
                         return Ok::<(), Error>(());

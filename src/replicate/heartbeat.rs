@@ -100,6 +100,20 @@ pub(super) async fn copy_heartbeat(client: Object, slot: String, mut quit: watch
     }
 }
 
+/// Says, while the initial copy runs, a wait of its target sessions for a lock that lasts (a
+/// user's open transaction on a target table holds the copy's checks, or its COPY), as the
+/// heartbeat says the apply sessions'.
+pub(super) async fn copy_lock_watch(client: Object, mut quit: watch::Receiver<bool>) {
+    let mut waits = crate::apply::sessions::LockWaits::for_copy();
+    loop {
+        waits.check(&client).await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = quit.changed() => return,
+        }
+    }
+}
+
 /// A task that writes to the target in the background. Stopped, it is told so and awaited, not
 /// aborted: a write it has under way then lands before what the run writes after it (and is
 /// counted as written).
