@@ -2869,6 +2869,31 @@ async fn a_partition_published_twice_is_copied_once() {
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM n").await, 8);
 }
 
+/// A `"char"` column copied from a 15-or-later source into a 14-or-older target (whose text
+/// forms of a byte above 127 differ) is named before the copy; between other versions nothing
+/// is said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn char_columns_between_versions_that_write_them_differently_are_named() {
+    let db = TestDb::new("copychar").await;
+    db.both("CREATE TABLE ch (id int PRIMARY KEY, c \"char\")")
+        .await;
+    db.source_sql("INSERT INTO ch VALUES (1, 'a'); CREATE PUBLICATION p FOR TABLE ch;")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let differ =
+        common::source_version(&db).await >= 150000 && common::target_version(&db).await < 150000;
+    assert_eq!(
+        stderr(&out).contains("\"char\" columns are copied from a PostgreSQL")
+            && stderr(&out).contains("\"public\".\"ch\".\"c\""),
+        differ,
+        "{}",
+        stderr(&out)
+    );
+    db.assert_same("ch").await;
+}
+
 /// `cutover` while `run --copy-data` is still copying (the slot shows inactive meanwhile): it
 /// waits for the copy instead of taking the slot over, then cuts over as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
