@@ -30,7 +30,7 @@ pub enum Command {
     /// Stream a publication from the source into the target.
     Run(RunArgs),
     /// Check the configuration and both servers before running, and list every problem found.
-    Check(RunArgs),
+    Check(CheckArgs),
     /// Show each slot's progress as recorded on the target.
     Status(StatusArgs),
     /// Skip one failing source transaction on purpose (by its commit LSN, printed by the error).
@@ -302,6 +302,16 @@ pub struct ForgetArgs {
     /// Also drop the replication slot on the source (its changes not applied yet are lost).
     #[arg(long)]
     pub drop_slot: bool,
+}
+
+/// `pgapply check`: `run`'s settings, checked.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Print JSON instead of text: {"ok": [...], "warnings": [...], "problems": [...]}.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `pgapply status`.

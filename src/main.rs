@@ -37,7 +37,8 @@ fn main() -> ExitCode {
     };
     // The file may set the log level, so it is read before logging starts.
     let config_path = match &cli.command {
-        Command::Run(a) | Command::Check(a) => a.servers.config.clone(),
+        Command::Run(a) => a.servers.config.clone(),
+        Command::Check(a) => a.run.servers.config.clone(),
         Command::Cutover(a) => a.run.servers.config.clone(),
         Command::Verify(a) => a.servers.config.clone(),
         Command::Schema(a) => a.servers.config.clone(),

@@ -921,6 +921,20 @@ async fn check_names_progress_from_another_source_and_a_slot_gone_since() {
         text.contains("from another source (system identifier 42"),
         "{text}"
     );
+    // The same for scripts: one JSON object, the problems in it, exit 1.
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot(), "--json"]), 60).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let found: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    let problems = found["problems"].as_array().cloned().unwrap_or_default();
+    assert!(
+        problems.len() == 1
+            && problems[0]
+                .as_str()
+                .is_some_and(|p| p.contains("from another source"))
+            && found["ok"].as_array().is_some_and(|ok| !ok.is_empty()),
+        "{found}"
+    );
     db.target_sql("UPDATE pgapply.progress SET source_system_id = NULL")
         .await;
     // A target database closed for maintenance: a one-shot command exits 3 (transient).

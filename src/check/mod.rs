@@ -3,7 +3,7 @@
 
 use tokio_postgres::Client;
 
-use crate::cli::RunArgs;
+use crate::cli::CheckArgs;
 use crate::config::{self, FileConfig};
 use crate::conninfo;
 use crate::error::{describe_postgres, Error, Result};
@@ -16,29 +16,49 @@ use source::check_source;
 pub(crate) use target::narrower;
 use target::{check_apply_session, check_target, with_target_columns};
 
+/// What the checks found: printed a line each as they go, or, for `--json`, kept and printed
+/// as one object at the end.
+#[derive(Default)]
 struct Report {
+    json: bool,
+    ok: Vec<String>,
+    warnings: Vec<String>,
     problems: Vec<String>,
 }
 
 impl Report {
-    fn ok(&self, text: impl AsRef<str>) {
-        crate::out!("ok       {}", text.as_ref());
+    fn ok(&mut self, text: impl Into<String>) {
+        let text = text.into();
+        if self.json {
+            self.ok.push(text);
+        } else {
+            crate::out!("ok       {text}");
+        }
     }
     fn problem(&mut self, text: impl Into<String>) {
         let text = text.into();
-        crate::out!("PROBLEM  {text}");
+        if !self.json {
+            crate::out!("PROBLEM  {text}");
+        }
         self.problems.push(text);
     }
     /// Works, but may fail or change values later: said, not counted as a problem.
-    fn warning(&self, text: impl AsRef<str>) {
-        crate::out!("WARNING  {}", text.as_ref());
+    fn warning(&mut self, text: impl Into<String>) {
+        let text = text.into();
+        if self.json {
+            self.warnings.push(text);
+        } else {
+            crate::out!("WARNING  {text}");
+        }
     }
 }
 
-pub async fn check_command(args: &RunArgs, file: &FileConfig) -> Result<()> {
+pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
     let mut report = Report {
-        problems: Vec::new(),
+        json: args.json,
+        ..Report::default()
     };
+    let args = &args.run;
     let (config, service) =
         match config::resolve(args, file).and_then(|c| config::check_run_only(&c.0).map(|()| c)) {
             Ok(c) => c,
@@ -303,8 +323,20 @@ async fn server_version(client: &Client) -> u32 {
 }
 
 fn finish(report: Report) -> Result<()> {
+    if report.json {
+        crate::out!(
+            "{}",
+            serde_json::json!({
+                "ok": report.ok,
+                "warnings": report.warnings,
+                "problems": report.problems,
+            })
+        );
+    }
     if report.problems.is_empty() {
-        crate::out!("no problems found");
+        if !report.json {
+            crate::out!("no problems found");
+        }
         Ok(())
     } else {
         // Each is on its PROBLEM line above: the error names the count and the first only, or
