@@ -734,6 +734,9 @@ pub(super) fn compatible(source: &str, target: &str, target_category: &str) -> b
         || family(&text)
         || family(&times)
         || (target_category == "S" && text.contains(&base(source).as_str()))
+        // Values travel in their text form, which a text column takes whatever the source's
+        // type (one a target of an older version lacks, a multirange into 13, say).
+        || target == "text"
 }
 
 #[cfg(test)]
@@ -753,6 +756,8 @@ mod tests {
         assert!(compatible("public.citext", "extensions.citext", "S"));
         assert!(compatible("public.citext[]", "ext.citext[]", "A"));
         assert!(!compatible("text", "integer", "N"));
+        assert!(compatible("int4multirange", "text", "S"));
+        assert!(!compatible("int4multirange", "character varying(10)", "S"));
         assert!(narrower("bigint", "integer").is_some());
         assert!(narrower("integer", "bigint").is_none());
         assert!(narrower("numeric", "integer").is_some());
