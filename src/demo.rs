@@ -42,6 +42,33 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
     let bin = pg_bin.or_else(find_pg_bin).ok_or_else(|| {
         Error::definite("no PostgreSQL binaries found: install postgresql (e.g. apt-get install postgresql-15) or set PGAPPLY_PG_BIN to a directory with initdb, pg_ctl and postgres")
     })?;
+    for program in ["initdb", "pg_ctl", "postgres"] {
+        if !bin.join(program).is_file() {
+            return Err(Error::usage(format!(
+                "{} not found: give --pg-bin (or PGAPPLY_PG_BIN) a directory with initdb, pg_ctl and postgres",
+                bin.join(program).display()
+            )));
+        }
+    }
+    // Ctrl-C or SIGTERM ends the demo early, and the clusters are stopped and removed as at
+    // its end (they are dropped on the way out).
+    let (asked_tx, asked) = watch::channel(false);
+    tokio::spawn(async move {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = term => {}
+        }
+        asked_tx.send_replace(true);
+    });
+    let stop_asked = || *asked.borrow();
     crate::out!(
         "starting two throwaway PostgreSQL clusters from {}",
         bin.display()
@@ -79,6 +106,8 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
     );
     config.create_slot = true;
     config.status_interval = Duration::from_secs(1);
+    // (Inside a cluster's directory: removed with it.)
+    config.spool_dir = Some(target.data_dir.join("pgapply-spool"));
     let (stop_tx, stop_rx) = watch::channel(false);
     let (progress_tx, progress_rx) = watch::channel(RunProgress::default());
     let worker = tokio::spawn(run(config, stop_rx, Some(progress_tx)));
@@ -96,8 +125,13 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
         if row.get::<_, i64>(0) == 1 {
             break;
         }
-        if worker.is_finished() || Instant::now() > deadline {
+        if worker.is_finished() || Instant::now() > deadline || stop_asked() {
             stop_tx.send_replace(true);
+            if stop_asked() {
+                let _ = worker.await;
+                crate::out!("stopped on request: the demo clusters are removed");
+                return Ok(());
+            }
             return match worker.await {
                 Ok(Err(e)) => Err(e),
                 _ => Err(Error::definite(
@@ -116,7 +150,7 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
     let mut next_id: i64 = 1;
     let mut last_report = Instant::now();
     let mut txns = 0u64;
-    while began.elapsed() < duration {
+    while began.elapsed() < duration && !stop_asked() {
         let statuses = ["new", "paid", "shipped"];
         let sql = format!(
             "BEGIN;
@@ -153,11 +187,17 @@ pub async fn demo(duration: Duration, pg_bin: Option<std::path::PathBuf>) -> Res
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 
+    if stop_asked() {
+        stop_tx.send_replace(true);
+        let _ = worker.await;
+        crate::out!("stopped on request after {txns} transactions: the demo clusters are removed");
+        return Ok(());
+    }
     let end = wal_position(&src).await?;
     crate::out!("workload done: {txns} transactions; waiting for pgapply to reach {end}");
     let deadline = Instant::now() + Duration::from_secs(60);
     while progress_rx.borrow().durable < end {
-        if worker.is_finished() || Instant::now() > deadline {
+        if worker.is_finished() || Instant::now() > deadline || stop_asked() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

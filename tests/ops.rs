@@ -1371,6 +1371,57 @@ async fn the_demo_mirrors_a_live_workload() {
     assert!(text.contains("source and target match"), "{text}");
 }
 
+/// The demo stopped by SIGTERM (or Ctrl-C) while its workload runs: it says so, exits 0, and
+/// leaves no cluster running and no directory behind. A --pg-bin without the programs is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_stopped_early_removes_its_clusters() {
+    let bin = common::clusters().target_bin.to_string_lossy().to_string();
+    let tmp = std::env::temp_dir().join(format!("pgapply-demo-stop-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    // (The postgres user creates its clusters there.)
+    let _ = std::process::Command::new("chmod")
+        .arg("0777")
+        .arg(&tmp)
+        .output();
+    let out_path = tmp.join("demo.out");
+    let mut cmd = pgapply();
+    cmd.args(["demo", "--duration", "120s", "--pg-bin", &bin])
+        .env("TMPDIR", &tmp)
+        .stdout(std::fs::File::create(&out_path).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    let said = || std::fs::read_to_string(&out_path).unwrap_or_default();
+    wait_for("the demo's workload to run", 120, || async {
+        said().contains("transactions on the source")
+    })
+    .await;
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), child.wait())
+        .await
+        .expect("the demo ends")
+        .unwrap();
+    assert!(status.success(), "{status}: {}", said());
+    assert!(said().contains("stopped on request"), "{}", said());
+    let left: Vec<String> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "demo.out")
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let mut cmd = pgapply();
+    cmd.args(["demo", "--pg-bin", "/nonexistent/bin"]);
+    let out = run_with_deadline(cmd, 30).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("/nonexistent/bin/initdb not found"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 /// `status` and `skip` read the target, its password file and the slot from `--config` too, as
 /// `run` does: one config file serves every command.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
