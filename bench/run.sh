@@ -445,6 +445,8 @@ median() { tr ' ' '\n' | sed '/^$/d' | sort -g | awk '{ v[NR] = $1 } END { if (N
 PG_VERSION="$(q "$SRC_PORT" bench "SHOW server_version")"
 GIT_REV="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if [ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ]; then GIT_REV="$GIT_REV (modified)"; fi
+# A binary given from elsewhere may not be the checkout's build: named as given.
+if [ -n "${PGAPPLY_BIN:-}" ]; then GIT_REV="binary $PGAPPLY_BIN (checkout $GIT_REV)"; fi
 CPU_MODEL="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)"
 
 speed_ratios="" cpu_ratios="" ceil_b="" ceil_p="" ceil_t=""
