@@ -373,25 +373,6 @@ pub fn tls_server_end_point(certificate: &[u8]) -> Option<Vec<u8>> {
 /// The OID (its encoded bytes) of a DER certificate's signatureAlgorithm: `Certificate ::=
 /// SEQUENCE { tbsCertificate, signatureAlgorithm SEQUENCE { OID, .. }, signature }`.
 fn signature_algorithm(der: &[u8]) -> Option<&[u8]> {
-    // One TLV: (tag, contents, the rest after it).
-    fn tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
-        let (&tag, rest) = input.split_first()?;
-        let (&first, rest) = rest.split_first()?;
-        let (len, rest) = if first < 0x80 {
-            (first as usize, rest)
-        } else {
-            let n = (first & 0x7f) as usize;
-            if n == 0 || n > 4 || rest.len() < n {
-                return None;
-            }
-            let len = rest[..n].iter().fold(0usize, |a, &b| (a << 8) | b as usize);
-            (len, &rest[n..])
-        };
-        if rest.len() < len {
-            return None;
-        }
-        Some((tag, &rest[..len], &rest[len..]))
-    }
     let (0x30, certificate, _) = tlv(der)? else {
         return None;
     };
@@ -405,6 +386,239 @@ fn signature_algorithm(der: &[u8]) -> Option<&[u8]> {
         return None;
     };
     Some(oid)
+}
+
+/// One DER TLV: (tag, contents, the rest after it).
+fn tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (first as usize, rest)
+    } else {
+        let n = (first & 0x7f) as usize;
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n].iter().fold(0usize, |a, &b| (a << 8) | b as usize);
+        (len, &rest[n..])
+    };
+    if rest.len() < len {
+        return None;
+    }
+    Some((tag, &rest[..len], &rest[len..]))
+}
+
+/// The subject's common names of a DER certificate, or None when it has a subjectAltName
+/// extension (whose names then are the only ones, as libpq reads them) or does not parse.
+fn common_names_without_alt_names(der: &[u8]) -> Option<Vec<String>> {
+    const CN: &[u8] = &[0x55, 0x04, 0x03];
+    const SAN: &[u8] = &[0x55, 0x1d, 0x11];
+    let (0x30, certificate, _) = tlv(der)? else {
+        return None;
+    };
+    // version [0] (optional), serialNumber, signature, issuer, validity, subject, spki,
+    // issuerUniqueID [1], subjectUniqueID [2], extensions [3].
+    let fields = tbs_fields(certificate)?;
+    let skip = usize::from(fields.first()?.0 == 0xa0);
+    let (0x30, subject, _) = *fields.get(skip + 4)? else {
+        return None;
+    };
+    if let Some((_, extensions, _)) = fields.iter().find(|(tag, _, _)| *tag == 0xa3) {
+        let (0x30, mut list, _) = tlv(extensions)? else {
+            return None;
+        };
+        while !list.is_empty() {
+            let (_, extension, after) = tlv(list)?;
+            if let (0x06, oid, _) = tlv(extension)? {
+                if oid == SAN {
+                    return None;
+                }
+            }
+            list = after;
+        }
+    }
+    let mut names = Vec::new();
+    let mut sets = subject;
+    while !sets.is_empty() {
+        let (0x31, set, after) = tlv(sets)? else {
+            return None;
+        };
+        let mut attributes = set;
+        while !attributes.is_empty() {
+            let (0x30, attribute, next) = tlv(attributes)? else {
+                return None;
+            };
+            let (0x06, oid, value) = tlv(attribute)? else {
+                return None;
+            };
+            if oid == CN {
+                // UTF8String, PrintableString, IA5String, T61String.
+                if let (0x0c | 0x13 | 0x16 | 0x14, text, _) = tlv(value)? {
+                    names.push(String::from_utf8_lossy(text).into_owned());
+                }
+            }
+            attributes = next;
+        }
+        sets = after;
+    }
+    Some(names)
+}
+
+/// Whether a DER certificate is X.509 version 1 (no extensions: what `openssl x509 -req`
+/// makes without `-extfile`, as PostgreSQL's manual shows it), which webpki does not take.
+fn is_version1(der: &[u8]) -> bool {
+    let Some((0x30, certificate, _)) = tlv(der) else {
+        return false;
+    };
+    let Some((0x30, tbs, _)) = tlv(certificate) else {
+        return false;
+    };
+    matches!(tlv(tbs), Some((tag, _, _)) if tag != 0xa0)
+}
+
+/// A version 1 certificate signed by one of the root certificates given (`roots`, DER) and
+/// valid `now`: the check OpenSSL (and so libpq) makes of it, for a server certificate made the
+/// way PostgreSQL's manual shows. (One level: signed by a root itself.)
+fn version1_signed_by_root(
+    der: &[u8],
+    roots: &[Vec<u8>],
+    provider: &rustls::crypto::CryptoProvider,
+    now: UnixTime,
+) -> bool {
+    let check = || -> Option<bool> {
+        let (0x30, certificate, _) = tlv(der)? else {
+            return None;
+        };
+        let (0x30, _, after_tbs) = tlv(certificate)? else {
+            return None;
+        };
+        // The signed bytes: the whole tbsCertificate, its tag and length included.
+        let signed = &certificate[..certificate.len() - after_tbs.len()];
+        let (0x30, algorithm, after_algorithm) = tlv(after_tbs)? else {
+            return None;
+        };
+        let (0x03, signature, _) = tlv(after_algorithm)? else {
+            return None;
+        };
+        let signature = signature.split_first()?.1;
+        let fields = tbs_fields(certificate)?;
+        let skip = usize::from(fields.first()?.0 == 0xa0);
+        let issuer = fields.get(skip + 2)?.2;
+        let (0x30, validity, _) = *fields.get(skip + 3)? else {
+            return None;
+        };
+        let (t1, not_before, rest) = tlv(validity)?;
+        let (t2, not_after, _) = tlv(rest)?;
+        let now = now.as_secs() as i64;
+        if now < asn1_time(t1, not_before)? || now > asn1_time(t2, not_after)? {
+            return Some(false);
+        }
+        for root in roots {
+            let Some(root_fields) = tbs_fields(tlv(root)?.1) else {
+                continue;
+            };
+            let root_skip = usize::from(root_fields.first()?.0 == 0xa0);
+            if root_fields.get(root_skip + 4)?.2 != issuer {
+                continue;
+            }
+            let (0x30, spki, _) = *root_fields.get(root_skip + 5)? else {
+                continue;
+            };
+            let (0x30, key_algorithm, after) = tlv(spki)? else {
+                continue;
+            };
+            let (0x03, key, _) = tlv(after)? else {
+                continue;
+            };
+            let key = key.split_first()?.1;
+            let verified = provider
+                .signature_verification_algorithms
+                .all
+                .iter()
+                .any(|a| {
+                    a.signature_alg_id().as_ref() == algorithm
+                        && a.public_key_alg_id().as_ref() == key_algorithm
+                        && a.verify_signature(key, signed, signature).is_ok()
+                });
+            if verified {
+                return Some(true);
+            }
+        }
+        Some(false)
+    };
+    check().unwrap_or(false)
+}
+
+/// One DER field: its tag, its contents, and the whole TLV.
+type Field<'a> = (u8, &'a [u8], &'a [u8]);
+
+/// A certificate's tbsCertificate fields (`certificate`: the Certificate SEQUENCE's contents):
+/// (tag, contents, the whole TLV).
+fn tbs_fields(certificate: &[u8]) -> Option<Vec<Field<'_>>> {
+    let (0x30, tbs, _) = tlv(certificate)? else {
+        return None;
+    };
+    let mut rest = tbs;
+    let mut fields = Vec::new();
+    while !rest.is_empty() {
+        let (tag, contents, after) = tlv(rest)?;
+        fields.push((tag, contents, &rest[..rest.len() - after.len()]));
+        rest = after;
+    }
+    Some(fields)
+}
+
+/// A UTCTime (`YYMMDDHHMMSSZ`, 1950 to 2049) or GeneralizedTime (`YYYYMMDDHHMMSSZ`), in seconds
+/// since 1970.
+fn asn1_time(tag: u8, text: &[u8]) -> Option<i64> {
+    let text = std::str::from_utf8(text).ok()?.strip_suffix('Z')?;
+    let (year, rest) = match tag {
+        0x17 if text.len() == 12 => {
+            let yy: i64 = text[..2].parse().ok()?;
+            (if yy < 50 { 2000 + yy } else { 1900 + yy }, &text[2..])
+        }
+        0x18 if text.len() == 14 => (text[..4].parse().ok()?, &text[4..]),
+        _ => return None,
+    };
+    let part = |i: usize| -> Option<i64> { rest.get(i..i + 2)?.parse().ok() };
+    let (month, day) = (part(0)?, part(2)?);
+    let (hour, minute, second) = (part(4)?, part(6)?, part(8)?);
+    // Days from 1970-01-01 to the date (the proleptic Gregorian calendar).
+    let (y, m) = if month <= 2 {
+        (year - 1, month + 9)
+    } else {
+        (year, month - 3)
+    };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * m + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + hour * 3600 + minute * 60 + second)
+}
+
+/// A certificate name (`db.example.com`, or `*.example.com` for one label) against the host
+/// connected to, as libpq compares them: without regard to case.
+fn name_matches(name: &str, host: &str) -> bool {
+    let (name, host) = (name.to_ascii_lowercase(), host.to_ascii_lowercase());
+    match name.strip_prefix("*.") {
+        Some(domain) => host
+            .split_once('.')
+            .is_some_and(|(label, rest)| !label.is_empty() && rest == domain),
+        None => name == host,
+    }
+}
+
+/// verify-full against a certificate with no subjectAltName: its subject's common name, as
+/// libpq falls back to it (webpki reads only subjectAltName).
+fn common_name_fits(end_entity: &CertificateDer<'_>, server_name: &ServerName<'_>) -> bool {
+    let host = match server_name {
+        ServerName::DnsName(d) => d.as_ref().to_owned(),
+        ServerName::IpAddress(ip) => std::net::IpAddr::from(*ip).to_string(),
+        _ => return false,
+    };
+    common_names_without_alt_names(end_entity.as_ref())
+        .is_some_and(|names| names.iter().any(|n| name_matches(n, &host)))
 }
 
 fn verifier(
@@ -435,6 +649,67 @@ struct Verifier {
 }
 
 impl Verifier {
+    /// A version 1 server certificate (webpki takes only version 3) signed by a root given, and
+    /// for verify-full naming the host in its subject's common name (it has no other names).
+    fn version1(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        server_name: &ServerName<'_>,
+        now: UnixTime,
+        full: bool,
+    ) -> Option<std::result::Result<ServerCertVerified, rustls::Error>> {
+        if !is_version1(end_entity.as_ref())
+            || !version1_signed_by_root(end_entity.as_ref(), &self.pinned, &self.provider, now)
+        {
+            return None;
+        }
+        Some(if !full || common_name_fits(end_entity, server_name) {
+            Ok(ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName,
+            ))
+        })
+    }
+
+    /// The handshake's signature by the key of a version 1 certificate, which webpki does not
+    /// parse: its subjectPublicKeyInfo read here, the algorithms rustls has for the scheme.
+    fn version1_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        let bad = || rustls::Error::InvalidCertificate(CertificateError::BadSignature);
+        let spki = || -> Option<(&[u8], &[u8])> {
+            let fields = tbs_fields(tlv(cert.as_ref())?.1)?;
+            let skip = usize::from(fields.first()?.0 == 0xa0);
+            let (0x30, spki, _) = *fields.get(skip + 5)? else {
+                return None;
+            };
+            let (0x30, algorithm, after) = tlv(spki)? else {
+                return None;
+            };
+            let (0x03, key, _) = tlv(after)? else {
+                return None;
+            };
+            Some((algorithm, key.split_first()?.1))
+        };
+        let (algorithm, key) = spki().ok_or_else(bad)?;
+        let mapping = self.provider.signature_verification_algorithms.mapping;
+        let verified = mapping
+            .iter()
+            .filter(|(scheme, _)| *scheme == dss.scheme)
+            .flat_map(|(_, algs)| algs.iter())
+            .filter(|a| a.public_key_alg_id().as_ref() == algorithm)
+            .any(|a| a.verify_signature(key, message, dss.signature()).is_ok());
+        if verified {
+            Ok(HandshakeSignatureValid::assertion())
+        } else {
+            Err(bad())
+        }
+    }
+
     /// A server certificate that is itself one of the root certificates given (a self-signed
     /// one, made with `openssl req -x509`, which marks it a CA: webpki refuses a CA as a
     /// server's certificate, libpq's OpenSSL trusts it): trusted, its name checked for
@@ -458,7 +733,13 @@ impl Verifier {
         Some(
             rustls::server::ParsedCertificate::try_from(end_entity)
                 .and_then(|parsed| rustls::client::verify_server_name(&parsed, server_name))
-                .map(|()| ServerCertVerified::assertion()),
+                .map(|()| ServerCertVerified::assertion())
+                .or_else(|e| match e {
+                    _ if common_name_fits(end_entity, server_name) => {
+                        Ok(ServerCertVerified::assertion())
+                    }
+                    e => Err(e),
+                }),
         )
     }
 }
@@ -487,7 +768,17 @@ impl ServerCertVerifier for Verifier {
                     ocsp_response,
                     now,
                 ) {
-                    Err(e) => self.pinned(end_entity, server_name, true).unwrap_or(Err(e)),
+                    // (webpki checks the name after the chain: the chain is good.)
+                    Err(rustls::Error::InvalidCertificate(
+                        CertificateError::NotValidForName
+                        | CertificateError::NotValidForNameContext { .. },
+                    )) if common_name_fits(end_entity, server_name) => {
+                        Ok(ServerCertVerified::assertion())
+                    }
+                    Err(e) => self
+                        .pinned(end_entity, server_name, true)
+                        .or_else(|| self.version1(end_entity, server_name, now, true))
+                        .unwrap_or(Err(e)),
                     ok => ok,
                 }
             }
@@ -505,6 +796,7 @@ impl ServerCertVerifier for Verifier {
                     )) => Ok(ServerCertVerified::assertion()),
                     Err(e) => self
                         .pinned(end_entity, server_name, false)
+                        .or_else(|| self.version1(end_entity, server_name, now, false))
                         .unwrap_or(Err(e)),
                     ok => ok,
                 }
@@ -518,6 +810,9 @@ impl ServerCertVerifier for Verifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        if is_version1(cert.as_ref()) {
+            return self.version1_signature(message, cert, dss);
+        }
         rustls::crypto::verify_tls12_signature(
             message,
             cert,
@@ -532,6 +827,26 @@ impl ServerCertVerifier for Verifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        if is_version1(cert.as_ref()) {
+            // (TLS 1.3 signs with these only: no PKCS#1 v1.5, no SHA-1.)
+            let tls13 = matches!(
+                dss.scheme,
+                SignatureScheme::ECDSA_NISTP256_SHA256
+                    | SignatureScheme::ECDSA_NISTP384_SHA384
+                    | SignatureScheme::ECDSA_NISTP521_SHA512
+                    | SignatureScheme::RSA_PSS_SHA256
+                    | SignatureScheme::RSA_PSS_SHA384
+                    | SignatureScheme::RSA_PSS_SHA512
+                    | SignatureScheme::ED25519
+                    | SignatureScheme::ED448
+            );
+            if !tls13 {
+                return Err(
+                    rustls::PeerMisbehaved::SignedHandshakeWithUnadvertisedSigScheme.into(),
+                );
+            }
+            return self.version1_signature(message, cert, dss);
+        }
         rustls::crypto::verify_tls13_signature(
             message,
             cert,
@@ -675,6 +990,20 @@ mod tests {
         let mut der = vec![0x30, 0x81, body.len() as u8];
         der.extend_from_slice(&body);
         der
+    }
+
+    #[test]
+    fn certificate_times_and_names_read_as_openssl_and_libpq_read_them() {
+        // 2026-12-02 00:17:20 UTC, as UTCTime and GeneralizedTime; 1999 from a UTCTime.
+        assert_eq!(asn1_time(0x17, b"261202001720Z"), Some(1_796_170_640));
+        assert_eq!(asn1_time(0x18, b"20261202001720Z"), Some(1_796_170_640));
+        assert_eq!(asn1_time(0x17, b"991231235959Z"), Some(946_684_799));
+        assert_eq!(asn1_time(0x17, b"2612020017Z"), None);
+        assert!(name_matches("DB.example.com", "db.EXAMPLE.com"));
+        assert!(name_matches("*.example.com", "db.example.com"));
+        assert!(!name_matches("*.example.com", "a.db.example.com"));
+        assert!(!name_matches("*.example.com", "example.com"));
+        assert!(!name_matches("db.example.com", "db.example.org"));
     }
 
     #[test]

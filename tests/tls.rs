@@ -29,6 +29,12 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 /// A CA and a server certificate for `localhost` (no IP address in it), and a second, unrelated CA.
 fn make_certs() -> Certs {
+    make_certs_with(Some("subjectAltName=DNS:localhost\n"))
+}
+
+/// `make_certs`, the server certificate made with these extensions: none makes a version 1
+/// certificate (as `openssl x509 -req` does, the way PostgreSQL's manual shows it).
+fn make_certs_with(extensions: Option<&str>) -> Certs {
     // (One directory per call: tests run side by side, each with its own CA and servers.)
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -86,27 +92,26 @@ fn make_certs() -> Certs {
             "server.csr",
         ],
     );
-    std::fs::write(dir.join("ext.cnf"), "subjectAltName=DNS:localhost\n").unwrap();
-    openssl(
-        &dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-            "-out",
-            "server.crt",
-        ],
-    );
+    let mut sign = vec![
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-out",
+        "server.crt",
+    ];
+    if let Some(extensions) = extensions {
+        std::fs::write(dir.join("ext.cnf"), extensions).unwrap();
+        sign.extend(["-extfile", "ext.cnf"]);
+    }
+    openssl(&dir, &sign);
     hand_to_postgres(&dir, &["ca.crt", "other.crt"]);
     Certs { dir }
 }
@@ -541,6 +546,55 @@ async fn client_certificates_on_both_connections() {
         "{}",
         stderr(&out)
     );
+}
+
+/// Server certificates as PostgreSQL's manual makes them: version 1 (no extensions), or version
+/// 3 without a subjectAltName; either names the host only in its subject's common name, which
+/// verify-full reads then, as libpq does; verify-ca checks the signature of the version 1 one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificates_naming_the_host_in_their_common_name_only() {
+    let v1 = make_certs_with(None);
+    let no_alt_names = make_certs_with(Some("basicConstraints=CA:FALSE\n"));
+    let source = tls_cluster(&v1);
+    let target = tls_cluster(&no_alt_names);
+    let conn = |port: u16, host: &str, mode: &str, certs: &Certs| {
+        format!(
+            "host={host} port={port} user=postgres dbname=postgres sslmode={mode} sslrootcert={}",
+            certs.dir.join("ca.crt").display()
+        )
+    };
+    let src = conn(source.port, "localhost", "verify-full", &v1);
+    let dst = conn(target.port, "LOCALHOST", "verify-full", &no_alt_names);
+    sql(&dst, "CREATE TABLE t (id int PRIMARY KEY)").await;
+    sql(&src, "CREATE TABLE t (id int PRIMARY KEY)").await;
+    sql(&src, "CREATE PUBLICATION p FOR TABLE t").await;
+    sql(
+        &src,
+        "SELECT pg_create_logical_replication_slot('tls_slot', 'pgoutput')",
+    )
+    .await;
+    sql(&src, "INSERT INTO t VALUES (1)").await;
+    let endpos = sql(&src, "SELECT pg_current_wal_lsn()::text")
+        .await
+        .remove(0);
+    let out = run_with_deadline(pgapply(&src, &dst, &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        sql(&dst, "SELECT count(*) FROM t").await,
+        vec!["1".to_string()]
+    );
+    // verify-ca takes the version 1 certificate by another name; verify-full does not, nor
+    // does a root that did not sign it.
+    let ca_only = conn(source.port, "127.0.0.1", "verify-ca", &v1);
+    let out = run_with_deadline(pgapply(&ca_only, &dst, &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    for wrong in [
+        conn(source.port, "127.0.0.1", "verify-full", &v1),
+        conn(source.port, "localhost", "verify-ca", &no_alt_names),
+    ] {
+        let out = run_with_deadline(pgapply(&wrong, &dst, &["--endpos", &endpos]), 60).await;
+        assert_eq!(out.status.code(), Some(1), "{wrong}: {}", stderr(&out));
+    }
 }
 
 /// A server whose self-signed certificate (marked a CA, as `openssl req -x509` makes it) is
