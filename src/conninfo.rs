@@ -85,6 +85,14 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     if tls.client_key.is_none() {
         tls.client_key = env("PGSSLKEY").map(PathBuf::from);
     }
+    // As libpq: a Unix-domain socket carries no TLS, whatever sslmode says (the server answers
+    // no to it there).
+    let sockets_only = !config.get_hosts().is_empty()
+        && config.get_hostaddrs().is_empty()
+        && config.get_hosts().iter().all(|h| matches!(h, Host::Unix(_)));
+    if sockets_only {
+        tls.mode = crate::tls::SslMode::Disable;
+    }
     config.ssl_mode(tls.mode.for_tokio_postgres());
     crate::tls::register(&config, tls);
     Ok(config)
@@ -583,6 +591,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("PGPASSFILE"), "{err}");
+    }
+
+    #[test]
+    fn a_unix_socket_carries_no_tls_whatever_sslmode_says() {
+        let c = parse(
+            "target",
+            "host=/var/run/postgresql user=u dbname=d sslmode=verify-full",
+        )
+        .unwrap();
+        assert_eq!(
+            crate::tls::settings_for(&c).mode,
+            crate::tls::SslMode::Disable
+        );
+        let c = parse("target", "host=db user=u dbname=d sslmode=require").unwrap();
+        assert_eq!(
+            crate::tls::settings_for(&c).mode,
+            crate::tls::SslMode::Require
+        );
     }
 
     #[test]

@@ -59,6 +59,15 @@ impl Error {
     }
 
     pub fn io(context: impl Into<String>, err: std::io::Error) -> Self {
+        // The server ended the TLS handshake over a setting (a client certificate it does not
+        // take, say: TLS 1.3 says so only after the handshake, at the first read).
+        if let Some(alert) = refusing_alert(&err) {
+            return Error {
+                class: ErrorClass::Definite,
+                message: format!("{}: {err}; {}", context.into(), alert_advice(alert)),
+                source: Some(Box::new(err)),
+            };
+        }
         Error {
             class: ErrorClass::Transient,
             message: format!("{}: {err}", context.into()),
@@ -187,9 +196,54 @@ fn classify_postgres(err: &tokio_postgres::Error) -> ErrorClass {
         None if server_lacks_tls(err) => ErrorClass::Definite,
         // A certificate the connection's sslmode and sslrootcert do not accept: nor will they.
         None if certificate_refused(err) => ErrorClass::Definite,
+        // Nor does the server take again what it refused (a client certificate, say).
+        None if refusing_alert(err).is_some() => ErrorClass::Definite,
         // Not a server error: connection closed, I/O, timeout.
         None => ErrorClass::Transient,
     }
+}
+
+/// A TLS alert from the server that a retry does not change: it refuses the client's
+/// certificate (or its absence), or the versions and algorithms offered.
+pub fn refusing_alert(err: &(dyn std::error::Error + 'static)) -> Option<rustls::AlertDescription> {
+    use rustls::AlertDescription as A;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(s) = source {
+        let found = s.downcast_ref::<rustls::Error>().or_else(|| {
+            s.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|e| e.downcast_ref::<rustls::Error>())
+        });
+        if let Some(rustls::Error::AlertReceived(alert)) = found {
+            return matches!(
+                alert,
+                A::BadCertificate
+                    | A::UnsupportedCertificate
+                    | A::CertificateRevoked
+                    | A::CertificateExpired
+                    | A::CertificateUnknown
+                    | A::UnknownCA
+                    | A::DecryptError
+                    | A::IllegalParameter
+                    | A::HandshakeFailure
+                    | A::ProtocolVersion
+                    | A::AccessDenied
+                    | A::CertificateRequired
+                    | A::InsufficientSecurity
+            )
+            .then_some(*alert);
+        }
+        source = s.source();
+    }
+    None
+}
+
+/// What a refusing TLS alert asks of the user.
+pub fn alert_advice(alert: rustls::AlertDescription) -> String {
+    format!(
+        "(TLS alert {alert:?}) {}",
+        crate::tls::CLIENT_CERTIFICATE_ADVICE
+    )
 }
 
 /// The TLS handshake refused the server's certificate (another CA, another name, expired).

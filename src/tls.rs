@@ -221,6 +221,13 @@ fn client_identity(
     else {
         return Ok(None);
     };
+    if let Some(given) = settings.client_key.as_ref().filter(|p| !p.exists()) {
+        return Err(Error::definite(format!(
+            "sslkey {}: no such file (the private key of sslcert {}): check the path",
+            given.display(),
+            cert_path.display()
+        )));
+    }
     let key_path = settings
         .client_key
         .clone()
@@ -275,9 +282,19 @@ fn client_identity(
     // A version 1 certificate (what `openssl x509 -req` makes without extensions) cannot be
     // parsed for this check, but libpq and the server accept it: only a definite mismatch is
     // refused here.
-    if let Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) =
-        identity.keys_match()
-    {
+    // (Compared by hand when rustls cannot parse the certificate: a version 1 one.)
+    let mismatch = match identity.keys_match() {
+        Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => true,
+        Ok(()) => false,
+        Err(_) => match (
+            identity.key.public_key(),
+            certificate_spki(identity.cert.first()),
+        ) {
+            (Some(key), Some(cert)) => key.as_ref() != cert,
+            _ => false,
+        },
+    };
+    if mismatch {
         return Err(Error::definite(format!(
             "sslcert {} and sslkey {}: the key is not the certificate's: give the key the certificate was made for",
             cert_path.display(),
@@ -301,8 +318,8 @@ impl rustls::client::ResolvesClientCert for ClientIdentity {
     }
 }
 
-/// libpq's rule for a client key: no access for group or others when the file is the user's
-/// own; read access for the group at most when it belongs to root (a key managed by the system).
+/// libpq's rule for a client key: read access for the group at most when it belongs to root (a
+/// key managed by the system); otherwise no access for group or others.
 fn key_file_private(path: &std::path::Path) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(path)
@@ -313,17 +330,17 @@ fn key_file_private(path: &std::path::Path) -> Result<()> {
             path.display()
         )));
     }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
+    // As libpq: a key owned by root may be read by its group (u=rw,g=r at most); any other
+    // owner's by nobody else (u=rw at most), whoever runs pgapply.
     let mode = meta.mode();
-    let too_open = if meta.uid() == me {
-        mode & 0o077 != 0
+    let too_open = if meta.uid() == 0 {
+        mode & 0o037 != 0
     } else {
-        meta.uid() == 0 && mode & 0o037 != 0
+        mode & 0o077 != 0
     };
     if too_open {
         return Err(Error::definite(format!(
-            "sslkey {}: others may read the key (permissions {:04o}): make it readable by its owner only (chmod 0600), or, owned by root, by its group at most (0640)",
+            "sslkey {}: others may read the key (permissions {:04o}): make it readable by its owner only (chmod 0600), or, for a key owned by root, by root's group at most (chmod 0640)",
             path.display(),
             mode & 0o7777
         )));
@@ -547,6 +564,13 @@ fn version1_signed_by_root(
         Some(false)
     };
     check().unwrap_or(false)
+}
+
+/// A certificate's subjectPublicKeyInfo, the whole DER TLV.
+fn certificate_spki<'a>(certificate: Option<&'a CertificateDer<'a>>) -> Option<&'a [u8]> {
+    let fields = tbs_fields(tlv(certificate?.as_ref())?.1)?;
+    let skip = usize::from(fields.first()?.0 == 0xa0);
+    Some(fields.get(skip + 5)?.2)
 }
 
 /// One DER field: its tag, its contents, and the whole TLV.
@@ -924,7 +948,9 @@ pub async fn connect_to(
 /// What to do about a connection the TLS settings made fail (no TLS on a server sslmode
 /// requires it of, a certificate sslrootcert does not vouch for): settings, not a retry, fix it.
 pub fn tls_advice(e: &tokio_postgres::Error) -> Option<&'static str> {
-    if crate::error::server_lacks_tls(e) {
+    if crate::error::refusing_alert(e).is_some() {
+        Some(CLIENT_CERTIFICATE_ADVICE)
+    } else if crate::error::server_lacks_tls(e) {
         Some(NO_TLS_ADVICE)
     } else if crate::error::certificate_refused(e) {
         Some(CERTIFICATE_ADVICE)
@@ -933,6 +959,7 @@ pub fn tls_advice(e: &tokio_postgres::Error) -> Option<&'static str> {
     }
 }
 
+pub const CLIENT_CERTIFICATE_ADVICE: &str = "the server ended the TLS handshake over the connection's settings, not for a moment: if it asks for a client certificate, check sslcert and sslkey (the key must be the certificate's; the certificate signed by a CA in the server's ssl_ca_file, with any intermediate CA in the sslcert file after it); otherwise compare the TLS versions the server allows (ssl_min_protocol_version)";
 pub const CERTIFICATE_ADVICE: &str = "check sslrootcert (the CA that signed the server's certificate) and, with verify-full, that the certificate names the host you connect to; sslmode=require encrypts without checking";
 pub const NO_TLS_ADVICE: &str = "the server does not accept TLS connections, but sslmode requires TLS: enable ssl on the server, or use sslmode=prefer or disable";
 

@@ -421,20 +421,24 @@ async fn channel_binding_on_the_replication_connection() {
 /// A client certificate for `user`, signed by the test CA, and its key (readable by its owner
 /// only, as libpq requires).
 fn make_client_cert(certs: &Certs, user: &str) -> (PathBuf, PathBuf) {
+    make_client_cert_by(certs, user, "ca", "client")
+}
+
+/// A client certificate for `user` signed by CA `ca` (`ca.crt`/`ca.key` in the directory), as
+/// `name`.crt and `name`.key.
+fn make_client_cert_by(certs: &Certs, user: &str, ca: &str, name: &str) -> (PathBuf, PathBuf) {
     let subject = format!("/CN={user}");
+    let (key, csr, crt) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.crt"),
+    );
+    let (ca_crt, ca_key) = (format!("{ca}.crt"), format!("{ca}.key"));
     openssl(
         &certs.dir,
         &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            &subject,
-            "-keyout",
-            "client.key",
-            "-out",
-            "client.csr",
+            "req", "-newkey", "rsa:2048", "-nodes", "-subj", &subject, "-keyout", &key, "-out",
+            &csr,
         ],
     );
     openssl(
@@ -443,22 +447,22 @@ fn make_client_cert(certs: &Certs, user: &str) -> (PathBuf, PathBuf) {
             "x509",
             "-req",
             "-in",
-            "client.csr",
+            &csr,
             "-CA",
-            "ca.crt",
+            &ca_crt,
             "-CAkey",
-            "ca.key",
+            &ca_key,
             "-CAcreateserial",
             "-days",
             "2",
             "-out",
-            "client.crt",
+            &crt,
         ],
     );
-    let key = certs.dir.join("client.key");
+    let key = certs.dir.join(&key);
     // (Made by this process: its user's, as libpq wants it, and private.)
     let _ = StdCommand::new("chmod").arg("0600").arg(&key).output();
-    (certs.dir.join("client.crt"), key)
+    (certs.dir.join(&crt), key)
 }
 
 /// `cert` authentication: the client certificate given with sslcert/sslkey in the connection
@@ -536,8 +540,38 @@ async fn client_certificates_on_both_connections() {
     let out = run_with_deadline(pgapply(&src, &dst, &["--endpos", &endpos]), 60).await;
     assert!(!out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains("certificate"), "{}", stderr(&out));
-    // A key the group may read: refused before connecting, naming the file and the fix.
-    let _ = StdCommand::new("chmod").arg("0640").arg(&key).output();
+    // Another key than the certificate's: refused before connecting, naming both files.
+    let (_, other_key) = make_client_cert_by(&certs, "certuser", "ca", "second");
+    let mismatched = format!(
+        "{} sslcert={} sslkey={}",
+        as_certuser(source.port),
+        cert.display(),
+        other_key.display()
+    );
+    let out = run_with_deadline(pgapply(&mismatched, &dst_admin, &["--endpos", &endpos]), 60).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the key is not the certificate's"),
+        "{}",
+        stderr(&out)
+    );
+    // A certificate the server's CA did not sign: the server's refusal is no passing failure.
+    let (foreign, foreign_key) = make_client_cert_by(&certs, "certuser", "other", "foreign");
+    let refused = format!(
+        "{} sslcert={} sslkey={}",
+        as_certuser(source.port),
+        foreign.display(),
+        foreign_key.display()
+    );
+    let out = run_with_deadline(pgapply(&refused, &dst_admin, &["--endpos", &endpos]), 60).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("check sslcert and sslkey"),
+        "{}",
+        stderr(&out)
+    );
+    // A key others may read: refused before connecting, naming the file and the fix.
+    let _ = StdCommand::new("chmod").arg("0644").arg(&key).output();
     let out = run_with_deadline(pgapply(&src, &dst_admin, &["--endpos", &endpos]), 60).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
