@@ -89,7 +89,10 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     // no to it there).
     let sockets_only = !config.get_hosts().is_empty()
         && config.get_hostaddrs().is_empty()
-        && config.get_hosts().iter().all(|h| matches!(h, Host::Unix(_)));
+        && config
+            .get_hosts()
+            .iter()
+            .all(|h| matches!(h, Host::Unix(_)));
     if sockets_only {
         tls.mode = crate::tls::SslMode::Disable;
     }

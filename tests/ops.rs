@@ -961,6 +961,18 @@ async fn check_names_progress_from_another_source_and_a_slot_gone_since() {
             && !text.contains("run with --create-slot"),
         "{text}"
     );
+    // Made again by hand, later: it starts past what the target applied.
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    db.source_sql(&format!(
+        "SELECT pg_create_logical_replication_slot('{}', 'pgoutput')",
+        db.slot()
+    ))
+    .await;
+    let text = check().await;
+    assert!(
+        text.contains("has confirmed changes up to") && text.contains("PROBLEM"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

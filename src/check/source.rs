@@ -209,7 +209,8 @@ pub(super) async fn check_source(
         .query_opt(
             "SELECT plugin::text, database::text = current_database(), active_pid, \
                     coalesce(database::text, ''), \
-                    coalesce(to_jsonb(s) ->> 'wal_status', '') = 'lost' OR coalesce(to_jsonb(s) ->> 'invalidation_reason', '') <> '' \
+                    coalesce(to_jsonb(s) ->> 'wal_status', '') = 'lost' OR coalesce(to_jsonb(s) ->> 'invalidation_reason', '') <> '', \
+                    confirmed_flush_lsn::text \
              FROM pg_replication_slots s WHERE slot_name = $1",
             &[&config.slot],
         )
@@ -277,6 +278,8 @@ pub(super) async fn check_source(
                         config.slot
                     ));
                 }
+            } else if let Some(problem) = slot_ahead(dst, config, row.get(5), applied.as_deref()).await {
+                report.problem(problem);
             } else {
                 report.ok(format!("slot {:?} exists (pgoutput)", config.slot));
             }
@@ -431,6 +434,34 @@ pub(super) async fn check_source(
 /// filter or column list that leaves out replica identity columns in a publication of UPDATE or
 /// DELETE ("cannot update table"), and different column lists in two of the publications.
 /// (Row filter columns are read from the filter's stored form, `:varattno N`.)
+/// A slot that confirmed more than the target applied (and more than pgapply ever reported):
+/// dropped and made again, or consumed by another client. `run` refuses it; said the same way.
+async fn slot_ahead(
+    dst: Option<&Client>,
+    config: &crate::replicate::RunConfig,
+    confirmed: Option<String>,
+    applied: Option<&str>,
+) -> Option<String> {
+    let lsn = |t: &str| t.parse::<crate::protocol::Lsn>().ok();
+    let confirmed = lsn(confirmed.as_deref()?)?;
+    let applied = lsn(applied?)?;
+    let reported = dst?
+        .query_opt(
+            "SELECT reported_lsn::text FROM pgapply.progress WHERE slot_name = $1",
+            &[&config.slot],
+        )
+        .await
+        .ok()
+        .flatten()
+        .and_then(|r| r.get::<_, Option<String>>(0))
+        .and_then(|t| lsn(&t))?;
+    (confirmed > applied.max(reported)).then(|| format!(
+        "replication slot {:?} on the source has confirmed changes up to {confirmed}, but the target applied them only up to {applied}: the changes between are no longer in the slot (the slot was dropped and made again, or another client consumed it, or the target was restored from an older backup); `run` refuses to go on. Start over with a new slot and the initial copy (SELECT pg_drop_replication_slot({}) on the source, then run with --copy-data --truncate-target)",
+        config.slot,
+        crate::sql::quote_literal(&config.slot)
+    ))
+}
+
 pub(super) async fn publication_rule_problems(
     src: &Client,
     publications: &[String],
