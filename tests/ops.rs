@@ -361,6 +361,19 @@ async fn column_mapping_in_copy_stream_and_verify() {
     db.source_sql("INSERT INTO c SELECT g, 'v' || g, g FROM generate_series(1, 50) g")
         .await;
     let config = write_config("[tables.\"public.c\".columns]\nk3 = \"k4\"\nid = \"Pk\"\n");
+    // check finds the target's key under its renamed column, and nothing else to say.
+    let mut check = db.on_both("check", &["--slot", &db.slot(), "--copy-data", "--json"]);
+    check.arg("--config").arg(config.arg());
+    let out = run_with_deadline(check, 60).await;
+    let found: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", stderr(&out)));
+    assert!(
+        out.status.success()
+            && found["warnings"].as_array().is_some_and(|w| w
+                .iter()
+                .all(|w| !w.as_str().unwrap_or_default().contains("\"c\""))),
+        "{found}"
+    );
     let endpos = db.source_wal().await;
     let mut cmd = db.pgapply("p", &["--copy-data", "--endpos", &endpos]);
     cmd.arg("--config").arg(config.arg());

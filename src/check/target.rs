@@ -87,6 +87,9 @@ pub(super) fn with_target_columns(
                         *column = to.clone();
                     }
                 }
+                // (Kept, source name to target name: messages name both, and the source's key
+                // is found under its target names.)
+                t.renamed_columns = renames.clone();
             }
             t
         })
@@ -311,6 +314,39 @@ pub(super) async fn check_target(
             }
         }
         let mut fine = true;
+        // Two published columns renamed onto one target column: the copy and the stream would
+        // name it twice.
+        let mut seen = std::collections::HashSet::new();
+        for (column, _) in &table.columns {
+            if !seen.insert(column.as_str()) {
+                fine = false;
+                let from: Vec<String> = table
+                    .renamed_columns
+                    .iter()
+                    .filter(|(_, to)| *to == column)
+                    .map(|(s, _)| quote_ident(s))
+                    .collect();
+                report.problem(format!(
+                    "two published columns of {} go into target column {} ({} renamed onto it in the config file's [tables.\"{}.{}\".columns], beside the source's own column of that name): rename the source column onto another target column, or leave that line out",
+                    table.qualified(),
+                    quote_ident(column),
+                    from.join(", "),
+                    table.schema,
+                    table.name
+                ));
+            }
+        }
+        // The name a message gives a published column: its target name, and its source name
+        // when the configuration renames it.
+        let named = |column: &str| match table.renamed_columns.iter().find(|(_, to)| *to == column)
+        {
+            Some((source, _)) => format!(
+                "{} (source column {}, renamed in the config file)",
+                quote_ident(column),
+                quote_ident(source)
+            ),
+            None => quote_ident(column),
+        };
         // A target column the source does not send gets its default: without one, NOT NULL
         // refuses every new row.
         for r in &rows {
@@ -365,7 +401,7 @@ pub(super) async fn check_target(
                     };
                     report.problem(format!(
                         "column {} of {qualified} is published but missing on the target: ALTER TABLE {qualified} ADD COLUMN {} {source_type}{definition}{note}{renamed}",
-                        quote_ident(column),
+                        named(column),
                         quote_ident(column)
                     ));
                 }
@@ -386,7 +422,7 @@ pub(super) async fn check_target(
                         fine = false;
                         report.problem(format!(
                             "column {} of {qualified} is {source_type} on the source but {target_type} on the target: values may not convert",
-                            quote_ident(column)
+                            named(column)
                         ));
                     } else if let Some(how) = narrower(source_type, &target_type) {
                         fine = false;
@@ -524,6 +560,11 @@ pub(super) async fn key_advice(
     qualified: &str,
 ) -> Option<String> {
     let (identity, key) = source_key(source, table).await?;
+    // (Found on the target under the names the configuration gives them.)
+    let key: Vec<String> = key
+        .iter()
+        .map(|k| table.target_column(k).to_owned())
+        .collect();
     let key = match identity.as_str() {
         "f" => Vec::new(),
         // No key (or none to find rows by): UPDATE and DELETE are refused on the source anyway.
