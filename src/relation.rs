@@ -467,21 +467,31 @@ impl RelationCache {
         }
         // A column the source changed to hold more (ALTER TABLE .. TYPE numeric(30,10), say)
         // while the target's still holds less: the target's assignment cast rounds without a
-        // word. Said at each Relation message (each start, and each change of the table).
+        // word. Said once per process for each pair of types (every apply session reads the
+        // table; a change of either type is said again).
+        static NARROWER_SAID: std::sync::LazyLock<
+            std::sync::Mutex<std::collections::HashSet<String>>,
+        > = std::sync::LazyLock::new(Default::default);
         for (column, &t) in relation.columns.iter().zip(&target_columns) {
             let target_column = &target.columns[t];
             let Some(source_type) = builtin_type_name(column.type_oid, column.type_modifier) else {
                 continue;
             };
             if let Some(how) = crate::check::narrower(&source_type, &target_column.type_name) {
-                tracing::warn!(
-                    relation = %shown,
+                let said = format!(
                     "column {} is {source_type} on the source and {} on the target, which {how}: change it on the target first (ALTER TABLE {} ALTER COLUMN {} TYPE {source_type}); `pgapply verify` finds the rows already changed",
                     quote_ident(&column.name),
                     target_column.type_name,
                     target.qualified,
                     quote_ident(&target_column.name)
                 );
+                let first = NARROWER_SAID
+                    .lock()
+                    .map(|mut s| s.insert(format!("{shown} {said}")))
+                    .unwrap_or(true);
+                if first {
+                    tracing::warn!(relation = %shown, "{said}");
+                }
             }
         }
         let type_differs = relation

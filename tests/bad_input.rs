@@ -2104,6 +2104,13 @@ async fn a_column_the_source_widened_is_named_while_the_target_rounds() {
             && err.contains("ALTER COLUMN \"n\" TYPE numeric(30,10)"),
         "{err}"
     );
+    // Once, though more than one session reads the table.
+    assert_eq!(
+        err.matches("is numeric(30,10) on the source and numeric(20,5) on the target")
+            .count(),
+        1,
+        "{err}"
+    );
 }
 
 /// A foreign key the target checks (its role may not set session_replication_role) refusing a

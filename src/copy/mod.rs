@@ -1448,10 +1448,10 @@ async fn begin_frozen_copy(
         outcome => {
             match outcome {
                 Err(e) => {
-                    tracing::info!(table, error = %crate::error::describe_postgres(&e), "copying without FREEZE")
+                    tracing::info!(table = %table, error = %crate::error::describe_postgres(&e), "copying without FREEZE")
                 }
                 _ => tracing::info!(
-                    table,
+                    table = %table,
                     "the target table is no longer empty: copying without FREEZE"
                 ),
             }
