@@ -2062,7 +2062,7 @@ async fn a_column_mapped_onto_a_missing_target_column_is_named_by_its_target_nam
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
     assert!(
-        text.contains("column \"x\" of \"public\".\"t2\" is published but missing on the target")
+        text.contains("column \"x\" (source column \"a\", renamed in the config file) of \"public\".\"t2\" is published but missing on the target")
             && text.contains("maps column \"zz\" of table \"public\".\"t2\", which the publications do not publish"),
         "{text}"
     );
