@@ -90,11 +90,13 @@ pub async fn independent(client: &Client, entry: &RelationEntry) -> Result<Optio
         .collect();
     key.sort_unstable();
     // Exactly the key's unique index: then one row per key, and no other unique value whose
-    // order of writes could matter.
+    // order of writes could matter. (Compared by a deterministic collation: under a
+    // case-insensitive one, keys that differ in bytes can be one row, which neither the
+    // collapsing of updates nor parallel apply, both by the keys' bytes, would see.)
     let is_key = |index: &super::unique::UniqueIndex| {
         let mut columns: Vec<&str> = index.columns.iter().map(String::as_str).collect();
         columns.sort_unstable();
-        index.simple && columns == key
+        index.simple && index.deterministic && columns == key
     };
     Ok((!indexes.is_empty() && indexes.iter().all(is_key)).then_some(fingerprint))
 }

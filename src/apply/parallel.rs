@@ -91,7 +91,8 @@ pub fn turn_key(seq: u64) -> i32 {
 
 /// Built-in types whose text form is equal exactly when the values are: bool, bytea, char, name,
 /// int8, int2, int4, text, oid, varchar, date, time, timestamp, timestamptz, uuid. (text and
-/// varchar assume the target column's collation is deterministic, as the default is.)
+/// varchar when the target's key index compares them by a deterministic collation, as the
+/// default one does: `batch::independent` says no otherwise, and the table is applied serially.)
 const BYTE_EQUAL_TYPES: &[Oid] = &[
     16, 17, 18, 19, 20, 21, 23, 25, 26, 1043, 1082, 1083, 1114, 1184, 2950,
 ];

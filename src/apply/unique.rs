@@ -40,6 +40,9 @@ pub struct UniqueIndex {
     pub simple: bool,
     /// Its key columns (INCLUDE columns left out), in index order.
     pub columns: Vec<String>,
+    /// No key column compared by a nondeterministic collation (PostgreSQL 12+: `'a'` and `'A'`
+    /// equal under a case-insensitive one): values that differ in bytes may still be one key.
+    pub deterministic: bool,
 }
 
 /// The target table's unique indexes.
@@ -65,7 +68,10 @@ pub async fn unique_indexes(client: &Client, entry: &RelationEntry) -> Result<Ve
                 ARRAY(SELECT a.attname::text \
                       FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
                       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
-                      WHERE k.ord <= {key_count} ORDER BY k.ord) \
+                      WHERE k.ord <= {key_count} ORDER BY k.ord), \
+                NOT EXISTS (SELECT 1 FROM unnest(i.indcollation::oid[]) AS ic(coll) \
+                            JOIN pg_catalog.pg_collation c ON c.oid = ic.coll \
+                            WHERE coalesce((to_jsonb(c) ->> 'collisdeterministic')::bool, true) = false) \
          FROM pg_catalog.pg_index i WHERE i.indrelid = $1 AND i.indisunique \
          ORDER BY i.indisprimary DESC, i.indexrelid"
     );
@@ -78,6 +84,7 @@ pub async fn unique_indexes(client: &Client, entry: &RelationEntry) -> Result<Ve
         .map(|r| UniqueIndex {
             simple: r.get(0),
             columns: r.get(1),
+            deterministic: r.get(2),
         })
         .collect())
 }
