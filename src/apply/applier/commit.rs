@@ -450,9 +450,11 @@ pub(super) fn wait_params(worker: &WorkerRole, after: &After, timeout_ms: u32) -
     params
 }
 
-/// How long a worker waits on the server for another worker's transaction to commit before it
-/// gives up (and the run restarts, applying those transactions one at a time).
-pub(super) const WAIT_FOR_COMMIT_MS: u32 = 60_000;
+/// How long a worker waits on the server for another worker's transaction that has not begun
+/// (one that began is waited for as long as it runs) before it gives up, and the run restarts.
+/// Long: that transaction's worker may be held up by a user's lock on the target on an earlier
+/// one, which pgapply waits for (a minute was too short for that, and each restart waited anew).
+pub(super) const WAIT_FOR_COMMIT_MS: u32 = 600_000;
 
 /// Parameters of a turn lock: the slot's key and the turn's.
 pub(super) fn turn_lock_params(lock_key: i32, seq: u64) -> Vec<WireValue> {
