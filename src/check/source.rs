@@ -15,6 +15,8 @@ pub(super) async fn check_source(
     tables: &mut Vec<crate::copy::PublishedTable>,
     (truncated, updated): (&mut Vec<bool>, &mut Vec<bool>),
 ) {
+    // Progress from another source: what the target applied says nothing of this source's slot.
+    let mut other_source = false;
     if let (Some(dst), Ok(Some(row))) = (
         dst,
         src.query_opt(
@@ -38,6 +40,7 @@ pub(super) async fn check_source(
             .flatten()
             .and_then(|r| r.get(0));
         if let Some(id) = recorded.filter(|id| *id != system_id) {
+            other_source = true;
             report.problem(format!(
                 "the target holds progress for slot {:?} from another source (system identifier {id}, this source is {system_id}): is --source the server this slot replicates from? Otherwise give this source another --slot (or, if that other source's worker is gone for good and the target should start over for this one: pgapply forget --slot {})",
                 config.slot, config.slot
@@ -46,7 +49,7 @@ pub(super) async fn check_source(
     }
     // What the target applied from the slot already: a slot gone since cannot be replaced by a
     // new one without losing the changes in between.
-    let applied: Option<String> = match dst {
+    let applied: Option<String> = match dst.filter(|_| !other_source) {
         Some(dst) => dst
             .query_opt(
                 "SELECT nullif(greatest(p.lsn, p.applied_lsn, o.end_lsn), '0/0')::text FROM pgapply.progress p \
