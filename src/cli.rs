@@ -155,9 +155,10 @@ pub struct RunArgs {
     /// [default: $TMPDIR/pgapply-spool-<uid>-<slot>].
     #[arg(long, env = "PGAPPLY_SPOOL_DIR")]
     pub spool_dir: Option<PathBuf>,
-    /// Target connections applying transactions in parallel; transactions touching the same rows
-    /// (or tables whose rows can not be told apart by key) stay in order, commits follow the
-    /// source's order [default: 1].
+    /// Experimental: target connections applying transactions in parallel; transactions
+    /// touching the same rows (or tables whose rows can not be told apart by key) stay in order,
+    /// commits follow the source's order. Each transaction commits on its own, so workloads with
+    /// hot rows go far slower than with one connection (README) [default: 1].
     #[arg(long, env = "PGAPPLY_APPLY_WORKERS")]
     pub apply_workers: Option<usize>,
     /// Shortest wait before reconnecting after a transient error [default: 1s].
