@@ -501,8 +501,9 @@ fn version1_signed_by_root(
     roots: &[Vec<u8>],
     provider: &rustls::crypto::CryptoProvider,
     now: UnixTime,
-) -> bool {
-    let check = || -> Option<bool> {
+) -> std::result::Result<(), rustls::Error> {
+    let invalid = |e| rustls::Error::InvalidCertificate(e);
+    let check = || -> Option<std::result::Result<(), rustls::Error>> {
         let (0x30, certificate, _) = tlv(der)? else {
             return None;
         };
@@ -527,9 +528,13 @@ fn version1_signed_by_root(
         let (t1, not_before, rest) = tlv(validity)?;
         let (t2, not_after, _) = tlv(rest)?;
         let now = now.as_secs() as i64;
-        if now < asn1_time(t1, not_before)? || now > asn1_time(t2, not_after)? {
-            return Some(false);
+        if now < asn1_time(t1, not_before)? {
+            return Some(Err(invalid(CertificateError::NotValidYet)));
         }
+        if now > asn1_time(t2, not_after)? {
+            return Some(Err(invalid(CertificateError::Expired)));
+        }
+        let mut issuer_found = false;
         for root in roots {
             let Some(root_fields) = tbs_fields(tlv(root)?.1) else {
                 continue;
@@ -538,6 +543,7 @@ fn version1_signed_by_root(
             if root_fields.get(root_skip + 4)?.2 != issuer {
                 continue;
             }
+            issuer_found = true;
             let (0x30, spki, _) = *root_fields.get(root_skip + 5)? else {
                 continue;
             };
@@ -558,12 +564,18 @@ fn version1_signed_by_root(
                         && a.verify_signature(key, signed, signature).is_ok()
                 });
             if verified {
-                return Some(true);
+                return Some(Ok(()));
             }
         }
-        Some(false)
+        Some(Err(if issuer_found {
+            invalid(CertificateError::BadSignature)
+        } else {
+            rustls::Error::General(
+                "the server's certificate is a version 1 one (no extensions), and no certificate in sslrootcert signed it: pgapply takes a version 1 certificate only when a certificate in sslrootcert signed it directly, so put its issuing (intermediate) CA in the sslrootcert file too, or give the server a version 3 certificate (openssl x509 -req ... -extfile with subjectAltName=DNS:<host>)".into(),
+            )
+        }))
     };
-    check().unwrap_or(false)
+    check().unwrap_or(Err(invalid(CertificateError::BadEncoding)))
 }
 
 /// A certificate's subjectPublicKeyInfo, the whole DER TLV.
@@ -682,10 +694,14 @@ impl Verifier {
         now: UnixTime,
         full: bool,
     ) -> Option<std::result::Result<ServerCertVerified, rustls::Error>> {
-        if !is_version1(end_entity.as_ref())
-            || !version1_signed_by_root(end_entity.as_ref(), &self.pinned, &self.provider, now)
-        {
+        if !is_version1(end_entity.as_ref()) {
             return None;
+        }
+        // (Its own reason when it fails: webpki's says only that version 1 is not its kind.)
+        if let Err(e) =
+            version1_signed_by_root(end_entity.as_ref(), &self.pinned, &self.provider, now)
+        {
+            return Some(Err(e));
         }
         Some(if !full || common_name_fits(end_entity, server_name) {
             Ok(ServerCertVerified::assertion())
@@ -762,6 +778,11 @@ impl Verifier {
                     _ if common_name_fits(end_entity, server_name) => {
                         Ok(ServerCertVerified::assertion())
                     }
+                    // (webpki cannot read a version 1 certificate's names: its only name, the
+                    // common name, was just compared.)
+                    _ if is_version1(end_entity.as_ref()) => Err(
+                        rustls::Error::InvalidCertificate(CertificateError::NotValidForName),
+                    ),
                     e => Err(e),
                 }),
         )
@@ -960,7 +981,7 @@ pub fn tls_advice(e: &tokio_postgres::Error) -> Option<&'static str> {
 }
 
 pub const CLIENT_CERTIFICATE_ADVICE: &str = "the server ended the TLS handshake over the connection's settings, not for a moment: if it asks for a client certificate, check sslcert and sslkey (the key must be the certificate's; the certificate signed by a CA in the server's ssl_ca_file, with any intermediate CA in the sslcert file after it); otherwise compare the TLS versions the server allows (ssl_min_protocol_version)";
-pub const CERTIFICATE_ADVICE: &str = "check sslrootcert (the CA that signed the server's certificate) and, with verify-full, that the certificate names the host you connect to; sslmode=require encrypts without checking";
+pub const CERTIFICATE_ADVICE: &str = "check sslrootcert (the CA that signed the server's certificate) and, with verify-full, that the certificate names the host you connect to; sslmode=require without a root certificate (no sslrootcert, no ~/.postgresql/root.crt) encrypts without checking";
 pub const NO_TLS_ADVICE: &str = "the server does not accept TLS connections, but sslmode requires TLS: enable ssl on the server, or use sslmode=prefer or disable";
 
 #[derive(Debug)]
