@@ -288,9 +288,12 @@ fn client_identity(
         Ok(()) => false,
         Err(_) => match (
             identity.key.public_key(),
-            certificate_spki(identity.cert.first()),
+            identity
+                .cert
+                .first()
+                .and_then(|c| certificate_spki(c.as_ref())),
         ) {
-            (Some(key), Some(cert)) => key.as_ref() != cert,
+            (Some(key), Some((cert, _, _))) => key.as_ref() != cert,
             _ => false,
         },
     };
@@ -544,16 +547,9 @@ fn version1_signed_by_root(
                 continue;
             }
             issuer_found = true;
-            let (0x30, spki, _) = *root_fields.get(root_skip + 5)? else {
+            let Some((_, key_algorithm, key)) = certificate_spki(root) else {
                 continue;
             };
-            let (0x30, key_algorithm, after) = tlv(spki)? else {
-                continue;
-            };
-            let (0x03, key, _) = tlv(after)? else {
-                continue;
-            };
-            let key = key.split_first()?.1;
             let verified = provider
                 .signature_verification_algorithms
                 .all
@@ -578,11 +574,21 @@ fn version1_signed_by_root(
     check().unwrap_or(Err(invalid(CertificateError::BadEncoding)))
 }
 
-/// A certificate's subjectPublicKeyInfo, the whole DER TLV.
-fn certificate_spki<'a>(certificate: Option<&'a CertificateDer<'a>>) -> Option<&'a [u8]> {
-    let fields = tbs_fields(tlv(certificate?.as_ref())?.1)?;
+/// A DER certificate's subjectPublicKeyInfo: (the whole TLV, its algorithm's contents, the key
+/// bits).
+fn certificate_spki(der: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
+    let fields = tbs_fields(tlv(der)?.1)?;
     let skip = usize::from(fields.first()?.0 == 0xa0);
-    Some(fields.get(skip + 5)?.2)
+    let (0x30, spki, whole) = *fields.get(skip + 5)? else {
+        return None;
+    };
+    let (0x30, algorithm, after) = tlv(spki)? else {
+        return None;
+    };
+    let (0x03, key, _) = tlv(after)? else {
+        return None;
+    };
+    Some((whole, algorithm, key.split_first()?.1))
 }
 
 /// One DER field: its tag, its contents, and the whole TLV.
@@ -721,21 +727,7 @@ impl Verifier {
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
         let bad = || rustls::Error::InvalidCertificate(CertificateError::BadSignature);
-        let spki = || -> Option<(&[u8], &[u8])> {
-            let fields = tbs_fields(tlv(cert.as_ref())?.1)?;
-            let skip = usize::from(fields.first()?.0 == 0xa0);
-            let (0x30, spki, _) = *fields.get(skip + 5)? else {
-                return None;
-            };
-            let (0x30, algorithm, after) = tlv(spki)? else {
-                return None;
-            };
-            let (0x03, key, _) = tlv(after)? else {
-                return None;
-            };
-            Some((algorithm, key.split_first()?.1))
-        };
-        let (algorithm, key) = spki().ok_or_else(bad)?;
+        let (_, algorithm, key) = certificate_spki(cert.as_ref()).ok_or_else(bad)?;
         let mapping = self.provider.signature_verification_algorithms.mapping;
         let verified = mapping
             .iter()

@@ -39,6 +39,11 @@ async fn skip_named_transaction(db: &TestDb, err: &str) {
         1,
         "one commit LSN expected in the hints of: {err}"
     );
+    skip_lsn(db, hints[0]).await;
+}
+
+/// Runs `pgapply skip --lsn` and expects it taken.
+async fn skip_lsn(db: &TestDb, lsn: &str) {
     let mut skip = Command::new(env!("CARGO_BIN_EXE_pgapply"));
     skip.args([
         "skip",
@@ -47,7 +52,7 @@ async fn skip_named_transaction(db: &TestDb, err: &str) {
         "--slot",
         &db.slot(),
         "--lsn",
-        hints[0],
+        lsn,
     ]);
     let out = run_with_deadline(skip, 30).await;
     assert!(out.status.success(), "{}", stderr(&out));
@@ -248,7 +253,7 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
     db.target_sql("DELETE FROM pgapply.conflicts; ALTER TABLE k ADD COLUMN n int2")
         .await;
     db.source_sql("ALTER TABLE k ADD COLUMN n int8").await;
-    let skip_lsn = db.source_wal().await;
+    let before_update = db.source_wal().await;
     db.source_sql("UPDATE k SET v = 'F', n = 100000 WHERE id = 6")
         .await;
     let out = sync_with(&db, &[]).await;
@@ -260,19 +265,8 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
         .and_then(|rest| rest.split(')').next())
         .unwrap_or_else(|| panic!("a commit LSN in: {err}"))
         .to_owned();
-    assert!(!named.is_empty() && named != skip_lsn, "{err}");
-    let mut skip = Command::new(env!("CARGO_BIN_EXE_pgapply"));
-    skip.args([
-        "skip",
-        "--target",
-        &db.target_conninfo(),
-        "--slot",
-        &db.slot(),
-        "--lsn",
-        &named,
-    ]);
-    let out = run_with_deadline(skip, 30).await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!named.is_empty() && named != before_update, "{err}");
+    skip_lsn(&db, &named).await;
     let out = sync_with(&db, &[]).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(
