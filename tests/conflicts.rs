@@ -153,6 +153,17 @@ async fn policies_resolve_and_record_conflicts() {
         .unwrap();
     assert_eq!(keep.2.as_deref(), Some("{\"v\": \"local\", \"id\": 1}"));
     assert!(keep.3.as_deref().unwrap().contains("\"remote\""));
+    // The row apply_remote overwrote is recorded as it was.
+    let overwritten = recorded
+        .iter()
+        .find(|(k, p, ..)| k == "insert_exists" && p == "apply_remote")
+        .unwrap();
+    assert_eq!(
+        overwritten.2.as_deref(),
+        Some("{\"v\": \"local\", \"id\": 1}"),
+        "{recorded:?}"
+    );
+    assert!(overwritten.3.as_deref().unwrap().contains("\"remote\""));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -373,6 +384,12 @@ async fn apply_remote_on_a_replica_identity_full_table_uses_the_targets_key() {
     let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("f").await;
+    let recorded = conflicts(&db).await;
+    assert!(
+        recorded.iter().any(|(k, _, local, _)| k == "insert_exists"
+            && local.as_deref() == Some("{\"n\": null, \"v\": \"local\", \"id\": 1}")),
+        "the overwritten row is recorded: {recorded:?}"
+    );
 
     db.source_sql("ALTER PUBLICATION p ADD TABLE g; INSERT INTO g VALUES (1, 'x')")
         .await;
@@ -663,6 +680,11 @@ async fn apply_remote_on_a_key_only_identity_table() {
     assert_eq!(
         (recorded[0].0.as_str(), recorded[0].1.as_str()),
         ("insert_exists", "apply_remote")
+    );
+    assert_eq!(
+        recorded[0].2.as_deref(),
+        Some("{\"id\": 1}"),
+        "{recorded:?}"
     );
 }
 

@@ -199,7 +199,7 @@ enum Outcome {
     /// Row count of one change's statement.
     One(
         Option<ChangeInfo>,
-        std::result::Result<u64, tokio_postgres::Error>,
+        std::result::Result<(u64, Option<String>), tokio_postgres::Error>,
     ),
     /// A batched UPDATE: the numbers of its rows that matched nothing.
     Batch(
@@ -320,6 +320,13 @@ struct Signal {
 }
 
 impl ChangeInfo {
+    /// An `apply_remote` INSERT: its statement answers with the target's row it overwrote.
+    fn overwrites(&self) -> bool {
+        self.signal.is_some_and(|s| {
+            s.conflict == ConflictType::InsertExists && s.policy == Policy::ApplyRemote
+        })
+    }
+
     fn describe(&self) -> String {
         // A streamed transaction applied as it arrives has no commit yet.
         let commit = if self.commit_lsn == Lsn(u64::MAX) {

@@ -255,18 +255,30 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                         .filter(|c| !key_columns.contains(c))
                         .map(|c| format!("{0} = EXCLUDED.{0}", entry.quoted_columns[c]))
                         .collect();
+                    // The row answered is the target's row as it was (for the conflict
+                    // record): every part of one statement reads the same snapshot, taken before
+                    // the upsert wrote. Parameter $n+1 is column n's value (one row).
+                    let found = key_columns
+                        .iter()
+                        .map(|&c| format!("t.{} = ${}", entry.quoted_columns[c], c + 1))
+                        .collect::<Vec<_>>()
+                        .join(" AND ");
+                    let local = format!(
+                        "(SELECT pg_catalog.to_jsonb(t.*)::text FROM {}{table} t WHERE {found} LIMIT 1)",
+                        only(entry)
+                    );
                     if set.is_empty() {
                         // Every column is in the key: the row there is the row sent, and nothing
                         // is left to overwrite. (A SET of the key itself would also fail on a
                         // GENERATED ALWAYS identity key.) A row back still means "it existed".
                         format!(
                             "WITH ins AS ({insert} ON CONFLICT ({keys}) DO NOTHING RETURNING 1) \
-                             SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM ins)"
+                             SELECT {local} WHERE NOT EXISTS (SELECT 1 FROM ins)"
                         )
                     } else {
                         format!(
                             "WITH ins AS ({insert} ON CONFLICT ({keys}) DO UPDATE SET {} RETURNING xmax) \
-                             SELECT 1 FROM ins WHERE xmax::text <> '0'",
+                             SELECT {local} FROM ins WHERE xmax::text <> '0'",
                             set.join(", ")
                         )
                     }

@@ -46,7 +46,7 @@ impl Applier {
                         .ok()
                         .and_then(|r| rows.get_mut(r)?.take());
                     if let Some(held) = held {
-                        self.check_result(Some(held.into_change_info()), Ok(0));
+                        self.check_result(Some(held.into_change_info()), Ok((0, None)));
                     }
                 }
             }
@@ -122,10 +122,10 @@ impl Applier {
     pub(super) fn check_result(
         &mut self,
         about: Option<ChangeInfo>,
-        result: std::result::Result<u64, tokio_postgres::Error>,
+        result: std::result::Result<(u64, Option<String>), tokio_postgres::Error>,
     ) {
         match result {
-            Ok(rows) => {
+            Ok((rows, local_row)) => {
                 let Some(about) = &about else { return };
                 let Some(signal) = about.signal else { return };
                 if rows != signal.when_rows {
@@ -144,7 +144,11 @@ impl Applier {
                     }
                     return;
                 }
-                self.conflicts.push(conflict_record(about, signal));
+                let mut record = conflict_record(about, signal);
+                if local_row.is_some() {
+                    record.local_row = local_row;
+                }
+                self.conflicts.push(record);
             }
             Err(e) if e.code().map(|c| c.code()) == Some("PGA02") => {
                 // `pgapply cutover` set a stop position this group's transactions pass: the run

@@ -218,7 +218,7 @@ impl Applier {
                 Request::Prepared(statement) => statement,
                 Request::Simple(sql) => {
                     self.in_flight_mut().push_back(Box::pin(async move {
-                        let result = client.batch_execute(&sql).await.map(|()| 0);
+                        let result = client.batch_execute(&sql).await.map(|()| (0, None));
                         Outcome::One(about, result)
                     }));
                     continue;
@@ -230,8 +230,9 @@ impl Applier {
                     Outcome::Order(result)
                 }));
             } else if batch.is_empty() {
+                let overwrites = about.as_ref().is_some_and(ChangeInfo::overwrites);
                 self.in_flight_mut().push_back(Box::pin(async move {
-                    let result = client.execute_raw(&statement, params.iter()).await;
+                    let result = run_counting(&client, &statement, &params, overwrites).await;
                     Outcome::One(about, result)
                 }));
             } else {
@@ -357,3 +358,30 @@ impl StatementCache {
 
 /// Most statements sent and not yet answered (see `bound_in_flight`).
 const MAX_IN_FLIGHT: usize = 8192;
+
+/// Runs one change's statement: its row count and, for an `apply_remote` INSERT
+/// (`ChangeInfo::overwrites`), the target's row it overwrote, which that statement answers with.
+pub(super) async fn run_counting(
+    client: &tokio_postgres::Client,
+    statement: &Statement,
+    params: &[WireValue],
+    overwrites: bool,
+) -> std::result::Result<(u64, Option<String>), tokio_postgres::Error> {
+    if !overwrites {
+        return client
+            .execute_raw(statement, params.iter())
+            .await
+            .map(|n| (n, None));
+    }
+    let rows = client.query_raw(statement, params.iter()).await?;
+    futures_util::pin_mut!(rows);
+    let (mut count, mut local) = (0, None);
+    while let Some(row) = rows.next().await {
+        let row = row?;
+        if count == 0 {
+            local = row.try_get::<_, Option<String>>(0)?;
+        }
+        count += 1;
+    }
+    Ok((count, local))
+}

@@ -1,6 +1,7 @@
 //! UPDATE into statements: one at a time, or held and collapsed per row while the table allows
 //! it (`apply::batch`), with the checks that keep batching invisible on the target.
 
+use super::pipeline::run_counting;
 use super::*;
 
 impl Applier {
@@ -405,7 +406,8 @@ impl Applier {
         }
         self.send_pipeline().await?;
         self.run_in_group("SAVEPOINT pgapply_guard").await?;
-        let violation = match self.client.execute_raw(&statement, params.iter()).await {
+        let overwrites = about.overwrites();
+        let violation = match run_counting(&self.client, &statement, &params, overwrites).await {
             Err(e) if e.code().is_some_and(|c| c.code() == "23505") => e,
             other => {
                 self.check_result(Some(about), other);
@@ -447,7 +449,7 @@ impl Applier {
                 self.failure = Some(e);
                 return self.fail_if_failed().await;
             }
-            let again = self.client.execute_raw(&statement, params.iter()).await;
+            let again = run_counting(&self.client, &statement, &params, overwrites).await;
             self.check_result(Some(about), again);
             self.fail_if_failed().await?;
         }
