@@ -156,7 +156,12 @@ pub struct RunProgress {
 pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool> {
     let manager = Manager::from_config(
         target.clone(),
-        crate::tls::make_tls(target)?,
+        crate::tls::make_tls(target).map_err(|e| {
+            e.context(format!(
+                "connecting to target {}",
+                conninfo::describe(target)
+            ))
+        })?,
         ManagerConfig {
             // A session handed back by a task that failed may still be inside its (aborted or
             // open) transaction; reusing it would put the next user's writes into it, to be

@@ -555,6 +555,25 @@ async fn client_certificates_on_both_connections() {
         "{}",
         stderr(&out)
     );
+    // The same on the target only: the error says which side.
+    let mismatched_target = format!(
+        "{} sslcert={} sslkey={}",
+        as_certuser(target.port),
+        cert.display(),
+        other_key.display()
+    );
+    let out = run_with_deadline(
+        pgapply(&src_admin, &mismatched_target, &["--endpos", &endpos]),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the key is not the certificate's")
+            && stderr(&out).contains("target"),
+        "{}",
+        stderr(&out)
+    );
     // A certificate the server's CA did not sign: the server's refusal is no passing failure.
     let (foreign, foreign_key) = make_client_cert_by(&certs, "certuser", "other", "foreign");
     let refused = format!(
