@@ -180,6 +180,9 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             }
         }
     }
+    if let Some(source) = &source {
+        refuse_a_slot_not_ours(&client, source, &slot, has_state).await?;
+    }
     // Replication origins belong to the whole target cluster: the slot name claimed by another
     // database's pgapply (`pgapply_<slot>.db<oid>`) is that database's to forget.
     let other: Option<String> = client
@@ -295,6 +298,92 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             Some(_) => crate::out!("dropped replication slot {slot} on the source"),
             None => crate::out!("the source has no replication slot {slot}"),
         }
+    }
+    Ok(())
+}
+
+/// `forget --drop-slot`: refuses, before anything is removed, to drop a source slot that nothing
+/// shows pgapply streamed from into this target: one pgapply cannot use (physical, another
+/// plugin, another database), or one this target's state records no position or copy for (a
+/// run given a misspelt --slot that named another tool's slot leaves a row, and no more).
+async fn refuse_a_slot_not_ours(
+    target: &tokio_postgres::Client,
+    source: &tokio_postgres::Config,
+    slot: &str,
+    has_state: bool,
+) -> Result<()> {
+    let src = crate::tls::connect(source).await.map_err(|e| {
+        e.into_error(format!(
+            "connecting to source {}",
+            conninfo::describe(source)
+        ))
+    })?;
+    let found = src
+        .query_opt(
+            "SELECT slot_type::text, coalesce(plugin::text, ''), coalesce(database::text, ''),                     current_database()::text              FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the source's replication slots", e))?;
+    let Some(found) = found else {
+        return Ok(());
+    };
+    let (kind, plugin, database, here): (String, String, String, String) =
+        (found.get(0), found.get(1), found.get(2), found.get(3));
+    let manual = format!(
+        "SELECT pg_drop_replication_slot({})",
+        crate::sql::shown_literal(slot)
+    );
+    let foreign = if kind != "logical" {
+        Some(format!("a {kind} slot"))
+    } else if plugin != "pgoutput" {
+        Some(format!("a logical slot of plugin {plugin:?}"))
+    } else if database != here {
+        Some(format!("a slot of database {database:?}, not of {here:?}"))
+    } else {
+        None
+    };
+    if let Some(what) = foreign {
+        return Err(Error::definite(format!(
+            "not dropping replication slot {slot:?} on the source: it is {what}, which pgapply does not stream from here, so it is another replication's. Nothing was removed: run forget without --drop-slot to remove only this target's state for the name; if that slot is to go, drop it on the source yourself ({manual})"
+        )));
+    }
+    if !has_state {
+        return Ok(());
+    }
+    // (Each read on its own: a role that may not read origins' progress still has the rest.)
+    let holds = |sql: &'static str, name: String| async move {
+        target
+            .query_one(sql, &[&name])
+            .await
+            .ok()
+            .and_then(|r| r.get::<_, Option<bool>>(0))
+            .unwrap_or(false)
+    };
+    let origin = format!("pgapply_{slot}");
+    let used = holds(
+        "SELECT EXISTS (SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND lsn IS NOT NULL) \
+             OR EXISTS (SELECT 1 FROM pgapply.copy_state WHERE slot_name = $1)",
+        slot.to_owned(),
+    )
+    .await
+        || holds(
+            "SELECT EXISTS (SELECT 1 FROM pgapply.origin_commit \
+                            WHERE origin_name = $1 OR left(origin_name, length($1) + 2) = $1 || '-w')",
+            origin.clone(),
+        )
+        .await
+        || holds(
+            "SELECT bool_or(pg_catalog.pg_replication_origin_progress(roname, false) IS NOT NULL) \
+             FROM pg_catalog.pg_replication_origin \
+             WHERE roname = $1 OR left(roname, length($1) + 2) = $1 || '-w'",
+            origin,
+        )
+        .await;
+    if !used {
+        return Err(Error::definite(format!(
+            "not dropping replication slot {slot:?} on the source: this target's state for it records no position applied from it and no initial copy, so nothing says pgapply streamed from it into this target (a run given another replication's slot name leaves such a row). Nothing was removed: run forget without --drop-slot to remove that row; if the slot is pgapply's (made by a run that failed before applying anything), drop it on the source yourself ({manual})"
+        )));
     }
     Ok(())
 }

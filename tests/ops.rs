@@ -2211,6 +2211,110 @@ async fn forget_removes_a_slots_state_and_origins() {
     db.assert_same("t").await;
 }
 
+/// `forget --drop-slot` drops only a slot pgapply streamed from into this target: a run given
+/// another tool's slot name fails and leaves a row, and the cleanup that follows must not drop
+/// that tool's slot (physical, another plugin, or a pgoutput slot nothing was applied from).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forget_drops_no_slot_of_another_replication() {
+    let db = TestDb::new("forgetother").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source
+        .execute(
+            "SELECT pg_create_logical_replication_slot('other_td', 'test_decoding')",
+            &[],
+        )
+        .await
+        .unwrap();
+    db.source
+        .execute(
+            "SELECT pg_create_physical_replication_slot('other_phys')",
+            &[],
+        )
+        .await
+        .unwrap();
+    db.source
+        .execute(
+            "SELECT pg_create_logical_replication_slot('other_sub', 'pgoutput')",
+            &[],
+        )
+        .await
+        .unwrap();
+    // The misspelt run: refused, its row left behind.
+    let mut run = pgapply();
+    run.args([
+        "run",
+        "--source",
+        &db.source_conninfo(),
+        "--target",
+        &db.target_conninfo(),
+        "--publication",
+        "p",
+        "--slot",
+        "other_td",
+        "--max-retries",
+        "0",
+    ]);
+    let out = run_with_deadline(run, 60).await;
+    assert!(!out.status.success(), "{}", stderr(&out));
+    // Another tool's pgoutput slot whose name a run took and left at once.
+    db.target_sql(
+        "INSERT INTO pgapply.progress (slot_name, state) VALUES ('other_phys', 'failed'), ('other_sub', 'failed')",
+    )
+    .await;
+    let forget = |slot: &str, extra: &[&str]| {
+        let mut c = pgapply();
+        c.args(["forget", "--target", &db.target_conninfo(), "--slot", slot])
+            .args(extra);
+        c
+    };
+    for (slot, said) in [
+        ("other_td", "a logical slot of plugin \"test_decoding\""),
+        ("other_phys", "a physical slot"),
+        ("other_sub", "records no position applied from it"),
+    ] {
+        let out = run_with_deadline(
+            forget(slot, &["--drop-slot", "--source", &db.source_conninfo()]),
+            30,
+        )
+        .await;
+        assert_eq!(out.status.code(), Some(1), "{slot}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains(said) && stderr(&out).contains("Nothing was removed"),
+            "{slot}: {}",
+            stderr(&out)
+        );
+        assert_eq!(
+            db.count(
+                &db.source,
+                &format!("SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{slot}'")
+            )
+            .await,
+            1,
+            "{slot} stays"
+        );
+        // Without --drop-slot the target's row goes, and the slot stays.
+        let out = run_with_deadline(forget(slot, &[]), 30).await;
+        assert!(out.status.success(), "{slot}: {}", stderr(&out));
+        assert_eq!(
+            db.count(
+                &db.target,
+                &format!("SELECT count(*) FROM pgapply.progress WHERE slot_name = '{slot}'")
+            )
+            .await,
+            0
+        );
+    }
+    assert_eq!(
+        db.count(
+            &db.source,
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE 'other%'"
+        )
+        .await,
+        3
+    );
+}
+
 /// A worker waiting to try again after a failure still runs: its heartbeat goes on, `forget`
 /// refuses its slot, and a stop meanwhile is recorded as one (then `forget` goes ahead).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

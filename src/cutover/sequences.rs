@@ -198,32 +198,38 @@ pub(super) struct Ahead {
 }
 
 /// The planned sequences whose target sequence is ahead of the source's, in the sequence's own
-/// direction (a descending one is ahead when lower): the target has had inserts of its own.
+/// direction (a descending one is ahead when lower): the target has had inserts of its own. A
+/// CYCLE sequence never is: once it wrapped on the source, a lower value there may be the later
+/// one, so the source's state, the one of record, is copied.
 pub(super) async fn sequences_ahead(
     source: &Client,
     target: &Client,
     plan: &SequencePlan,
 ) -> Result<Vec<Ahead>> {
-    // (last_value, is_called, increment) of a sequence: is_called false means not used yet.
-    async fn state(client: &Client, name: &str, side: &str) -> Result<(i64, bool, i64)> {
+    // (last_value, is_called, increment, cycles) of a sequence: is_called false means not used
+    // yet.
+    async fn state(client: &Client, name: &str, side: &str) -> Result<(i64, bool, i64, bool)> {
         let row = client
             .query_one(
                 &format!(
-                    "SELECT s.last_value, s.is_called, p.seqincrement FROM {name} s, pg_catalog.pg_sequence p WHERE p.seqrelid = $1::text::regclass"
+                    "SELECT s.last_value, s.is_called, p.seqincrement, p.seqcycle FROM {name} s, pg_catalog.pg_sequence p WHERE p.seqrelid = $1::text::regclass"
                 ),
                 &[&name],
             )
             .await
             .map_err(|e| Error::postgres(format!("reading sequence {name} on the {side}"), e))?;
-        Ok((row.get(0), row.get(1), row.get(2)))
+        Ok((row.get(0), row.get(1), row.get(2), row.get(3)))
     }
     let mut ahead = Vec::new();
     for (name, target_name) in &plan.copy {
-        let (t_value, t_called, increment) = state(target, target_name, "target").await?;
+        let (t_value, t_called, increment, t_cycles) = state(target, target_name, "target").await?;
         if !t_called {
             continue;
         }
-        let (s_value, s_called, _) = state(source, name, "source").await?;
+        let (s_value, s_called, _, s_cycles) = state(source, name, "source").await?;
+        if s_cycles || t_cycles {
+            continue;
+        }
         let beyond = !s_called
             || (increment > 0 && t_value > s_value)
             || (increment < 0 && t_value < s_value);
