@@ -1077,3 +1077,80 @@ async fn update_missing_apply_remote_without_the_whole_row_says_why_it_skipped()
     );
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM ut").await, 0);
 }
+
+/// A DEFERRABLE unique constraint on the target: INSERT .. ON CONFLICT without a named key
+/// refuses such a table, so the insert_exists policies name the key checked at once (and a
+/// clash on another unique index is still skipped); a table whose only key is deferrable is
+/// refused by name, saying what to change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn insert_policies_on_a_table_with_a_deferrable_unique_constraint() {
+    let db = TestDb::new("deferins").await;
+    db.source_sql(
+        "CREATE TABLE d (id int PRIMARY KEY, v text, w int); \
+         CREATE TABLE o (id int NOT NULL, v text); ALTER TABLE o REPLICA IDENTITY FULL;",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE d (id int PRIMARY KEY, v text, w int UNIQUE, CONSTRAINT d_v UNIQUE (v) DEFERRABLE); \
+         CREATE TABLE o (id int NOT NULL, v text, CONSTRAINT o_id UNIQUE (id) DEFERRABLE); \
+         INSERT INTO d VALUES (2, 'local two', 20), (3, 'local three', 30);",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE d").await;
+    db.source_sql(
+        "INSERT INTO d VALUES (1, 'one', 10); INSERT INTO d VALUES (2, 'remote two', 21); \
+         INSERT INTO d VALUES (4, 'four', 30); INSERT INTO d VALUES (5, 'five', 50);",
+    )
+    .await;
+    let skip = config_file("deferins", "[conflicts]\ninsert_exists = \"skip\"\n");
+    let out = sync_with(&db, &["--config", skip.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<(i32, String)> = db
+        .target
+        .query("SELECT id, v FROM d ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            (1, "one".to_string()),
+            (2, "local two".to_string()),
+            (3, "local three".to_string()),
+            (5, "five".to_string())
+        ]
+    );
+    let recorded = conflicts(&db).await;
+    assert_eq!(recorded.len(), 2, "{recorded:?}");
+    // apply_remote overwrites by the primary key beside the deferrable constraint.
+    db.source_sql("INSERT INTO d VALUES (3, 'remote three', 31)")
+        .await;
+    let overwrite = config_file(
+        "deferins",
+        "[conflicts]\ninsert_exists = \"apply_remote\"\n",
+    );
+    let out = sync_with(&db, &["--config", overwrite.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM d WHERE id = 3 AND v = 'remote three'"
+        )
+        .await,
+        1
+    );
+    // The only key deferrable: refused by name, with what to do.
+    db.source_sql("ALTER PUBLICATION p ADD TABLE o; INSERT INTO o VALUES (1, 'x')")
+        .await;
+    let out = sync_with(&db, &["--config", skip.to_str().unwrap()]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("\"public\".\"o\"")
+            && err.contains("DEFERRABLE")
+            && err.contains("[tables.\"public.o\".conflicts]"),
+        "{err}"
+    );
+}

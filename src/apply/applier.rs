@@ -495,6 +495,9 @@ pub struct Applier {
     /// Unique indexes of target tables as source column positions, by (source OID, generation):
     /// read when a guarded change first needs them.
     unique_keys: HashMap<(Oid, u64), Arc<Vec<Vec<usize>>>>,
+    /// Per relation generation: the target table has a DEFERRABLE unique or exclusion
+    /// constraint, which INSERT .. ON CONFLICT without a named key refuses.
+    deferrable_unique: HashMap<(Oid, u64), bool>,
     /// UPDATEs held in the open group, by target table (`apply::batch`): two source relations
     /// that reach one target table must not pass each other.
     held_updates: HashMap<Oid, UpdateBatch<HeldChange>>,
@@ -871,6 +874,7 @@ impl Applier {
             skip_records: Vec::new(),
             insert_run: None,
             unique_keys: HashMap::new(),
+            deferrable_unique: HashMap::new(),
             held_updates: HashMap::new(),
             held_rows: 0,
             batchable: HashMap::new(),

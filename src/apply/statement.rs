@@ -239,7 +239,18 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                 format!("INSERT INTO {table} ({columns}){overriding} VALUES ({values})")
             };
             match shape.on_conflict {
-                OnConflict::InsertDoNothing => format!("{insert} ON CONFLICT DO NOTHING"),
+                OnConflict::InsertDoNothing if shape.arbiter.is_empty() => {
+                    format!("{insert} ON CONFLICT DO NOTHING")
+                }
+                // The target has a DEFERRABLE unique constraint: the key checked at once, named.
+                OnConflict::InsertDoNothing => {
+                    let keys = (0..ncols)
+                        .filter(|&c| shape.arbiter.contains(c))
+                        .map(|c| entry.quoted_columns[c].clone())
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    format!("{insert} ON CONFLICT ({keys}) DO NOTHING")
+                }
                 OnConflict::InsertOverwrite => {
                     let key_columns: Vec<usize> = if shape.arbiter.is_empty() {
                         entry.key_columns.clone()

@@ -89,6 +89,28 @@ pub async fn unique_indexes(client: &Client, entry: &RelationEntry) -> Result<Ve
         .collect())
 }
 
+/// Whether the target table has a DEFERRABLE unique or exclusion constraint: INSERT .. ON
+/// CONFLICT examines every unique index unless it names its key, and refuses a deferrable one.
+pub async fn has_deferrable(client: &Client, entry: &RelationEntry) -> Result<bool> {
+    client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_index \
+                            WHERE indrelid = $1 AND NOT indimmediate AND (indisunique OR indisexclusion))",
+            &[&entry.target.oid],
+        )
+        .await
+        .map(|r| r.get(0))
+        .map_err(|e| {
+            Error::postgres(
+                format!(
+                    "reading the constraints of table {} on the target",
+                    entry.target.qualified
+                ),
+                e,
+            )
+        })
+}
+
 /// The target table's simple unique indexes, each as the source column positions it covers.
 pub async fn unique_keys(client: &Client, entry: &RelationEntry) -> Result<Vec<Vec<usize>>> {
     let indexes = unique_indexes(client, entry).await?;

@@ -69,9 +69,23 @@ impl Applier {
         }
         let policy = self.policies_for(&entry).insert_exists;
         let mut arbiter = ColumnSet::default();
+        // A DEFERRABLE unique constraint on the target: ON CONFLICT must name a key checked at
+        // once (without one it examines every unique index, and refuses the deferrable one).
+        let deferrable = policy != Policy::Error && self.target_has_deferrable(&entry).await?;
         let (on_conflict, signal) = match policy {
             Policy::Error => (OnConflict::Plain, None),
-            Policy::Skip | Policy::KeepLocal => (OnConflict::InsertDoNothing, Some(0)),
+            Policy::Skip | Policy::KeepLocal => {
+                if deferrable {
+                    let keys = self.target_unique_keys(&entry).await?;
+                    let Some(key) = keys.first() else {
+                        return Err(deferrable_arbiter_error(&entry, policy));
+                    };
+                    for &c in key {
+                        arbiter.insert(c);
+                    }
+                }
+                (OnConflict::InsertDoNothing, Some(0))
+            }
             Policy::ApplyRemote => {
                 if entry.key_columns.is_empty() {
                     return Err(Error::definite(format!(
@@ -94,6 +108,22 @@ impl Applier {
                         arbiter.insert(c);
                     }
                 }
+                if deferrable {
+                    let wanted: Vec<usize> = if arbiter.is_empty() {
+                        entry.key_columns.clone()
+                    } else {
+                        (0..entry.source.columns.len())
+                            .filter(|&c| arbiter.contains(c))
+                            .collect()
+                    };
+                    let keys = self.target_unique_keys(&entry).await?;
+                    let usable = keys
+                        .iter()
+                        .any(|k| k.len() == wanted.len() && k.iter().all(|c| wanted.contains(c)));
+                    if !usable {
+                        return Err(deferrable_arbiter_error(&entry, policy));
+                    }
+                }
                 (OnConflict::InsertOverwrite, Some(1))
             }
         };
@@ -108,8 +138,11 @@ impl Applier {
             arbiter,
         };
         self.unsettled_rows.inserts += 1;
-        let guarded = self.policies_for(&entry).multiple_unique_conflicts != Policy::Error
-            && on_conflict != OnConflict::InsertDoNothing;
+        // (ON CONFLICT DO NOTHING naming its key leaves a clash on another unique index to the
+        // guard, as one without a key would have skipped it.)
+        let guarded = (self.policies_for(&entry).multiple_unique_conflicts != Policy::Error
+            && on_conflict != OnConflict::InsertDoNothing)
+            || (on_conflict == OnConflict::InsertDoNothing && !shape.arbiter.is_empty());
         if on_conflict == OnConflict::Plain && !guarded {
             return self
                 .batch_insert(
@@ -564,4 +597,21 @@ impl Applier {
         })
         .await
     }
+}
+
+/// An insert_exists policy on a table whose key on the target is DEFERRABLE: the INSERT .. ON
+/// CONFLICT the policy needs cannot use it.
+fn deferrable_arbiter_error(entry: &RelationEntry, policy: Policy) -> Error {
+    Error::definite(format!(
+        "conflict policy insert_exists = \"{}\" on table {}: the target table {} has no unique key that INSERT .. ON CONFLICT may use (the one over the replica identity's columns is DEFERRABLE, which ON CONFLICT refuses): on the target, drop that constraint and add it again without DEFERRABLE, or set insert_exists = \"error\" for this table ([tables.\"{}.{}\".conflicts])",
+        policy.name(),
+        entry.display_name(),
+        entry.target.qualified,
+        if entry.source.namespace.is_empty() {
+            "pg_catalog"
+        } else {
+            &entry.source.namespace
+        },
+        entry.source.name
+    ))
 }

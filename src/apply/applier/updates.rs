@@ -473,6 +473,21 @@ impl Applier {
         Ok(k)
     }
 
+    /// Whether the target table has a DEFERRABLE unique or exclusion constraint; read once per
+    /// relation generation.
+    pub(super) async fn target_has_deferrable(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+    ) -> Result<bool> {
+        let cache_key = (entry.source.oid, entry.generation);
+        if let Some(&d) = self.deferrable_unique.get(&cache_key) {
+            return Ok(d);
+        }
+        let d = crate::apply::unique::has_deferrable(&self.catalog, entry).await?;
+        self.deferrable_unique.insert(cache_key, d);
+        Ok(d)
+    }
+
     /// The target rows a change's unique values clash with.
     pub(super) async fn find_clashing(
         &mut self,
