@@ -1154,3 +1154,41 @@ async fn insert_policies_on_a_table_with_a_deferrable_unique_constraint() {
         "{err}"
     );
 }
+
+/// insert_exists under skip / keep_local records the target's row as it was when the INSERT met
+/// it, also when the clash is on another unique index than the key, and every row met.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_rows_are_recorded_as_they_were_met() {
+    let db = TestDb::new("keptrows").await;
+    db.both("CREATE TABLE k (id int PRIMARY KEY, u int UNIQUE, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k").await;
+    db.target_sql(
+        "INSERT INTO k VALUES (2, 20, 'local2'), (500, 5000, 'L500'), (60, 600, 'a'), (61, 610, 'b')",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO k VALUES (3, 20, 'remote3'); INSERT INTO k VALUES (500, 5001, 'R500'); \
+         INSERT INTO k VALUES (60, 610, 'both');",
+    )
+    .await;
+    // A later change of the kept row, applied in the same run.
+    db.source_sql("UPDATE k SET v = 'later' WHERE id = 500")
+        .await;
+    let config = config_file("keptrows", "[conflicts]\ninsert_exists = \"keep_local\"\n");
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let recorded = conflicts(&db).await;
+    let locals: Vec<Option<&str>> = recorded.iter().map(|r| r.2.as_deref()).collect();
+    assert_eq!(
+        locals,
+        vec![
+            Some("{\"u\": 20, \"v\": \"local2\", \"id\": 2}"),
+            Some("{\"u\": 5000, \"v\": \"L500\", \"id\": 500}"),
+            Some(
+                "[{\"u\": 600, \"v\": \"a\", \"id\": 60}, {\"u\": 610, \"v\": \"b\", \"id\": 61}]"
+            ),
+        ],
+        "{recorded:?}"
+    );
+}

@@ -283,6 +283,7 @@ impl HeldChange {
                 policy: Policy::Skip,
                 when_rows: 0,
                 incomplete_row: false,
+                answers_local_row: false,
             }),
             through: None,
         }
@@ -317,14 +318,15 @@ struct Signal {
     /// `apply_remote` asked for, but the missing row cannot be inserted: the source did not send
     /// all of the new row (unchanged TOAST values). Skipped instead, and said why.
     incomplete_row: bool,
+    /// The statement answers with the target's row(s) the change met (an INSERT under an
+    /// insert_exists policy), for the conflict record, instead of a row count.
+    answers_local_row: bool,
 }
 
 impl ChangeInfo {
-    /// An `apply_remote` INSERT: its statement answers with the target's row it overwrote.
-    fn overwrites(&self) -> bool {
-        self.signal.is_some_and(|s| {
-            s.conflict == ConflictType::InsertExists && s.policy == Policy::ApplyRemote
-        })
+    /// Its statement answers with the target's row(s) it met (`Signal::answers_local_row`).
+    fn answers_local_row(&self) -> bool {
+        self.signal.is_some_and(|s| s.answers_local_row)
     }
 
     fn describe(&self) -> String {

@@ -166,6 +166,10 @@ pub struct Shape {
     /// that decides the conflict (every column is "key" then, and no index covers them all).
     /// Empty: the replica identity key.
     pub arbiter: ColumnSet,
+    /// INSERT under `skip`/`keep_local`: the target's unique keys (source columns), by which the
+    /// statement answers, when it inserted nothing, with the rows that kept it out (as they were
+    /// then, for the conflict record). Empty: it answers with its row count only.
+    pub lookup: std::sync::Arc<Vec<Vec<usize>>>,
 }
 
 /// How a statement deals with a conflict itself (see `apply::conflict`). The statement's row
@@ -239,17 +243,45 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                 format!("INSERT INTO {table} ({columns}){overriding} VALUES ({values})")
             };
             match shape.on_conflict {
-                OnConflict::InsertDoNothing if shape.arbiter.is_empty() => {
-                    format!("{insert} ON CONFLICT DO NOTHING")
-                }
-                // The target has a DEFERRABLE unique constraint: the key checked at once, named.
                 OnConflict::InsertDoNothing => {
-                    let keys = (0..ncols)
-                        .filter(|&c| shape.arbiter.contains(c))
-                        .map(|c| entry.quoted_columns[c].clone())
+                    // The target has a DEFERRABLE unique constraint: the key checked at once,
+                    // named (without one, ON CONFLICT refuses the table).
+                    let named = if shape.arbiter.is_empty() {
+                        String::new()
+                    } else {
+                        let keys = (0..ncols)
+                            .filter(|&c| shape.arbiter.contains(c))
+                            .map(|c| entry.quoted_columns[c].clone())
+                            .collect::<Vec<_>>()
+                            .join(", ");
+                        format!(" ({keys})")
+                    };
+                    if shape.lookup.is_empty() {
+                        return format!("{insert} ON CONFLICT{named} DO NOTHING");
+                    }
+                    // Inserted nothing: the rows whose unique values it met, read in the
+                    // statement's snapshot (before any later change of the group), one as an
+                    // object, several as an array. Parameter $n+1 is column n's value.
+                    let met = shape
+                        .lookup
+                        .iter()
+                        .map(|key| {
+                            let same = key
+                                .iter()
+                                .map(|&c| format!("t.{} = ${}", entry.quoted_columns[c], c + 1))
+                                .collect::<Vec<_>>()
+                                .join(" AND ");
+                            format!("({same})")
+                        })
                         .collect::<Vec<_>>()
-                        .join(", ");
-                    format!("{insert} ON CONFLICT ({keys}) DO NOTHING")
+                        .join(" OR ");
+                    format!(
+                        "WITH ins AS ({insert} ON CONFLICT{named} DO NOTHING RETURNING 1) \
+                         SELECT (SELECT CASE WHEN count(*) = 1 THEN min(x) ELSE '[' || string_agg(x, ', ') || ']' END \
+                                 FROM (SELECT pg_catalog.to_jsonb(t.*)::text AS x FROM {}{table} t WHERE {met}) found) \
+                         WHERE NOT EXISTS (SELECT 1 FROM ins)",
+                        only(entry)
+                    )
                 }
                 OnConflict::InsertOverwrite => {
                     let key_columns: Vec<usize> = if shape.arbiter.is_empty() {

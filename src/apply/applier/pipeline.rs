@@ -230,9 +230,9 @@ impl Applier {
                     Outcome::Order(result)
                 }));
             } else if batch.is_empty() {
-                let overwrites = about.as_ref().is_some_and(ChangeInfo::overwrites);
+                let answers = about.as_ref().is_some_and(ChangeInfo::answers_local_row);
                 self.in_flight_mut().push_back(Box::pin(async move {
-                    let result = run_counting(&client, &statement, &params, overwrites).await;
+                    let result = run_counting(&client, &statement, &params, answers).await;
                     Outcome::One(about, result)
                 }));
             } else {
@@ -359,15 +359,15 @@ impl StatementCache {
 /// Most statements sent and not yet answered (see `bound_in_flight`).
 const MAX_IN_FLIGHT: usize = 8192;
 
-/// Runs one change's statement: its row count and, for an `apply_remote` INSERT
-/// (`ChangeInfo::overwrites`), the target's row it overwrote, which that statement answers with.
+/// Runs one change's statement: its row count or, for one that answers with the target's row(s)
+/// it met (`Signal::answers_local_row`), how many answers and the first's text.
 pub(super) async fn run_counting(
     client: &tokio_postgres::Client,
     statement: &Statement,
     params: &[WireValue],
-    overwrites: bool,
+    answers: bool,
 ) -> std::result::Result<(u64, Option<String>), tokio_postgres::Error> {
-    if !overwrites {
+    if !answers {
         return client
             .execute_raw(statement, params.iter())
             .await

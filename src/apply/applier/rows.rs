@@ -69,14 +69,15 @@ impl Applier {
         }
         let policy = self.policies_for(&entry).insert_exists;
         let mut arbiter = ColumnSet::default();
+        let mut lookup = std::sync::Arc::default();
         // A DEFERRABLE unique constraint on the target: ON CONFLICT must name a key checked at
         // once (without one it examines every unique index, and refuses the deferrable one).
         let deferrable = policy != Policy::Error && self.target_has_deferrable(&entry).await?;
         let (on_conflict, signal) = match policy {
             Policy::Error => (OnConflict::Plain, None),
             Policy::Skip | Policy::KeepLocal => {
+                let keys = self.target_unique_keys(&entry).await?;
                 if deferrable {
-                    let keys = self.target_unique_keys(&entry).await?;
                     let Some(key) = keys.first() else {
                         return Err(deferrable_arbiter_error(&entry, policy));
                     };
@@ -84,7 +85,10 @@ impl Applier {
                         arbiter.insert(c);
                     }
                 }
-                (OnConflict::InsertDoNothing, Some(0))
+                // With the keys, the statement answers with the rows that kept it out.
+                let when = if keys.is_empty() { 0 } else { 1 };
+                lookup = keys;
+                (OnConflict::InsertDoNothing, Some(when))
             }
             Policy::ApplyRemote => {
                 if entry.key_columns.is_empty() {
@@ -136,6 +140,7 @@ impl Applier {
             on_conflict,
             rows: 1,
             arbiter,
+            lookup,
         };
         self.unsettled_rows.inserts += 1;
         // (ON CONFLICT DO NOTHING naming its key leaves a clash on another unique index to the
@@ -156,6 +161,7 @@ impl Applier {
                 )
                 .await;
         }
+        let answers = on_conflict == OnConflict::InsertOverwrite || !shape.lookup.is_empty();
         let about = ChangeInfo {
             relation: entry.clone(),
             operation: "INSERT",
@@ -169,6 +175,7 @@ impl Applier {
                 policy,
                 when_rows,
                 incomplete_row: false,
+                answers_local_row: answers,
             }),
             through: None,
         };
@@ -457,6 +464,7 @@ impl Applier {
             on_conflict: OnConflict::Plain,
             rows: 1,
             arbiter: ColumnSet::default(),
+            lookup: Default::default(),
         };
         self.unsettled_rows.deletes += 1;
         let about = ChangeInfo {
@@ -472,6 +480,7 @@ impl Applier {
                 policy: self.policies_for(&entry).delete_missing,
                 when_rows: 0,
                 incomplete_row: false,
+                answers_local_row: false,
             }),
             through: None,
         };

@@ -111,6 +111,7 @@ impl Applier {
             on_conflict,
             rows: 1,
             arbiter: ColumnSet::default(),
+            lookup: Default::default(),
         };
         self.unsettled_rows.updates += 1;
         let about = ChangeInfo {
@@ -126,6 +127,7 @@ impl Applier {
                 policy: signal.0,
                 when_rows: signal.1,
                 incomplete_row: policy == Policy::ApplyRemote && !complete && value_left_out,
+                answers_local_row: false,
             }),
             through: None,
         };
@@ -319,6 +321,7 @@ impl Applier {
             on_conflict: OnConflict::Plain,
             rows,
             arbiter: ColumnSet::default(),
+            lookup: Default::default(),
         };
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
@@ -406,8 +409,8 @@ impl Applier {
         }
         self.send_pipeline().await?;
         self.run_in_group("SAVEPOINT pgapply_guard").await?;
-        let overwrites = about.overwrites();
-        let violation = match run_counting(&self.client, &statement, &params, overwrites).await {
+        let answers = about.answers_local_row();
+        let violation = match run_counting(&self.client, &statement, &params, answers).await {
             Err(e) if e.code().is_some_and(|c| c.code() == "23505") => e,
             other => {
                 self.check_result(Some(about), other);
@@ -439,6 +442,7 @@ impl Applier {
             policy,
             when_rows: 0,
             incomplete_row: false,
+            answers_local_row: false,
         };
         let mut record = conflict_record(&about, signal);
         record.local_row = crate::apply::unique::rows_json(&clashing);
@@ -449,7 +453,7 @@ impl Applier {
                 self.failure = Some(e);
                 return self.fail_if_failed().await;
             }
-            let again = run_counting(&self.client, &statement, &params, overwrites).await;
+            let again = run_counting(&self.client, &statement, &params, answers).await;
             self.check_result(Some(about), again);
             self.fail_if_failed().await?;
         }
