@@ -848,6 +848,37 @@ async fn cutover_without_a_worker_copies_partitioned_tables_sequences() {
     db.assert_same("events").await;
 }
 
+/// A CYCLE sequence that wrapped on the source is behind the target's in number, not in time:
+/// the cutover copies the source's state instead of keeping the target's as "ahead".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_copies_a_cycling_sequence_that_wrapped() {
+    let db = TestDb::new("cutcycle").await;
+    db.both(
+        "CREATE SEQUENCE ring MAXVALUE 5 CYCLE; \
+         CREATE TABLE r (slot int PRIMARY KEY DEFAULT nextval('ring'), v text);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO r (v) SELECT 'a' FROM generate_series(1, 4); CREATE PUBLICATION p FOR TABLE r;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    // Since then the ring went round on the source (5, 1, 2); the target's sequence stands at
+    // 4, as an earlier (rehearsal) cutover would have left it.
+    db.source_sql(
+        "INSERT INTO r (v) SELECT 'b' FROM generate_series(1, 3) ON CONFLICT (slot) DO UPDATE SET v = EXCLUDED.v",
+    )
+    .await;
+    db.target_sql("SELECT setval('ring', 4)").await;
+    let text = db.cutover(&[]).await;
+    assert!(
+        text.contains("step 4: copied 1 sequence(s)") && !text.contains("is ahead"),
+        "{text}"
+    );
+    assert_eq!(db.count(&db.target, "SELECT nextval('ring')").await, 3);
+    db.assert_same("r").await;
+}
+
 /// A cutover with no worker streaming the slot drains it itself, over a replication connection:
 /// a source role without REPLICATION is refused before anything is done (no stop position set).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
