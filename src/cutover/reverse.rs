@@ -97,6 +97,10 @@ struct ReverseTable {
     /// A partitioned table: a row filter or column list on it asks for
     /// `publish_via_partition_root` (PostgreSQL refuses them on a partitioned table otherwise).
     partitioned: bool,
+    /// The old primary refuses UPDATE and DELETE on it today (published for them, without a
+    /// replica identity: an insert-only table): the new primary doing the same once it is
+    /// published back changes nothing for the application.
+    refused_on_source: bool,
 }
 
 /// The reverse publication's tables, each target table once. A forward column list goes back
@@ -202,12 +206,26 @@ async fn reverse_tables(
                 filter = None;
             }
         }
+        // (relreplident 'd' without a primary key, or 'n'; published for UPDATE or DELETE.)
+        let refused_on_source: bool = source
+            .query_one(
+                "SELECT (c.relreplident = 'n' OR (c.relreplident = 'd' AND NOT EXISTS \
+                            (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))) \
+                        AND EXISTS (SELECT 1 FROM pg_catalog.pg_publication p \
+                                    WHERE p.pubname = ANY($2) AND (p.pubupdate OR p.pubdelete)) \
+                 FROM pg_catalog.pg_class c WHERE c.oid = $1::text::regclass",
+                &[&crate::sql::qualified_name(&t.schema, &t.name), &publications],
+            )
+            .await
+            .map(|r| r.get(0))
+            .unwrap_or(false);
         tables.push(ReverseTable {
             name,
             columns,
             any_column: own.first().cloned(),
             filter,
             partitioned,
+            refused_on_source,
         });
     }
     // (publish_via_partition_root is 13+; before, partitioned tables are not published at all.)
@@ -373,10 +391,26 @@ async fn probe_publication(target: &Client, plan: &ReversePlan) -> Vec<String> {
             if let Err(e) = target.batch_execute(&probe).await {
                 // 55000: no replica identity; 42P10: one that does not cover the row filter's
                 // columns or the column list. Anything else (a lock timeout): not a verdict.
-                let refused = matches!(e.code().map(|c| c.code()), Some("55000" | "42P10"));
+                let code = e.code().map(|c| c.code().to_owned());
+                let refused = matches!(code.as_deref(), Some("55000" | "42P10"));
+                let _ = target
+                    .batch_execute("ROLLBACK TO SAVEPOINT pgapply_probe")
+                    .await;
+                if code.as_deref() == Some("55000") && t.refused_on_source {
+                    // As the old primary does now: an insert-only table, most likely.
+                    crate::out!(
+                        "before the cutover: {} has no replica identity on the source either (no primary key): as there, the new primary will refuse UPDATE and DELETE on it once it is published back (fine for a table that only gets INSERTs)",
+                        t.name
+                    );
+                    continue;
+                }
+                let what = match (&t.filter, &t.columns) {
+                    (None, None) => "a primary key, or REPLICA IDENTITY FULL".to_owned(),
+                    _ => "a replica identity that covers the columns the row filter uses and the column list holds".to_owned(),
+                };
                 problems.push(if refused {
                     format!(
-                        "--reverse: once {} is in the reverse publication, the new primary refuses UPDATE or DELETE on it: {}: give it a replica identity that covers the columns the row filter uses and the column list holds (ALTER TABLE {} REPLICA IDENTITY ..., as on the source), or cut over without --reverse",
+                        "--reverse: once {} is in the reverse publication, the new primary refuses UPDATE or DELETE on it: {}: give it {what} on the target (ALTER TABLE {} REPLICA IDENTITY FULL, or ADD PRIMARY KEY ...), or cut over without --reverse",
                         t.name,
                         crate::error::describe_postgres(&e),
                         t.name
@@ -388,9 +422,6 @@ async fn probe_publication(target: &Client, plan: &ReversePlan) -> Vec<String> {
                         crate::error::describe_postgres(&e)
                     )
                 });
-                let _ = target
-                    .batch_execute("ROLLBACK TO SAVEPOINT pgapply_probe")
-                    .await;
             }
         }
     }
