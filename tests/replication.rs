@@ -642,11 +642,27 @@ async fn endpos_stops_exactly_there() {
     db.publish("CREATE PUBLICATION p FOR TABLE e").await;
     db.source_sql("INSERT INTO e SELECT generate_series(1, 10)")
         .await;
+    // WAL of nothing published between the last commit before the end and the end.
+    db.source_sql("CREATE TABLE unpublished (x int); INSERT INTO unpublished VALUES (1)")
+        .await;
     let endpos = db.source_wal().await;
     db.source_sql("INSERT INTO e VALUES (11)").await;
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM e").await, 10);
+    // The slot is confirmed up to the end itself, not only to the last commit before it (a
+    // cutover waits for that).
+    assert_eq!(
+        db.count(
+            &db.source,
+            &format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND confirmed_flush_lsn >= '{endpos}'",
+                db.slot()
+            )
+        )
+        .await,
+        1
+    );
     // Idle source, end position already reached: exits at once.
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 30).await;
     assert!(out.status.success(), "{}", stderr(&out));

@@ -100,6 +100,17 @@ impl Reader<'_> {
         }
     }
 
+    /// Stops before a transaction that commits at or after the end position: the source has
+    /// sent everything before that commit, so once what came is applied, the end position
+    /// itself may be confirmed (`flush_position`), as a keepalive past it would let it be; a
+    /// cutover waiting for the slot to reach its end then sees it there.
+    fn past_the_end(&mut self) -> Step {
+        if let Some(end) = self.endpos {
+            self.keepalive_end = self.keepalive_end.max(end);
+        }
+        Step::Stop(StopReason::EndPosition)
+    }
+
     pub(super) async fn send_status(&mut self, reply_requested: bool) -> Result<()> {
         let durable = *self.durable.borrow();
         let flushed = self.flush_position(durable);
@@ -310,7 +321,7 @@ impl Reader<'_> {
                 match &message {
                     LogicalMessage::Begin(b) => {
                         if reached(b.final_lsn) {
-                            return Ok(Step::Stop(StopReason::EndPosition));
+                            return Ok(self.past_the_end());
                         }
                         self.in_transaction = true;
                         self.receiving_commit_time = b.commit_time.0.max(0) as u64;
@@ -323,7 +334,7 @@ impl Reader<'_> {
                     }
                     LogicalMessage::BeginPrepare(b) => {
                         if reached(b.prepare_lsn) {
-                            return Ok(Step::Stop(StopReason::EndPosition));
+                            return Ok(self.past_the_end());
                         }
                         self.in_transaction = true;
                         self.receiving_commit_time = b.prepare_time.0.max(0) as u64;
@@ -333,7 +344,7 @@ impl Reader<'_> {
                         if self.held_begin.take().is_some() {
                             // An empty transaction: nothing to apply, nothing to wait for.
                             return Ok(if reached(c.end_lsn) {
-                                Step::Stop(StopReason::EndPosition)
+                                self.past_the_end()
                             } else {
                                 Step::Continue
                             });
@@ -350,7 +361,7 @@ impl Reader<'_> {
                     }
                     LogicalMessage::StreamCommit(c) => {
                         if reached(c.commit_lsn) {
-                            return Ok(Step::Stop(StopReason::EndPosition));
+                            return Ok(self.past_the_end());
                         }
                         self.forwarded_end = c.end_lsn;
                         self.note_pending(c.end_lsn, c.commit_time);
@@ -358,7 +369,7 @@ impl Reader<'_> {
                     }
                     LogicalMessage::StreamPrepare(p) => {
                         if reached(p.prepare_lsn) {
-                            return Ok(Step::Stop(StopReason::EndPosition));
+                            return Ok(self.past_the_end());
                         }
                         self.forwarded_end = p.end_lsn;
                         self.note_pending(p.end_lsn, p.prepare_time);
@@ -366,7 +377,7 @@ impl Reader<'_> {
                     }
                     LogicalMessage::CommitPrepared(c) => {
                         if reached(c.commit_lsn) {
-                            return Ok(Step::Stop(StopReason::EndPosition));
+                            return Ok(self.past_the_end());
                         }
                         self.forwarded_end = c.end_lsn;
                         self.note_pending(c.end_lsn, c.commit_time);
@@ -391,7 +402,7 @@ impl Reader<'_> {
                     return Ok(Step::Stop(StopReason::Shutdown));
                 }
                 if stop_after {
-                    return Ok(Step::Stop(StopReason::EndPosition));
+                    return Ok(self.past_the_end());
                 }
                 Ok(Step::Continue)
             }
