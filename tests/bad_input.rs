@@ -2222,3 +2222,35 @@ async fn environment_pgport_and_pgservice_are_not_passed_over() {
         );
     }
 }
+
+/// A regclass or regtype value naming an object the target lacks: said as such, with the
+/// column, not as a target table that went away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_name_value_the_target_cannot_resolve_is_named() {
+    let db = TestDb::new("regvalue").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, rc regclass)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("CREATE TABLE only_src (); INSERT INTO t VALUES (1, 'only_src')")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("names relation \"public.only_src\", which the target does not have (column \"rc\" holds object names)")
+            && text.contains("pgapply skip")
+            && !text.contains("no longer exists"),
+        "{text}"
+    );
+    db.target_sql("CREATE TABLE only_src ()").await;
+    db.sync("p").await;
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM t WHERE rc::text = 'only_src'"
+        )
+        .await,
+        1
+    );
+}

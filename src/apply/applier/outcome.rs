@@ -506,6 +506,27 @@ impl Applier {
             Some("25006") => format!(
                 "the target refused to write {table} in a read-only transaction: it was made read-only while pgapply ran (default_transaction_read_only set by ALTER SYSTEM, ALTER DATABASE or ALTER ROLE and reloaded, or the server is now a standby), or a trigger, rule or foreign table of {table} writes to a server that is: make the target take writes again, then start pgapply again (at its start it says where such a setting comes from and how to undo it); nothing of this source transaction was applied"
             ),
+            // A relation or type a value names (regclass, regtype ...) that the target lacks.
+            Some(code @ ("42P01" | "42704"))
+                if named_object(db.map(|d| d.message()))
+                    .is_some_and(|n| !names_table(&n, &about.relation.target)) =>
+            {
+                let name = named_object(db.map(|d| d.message())).unwrap_or_default();
+                let what = if code == "42P01" { "relation" } else { "type" };
+                let columns: Vec<String> = (0..about.relation.source.columns.len())
+                    .filter(|&c| is_oid_alias(about.relation.source.columns[c].type_oid))
+                    .map(|c| quote_ident(&about.relation.source.columns[c].name))
+                    .collect();
+                let held = if columns.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (column {} holds object names)", columns.join(", "))
+                };
+                format!(
+                    "a value of {table} names {what} {name:?}, which the target does not have{held}: create it on the target (an object name is looked up where the row is written), then start pgapply again; or, losing the whole source transaction, its other changes too: {}",
+                    self.skip_hint(about.commit_lsn)
+                )
+            }
             // The target table went away under the prepared statements.
             Some("42P01") => format!(
                 "target table {table} no longer exists (dropped or renamed on the target while pgapply ran): create it again or rename it back, then start pgapply again"
@@ -524,6 +545,33 @@ impl Applier {
                 .unwrap_or_else(|| self.skip_hint(about.commit_lsn)),
         }
     }
+}
+
+/// The object an "undefined" error names: `relation "x" does not exist`, `type "x" does not
+/// exist`.
+fn named_object(message: Option<&str>) -> Option<String> {
+    let m = message?;
+    let rest = m
+        .strip_prefix("relation \"")
+        .or_else(|| m.strip_prefix("type \""))?;
+    rest.split_once("\" does not exist")
+        .map(|(n, _)| n.to_owned())
+}
+
+/// Whether `name` (as an error message writes it: `schema.table` or `table`) is this table.
+fn names_table(name: &str, table: &crate::relation::TargetTable) -> bool {
+    name == table.name || name == format!("{}.{}", table.schema, table.name)
+}
+
+/// The OID alias types (regclass, regtype, ...), whose values name objects looked up where they
+/// are read.
+fn is_oid_alias(type_oid: crate::protocol::pgoutput::Oid) -> bool {
+    matches!(
+        type_oid,
+        24 | 2202 | 2203 | 2204 | 2205 | 2206 | 3734 | 3769 | 4089 | 4096 | 4191
+            // and their arrays
+            | 1008 | 2207 | 2208 | 2209 | 2210 | 2211 | 3735 | 3770 | 4090 | 4097 | 4192
+    )
 }
 
 /// A data exception (class 22) that a target column's type explains: not an encoding problem
