@@ -2254,3 +2254,38 @@ async fn an_object_name_value_the_target_cannot_resolve_is_named() {
         1
     );
 }
+
+/// `check` compares composite types attribute by attribute: values travel by position, so the
+/// same attributes in another order would land in the wrong ones without an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_a_composite_type_whose_attributes_differ() {
+    let db = TestDb::new("checkcomp").await;
+    db.source_sql(
+        "CREATE TYPE pair AS (a text, b text); CREATE TYPE tri AS (x int, y int); \
+         CREATE DOMAIN dpair AS pair; \
+         CREATE TABLE c (id int PRIMARY KEY, p pair, ps pair[], d dpair, t tri); \
+         CREATE PUBLICATION p FOR TABLE c;",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TYPE pair AS (b text, a text); CREATE TYPE tri AS (x int, y bigint); \
+         CREATE DOMAIN dpair AS pair; \
+         CREATE TABLE c (id int PRIMARY KEY, p pair, ps pair[], d dpair, t tri);",
+    )
+    .await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    for column in ["p", "ps", "d"] {
+        assert!(
+            text.lines().any(|l| l.starts_with("PROBLEM")
+                && l.contains(&format!("column \"{column}\" of \"public\".\"c\": its composite type is pair (a text, b text) on the source but pair (b text, a text) on the target"))),
+            "{column}: {text}"
+        );
+    }
+    assert!(
+        text.lines().any(|l| l.starts_with("WARNING")
+            && l.contains("column \"t\" of \"public\".\"c\": its composite type's attributes have other types on the target ((x integer, y bigint) there")),
+        "{text}"
+    );
+}

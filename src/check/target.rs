@@ -498,6 +498,45 @@ pub(super) async fn check_target(
                 }
             }
         }
+        // A composite type's values travel as text, by position: the same attributes in
+        // another order (or others) on the target land in the wrong ones, or fail.
+        if let Some(src) = source {
+            let target_composites = composite_attributes(dst, &qualified).await;
+            if !target_composites.is_empty() {
+                let source_composites = composite_attributes(src, &table.qualified()).await;
+                for (column, (target_type, target_attributes)) in &target_composites {
+                    if !table.columns.iter().any(|(p, _)| p == column) {
+                        continue;
+                    }
+                    let Some((source_type, source_attributes)) = source_composites.get(column)
+                    else {
+                        continue;
+                    };
+                    let names = |a: &[String]| {
+                        a.iter()
+                            .map(|x| x.split_once(' ').map_or(x.as_str(), |(n, _)| n).to_owned())
+                            .collect::<Vec<_>>()
+                    };
+                    let shown = |a: &[String]| format!("({})", a.join(", "));
+                    if names(source_attributes) != names(target_attributes) {
+                        fine = false;
+                        report.problem(format!(
+                            "column {} of {qualified}: its composite type is {source_type} {} on the source but {target_type} {} on the target: composite values are sent and copied by position, so they would go into other attributes than the source's, or fail: give the target's type the source's attributes in the source's order",
+                            quote_ident(column),
+                            shown(source_attributes),
+                            shown(target_attributes)
+                        ));
+                    } else if source_attributes != target_attributes {
+                        report.warning(format!(
+                            "column {} of {qualified}: its composite type's attributes have other types on the target ({} there, {} on the source): values may not convert",
+                            quote_ident(column),
+                            shown(target_attributes),
+                            shown(source_attributes)
+                        ));
+                    }
+                }
+            }
+        }
         // A column generated on the source is not published (before 18, or without
         // publish_generated_columns): a plain target column of that name is never filled.
         if let Some(src) = source {
@@ -841,4 +880,35 @@ mod tests {
             "A"
         ));
     }
+}
+
+/// The columns of `table` whose type is a composite type (also inside an array or a domain):
+/// column -> (the composite type's name, its attributes as `name type`, in order).
+async fn composite_attributes(
+    client: &tokio_postgres::Client,
+    table: &str,
+) -> std::collections::HashMap<String, (String, Vec<String>)> {
+    client
+        .query(
+            "SELECT a.attname::text, pg_catalog.format_type(b3.oid, NULL), \
+                    ARRAY(SELECT ca.attname::text || ' ' || pg_catalog.format_type(ca.atttypid, ca.atttypmod) \
+                          FROM pg_catalog.pg_attribute ca \
+                          WHERE ca.attrelid = b3.typrelid AND ca.attnum > 0 AND NOT ca.attisdropped \
+                          ORDER BY ca.attnum) \
+             FROM pg_catalog.pg_attribute a \
+             JOIN pg_catalog.pg_type b0 ON b0.oid = a.atttypid \
+             JOIN pg_catalog.pg_type b1 ON b1.oid = CASE WHEN b0.typtype = 'd' THEN b0.typbasetype ELSE b0.oid END \
+             JOIN pg_catalog.pg_type b2 ON b2.oid = CASE WHEN b1.typcategory = 'A' AND b1.typelem <> 0 THEN b1.typelem ELSE b1.oid END \
+             JOIN pg_catalog.pg_type b3 ON b3.oid = CASE WHEN b2.typtype = 'd' THEN b2.typbasetype ELSE b2.oid END \
+             WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
+               AND b3.typtype = 'c'",
+            &[&table],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| (r.get(0), (r.get(1), r.get(2))))
+                .collect()
+        })
+        .unwrap_or_default()
 }
