@@ -819,6 +819,37 @@ pub(super) fn compatible(source: &str, target: &str, target_category: &str) -> b
         || target == "text"
 }
 
+/// The columns of `table` whose type is a composite type (also inside an array or a domain):
+/// column -> (the composite type's name, its attributes as `name type`, in order).
+async fn composite_attributes(
+    client: &tokio_postgres::Client,
+    table: &str,
+) -> std::collections::HashMap<String, (String, Vec<String>)> {
+    client
+        .query(
+            "SELECT a.attname::text, pg_catalog.format_type(b3.oid, NULL), \
+                    ARRAY(SELECT ca.attname::text || ' ' || pg_catalog.format_type(ca.atttypid, ca.atttypmod) \
+                          FROM pg_catalog.pg_attribute ca \
+                          WHERE ca.attrelid = b3.typrelid AND ca.attnum > 0 AND NOT ca.attisdropped \
+                          ORDER BY ca.attnum) \
+             FROM pg_catalog.pg_attribute a \
+             JOIN pg_catalog.pg_type b0 ON b0.oid = a.atttypid \
+             JOIN pg_catalog.pg_type b1 ON b1.oid = CASE WHEN b0.typtype = 'd' THEN b0.typbasetype ELSE b0.oid END \
+             JOIN pg_catalog.pg_type b2 ON b2.oid = CASE WHEN b1.typcategory = 'A' AND b1.typelem <> 0 THEN b1.typelem ELSE b1.oid END \
+             JOIN pg_catalog.pg_type b3 ON b3.oid = CASE WHEN b2.typtype = 'd' THEN b2.typbasetype ELSE b2.oid END \
+             WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
+               AND b3.typtype = 'c'",
+            &[&table],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| (r.get(0), (r.get(1), r.get(2))))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::{compatible, narrower};
@@ -880,35 +911,4 @@ mod tests {
             "A"
         ));
     }
-}
-
-/// The columns of `table` whose type is a composite type (also inside an array or a domain):
-/// column -> (the composite type's name, its attributes as `name type`, in order).
-async fn composite_attributes(
-    client: &tokio_postgres::Client,
-    table: &str,
-) -> std::collections::HashMap<String, (String, Vec<String>)> {
-    client
-        .query(
-            "SELECT a.attname::text, pg_catalog.format_type(b3.oid, NULL), \
-                    ARRAY(SELECT ca.attname::text || ' ' || pg_catalog.format_type(ca.atttypid, ca.atttypmod) \
-                          FROM pg_catalog.pg_attribute ca \
-                          WHERE ca.attrelid = b3.typrelid AND ca.attnum > 0 AND NOT ca.attisdropped \
-                          ORDER BY ca.attnum) \
-             FROM pg_catalog.pg_attribute a \
-             JOIN pg_catalog.pg_type b0 ON b0.oid = a.atttypid \
-             JOIN pg_catalog.pg_type b1 ON b1.oid = CASE WHEN b0.typtype = 'd' THEN b0.typbasetype ELSE b0.oid END \
-             JOIN pg_catalog.pg_type b2 ON b2.oid = CASE WHEN b1.typcategory = 'A' AND b1.typelem <> 0 THEN b1.typelem ELSE b1.oid END \
-             JOIN pg_catalog.pg_type b3 ON b3.oid = CASE WHEN b2.typtype = 'd' THEN b2.typbasetype ELSE b2.oid END \
-             WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
-               AND b3.typtype = 'c'",
-            &[&table],
-        )
-        .await
-        .map(|rows| {
-            rows.iter()
-                .map(|r| (r.get(0), (r.get(1), r.get(2))))
-                .collect()
-        })
-        .unwrap_or_default()
 }
