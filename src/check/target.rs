@@ -723,6 +723,11 @@ pub(crate) fn narrower(source: &str, target: &str) -> Option<&'static str> {
                 _ => None,
             };
         }
+        // A date keeps the day only (of a timestamp with time zone: the day in the target
+        // session's time zone).
+        ("timestamp with time zone" | "timestamp without time zone", "date") => {
+            return Some("drops the time of day of the source's values without a word")
+        }
         // Fractional digits of seconds (6 without a precision): fewer round.
         (
             "timestamp with time zone"
@@ -870,6 +875,8 @@ mod tests {
         assert!(compatible("int4multirange", "text", "S"));
         assert!(!compatible("int4multirange", "character varying(10)", "S"));
         assert!(narrower("bigint", "integer").is_some());
+        assert!(narrower("timestamp(3) with time zone", "date").is_some());
+        assert!(narrower("date", "timestamp with time zone").is_none());
         assert!(narrower("integer", "bigint").is_none());
         assert!(narrower("numeric", "integer").is_some());
         assert!(narrower("numeric(10,4)", "numeric(10,2)").is_some());
