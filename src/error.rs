@@ -302,11 +302,16 @@ pub fn describe_postgres(err: &tokio_postgres::Error) -> String {
             // rows from a copy or a comparison without a word.
             // (PostgreSQL's own hint, when it gives one, is for a table owner under FORCE ROW
             // LEVEL SECURITY, and says what to do.)
-            if db.code() == &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE
+            // A COPY into a table under policies is refused outright (its hint says to use
+            // INSERT, which is not for pgapply's user to do).
+            if (db.code() == &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE
                 && db
                     .message()
                     .starts_with("query would be affected by row-level security")
-                && db.hint().is_none()
+                && db.hint().is_none())
+                || db
+                    .message()
+                    .starts_with("COPY FROM not supported with row-level security")
             {
                 text.push_str(
                     "; pgapply copies, compares and applies every row regardless of policies: give this role BYPASSRLS (ALTER ROLE .. BYPASSRLS), or connect as the table's owner",

@@ -2289,3 +2289,35 @@ async fn check_names_a_composite_type_whose_attributes_differ() {
         "{text}"
     );
 }
+
+/// A target table under row-level security that applies to the target role: the error says
+/// to give the role BYPASSRLS, not to GRANT rights it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_level_security_on_the_target_is_named_with_its_way_out() {
+    let db = TestDb::new("targetrls").await;
+    db.both("CREATE TABLE r (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE r").await;
+    let role = format!("rls_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN PASSWORD 'r'; CREATE SCHEMA pgapply AUTHORIZATION {role}; \
+         GRANT ALL ON r TO {role}; ALTER TABLE r ENABLE ROW LEVEL SECURITY; \
+         CREATE POLICY only_small ON r USING (id < 10);",
+    ))
+    .await;
+    db.source_sql("INSERT INTO r VALUES (1, 'a'); UPDATE r SET v = 'b' WHERE id = 1")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_as_target_user(&role, "r", &["--endpos", &endpos, "--max-retries", "0"]),
+        60,
+    )
+    .await;
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("row-level security")
+            && text.contains("BYPASSRLS")
+            && !text.contains("GRANT SELECT, INSERT, UPDATE, DELETE"),
+        "{text}"
+    );
+}

@@ -623,6 +623,8 @@ pub(super) fn target_table_hint(code: &str, table: &str, message: Option<&str>) 
         c if value_refused(c) => Some(format!(
             "a column of target table {table} does not take the source's value (a narrower type, or a different one): change the column on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts, so a column changed while it runs counts only from then); `pgapply check` lists what differs"
         )),
+        // Row-level security: the error itself says what to do (`describe_postgres`).
+        "42501" if message.is_some_and(|m| m.contains("row-level security")) => None,
         "42501" => Some(format!(
             "the target role lacks a privilege on {table} (or on a sequence, function or table its defaults, triggers or foreign keys use): GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO the role pgapply connects as (and TRUNCATE if truncates are published), then start pgapply again; `pgapply check` lists every missing right"
         )),
