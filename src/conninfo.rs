@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use tokio_postgres::config::Host;
+use tokio_postgres::config::{Host, TargetSessionAttrs};
 
 use crate::error::{Error, Result};
 
@@ -27,6 +27,7 @@ pub fn parse(role: &str, conninfo: &str) -> Result<tokio_postgres::Config> {
     }
     let (rest, tls, mode_given, service) = take_tls_settings(conninfo)
         .map_err(|e| e.context(format!("--{role}: invalid connection string")))?;
+    let rest = session_attrs_as_tokio_postgres_reads_them(&rest);
     let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
         // The cause (tokio-postgres' error source) names the bad key, never a value; but an
         // unquoted password with a space in it reads as more keys, named from the password.
@@ -358,6 +359,8 @@ fn unsupported_hint(conninfo: &str) -> &'static str {
         "; passfile is not supported: set PGPASSFILE, or give the password with --source-password-file / --target-password-file"
     } else if has("sslpassword") {
         "; sslpassword is not supported: give sslkey a key without a passphrase (openssl pkey -in encrypted.key -out plain.key), readable only by its owner"
+    } else if has("target_session_attrs") {
+        "; pgapply takes target_session_attrs any, read-write (or primary) and read-only (or standby)"
     } else {
         ""
     }
@@ -428,6 +431,20 @@ fn complete_from_environment(config: &mut tokio_postgres::Config) -> Result<()> 
             config.dbname(db);
         }
     }
+    if config.get_target_session_attrs() == TargetSessionAttrs::Any {
+        if let Some(attrs) = env("PGTARGETSESSIONATTRS") {
+            config.target_session_attrs(match attrs.as_str() {
+                "read-write" | "primary" => TargetSessionAttrs::ReadWrite,
+                "read-only" | "standby" => TargetSessionAttrs::ReadOnly,
+                "any" => TargetSessionAttrs::Any,
+                other => {
+                    return Err(Error::usage(format!(
+                        "PGTARGETSESSIONATTRS={other:?}: {SESSION_ATTRS_TAKEN}"
+                    )))
+                }
+            });
+        }
+    }
     if config.get_password().is_none() {
         if let Some(pw) = env("PGPASSWORD").or_else(|| password_from_pgpass(config)) {
             config.password(pw);
@@ -437,6 +454,23 @@ fn complete_from_environment(config: &mut tokio_postgres::Config) -> Result<()> 
         config.application_name("pgapply");
     }
     Ok(())
+}
+
+/// The target_session_attrs values pgapply takes.
+const SESSION_ATTRS_TAKEN: &str = "pgapply takes target_session_attrs any, read-write (or primary: a server not in recovery, here also one whose sessions are read-write by default) and read-only (or standby: here also a primary whose sessions are read-only by default); prefer-standby is not supported";
+
+/// libpq's `primary` and `standby` as tokio-postgres's nearest values (`read-write`,
+/// `read-only`); another value it does not know is left for its parser to refuse.
+fn session_attrs_as_tokio_postgres_reads_them(conninfo: &str) -> String {
+    conninfo
+        .replace(
+            "target_session_attrs=primary",
+            "target_session_attrs=read-write",
+        )
+        .replace(
+            "target_session_attrs=standby",
+            "target_session_attrs=read-only",
+        )
 }
 
 fn pgpass_path() -> Option<PathBuf> {
@@ -639,6 +673,27 @@ mod tests {
             crate::tls::settings_for(&target).mode,
             crate::tls::SslMode::Disable
         );
+    }
+
+    #[test]
+    fn target_session_attrs_of_libpq() {
+        let config = parse("source", "host=a,b user=u target_session_attrs=primary").unwrap();
+        assert_eq!(
+            config.get_target_session_attrs(),
+            TargetSessionAttrs::ReadWrite
+        );
+        let config = parse("source", "postgres://u@a,b/d?target_session_attrs=standby").unwrap();
+        assert_eq!(
+            config.get_target_session_attrs(),
+            TargetSessionAttrs::ReadOnly
+        );
+        let err = parse(
+            "source",
+            "host=a user=u target_session_attrs=prefer-standby",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("read-write (or primary)"), "{err}");
     }
 
     #[test]
