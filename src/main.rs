@@ -524,6 +524,25 @@ fn early_error(format: Option<LogFormat>, message: &str) {
     }
 }
 
+/// Reads the passwords again (password files, PGPASSWORD's ~/.pgpass) before a run starts
+/// again, as libpq reads them at each connection: a password rotated while pgapply ran is
+/// taken without a restart. (A file that cannot be read now keeps the password read before.)
+fn refresh_passwords(
+    args: &RunArgs,
+    file: &FileConfig,
+    config: &mut pgapply::replicate::RunConfig,
+) {
+    let Ok(fresh) = config::resolve_servers(&args.servers, file) else {
+        return;
+    };
+    if let Some(password) = fresh.source.get_password() {
+        config.source.password(password);
+    }
+    if let Some(password) = fresh.target.get_password() {
+        config.target.password(password);
+    }
+}
+
 /// The slot `pgapply run` replicates, once known: named on its last log line too.
 static RUN_SLOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
@@ -546,7 +565,11 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
     let (progress_tx, progress_rx) = watch::channel(pgapply::replicate::RunProgress {
         durable: pgapply::protocol::Lsn::INVALID,
     });
+    let mut first = true;
     loop {
+        if !std::mem::take(&mut first) {
+            refresh_passwords(&args, &file, &mut config);
+        }
         let before = progress_rx.borrow().durable;
         let started = std::time::Instant::now();
         match run(config.clone(), shutdown.clone(), Some(progress_tx.clone())).await {

@@ -2537,3 +2537,51 @@ async fn sighup_does_not_end_other_commands() {
     let _ = child.wait().await;
     let _ = std::fs::remove_file(&log);
 }
+
+/// A password rotated while pgapply runs: the password file is read again when a run starts
+/// again (as libpq reads its sources at each connection), so the reconnect after the rotation
+/// succeeds without a restart of the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_password_file_is_read_again_on_reconnect() {
+    let db = TestDb::new("rotate").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let role = format!("rot_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN SUPERUSER PASSWORD 'one'"
+    ))
+    .await;
+    let file = std::env::temp_dir().join(format!("pgapply-rotate-{}", std::process::id()));
+    std::fs::write(&file, "one\n").unwrap();
+    let target = format!(
+        "host=127.0.0.1 port={} user={role} dbname={}",
+        db.target_port, db.name
+    );
+    let mut worker = spawn(db.pgapply_via(
+        &db.source_conninfo(),
+        &target,
+        &db.slot(),
+        "p",
+        &["--target-password-file", file.to_str().unwrap()],
+    ));
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    wait_for("the first row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 1
+    })
+    .await;
+    db.target_sql(&format!("ALTER ROLE {role} PASSWORD 'two'"))
+        .await;
+    std::fs::write(&file, "two\n").unwrap();
+    db.target_sql(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ))
+    .await;
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    wait_for("the row after the rotation", 90, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 2
+    })
+    .await;
+    common::signal(&worker, libc::SIGTERM);
+    assert!(worker.wait().await.unwrap().success());
+    let _ = std::fs::remove_file(&file);
+}
