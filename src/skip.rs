@@ -279,6 +279,12 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             "forgot slot {slot} on the target: {rows} row(s) of pgapply's state and {} replication origin(s); its conflict records stay in pgapply.conflicts",
             origins.len()
         );
+        if source.is_none() {
+            crate::out!(
+                "the source's slot {slot}, if it has one, stays and keeps the WAL it has not confirmed: drop it when no longer needed (on the source: SELECT pg_drop_replication_slot({}))",
+                crate::sql::shown_literal(&slot)
+            );
+        }
     }
     if let Some(source) = source {
         let src = crate::tls::connect(&source).await.map_err(|e| {
