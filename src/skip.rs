@@ -286,11 +286,11 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             );
         }
     }
-    if let Some(source) = source {
-        let src = crate::tls::connect(&source).await.map_err(|e| {
+    if let Some(source) = &source {
+        let src = crate::tls::connect(source).await.map_err(|e| {
             e.into_error(format!(
                 "connecting to source {}",
-                conninfo::describe(&source)
+                conninfo::describe(source)
             ))
         })?;
         let dropped = src
@@ -305,13 +305,69 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             None => crate::out!("the source has no replication slot {slot}"),
         }
     }
+    settle_prepared(&client, &slot, source.is_some()).await
+}
+
+/// The transactions a two-phase slot's worker prepared on the target (`pgapply_<slot>_<xid>`)
+/// that are still prepared: their COMMIT or ROLLBACK PREPARED comes from the slot. With the slot
+/// gone nothing would ever end them, and their locks would hold up the next run: rolled back
+/// (the source's commit of one, if it came, would have reached the target only through that
+/// slot). With the slot kept, they are named: its stream still ends them.
+async fn settle_prepared(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    slot_dropped: bool,
+) -> Result<()> {
+    // (Slot names are lower-case letters, digits and underscores: nothing a pattern reads.)
+    let gids: Vec<String> = client
+        .query(
+            "SELECT gid FROM pg_catalog.pg_prepared_xacts \
+             WHERE database = current_database() AND gid ~ ('^pgapply_' || $1 || '_[0-9]+$') ORDER BY prepared",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the target's prepared transactions", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if gids.is_empty() {
+        return Ok(());
+    }
+    if !slot_dropped {
+        crate::out!(
+            "the target holds {} transaction(s) prepared for slot {slot} ({}): the slot's stream ends them (COMMIT or ROLLBACK PREPARED) when pgapply runs for it again; if that slot is dropped instead, roll them back on the target (ROLLBACK PREPARED '<gid>') or run forget again with --drop-slot, or their locks hold up whatever writes those rows",
+            gids.len(),
+            gids.join(", ")
+        );
+        return Ok(());
+    }
+    for gid in &gids {
+        client
+            .batch_execute(&format!(
+                "ROLLBACK PREPARED {}",
+                crate::sql::quote_literal(gid)
+            ))
+            .await
+            .map_err(|e| {
+                Error::postgres(
+                    format!("rolling back transaction {gid:?}, prepared on the target for the dropped slot (run it as its owner or a superuser: ROLLBACK PREPARED '{gid}')"),
+                    e,
+                )
+            })?;
+    }
+    crate::out!(
+        "rolled back {} transaction(s) prepared on the target for slot {slot} ({}): with the slot dropped, nothing would have ended them",
+        gids.len(),
+        gids.join(", ")
+    );
     Ok(())
 }
 
 /// `forget --drop-slot`: refuses, before anything is removed, to drop a source slot that nothing
 /// shows pgapply streamed from into this target: one pgapply cannot use (physical, another
-/// plugin, another database), or one this target's state records no position or copy for (a
-/// run given a misspelt --slot that named another tool's slot leaves a row, and no more).
+/// plugin, another database), or one this target's state records no position, no copy and no
+/// clean stop for (a run given a misspelt --slot that named another tool's slot is refused and
+/// leaves a row, and no more).
 async fn refuse_a_slot_not_ours(
     target: &tokio_postgres::Client,
     source: &tokio_postgres::Config,
@@ -368,7 +424,8 @@ async fn refuse_a_slot_not_ours(
     };
     let origin = format!("pgapply_{slot}");
     let used = holds(
-        "SELECT EXISTS (SELECT 1 FROM pgapply.progress WHERE slot_name = $1 AND lsn IS NOT NULL) \
+        "SELECT EXISTS (SELECT 1 FROM pgapply.progress WHERE slot_name = $1 \
+                          AND (lsn IS NOT NULL OR reported_lsn > '0/0' OR state = 'stopped')) \
              OR EXISTS (SELECT 1 FROM pgapply.copy_state WHERE slot_name = $1)",
         slot.to_owned(),
     )

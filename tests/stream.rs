@@ -1277,3 +1277,79 @@ async fn a_target_outage_keeps_streamed_transactions_applied_as_they_arrive() {
     );
     db.assert_same("o").await;
 }
+
+/// `forget` of a two-phase slot: with the slot kept, the transactions its worker prepared on the
+/// target are named (the slot's stream ends them); with `--drop-slot` they are rolled back, as
+/// nothing would end them and their locks would hold up the next run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forget_ends_what_a_dropped_two_phase_slot_left_prepared() {
+    if !pgapply_version_or_skip("two-phase", 150000).await {
+        return;
+    }
+    let db = TestDb::new("forgetprep").await;
+    let gid = format!("fp_{}", db.name);
+    common::cleaning_prepared(&db, &gid, forget_prepared(&db, &gid)).await;
+}
+
+async fn forget_prepared(db: &TestDb, gid: &str) {
+    db.both("CREATE TABLE o (id int PRIMARY KEY, v text)").await;
+    db.source_sql("INSERT INTO o VALUES (1, 'a'); CREATE PUBLICATION p FOR TABLE o")
+        .await;
+    let mut worker = spawn(db.pgapply("p", &["--two-phase", "--create-slot", "--copy-data"]));
+    db.wait_slot_active().await;
+    db.source_sql(&format!(
+        "BEGIN; UPDATE o SET v = 'b' WHERE id = 1; PREPARE TRANSACTION '{gid}';"
+    ))
+    .await;
+    let prepared_on_target = "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database() AND gid LIKE 'pgapply%'";
+    wait_for("the transaction prepared on the target", 60, || async {
+        db.count(&db.target, prepared_on_target).await == 1
+    })
+    .await;
+    common::signal(&worker, libc::SIGTERM);
+    assert!(worker.wait().await.unwrap().success());
+    let forget = |extra: &[&str]| {
+        let mut c = common::pgapply_command(&[
+            "forget",
+            "--target",
+            &db.target_conninfo(),
+            "--slot",
+            &db.slot(),
+        ]);
+        c.args(extra);
+        c
+    };
+    let out = run_with_deadline(forget(&[]), 30).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("transaction(s) prepared for slot")
+            && text.contains("the slot's stream ends them"),
+        "{text}"
+    );
+    assert_eq!(db.count(&db.target, prepared_on_target).await, 1);
+    // Started again (state forgotten, slot kept) and then given up for good.
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run_with_deadline(
+        forget(&["--drop-slot", "--source", &db.source_conninfo()]),
+        30,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("dropped replication slot")
+            && text.contains("rolled back 1 transaction(s) prepared on the target"),
+        "{text}"
+    );
+    assert_eq!(db.count(&db.target, prepared_on_target).await, 0);
+    // Nothing holds the row now: the target takes a write to it at once.
+    db.target
+        .batch_execute(
+            "SET lock_timeout = '5s'; UPDATE o SET v = 'free' WHERE id = 1; RESET lock_timeout",
+        )
+        .await
+        .unwrap();
+}
