@@ -252,7 +252,7 @@ impl Applier {
         let at = time.to_rfc3339();
         if !self.prepared_exists(&gid).await? {
             if !(self.resume.is_valid() && end_lsn <= self.resume) {
-                tracing::warn!(gid = %gid, source_gid, "{verb}: the transaction is not prepared on the target; assuming it was finished before a restart");
+                tracing::warn!(gid = %gid, source_gid, "{verb}: the transaction is not prepared on the target: finished before a restart, or skipped on request (`pgapply skip`)");
             }
             // (A ROLLBACK PREPARED whose origin position a crash kept from being written.)
             let seen_before = self.resume.is_valid() && end_lsn <= self.resume;
