@@ -2585,3 +2585,45 @@ async fn a_rotated_password_file_is_read_again_on_reconnect() {
     assert!(worker.wait().await.unwrap().success());
     let _ = std::fs::remove_file(&file);
 }
+
+/// With several hosts in a connection string, `check` says which one it reached, as the
+/// description names the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_the_host_it_reached() {
+    let db = TestDb::new("checkhosts").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let down = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let target = format!(
+        "host=127.0.0.1,127.0.0.1 port={down},{} user=postgres dbname={}",
+        db.target_port, db.name
+    );
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "check",
+            "--source",
+            &db.source_conninfo(),
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            &db.slot(),
+        ]),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains(&format!(
+            "reachable (connected to 127.0.0.1:{})",
+            db.target_port
+        )),
+        "{text}{}",
+        stderr(&out)
+    );
+}

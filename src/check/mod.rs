@@ -80,8 +80,9 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
     let source = match crate::tls::connect_to(&config.source, "source").await {
         Ok(c) => {
             report.ok(format!(
-                "source {} reachable",
-                conninfo::describe(&config.source)
+                "source {} reachable{}",
+                conninfo::describe(&config.source),
+                connected_to(&c, &config.source).await
             ));
             Some(c)
         }
@@ -93,8 +94,9 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
     let target = match crate::tls::connect_to(&config.target, "target").await {
         Ok(c) => {
             report.ok(format!(
-                "target {} reachable",
-                conninfo::describe(&config.target)
+                "target {} reachable{}",
+                conninfo::describe(&config.target),
+                connected_to(&c, &config.target).await
             ));
             Some(c)
         }
@@ -371,4 +373,20 @@ async fn query_bool(
         .await
         .map(|r| r.get::<_, Option<bool>>(0).unwrap_or(false))
         .map_err(|e| describe_postgres(&e))
+}
+
+/// With several hosts in a connection string: which one the session reached (` (connected to
+/// host:port)`), as the description names the first.
+async fn connected_to(client: &tokio_postgres::Client, config: &tokio_postgres::Config) -> String {
+    if config.get_hosts().len() + config.get_hostaddrs().len() < 2 {
+        return String::new();
+    }
+    client
+        .query_one(
+            "SELECT coalesce(host(inet_server_addr()), 'local socket') || ':' || coalesce(inet_server_port()::text, '')",
+            &[],
+        )
+        .await
+        .map(|r| format!(" (connected to {})", r.get::<_, String>(0)))
+        .unwrap_or_default()
 }
