@@ -497,32 +497,48 @@ fn password_in_file(path: &std::path::Path, config: &tokio_postgres::Config) -> 
         }
     }
     let text = std::fs::read_to_string(path).ok()?;
-    // (libpq looks a password up by host, or by hostaddr when no host is given.)
-    let host = match (config.get_hosts().first(), config.get_hostaddrs().first()) {
-        (Some(Host::Tcp(h)), _) => h.clone(),
-        // (As libpq: a socket directory is looked up by its path, the default one, which
-        // libpq was built with, as localhost.)
-        (Some(Host::Unix(dir)), _) => {
-            let dir = dir.to_string_lossy();
-            let default = ["/var/run/postgresql", "/run/postgresql", "/tmp"];
-            if default.contains(&dir.trim_end_matches('/')) {
-                "localhost".to_owned()
-            } else {
-                dir.into_owned()
-            }
-        }
-        (None, Some(addr)) => addr.to_string(),
-        (None, None) => return None,
+    // (libpq looks a password up by host, or by hostaddr when no host is given; with several
+    // hosts, per host. One password serves a connection here: the first host's that has one,
+    // so that a list whose first host has no line still finds the others'.)
+    let hosts: Vec<String> = if config.get_hosts().is_empty() {
+        config
+            .get_hostaddrs()
+            .iter()
+            .map(|a| a.to_string())
+            .collect()
+    } else {
+        config
+            .get_hosts()
+            .iter()
+            .map(|h| match h {
+                Host::Tcp(h) => h.clone(),
+                // (As libpq: a socket directory is looked up by its path, the default one,
+                // which libpq was built with, as localhost.)
+                Host::Unix(dir) => {
+                    let dir = dir.to_string_lossy();
+                    let default = ["/var/run/postgresql", "/run/postgresql", "/tmp"];
+                    if default.contains(&dir.trim_end_matches('/')) {
+                        "localhost".to_owned()
+                    } else {
+                        dir.into_owned()
+                    }
+                }
+            })
+            .collect()
     };
-    let port = config
-        .get_ports()
-        .first()
-        .copied()
-        .unwrap_or(5432)
-        .to_string();
+    let ports = config.get_ports();
     let user = config.get_user()?.to_owned();
     let db = config.get_dbname().unwrap_or(&user).to_owned();
-    lookup_pgpass(&text, &host, &port, &db, &user)
+    hosts.iter().enumerate().find_map(|(i, host)| {
+        // One port for every host, or one each.
+        let port = ports
+            .get(i)
+            .or(ports.first())
+            .copied()
+            .unwrap_or(5432)
+            .to_string();
+        lookup_pgpass(&text, host, &port, &db, &user)
+    })
 }
 
 /// Finds the password for a connection in .pgpass text: `host:port:db:user:password` lines,
@@ -761,6 +777,30 @@ mod tests {
             Some("local")
         );
         assert_eq!(password_in_file(&path, &config("/elsewhere")), None);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn several_hosts_find_the_first_line_that_fits_one_of_them() {
+        use std::os::unix::fs::PermissionsExt;
+        let path =
+            std::env::temp_dir().join(format!("pgapply-pgpass-hosts-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            "b:5433:d:u:second
+",
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let config =
+            tokio_postgres::Config::from_str("host=a,b port=5432,5433 user=u dbname=d").unwrap();
+        assert_eq!(password_in_file(&path, &config).as_deref(), Some("second"));
+        let one_port =
+            tokio_postgres::Config::from_str("host=a,b port=5433 user=u dbname=d").unwrap();
+        assert_eq!(
+            password_in_file(&path, &one_port).as_deref(),
+            Some("second")
+        );
         let _ = std::fs::remove_file(&path);
     }
 
