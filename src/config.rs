@@ -344,7 +344,14 @@ fn read_password_file(path: &Path, which: &str) -> Result<String> {
             path.display()
         ))
     })?;
-    Ok(text.trim_end_matches(['\n', '\r']).to_owned())
+    let password = text.trim_end_matches(['\n', '\r']);
+    if password.is_empty() {
+        return Err(Error::usage(format!(
+            "{which} password file {} is empty: put the password in it (one line)",
+            path.display()
+        )));
+    }
+    Ok(password.to_owned())
 }
 
 /// The file's conflict policies, global and per table (also what SIGHUP reloads).

@@ -2321,3 +2321,29 @@ async fn row_level_security_on_the_target_is_named_with_its_way_out() {
         "{text}"
     );
 }
+
+/// An empty password file is named as such (it was sent as an empty password, and the server's
+/// "password authentication failed" pointed elsewhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_password_file_is_named() {
+    let file = std::env::temp_dir().join(format!("pgapply-empty-pw-{}", std::process::id()));
+    std::fs::write(&file, "\n").unwrap();
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "status",
+            "--target",
+            "host=127.0.0.1 port=1 user=u dbname=d",
+            "--target-password-file",
+            file.to_str().unwrap(),
+        ]),
+        30,
+    )
+    .await;
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains(&format!("target password file {} is empty", file.display())),
+        "{text}"
+    );
+    let _ = std::fs::remove_file(&file);
+}
