@@ -189,13 +189,18 @@ pub fn target_pool(target: &tokio_postgres::Config, size: usize) -> Result<Pool>
         .runtime(deadpool_postgres::Runtime::Tokio1)
         // A role's or database's idle_session_timeout (14+) would end pgapply's sessions between
         // two quiet moments of the source (the heartbeat's, the apply sessions'), and each end
-        // is a restart of the run. (Set by name from pg_settings: older servers do not know it.)
+        // is a restart of the run; its statement_timeout or lock_timeout (set for the
+        // applications) would fail pgapply's bookkeeping (catalog reads, progress, heartbeat)
+        // when the target is busy, as they would its apply sessions, which set the same. (Set by
+        // name from pg_settings: older servers do not know every one.)
         .post_create(deadpool_postgres::Hook::async_fn(|client, _| {
             Box::pin(async move {
                 let _ = client
                     .batch_execute(
-                        "SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings \
-                         WHERE name = 'idle_session_timeout'",
+                        "SET statement_timeout = 0; SET lock_timeout = 0; \
+                         SET idle_in_transaction_session_timeout = 0; \
+                         SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings \
+                         WHERE name IN ('idle_session_timeout', 'transaction_timeout')",
                     )
                     .await;
                 Ok(())

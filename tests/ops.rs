@@ -2627,3 +2627,31 @@ async fn check_names_the_host_it_reached() {
         stderr(&out)
     );
 }
+
+/// A role's statement_timeout and lock_timeout (set for the applications) reach none of
+/// pgapply's target sessions: its bookkeeping (catalog reads, progress, heartbeat) failed under
+/// them, and the run stopped (exit 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_roles_timeouts_do_not_reach_pgapplys_sessions() {
+    let db = TestDb::new("roletimeouts").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let role = format!("to_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {role} LOGIN SUPERUSER PASSWORD 't'; \
+         ALTER ROLE {role} IN DATABASE {db} SET statement_timeout = '1ms'; \
+         ALTER ROLE {role} IN DATABASE {db} SET lock_timeout = '1ms';",
+        db = db.name
+    ))
+    .await;
+    db.source_sql("INSERT INTO t SELECT g, md5(g::text) FROM generate_series(1, 2000) g; UPDATE t SET v = 'x' WHERE id % 7 = 0")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_as_target_user(&role, "t", &["--endpos", &endpos, "--max-retries", "1"]),
+        90,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("t").await;
+}
