@@ -802,6 +802,10 @@ pub(super) fn compatible(source: &str, target: &str, target_category: &str) -> b
     if unqualified(source) == unqualified(target) {
         return true;
     }
+    // Arrays: as their elements (an enum's array into text[] goes as text does).
+    if let (Some(s), Some(t)) = (source.strip_suffix("[]"), target.strip_suffix("[]")) {
+        return compatible(s, t, "");
+    }
     let numeric = [
         "smallint",
         "integer",
@@ -873,6 +877,8 @@ mod tests {
         assert!(compatible("public.citext[]", "ext.citext[]", "A"));
         assert!(!compatible("text", "integer", "N"));
         assert!(compatible("int4multirange", "text", "S"));
+        assert!(compatible("app.mood[]", "text[]", "A"));
+        assert!(!compatible("app.mood[]", "integer[]", "A"));
         assert!(!compatible("int4multirange", "character varying(10)", "S"));
         assert!(narrower("bigint", "integer").is_some());
         assert!(narrower("timestamp(3) with time zone", "date").is_some());
