@@ -335,7 +335,7 @@ async fn settle_prepared(
     }
     if !slot_dropped {
         crate::out!(
-            "the target holds {} transaction(s) prepared for slot {slot} ({}): the slot's stream ends them (COMMIT or ROLLBACK PREPARED) when pgapply runs for it again; if that slot is dropped instead, roll them back on the target (ROLLBACK PREPARED '<gid>') or run forget again with --drop-slot, or their locks hold up whatever writes those rows",
+            "the target holds {} transaction(s) prepared for slot {slot} ({}): the slot's stream ends them (COMMIT or ROLLBACK PREPARED) when pgapply runs for it again; if that slot is dropped instead, roll them back on the target (ROLLBACK PREPARED '<gid>'), or their locks hold up whatever writes those rows",
             gids.len(),
             gids.join(", ")
         );
@@ -410,7 +410,18 @@ async fn refuse_a_slot_not_ours(
             "not dropping replication slot {slot:?} on the source: it is {what}, which pgapply does not stream from here, so it is another replication's. Nothing was removed: run forget without --drop-slot to remove only this target's state for the name; if that slot is to go, drop it on the source yourself ({manual})"
         )));
     }
-    if !has_state {
+    // No row for the slot at all: the refusal that follows says the target holds no state.
+    let has_row = has_state
+        && target
+            .query_opt(
+                "SELECT 1 FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .ok()
+            .flatten()
+            .is_some();
+    if !has_row {
         return Ok(());
     }
     // (Each read on its own: a role that may not read origins' progress still has the rest.)

@@ -517,10 +517,10 @@ impl Applier {
                     .filter(|&c| is_oid_alias(about.relation.source.columns[c].type_oid))
                     .map(|c| quote_ident(&about.relation.source.columns[c].name))
                     .collect();
-                let held = if columns.is_empty() {
-                    String::new()
-                } else {
-                    format!(" (column {} holds object names)", columns.join(", "))
+                let held = match columns.as_slice() {
+                    [] => String::new(),
+                    [one] => format!(" (column {one} holds object names)"),
+                    more => format!(" (columns {} hold object names)", more.join(", ")),
                 };
                 format!(
                     "a value of {table} names {what} {name:?}, which the target does not have{held}: create it on the target (an object name is looked up where the row is written), then start pgapply again; or, losing the whole source transaction, its other changes too: {}",
