@@ -2305,6 +2305,21 @@ async fn forget_drops_no_slot_of_another_replication() {
             0
         );
     }
+    // A slot the target never heard of: said as such.
+    let out = run_with_deadline(
+        forget(
+            "other_sub",
+            &["--drop-slot", "--source", &db.source_conninfo()],
+        ),
+        30,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("this target holds no state for it"),
+        "{}",
+        stderr(&out)
+    );
     assert_eq!(
         db.count(
             &db.source,
