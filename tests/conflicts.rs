@@ -1141,9 +1141,24 @@ async fn insert_policies_on_a_table_with_a_deferrable_unique_constraint() {
         .await,
         1
     );
-    // The only key deferrable: refused by name, with what to do.
+    // The only key deferrable: refused by name, with what to do; `check` says so first.
     db.source_sql("ALTER PUBLICATION p ADD TABLE o; INSERT INTO o VALUES (1, 'x')")
         .await;
+    let out = run_with_deadline(
+        db.on_both(
+            "check",
+            &["--slot", &db.slot(), "--config", skip.to_str().unwrap()],
+        ),
+        60,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    assert!(
+        text.lines().any(|l| l.starts_with("PROBLEM")
+            && l.contains("every unique key of target table \"public\".\"o\" is DEFERRABLE")),
+        "{text}"
+    );
     let out = sync_with(&db, &["--config", skip.to_str().unwrap()]).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let err = stderr(&out);

@@ -311,7 +311,14 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
             &emptied,
         )
         .await;
-        check_apply_session(dst, &mut report, &tables, two_phase, config.apply_workers).await;
+        check_apply_session(
+            dst,
+            &mut report,
+            &tables,
+            (two_phase, config.apply_workers),
+            &config.policies,
+        )
+        .await;
     }
     finish(report)
 }

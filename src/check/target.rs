@@ -13,9 +13,37 @@ pub(super) async fn check_apply_session(
     dst: &Client,
     report: &mut Report,
     tables: &[crate::copy::PublishedTable],
-    two_phase: bool,
-    apply_workers: usize,
+    (two_phase, apply_workers): (bool, usize),
+    policies: &crate::apply::conflict::PolicyMap,
 ) {
+    // An insert_exists policy needs INSERT .. ON CONFLICT, which a table whose every key is
+    // DEFERRABLE refuses (`run` stops at its first INSERT, saying so).
+    for t in tables {
+        let policy = policies.for_table(&t.schema, &t.name).insert_exists;
+        if policy == crate::apply::conflict::Policy::Error {
+            continue;
+        }
+        let qualified = t.target_qualified();
+        let only_deferrable = dst
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_index WHERE indrelid = pg_catalog.to_regclass($1) \
+                                  AND NOT indimmediate AND (indisunique OR indisexclusion)) \
+                        AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index WHERE indrelid = pg_catalog.to_regclass($1) \
+                                  AND indimmediate AND indisunique AND indisvalid \
+                                  AND indexprs IS NULL AND indpred IS NULL)",
+                &[&qualified],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0))
+            .unwrap_or(false);
+        if only_deferrable {
+            report.problem(format!(
+                "conflict policy insert_exists = \"{}\" for {}: every unique key of target table {qualified} is DEFERRABLE, and the INSERT .. ON CONFLICT the policy needs cannot use one (pgapply would stop at the table's first INSERT): on the target, drop the constraint and add it again without DEFERRABLE, or set insert_exists = \"error\" for this table",
+                policy.name(),
+                t.qualified()
+            ));
+        }
+    }
     match crate::migrations::refuse_read_only(dst).await {
         Ok(()) => report.ok("the target takes writes"),
         Err(e) => report.problem(e.to_string()),
