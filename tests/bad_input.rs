@@ -2260,23 +2260,28 @@ async fn an_object_name_value_the_target_cannot_resolve_is_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_names_a_composite_type_whose_attributes_differ() {
     let db = TestDb::new("checkcomp").await;
-    db.source_sql(
-        "CREATE TYPE pair AS (a text, b text); CREATE TYPE tri AS (x int, y int); \
-         CREATE DOMAIN dpair AS pair; \
-         CREATE TABLE c (id int PRIMARY KEY, p pair, ps pair[], d dpair, t tri); \
-         CREATE PUBLICATION p FOR TABLE c;",
-    )
+    // (A domain over a composite type needs PostgreSQL 11.)
+    let domain = common::clusters().source_major >= 11;
+    let (dpair, d) = if domain {
+        ("CREATE DOMAIN dpair AS pair;", ", d dpair")
+    } else {
+        ("", "")
+    };
+    db.source_sql(&format!(
+        "CREATE TYPE pair AS (a text, b text); CREATE TYPE tri AS (x int, y int); {dpair} \
+         CREATE TABLE c (id int PRIMARY KEY, p pair, ps pair[]{d}, t tri); \
+         CREATE PUBLICATION p FOR TABLE c;"
+    ))
     .await;
-    db.target_sql(
-        "CREATE TYPE pair AS (b text, a text); CREATE TYPE tri AS (x int, y bigint); \
-         CREATE DOMAIN dpair AS pair; \
-         CREATE TABLE c (id int PRIMARY KEY, p pair, ps pair[], d dpair, t tri);",
-    )
+    db.target_sql(&format!(
+        "CREATE TYPE pair AS (b text, a text); CREATE TYPE tri AS (x int, y bigint); {dpair} \
+         CREATE TABLE c (id int PRIMARY KEY, p pair, ps pair[]{d}, t tri);"
+    ))
     .await;
     let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
-    for column in ["p", "ps", "d"] {
+    for column in ["p", "ps", "d"].into_iter().filter(|c| domain || *c != "d") {
         assert!(
             text.lines().any(|l| l.starts_with("PROBLEM")
                 && l.contains(&format!("column \"{column}\" of \"public\".\"c\": its composite type is pair (a text, b text) on the source but pair (b text, a text) on the target"))),
