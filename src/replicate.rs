@@ -857,9 +857,14 @@ async fn run_in_span(
     } else {
         conninfo::describe(&config.source)
     };
+    let target_shown = format!(
+        "{}{}",
+        conninfo::describe(&config.target),
+        crate::sql::connected_to(&setup, &config.target).await
+    );
     tracing::info!(
         source = %source_shown,
-        target_server = %conninfo::describe(&config.target),
+        target_server = %target_shown,
         server_version = session.server_version(),
         protocol_version = negotiated.protocol_version,
         progress = match &store.mode { ProgressMode::Origin { .. } => "replication origin", ProgressMode::Table => "pgapply.progress table" },

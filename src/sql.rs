@@ -128,6 +128,25 @@ pub async fn role_and_database(client: &tokio_postgres::Client) -> (String, Stri
     }
 }
 
+/// With several hosts in a connection string: which one the session reached (` (connected to
+/// host:port)`), as the description names the first.
+pub async fn connected_to(
+    client: &tokio_postgres::Client,
+    config: &tokio_postgres::Config,
+) -> String {
+    if config.get_hosts().len() + config.get_hostaddrs().len() < 2 {
+        return String::new();
+    }
+    client
+        .query_one(
+            "SELECT coalesce(host(inet_server_addr()), 'local socket') || ':' || coalesce(inet_server_port()::text, '')",
+            &[],
+        )
+        .await
+        .map(|r| format!(" (connected to {})", r.get::<_, String>(0)))
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2641,6 +2641,25 @@ async fn check_names_the_host_it_reached() {
         "{text}{}",
         stderr(&out)
     );
+    // And `run`'s start line.
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &target,
+            &db.slot(),
+            "p",
+            &["--create-slot", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("(connected to 127.0.0.1:{})", db.target_port)),
+        "{}",
+        stderr(&out)
+    );
 }
 
 /// A role's statement_timeout and lock_timeout (set for the applications) reach none of

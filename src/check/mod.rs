@@ -82,7 +82,7 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
             report.ok(format!(
                 "source {} reachable{}",
                 conninfo::describe(&config.source),
-                connected_to(&c, &config.source).await
+                crate::sql::connected_to(&c, &config.source).await
             ));
             Some(c)
         }
@@ -96,7 +96,7 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
             report.ok(format!(
                 "target {} reachable{}",
                 conninfo::describe(&config.target),
-                connected_to(&c, &config.target).await
+                crate::sql::connected_to(&c, &config.target).await
             ));
             Some(c)
         }
@@ -380,20 +380,4 @@ async fn query_bool(
         .await
         .map(|r| r.get::<_, Option<bool>>(0).unwrap_or(false))
         .map_err(|e| describe_postgres(&e))
-}
-
-/// With several hosts in a connection string: which one the session reached (` (connected to
-/// host:port)`), as the description names the first.
-async fn connected_to(client: &tokio_postgres::Client, config: &tokio_postgres::Config) -> String {
-    if config.get_hosts().len() + config.get_hostaddrs().len() < 2 {
-        return String::new();
-    }
-    client
-        .query_one(
-            "SELECT coalesce(host(inet_server_addr()), 'local socket') || ':' || coalesce(inet_server_port()::text, '')",
-            &[],
-        )
-        .await
-        .map(|r| format!(" (connected to {})", r.get::<_, String>(0)))
-        .unwrap_or_default()
 }
