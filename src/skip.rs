@@ -180,8 +180,18 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             }
         }
     }
-    if let Some(source) = &source {
-        refuse_a_slot_not_ours(&client, source, &slot, has_state).await?;
+    // (One session on the source: the checks before anything is removed, then the drop.)
+    let source_sql = match &source {
+        Some(config) => Some(crate::tls::connect(config).await.map_err(|e| {
+            e.into_error(format!(
+                "connecting to source {}",
+                conninfo::describe(config)
+            ))
+        })?),
+        None => None,
+    };
+    if let Some(src) = &source_sql {
+        refuse_a_slot_not_ours(&client, src, &slot, has_state).await?;
     }
     // Replication origins belong to the whole target cluster: the slot name claimed by another
     // database's pgapply (`pgapply_<slot>.db<oid>`) is that database's to forget.
@@ -286,13 +296,7 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             );
         }
     }
-    if let Some(source) = &source {
-        let src = crate::tls::connect(source).await.map_err(|e| {
-            e.into_error(format!(
-                "connecting to source {}",
-                conninfo::describe(source)
-            ))
-        })?;
+    if let Some(src) = &source_sql {
         let dropped = src
             .query_opt(
                 "SELECT pg_catalog.pg_drop_replication_slot(slot_name) FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
@@ -305,7 +309,7 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
             None => crate::out!("the source has no replication slot {slot}"),
         }
     }
-    settle_prepared(&client, &slot, source.is_some()).await
+    settle_prepared(&client, &slot, source_sql.is_some()).await
 }
 
 /// The transactions a two-phase slot's worker prepared on the target (`pgapply_<slot>_<xid>`)
@@ -370,19 +374,15 @@ async fn settle_prepared(
 /// leaves a row, and no more).
 async fn refuse_a_slot_not_ours(
     target: &tokio_postgres::Client,
-    source: &tokio_postgres::Config,
+    src: &tokio_postgres::Client,
     slot: &str,
     has_state: bool,
 ) -> Result<()> {
-    let src = crate::tls::connect(source).await.map_err(|e| {
-        e.into_error(format!(
-            "connecting to source {}",
-            conninfo::describe(source)
-        ))
-    })?;
     let found = src
         .query_opt(
-            "SELECT slot_type::text, coalesce(plugin::text, ''), coalesce(database::text, ''),                     current_database()::text              FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            "SELECT slot_type::text, coalesce(plugin::text, ''), coalesce(database::text, ''), \
+                    current_database()::text \
+             FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
         .await

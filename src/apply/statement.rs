@@ -203,6 +203,15 @@ fn needs_text_comparison(type_oid: Oid) -> bool {
     )
 }
 
+/// `t.a = $1 AND t.b = $2` over the columns of `key`, for a one-row INSERT's statement (whose
+/// parameter $n+1 holds column n's value): the target's row with that key.
+fn same_key(entry: &RelationEntry, key: &[usize]) -> String {
+    key.iter()
+        .map(|&c| format!("t.{} = ${}", entry.quoted_columns[c], c + 1))
+        .collect::<Vec<_>>()
+        .join(" AND ")
+}
+
 /// Builds the SQL for a shape. Parameters: SET/VALUES values in source column order, then the
 /// values that find the row, in source column order.
 pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
@@ -261,18 +270,11 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                     }
                     // Inserted nothing: the rows whose unique values it met, read in the
                     // statement's snapshot (before any later change of the group), one as an
-                    // object, several as an array. Parameter $n+1 is column n's value.
+                    // object, several as an array.
                     let met = shape
                         .lookup
                         .iter()
-                        .map(|key| {
-                            let same = key
-                                .iter()
-                                .map(|&c| format!("t.{} = ${}", entry.quoted_columns[c], c + 1))
-                                .collect::<Vec<_>>()
-                                .join(" AND ");
-                            format!("({same})")
-                        })
+                        .map(|key| format!("({})", same_key(entry, key)))
                         .collect::<Vec<_>>()
                         .join(" OR ");
                     format!(
@@ -300,15 +302,11 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                         .collect();
                     // The row answered is the target's row as it was (for the conflict
                     // record): every part of one statement reads the same snapshot, taken before
-                    // the upsert wrote. Parameter $n+1 is column n's value (one row).
-                    let found = key_columns
-                        .iter()
-                        .map(|&c| format!("t.{} = ${}", entry.quoted_columns[c], c + 1))
-                        .collect::<Vec<_>>()
-                        .join(" AND ");
+                    // the upsert wrote.
                     let local = format!(
-                        "(SELECT pg_catalog.to_jsonb(t.*)::text FROM {}{table} t WHERE {found} LIMIT 1)",
-                        only(entry)
+                        "(SELECT pg_catalog.to_jsonb(t.*)::text FROM {}{table} t WHERE {} LIMIT 1)",
+                        only(entry),
+                        same_key(entry, &key_columns)
                     );
                     if set.is_empty() {
                         // Every column is in the key: the row there is the row sent, and nothing
