@@ -481,20 +481,35 @@ async fn a_large_transaction_behind_a_small_queue_goes_through_parallel_workers(
 
 /// Asked to stop while a worker waits on the target (a user's lock on a table) and the others
 /// wait for its transactions' commits: the workers still waiting after a few seconds are ended
-/// (their open transactions roll back), the process exits 0 well before the forced stop, and a
-/// start after the lock is gone applies everything, once.
+/// (their open transactions roll back), the process exits 0 well before the forced stop, its
+/// last line counts what the workers committed before, and a start after the lock is gone
+/// applies everything, once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_while_workers_wait_on_the_target_ends_cleanly() {
     let db = setup("parstop").await;
+    db.both("CREATE TABLE late (id int PRIMARY KEY)").await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE late").await;
     workload(&db, 200).await;
+    // The 600 transactions above commit; this one waits for the lock, and those after it for
+    // its commit.
+    db.source_sql("INSERT INTO late VALUES (1)").await;
+    for w in 7..10 {
+        workload_more(&db, w).await;
+    }
     let holder = connect(db.target_port, &db.name).await;
     holder
-        .batch_execute("BEGIN; LOCK TABLE acct IN ACCESS EXCLUSIVE MODE")
+        .batch_execute("BEGIN; LOCK TABLE late IN ACCESS EXCLUSIVE MODE")
         .await
         .unwrap();
-    let mut worker = spawn(db.pgapply("p", &["--apply-workers", "3"]));
-    wait_for("a worker waiting for the lock", 60, || async {
-        common::waiting_for_a_lock(&db).await > 0
+    let (mut worker, log_path) = common::spawn_logged(db.pgapply("p", &["--apply-workers", "3"]));
+    // (Its workers also wait on each other's turn locks: the wait meant is the one on late.)
+    wait_for("a worker waiting for the lock on late", 60, || async {
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_locks WHERE relation = 'late'::regclass AND NOT granted",
+        )
+        .await
+            > 0
     })
     .await;
     let asked = std::time::Instant::now();
@@ -503,10 +518,11 @@ async fn a_stop_while_workers_wait_on_the_target_ends_cleanly() {
         .await
         .expect("pgapply stops")
         .unwrap();
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert_eq!(
         status.code(),
         Some(0),
-        "stopped after {:?}",
+        "stopped after {:?}\n{log}",
         asked.elapsed()
     );
     assert!(
@@ -514,6 +530,14 @@ async fn a_stop_while_workers_wait_on_the_target_ends_cleanly() {
         "stopped after {:?}",
         asked.elapsed()
     );
+    let counted = log
+        .lines()
+        .find(|l| l.contains("replication stopped"))
+        .and_then(|l| l.split("transactions=").nth(1))
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse::<u64>().ok());
+    // (Not all 600: a worker may have grouped the last few with the one that waits.)
+    assert!(counted > Some(500), "{log}");
     // Its sessions are gone from the target too, the lock still held: a backend waiting for it
     // with statements unread in its socket would not notice the client's close by itself, and
     // would keep the origins and row locks the next start needs.

@@ -623,26 +623,32 @@ impl Workers {
         let stopped = Arc::new(stopped);
         // The first worker failure is the one to report: the others follow from it.
         let first_failure: Arc<std::sync::Mutex<Option<Error>>> = Arc::default();
+        // Set to end the workers where they are (their open transactions roll back); each
+        // still returns what it committed, so the run's last line counts it.
+        let (end_workers, end_seen) = watch::channel(false);
         let mut tasks = Vec::new();
         for (mut applier, mut worker_rx) in workers {
             let stopped = StopOnDrop(stopped.clone());
             let first_failure = first_failure.clone();
+            let mut end_seen = end_seen.clone();
             tasks.push(tokio::spawn(tracing::Instrument::in_current_span(
                 async move {
                     let _stopped = stopped;
-                    let result = applier.run(&mut worker_rx).await;
-                    if let Err(e) = result {
-                        if let Ok(mut first) = first_failure.lock() {
-                            first.get_or_insert(e);
+                    tokio::select! {
+                        result = applier.run(&mut worker_rx) => {
+                            if let Err(e) = result {
+                                if let Ok(mut first) = first_failure.lock() {
+                                    first.get_or_insert(e);
+                                }
+                            }
                         }
+                        _ = end_seen.wait_for(|end| *end) => {}
                     }
                     applier.stats.clone()
                 },
             )));
         }
         let stopping = dispatcher.stop_between.clone();
-        let aborts: Vec<tokio::task::AbortHandle> =
-            tasks.iter().map(|t| t.abort_handle()).collect();
         // Asked to stop: a worker may wait on the target (a user's lock), and the others, and the
         // dispatcher, for its commits. Given a few seconds to end at a transaction boundary,
         // the workers still busy are ended: their open transactions roll back, and each
@@ -657,9 +663,7 @@ impl Workers {
             let seen = *stop_seen.get_or_insert_with(std::time::Instant::now);
             if seen.elapsed() >= STOP_WAIT {
                 tracing::info!("stopping: ending the apply workers still busy on the target (their open transactions roll back)");
-                for abort in &aborts {
-                    abort.abort();
-                }
+                end_workers.send_replace(true);
                 *ended = true;
             }
         };
@@ -705,9 +709,7 @@ impl Workers {
             if first_failure.lock().is_ok_and(|f| f.is_some()) {
                 // The others may be waiting on the server for a transaction that will not
                 // commit now: drop their connections rather than wait for that.
-                for abort in &aborts {
-                    abort.abort();
-                }
+                end_workers.send_replace(true);
             }
         }
         let failure = first_failure.lock().ok().and_then(|mut f| f.take());
