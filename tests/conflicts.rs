@@ -152,7 +152,8 @@ async fn policies_resolve_and_record_conflicts() {
         .find(|(k, p, ..)| k == "insert_exists" && p == "keep_local")
         .unwrap();
     assert_eq!(keep.2.as_deref(), Some("{\"v\": \"local\", \"id\": 1}"));
-    assert!(keep.3.as_deref().unwrap().contains("\"remote\""));
+    // The source's row in the same JSON kinds as the target's (the id a number, not "1").
+    assert_eq!(keep.3.as_deref(), Some("{\"v\": \"remote\", \"id\": 1}"));
     // The row apply_remote overwrote is recorded as it was.
     let overwritten = recorded
         .iter()
@@ -1076,6 +1077,13 @@ async fn update_missing_apply_remote_without_the_whole_row_says_why_it_skipped()
         "{err}"
     );
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM ut").await, 0);
+    // Recorded with the values it had, typed as the target's, and the one it lacked said so.
+    let recorded = conflicts(&db).await;
+    assert_eq!(
+        recorded.last().and_then(|r| r.3.as_deref()),
+        Some("{\"n\": 1, \"id\": 1, \"big\": \"<unchanged>\"}"),
+        "{recorded:?}"
+    );
 }
 
 /// A DEFERRABLE unique constraint on the target: INSERT .. ON CONFLICT without a named key

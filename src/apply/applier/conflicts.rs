@@ -119,27 +119,59 @@ impl Applier {
         policy: &str,
         occurrences: u64,
     ) {
-        let result = self
-            .catalog
-            .execute(
+        let lsn = source_lsn.to_string();
+        let commit_time = commit_time.map(|t| t.to_rfc3339());
+        let occurrences = i64::try_from(occurrences).unwrap_or(i64::MAX);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] = [
+            &self.slot,
+            &relation,
+            &conflict_type,
+            &key,
+            &local_row,
+            &remote_row,
+            &lsn,
+            &commit_time,
+            &policy,
+            &occurrences,
+        ];
+        // The source's row arrives as text: read through the target table's types, its values
+        // are JSON of the same kinds as the target's row beside it (numbers, booleans, nested
+        // arrays). A value the target's type cannot read (the cause of some conflicts), or a
+        // column it lacks, stays as the source's text.
+        let mut result = Err(None);
+        if remote_row.is_some() {
+            let typed = format!(
                 "INSERT INTO pgapply.conflicts (slot_name, relation, conflict_type, key, local_row, remote_row, \
                      source_lsn, source_commit_time, policy, occurrences) \
-                 VALUES ($1, $2, $3, $4, $5::text::jsonb, $6::text::jsonb, $7::text::pg_lsn, $8::text::timestamptz, $9, $10)",
-                &[
-                    &self.slot,
-                    &relation,
-                    &conflict_type,
-                    &key,
-                    &local_row,
-                    &remote_row,
-                    &source_lsn.to_string(),
-                    &commit_time.map(|t| t.to_rfc3339()),
-                    &policy,
-                    &i64::try_from(occurrences).unwrap_or(i64::MAX),
-                ],
-            )
-            .await;
-        if let Err(e) = result {
+                 SELECT $1, $2, $3, $4, $5::text::jsonb, \
+                        (SELECT jsonb_object_agg(s.key, CASE WHEN s.value IN ('\"<binary>\"', '\"<unchanged>\"') \
+                                THEN s.value ELSE coalesce(t.row -> s.key, s.value) END) \
+                           FROM jsonb_each(r.row) s, \
+                                (SELECT to_jsonb(jsonb_populate_record(NULL::{relation}, \
+                                    r.row - ARRAY(SELECT p.key FROM jsonb_each(r.row) p \
+                                        WHERE p.value IN ('\"<binary>\"', '\"<unchanged>\"')))) AS row) t), \
+                        $7::text::pg_lsn, $8::text::timestamptz, $9, $10 \
+                   FROM (SELECT $6::text::jsonb AS row) r"
+            );
+            result = self
+                .catalog
+                .execute(typed.as_str(), &params)
+                .await
+                .map_err(Some);
+        }
+        if result.is_err() {
+            result = self
+                .catalog
+                .execute(
+                    "INSERT INTO pgapply.conflicts (slot_name, relation, conflict_type, key, local_row, remote_row, \
+                         source_lsn, source_commit_time, policy, occurrences) \
+                     VALUES ($1, $2, $3, $4, $5::text::jsonb, $6::text::jsonb, $7::text::pg_lsn, $8::text::timestamptz, $9, $10)",
+                    &params,
+                )
+                .await
+                .map_err(Some);
+        }
+        if let Err(Some(e)) = result {
             tracing::warn!(error = %describe_postgres(&e), "could not record a conflict in pgapply.conflicts");
         }
     }
