@@ -14,6 +14,16 @@ macro_rules! out {
     }};
 }
 
+/// `eprintln!` that goes on quietly when stderr cannot be written (closed, or a full disk),
+/// where `eprintln!` would panic and the exit code would be a panic's.
+#[macro_export]
+macro_rules! err_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 pub mod apply;
 pub mod check;
 pub mod cli;

@@ -28,8 +28,11 @@ fn main() -> ExitCode {
         Err(e) => match env_variable_behind(&e) {
             // clap names the flag; the value came from the environment.
             Some(variable) => {
-                eprint!("{}", e.render());
-                eprintln!("(the value comes from the environment variable {variable})");
+                {
+                    use std::io::Write as _;
+                    let _ = write!(std::io::stderr(), "{}", e.render());
+                }
+                pgapply::err_line!("(the value comes from the environment variable {variable})");
                 return ExitCode::from(EXIT_USAGE);
             }
             None => e.exit(),
@@ -132,7 +135,7 @@ fn main() -> ExitCode {
     let runtime = match builder.enable_all().build() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("pgapply: error: starting the runtime: {e}");
+            pgapply::err_line!("pgapply: error: starting the runtime: {e}");
             return ExitCode::from(EXIT_DEFINITE);
         }
     };
@@ -159,15 +162,17 @@ fn main() -> ExitCode {
                 };
                 run_command(args, file, reload).await
             }
-            Command::Check(args) => check::check_command(&args, &file).await,
-            Command::Status(args) => status::status_command(&args, &file).await,
-            Command::Skip(args) => skip::skip_command(&args, &file).await,
-            Command::Forget(args) => skip::forget_command(&args, &file).await,
-            Command::Verify(args) => verify_command(args, file).await,
+            Command::Check(args) => until_signalled(check::check_command(&args, &file)).await,
+            Command::Status(args) => until_signalled(status::status_command(&args, &file)).await,
+            Command::Skip(args) => until_signalled(skip::skip_command(&args, &file)).await,
+            Command::Forget(args) => until_signalled(skip::forget_command(&args, &file)).await,
+            Command::Verify(args) => until_signalled(verify_command(args, file)).await,
             Command::Cutover(args) => cutover_command(args, file).await,
-            Command::Schema(args) => schema_command(args, file).await,
+            Command::Schema(args) => until_signalled(schema_command(args, file)).await,
             Command::Demo(args) => demo::demo(args.duration, args.pg_bin).await,
-            Command::SourceSpeed(args) => source_speed::source_speed_command(&args).await,
+            Command::SourceSpeed(args) => {
+                until_signalled(source_speed::source_speed_command(&args)).await
+            }
         }
     });
     match result {
@@ -184,15 +189,53 @@ fn main() -> ExitCode {
                 }
             }
             if format == LogFormat::Text {
-                eprintln!("pgapply: error: {e}");
+                pgapply::err_line!("pgapply: error: {e}");
+            } else if !tracing::enabled!(tracing::Level::ERROR) {
+                // (`--log-level off`: the error is still said, as it is as text.)
+                early_error(Some(LogFormat::Json), &e.to_string());
             }
+            let signalled = INTERRUPTED_BY.load(std::sync::atomic::Ordering::Relaxed);
             ExitCode::from(match e.class() {
+                _ if signalled != 0 => 128 + signalled,
                 ErrorClass::Definite => EXIT_DEFINITE,
                 ErrorClass::Transient => EXIT_TRANSIENT,
                 ErrorClass::Usage => EXIT_USAGE,
             })
         }
     }
+}
+
+/// The signal that ended a one-shot command (`until_signalled`), 0 for none: the exit code is
+/// 128 + its number, as a shell reports a command a signal ended.
+static INTERRUPTED_BY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Runs a one-shot command (check, status, verify, skip, forget, schema, source-speed) until
+/// it ends or SIGINT/SIGTERM arrives: then it is dropped where it is (its connections close, an
+/// open transaction of its rolls back, a pg_dump it started is ended) and the process says so
+/// and exits 130 or 143. (`run` and `cutover` have their own stops.)
+async fn until_signalled(
+    work: impl std::future::Future<Output = pgapply::error::Result<()>>,
+) -> pgapply::error::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // (No handlers: the default action ends the process.)
+        return work.await;
+    };
+    let (name, number) = tokio::select! {
+        result = work => return result,
+        _ = int.recv() => ("SIGINT", libc::SIGINT),
+        _ = term.recv() => ("SIGTERM", libc::SIGTERM),
+    };
+    INTERRUPTED_BY.store(
+        u8::try_from(number).unwrap_or(2),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    Err(Error::definite(format!(
+        "interrupted by {name} before it finished (a transaction it had open on a server is rolled back)"
+    )))
 }
 
 /// The run's span (`run{slot=..}`), for lines the run's own tasks do not write (signals,
@@ -518,9 +561,9 @@ fn early_error(format: Option<LogFormat>, message: &str) {
             "message": "stopped",
             "error": message,
         });
-        eprintln!("{line}");
+        pgapply::err_line!("{line}");
     } else {
-        eprintln!("pgapply: error: {message}");
+        pgapply::err_line!("pgapply: error: {message}");
     }
 }
 

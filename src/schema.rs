@@ -242,6 +242,8 @@ pub async fn schema(
         )));
     }
     let mut cmd = tokio::process::Command::new(&pg_dump);
+    // (Ended with pgapply when it is interrupted.)
+    cmd.kill_on_drop(true);
     // UTF8: names are read as UTF-8 whatever the source database's encoding; no tablespaces:
     // the target's may not be there.
     cmd.arg("--schema-only")

@@ -926,8 +926,22 @@ pub fn handshake_timeout(config: &tokio_postgres::Config) -> std::time::Duration
         .get_connect_timeout()
         .copied()
         .unwrap_or(crate::conninfo::CONNECT_TIMEOUT);
-    let hosts = config.get_hosts().len().max(1) as u32;
-    each * 2 * hosts
+    // (An address given as such, or a socket, is one attempt; a name may have two addresses.)
+    let attempts: u32 = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| match host {
+            tokio_postgres::config::Host::Tcp(name)
+                if name.parse::<std::net::IpAddr>().is_err()
+                    && config.get_hostaddrs().get(i).is_none() =>
+            {
+                2
+            }
+            _ => 1,
+        })
+        .sum();
+    each * attempts.max(1)
 }
 
 /// Why a connection that took longer than `handshake_timeout` was given up.

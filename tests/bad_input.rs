@@ -1339,7 +1339,7 @@ async fn a_server_that_never_answers_or_is_not_postgresql_is_named() {
         ),
         &[
             "target",
-            "did not complete the PostgreSQL handshake within 4s (connect_timeout 2s per host and address)",
+            "did not complete the PostgreSQL handshake within 2s (connect_timeout 2s per host and address)",
         ],
     )
     .await;
@@ -1381,6 +1381,68 @@ async fn a_server_that_never_answers_or_is_not_postgresql_is_named() {
         "took {:?}",
         started.elapsed()
     );
+}
+
+/// SIGINT or SIGTERM ends a one-shot command where it is, also while it waits for a server
+/// that does not answer, with the shell's code for it (128 + the signal) and a line that says
+/// it did not finish; and stderr that cannot be written is no panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_shot_commands_stop_on_a_signal() {
+    let (silent, accepted) = fake_server(None).await;
+    let server = format!("host=127.0.0.1 port={silent} user=postgres dbname=x connect_timeout=60");
+    for (command, sig, code) in [
+        ("verify", libc::SIGINT, 130),
+        ("status", libc::SIGINT, 130),
+        ("check", libc::SIGTERM, 143),
+    ] {
+        let mut args = vec![command, "--target", &server];
+        if command != "status" {
+            args.extend(["--source", &server, "--publication", "p"]);
+        }
+        if command != "verify" {
+            args.extend(["--slot", "s"]);
+        }
+        let before = accepted.load(std::sync::atomic::Ordering::SeqCst);
+        let (child, log) = common::spawn_logged(common::pgapply_command(&args));
+        common::wait_for("pgapply to reach the server", 30, || async {
+            accepted.load(std::sync::atomic::Ordering::SeqCst) > before
+        })
+        .await;
+        let started = Instant::now();
+        common::signal(&child, sig);
+        let out =
+            tokio::time::timeout(std::time::Duration::from_secs(20), child.wait_with_output())
+                .await
+                .expect("pgapply stopped")
+                .unwrap();
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert_eq!(out.status.code(), Some(code), "{command}: {text}");
+        assert!(
+            started.elapsed().as_secs() < 10,
+            "{command}: {:?}",
+            started.elapsed()
+        );
+        assert!(text.contains("interrupted by SIG"), "{command}: {text}");
+    }
+    // stderr full: the error is lost, the exit code is still the error's (not a panic's 101).
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let out = run_with_deadline(
+        {
+            let mut cmd = common::pgapply_command(&[
+                "status",
+                "--target",
+                "host=127.0.0.1 port=1 user=x dbname=x",
+            ]);
+            cmd.stderr(full);
+            cmd
+        },
+        30,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(3));
 }
 
 /// A misspelt log level is refused, not taken as a module name that would silence every line,
