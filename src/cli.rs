@@ -58,6 +58,9 @@ pub struct SourceSpeedArgs {
     /// Source connection (a role with REPLICATION).
     #[arg(long, env = "PGAPPLY_SOURCE", hide_env_values = true)]
     pub source: String,
+    /// File holding the source password (instead of PGPASSWORD or ~/.pgpass).
+    #[arg(long, env = "PGAPPLY_SOURCE_PASSWORD_FILE")]
+    pub source_password_file: Option<PathBuf>,
     /// Publication(s) to read, comma-separated.
     #[arg(
         long,

@@ -438,6 +438,15 @@ fn resolve_side(
     Ok(Some(config))
 }
 
+/// A source given by flags alone (`source-speed`).
+pub fn resolve_source_flag(
+    text: &str,
+    password_file: Option<&PathBuf>,
+) -> Result<tokio_postgres::Config> {
+    resolve_side("source", Some(&text.to_owned()), password_file, None)?
+        .ok_or_else(|| missing("source connection", "source"))
+}
+
 /// The target connection alone (`status`, `skip`).
 pub fn resolve_target(args: &ServersArgs, file: &FileConfig) -> Result<tokio_postgres::Config> {
     resolve_side(

@@ -23,7 +23,8 @@ pub struct SourceSpeed {
 }
 
 pub async fn source_speed_command(args: &SourceSpeedArgs) -> Result<()> {
-    let source = crate::conninfo::parse("source", &args.source)?;
+    let source =
+        crate::config::resolve_source_flag(&args.source, args.source_password_file.as_ref())?;
     let endpos: Lsn = args.endpos.parse().map_err(|e| {
         Error::definite(format!(
             "--endpos {:?}: {e} (give an LSN such as 0/16B3748, for example pg_current_wal_lsn() on the source)",

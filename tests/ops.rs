@@ -1356,11 +1356,25 @@ async fn source_speed_reads_the_backlog_without_moving_the_slot() {
             .await;
     }
     let endpos = db.source_wal().await;
+    // As a replication role whose password is in a file, as for `run`.
+    let role = format!("speed_{}", std::process::id());
+    db.source_sql(&format!(
+        "CREATE ROLE {role} LOGIN REPLICATION PASSWORD 'sp-secret'"
+    ))
+    .await;
+    let password_file = std::env::temp_dir().join(format!("{role}.pw"));
+    std::fs::write(&password_file, "sp-secret\n").unwrap();
+    let source = format!(
+        "host=127.0.0.1 port={} user={role} dbname={}",
+        db.source_port, db.name
+    );
     let mut cmd = pgapply();
     cmd.args([
         "source-speed",
         "--source",
-        &db.source_conninfo(),
+        &source,
+        "--source-password-file",
+        password_file.to_str().unwrap(),
         "--publication",
         "p",
         "--slot",
@@ -1373,6 +1387,7 @@ async fn source_speed_reads_the_backlog_without_moving_the_slot() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.starts_with("read 25 transactions"), "{stdout}");
     assert_eq!(confirmed_lsn(&db).await, before, "the slot did not move");
+    let _ = std::fs::remove_file(&password_file);
 }
 
 async fn confirmed_lsn(db: &TestDb) -> String {
