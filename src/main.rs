@@ -734,7 +734,7 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
             if e.class() == ErrorClass::Usage {
                 return Err(e);
             }
-            tracing::warn!(error = %e, "cutover: no metrics of its own");
+            tracing::info!(error = %e, "cutover: no metrics of its own (the address is the running worker's when both read one config file; the worker's stay served)");
         }
     }
     let settings = cutover::CutoverSettings {

@@ -1383,6 +1383,51 @@ async fn a_server_that_never_answers_or_is_not_postgresql_is_named() {
     );
 }
 
+/// `check` tries what `run` would need of this machine: a spool directory it cannot make is a
+/// problem; a metrics address in use now is said (it may be this slot's running worker's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_tries_the_spool_directory_and_the_metrics_address() {
+    let db = TestDb::new("checklocal").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = held.local_addr().unwrap().to_string();
+    let slot = db.slot();
+    let args = [
+        "--slot",
+        &slot,
+        "--spool-dir",
+        "/proc/pgapply-spool",
+        "--metrics-addr",
+        &addr,
+    ];
+    let out = run_with_deadline(db.on_both("check", &args), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    for expected in [
+        "PROBLEM  --spool-dir /proc/pgapply-spool: cannot create a directory in /proc",
+        &format!("WARNING  --metrics-addr {addr}: in use now, so `run` would stop at its start"),
+    ] {
+        assert!(text.contains(expected), "{expected:?} not in:\n{text}");
+    }
+    // A spool directory that can be made is not made by `check`.
+    let spool = std::env::temp_dir().join(format!("pgapply-check-spool-{}", std::process::id()));
+    drop(held);
+    let spool_arg = spool.to_string_lossy().to_string();
+    let args = [
+        "--slot",
+        &slot,
+        "--spool-dir",
+        &spool_arg,
+        "--metrics-addr",
+        &addr,
+    ];
+    let out = run_with_deadline(db.on_both("check", &args), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(!spool.exists());
+}
+
 /// SIGINT or SIGTERM ends a one-shot command where it is, also while it waits for a server
 /// that does not answer, with the shell's code for it (128 + the signal) and a line that says
 /// it did not finish; and stderr that cannot be written is no panic.

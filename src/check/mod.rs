@@ -53,6 +53,43 @@ impl Report {
     }
 }
 
+/// Why `run` could not make its spool directory (`--spool-dir`, else the default), if it
+/// could not: the nearest existing directory on the way must be one this user may write in.
+/// (Not made here: `check` changes nothing.)
+fn spool_dir_problem(dir: Option<&std::path::Path>) -> Option<String> {
+    let dir = dir?;
+    let mut existing = dir;
+    while std::fs::symlink_metadata(existing).is_err() {
+        existing = existing.parent()?;
+    }
+    let said = |why: &str| {
+        format!(
+            "--spool-dir {}: {why} (it holds spooled transactions: point it at a directory this user may create and write)",
+            dir.display()
+        )
+    };
+    if !existing.is_dir() {
+        return Some(said(&format!("{} is not a directory", existing.display())));
+    }
+    if existing == dir {
+        // (Made already: `run` checks who owns it and what is in it.)
+        return None;
+    }
+    // A directory made and removed at once: permissions alone do not tell (root may write
+    // anywhere, but not in /proc).
+    let probe = existing.join(format!(".pgapply-check-{}", std::process::id()));
+    match std::fs::create_dir(&probe) {
+        Ok(()) => {
+            let _ = std::fs::remove_dir(&probe);
+            None
+        }
+        Err(e) => Some(said(&format!(
+            "cannot create a directory in {}: {e}",
+            existing.display()
+        ))),
+    }
+}
+
 pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
     let mut report = Report {
         json: args.json,
@@ -67,14 +104,32 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
                 return finish(report);
             }
         };
-    // Where `run` would listen (not listened on here: a running worker may hold it).
+    // Where `run` would listen: tried, and let go at once. (In use may be this slot's own
+    // running worker: said, not counted as a problem.)
     if let Some(addr) = &service.metrics_addr {
-        if let Err(e) = tokio::net::lookup_host(crate::metrics::listen_address(addr)).await {
+        let bound = crate::metrics::listen_address(addr);
+        if let Err(e) = tokio::net::lookup_host(&bound).await {
             report.problem(format!(
                 "--metrics-addr {addr}: {e}; give HOST:PORT, for example 127.0.0.1:9187"
             ));
             return finish(report);
         }
+        match tokio::net::TcpListener::bind(&bound).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => report.warning(format!(
+                "--metrics-addr {addr}: in use now, so `run` would stop at its start (unless what holds it is this slot's worker, to be stopped first); choose another port"
+            )),
+            Err(e) => report.problem(format!(
+                "--metrics-addr {addr}: cannot listen there: {e}; choose an address of this machine and a free port"
+            )),
+        }
+    }
+    let spool_dir = config
+        .spool_dir
+        .clone()
+        .unwrap_or_else(|| crate::replicate::default_spool_dir(&config.slot));
+    if let Some(problem) = spool_dir_problem(Some(&spool_dir)) {
+        report.problem(problem);
     }
     report.ok("settings");
     let source = match crate::tls::connect_to(&config.source, "source").await {
