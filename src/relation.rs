@@ -385,7 +385,7 @@ impl RelationCache {
                             .unwrap_or_else(|| "...".to_owned()),
                     };
                     Error::definite(format!(
-                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}, with the DEFAULT it has on the source if it has one: the rows already there took it on the source; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}{or_mapping}",
+                        "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}, with the DEFAULT and NOT NULL it has on the source if its default is a constant: the rows already there took it on the source; a default computed for each row, such as now(), gives them other values than the source's, so copy those from the source; `pgapply check` prints the statement; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}{or_mapping}",
                         quote_ident(&column.name),
                         target.qualified,
                         target.qualified,

@@ -1269,7 +1269,7 @@ async fn check_gives_the_fix_that_keeps_the_rows() {
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(1), "{text}");
     for expected in [
-        "ALTER TABLE \"public\".\"t\" ADD COLUMN \"g\" integer DEFAULT 5 NOT NULL (as on the source, the default fills the rows already there)",
+        "ALTER TABLE \"public\".\"t\" ADD COLUMN \"g\" integer DEFAULT 5 NOT NULL (as on the source, the default fills the rows already there; if the target had this column and dropped it, their values are the source's, not the default",
         "rename it on the target instead (ALTER TABLE \"public\".\"t\" RENAME COLUMN \"d\" TO \"d2\")",
         "WARNING  column \"n\" of \"public\".\"t\" is bigint on the source but integer on the target, which refuses the source's values that do not fit",
         "table \"public\".\"u2\" does not exist on the target: if the source renamed it, rename it on the target too",

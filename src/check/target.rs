@@ -423,7 +423,9 @@ pub(super) async fn check_target(
                         None => String::new(),
                     };
                     let note = if definition.starts_with(" DEFAULT ") {
-                        " (as on the source, the default fills the rows already there)"
+                        " (as on the source, the default fills the rows already there; if the target had this column and dropped it, their values are the source's, not the default: copy them from the source, `pgapply verify` shows the rows)"
+                    } else if definition.is_empty() {
+                        " (if the target had this column and dropped it, copy the values of the rows already there from the source: `pgapply verify` shows them)"
                     } else {
                         ""
                     };
