@@ -120,6 +120,44 @@ impl RelationEntry {
 
 /// A built-in number, text or time type as `format_type` names it, from its OID and modifier
 /// (the Relation message's): the types whose modifier says how much they hold.
+/// A source column's type for a statement the user is to run: a built-in type by its name,
+/// with its length or precision where it is one of those `builtin_type_name` knows; another
+/// one is left for the user ("...").
+fn column_type_name(column: &crate::protocol::pgoutput::RelationColumn) -> String {
+    match tokio_postgres::types::Type::from_oid(column.type_oid) {
+        Some(t) if column.type_modifier == -1 && t.name() == "char" => "\"char\"".to_owned(),
+        Some(t) if column.type_modifier == -1 => t.name().to_owned(),
+        _ => builtin_type_name(column.type_oid, column.type_modifier)
+            .unwrap_or_else(|| "...".to_owned()),
+    }
+}
+
+/// CREATE TABLE for a table as the source's stream describes it (names, types, its replica
+/// identity key as the primary key): for a table the source has dropped since, which pg_dump
+/// can no longer show.
+fn create_table_from_stream(
+    qualified: &str,
+    relation: &crate::protocol::pgoutput::Relation,
+) -> String {
+    let mut items: Vec<String> = relation
+        .columns
+        .iter()
+        .map(|c| format!("{} {}", quote_ident(&c.name), column_type_name(c)))
+        .collect();
+    let key: Vec<String> = relation
+        .columns
+        .iter()
+        .filter(|c| c.is_key())
+        .map(|c| quote_ident(&c.name))
+        .collect();
+    if !key.is_empty()
+        && relation.replica_identity != crate::protocol::pgoutput::ReplicaIdentity::Full
+    {
+        items.push(format!("PRIMARY KEY ({})", key.join(", ")));
+    }
+    format!("CREATE TABLE {qualified} ({})", items.join(", "))
+}
+
 fn builtin_type_name(oid: Oid, modifier: i32) -> Option<String> {
     let with = |base: &str, m: Option<String>, after: &str| match m {
         Some(m) => format!("{base}({m}){after}"),
@@ -292,13 +330,14 @@ impl RelationCache {
                 }
                 _ => {
                     return Err(Error::definite(format!(
-                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); if it was renamed there already, and these are changes from before the source's rename, map the old name onto it until pgapply is past them ([tables.\"{}.{}\"] target = \"<schema>.<new name>\" in the config file); if it is a partition on the source, published under its own name (publish_via_partition_root = false), whose rows the target keeps in another table, map it onto that one ([tables.\"{}.{}\"] target = \"<schema>.<table>\"); otherwise create it on the target with the same columns (pg_dump --schema-only --table='{}' from the source), then start pgapply again",
+                        "table {shown} is published by the source but target table {} does not exist: if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ..., or SET SCHEMA ...: a new empty table would leave its rows behind under the old name); if it was renamed there already, and these are changes from before the source's rename, map the old name onto it until pgapply is past them ([tables.\"{}.{}\"] target = \"<schema>.<new name>\" in the config file); if it is a partition on the source, published under its own name (publish_via_partition_root = false), whose rows the target keeps in another table, map it onto that one ([tables.\"{}.{}\"] target = \"<schema>.<table>\"); otherwise create it on the target with the same columns (pg_dump --schema-only --table='{}' from the source; if the source has dropped it since, as its changes describe it: {}), then start pgapply again",
                         qualified_name(&target_schema, &target_name),
                         schema.replace('\\', "\\\\").replace('"', "\\\""),
                         relation.name.replace('\\', "\\\\").replace('"', "\\\""),
                         schema.replace('\\', "\\\\").replace('"', "\\\""),
                         relation.name.replace('\\', "\\\\").replace('"', "\\\""),
-                        shown
+                        shown,
+                        create_table_from_stream(&qualified_name(&target_schema, &target_name), &relation)
                     )))
                 }
             },
@@ -376,14 +415,7 @@ impl RelationCache {
                             quote_ident(&column.name)
                         ),
                     };
-                    // (A built-in type by its name, with its length or precision where it is one
-                    // of those `builtin_type_name` knows; another one is left for the user.)
-                    let type_name = match tokio_postgres::types::Type::from_oid(column.type_oid) {
-                        Some(t) if column.type_modifier == -1 && t.name() == "char" => "\"char\"".to_owned(),
-                        Some(t) if column.type_modifier == -1 => t.name().to_owned(),
-                        _ => builtin_type_name(column.type_oid, column.type_modifier)
-                            .unwrap_or_else(|| "...".to_owned()),
-                    };
+                    let type_name = column_type_name(column);
                     Error::definite(format!(
                         "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}, with the DEFAULT and NOT NULL it has on the source if its default is a constant: the rows already there took it on the source; a default computed for each row, such as now(), gives them other values than the source's, so copy those from the source; `pgapply check` prints the statement; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}{or_mapping}",
                         quote_ident(&column.name),

@@ -78,6 +78,30 @@ async fn table_missing_on_target() {
     .await;
 }
 
+/// A table published, written and dropped on the source while pgapply was behind: pg_dump can
+/// no longer show it, so the error gives CREATE TABLE as the changes describe it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_the_source_dropped_since_is_described_from_its_changes() {
+    let db = TestDb::new("gonetable").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql(
+        "CREATE TABLE gone (id int PRIMARY KEY, v varchar(20), n numeric(10,2));          ALTER PUBLICATION p ADD TABLE gone;",
+    )
+    .await;
+    db.source_sql("INSERT INTO gone VALUES (1, 'x', 2.5)").await;
+    db.source_sql("DROP TABLE gone").await;
+    let endpos = db.source_wal().await;
+    expect_failure(
+        db.pgapply("p", &["--endpos", &endpos]),
+        &[
+            "\"public\".\"gone\"",
+            "if the source has dropped it since, as its changes describe it: CREATE TABLE \"public\".\"gone\" (\"id\" int4, \"v\" character varying(20), \"n\" numeric(10,2), PRIMARY KEY (\"id\"))",
+        ],
+    )
+    .await;
+}
+
 /// A partition published under its own name (not through its root) must exist on the target by
 /// that name: said at the start, not at its first change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
