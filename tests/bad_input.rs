@@ -1592,7 +1592,17 @@ async fn check_names_publication_rules_the_source_would_refuse() {
     db.both(
         "CREATE TABLE f (id int PRIMARY KEY, region text); \
          CREATE TABLE c (id int PRIMARY KEY, a int, b int); \
-         CREATE TABLE two (id int PRIMARY KEY, x int, y int);",
+         CREATE TABLE two (id int PRIMARY KEY, x int, y int); \
+         CREATE TABLE pt (id int, grp int, n int, PRIMARY KEY (id, grp)) PARTITION BY LIST (grp); \
+         CREATE TABLE pt_a PARTITION OF pt FOR VALUES IN (1); \
+         CREATE TABLE pt_b PARTITION OF pt FOR VALUES IN (2);",
+    )
+    .await;
+    // Published through its root with a filter on n: the source checks each partition's own
+    // identity (the root's FULL does not count); pt_b's covers it, pt_a's does not.
+    db.source_sql(
+        "ALTER TABLE pt REPLICA IDENTITY FULL; ALTER TABLE pt_b REPLICA IDENTITY FULL; \
+         CREATE PUBLICATION r FOR TABLE pt WHERE (n < 1000) WITH (publish_via_partition_root = true);",
     )
     .await;
     db.source_sql(
@@ -1620,7 +1630,7 @@ async fn check_names_publication_rules_the_source_would_refuse() {
                 "--slot",
                 &db.slot(),
                 "--publication",
-                "p,q",
+                "p,q,r",
                 "--config",
                 config.to_str().unwrap(),
             ],
@@ -1634,11 +1644,14 @@ async fn check_names_publication_rules_the_source_would_refuse() {
         "the row filter of publication \"p\" on \"public\".\"f\" uses region, outside the table's replica identity",
         "the column list of publication \"p\" on \"public\".\"c\" leaves out replica identity column(s) id",
         "the publications publish different column lists of \"public\".\"two\" ((id, x) and (id, y))",
+        "the row filter of publication \"r\" on \"public\".\"pt\" (published through its root) uses columns outside the replica identity of its partition(s) pt_a (n): the source checks each partition's own",
+        "set it on each of them: ALTER TABLE pt_a REPLICA IDENTITY FULL;",
         "WARNING  column \"d\" of \"public\".\"g\" is generated on the source, which does not publish its values",
         "WARNING  the config file's [tables.\"public.F\"] names no table the publications publish",
     ] {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }
+    assert!(!text.contains("pt_b ("), "{text}");
 }
 
 /// A publication dropped and created again while changes were written: a source before 18

@@ -475,6 +475,86 @@ pub(super) async fn publication_rule_problems(
         Ok(v) if v >= 150000 => {}
         _ => return Vec::new(),
     }
+    // The row filter is the published table's; the source checks it against the replica
+    // identity of the table a change is made in: for a partitioned table published through its
+    // root, each partition's own (a FULL root over partitions with a key is refused). Columns
+    // go by name: a partition's attribute numbers may differ from its root's.
+    let filters = match src
+        .query(
+            "WITH leaves AS ( \
+               SELECT t.relid AS oid FROM pg_catalog.pg_partition_tree($1::text::pg_catalog.regclass) t WHERE t.isleaf \
+               UNION SELECT $1::text::pg_catalog.regclass), \
+             ri AS ( \
+               SELECT c.oid, c.relreplident, \
+                      ARRAY(SELECT a.attname FROM pg_catalog.pg_index i JOIN pg_catalog.pg_attribute a \
+                              ON a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:i.indnkeyatts - 1]) \
+                            WHERE i.indrelid = c.oid \
+                              AND ((c.relreplident = 'd' AND i.indisprimary) OR (c.relreplident = 'i' AND i.indisreplident))) AS cols \
+               FROM leaves l JOIN pg_catalog.pg_class c ON c.oid = l.oid WHERE c.relkind = 'r') \
+             SELECT p.pubname::text, ri.oid = $1::text::pg_catalog.regclass, ri.oid::pg_catalog.regclass::text, \
+               (SELECT string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
+                WHERE a.attrelid = pr.prrelid \
+                  AND a.attnum IN (SELECT m[1]::int2 FROM regexp_matches(pr.prqual::text, ':varattno (\\d+)', 'g') m) \
+                  AND NOT (a.attname = ANY (ri.cols))) \
+             FROM pg_catalog.pg_publication p JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid \
+             CROSS JOIN ri \
+             WHERE pr.prrelid = $1::text::pg_catalog.regclass AND p.pubname = ANY ($2) AND (p.pubupdate OR p.pubdelete) \
+               AND pr.prqual IS NOT NULL AND ri.relreplident <> 'f' \
+               AND (ri.oid = $1::text::pg_catalog.regclass OR p.pubviaroot) \
+             ORDER BY 1, 2 DESC, 3",
+            &[&qualified, &publications],
+        )
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            return vec![format!(
+                "source: cannot read the publications' row filters of {qualified}: {}",
+                describe_postgres(&e)
+            )]
+        }
+    };
+    let mut problems = Vec::new();
+    // (publication, the table itself, its partitions) whose identity leaves filter columns out.
+    let mut outside: Vec<(String, Option<String>, Vec<(String, String)>)> = Vec::new();
+    for row in filters {
+        let (publication, itself, table): (String, bool, String) =
+            (row.get(0), row.get(1), row.get(2));
+        let Some(columns) = row.get::<_, Option<String>>(3) else {
+            continue;
+        };
+        if outside.last().is_none_or(|(p, ..)| *p != publication) {
+            outside.push((publication, None, Vec::new()));
+        }
+        if let Some(entry) = outside.last_mut() {
+            if itself {
+                entry.1 = Some(columns);
+            } else {
+                entry.2.push((table, columns));
+            }
+        }
+    }
+    for (publication, own, partitions) in outside {
+        match (own, partitions.as_slice()) {
+            (Some(columns), []) => problems.push(format!(
+                "the row filter of publication {publication:?} on {qualified} uses {columns}, outside the table's replica identity: the source refuses every UPDATE and DELETE of {qualified} while it is published so; filter on replica identity columns only, or ALTER TABLE {qualified} REPLICA IDENTITY FULL (or USING INDEX on an index that covers them)"
+            )),
+            (_, []) => {}
+            (_, partitions) => problems.push(format!(
+                "the row filter of publication {publication:?} on {qualified} (published through its root) uses columns outside the replica identity of its partition(s) {}: the source checks each partition's own, and refuses every UPDATE and DELETE of them while it is published so; filter on replica identity columns only, or set it on each of them: {}",
+                partitions
+                    .iter()
+                    .map(|(t, c)| format!("{t} ({c})"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                partitions
+                    .iter()
+                    .map(|(t, _)| format!("ALTER TABLE {t} REPLICA IDENTITY FULL;"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )),
+        }
+    }
     let rows = match src
         .query(
             "WITH ri AS ( \
@@ -488,10 +568,6 @@ pub(super) async fn publication_rule_problems(
                FROM pg_catalog.pg_class c WHERE c.oid = $1::text::pg_catalog.regclass) \
              SELECT p.pubname::text, \
                (SELECT string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
-                WHERE a.attrelid = ri.oid AND ri.relreplident <> 'f' \
-                  AND a.attnum IN (SELECT m[1]::int2 FROM regexp_matches(pr.prqual::text, ':varattno (\\d+)', 'g') m) \
-                  AND NOT (a.attnum = ANY (coalesce(ri.cols, '{}')))), \
-               (SELECT string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
                 WHERE a.attrelid = ri.oid AND pr.prattrs IS NOT NULL \
                   AND a.attnum = ANY (coalesce(ri.cols, '{}')) AND NOT (a.attnum = ANY (pr.prattrs::int2[]))) \
              FROM pg_catalog.pg_publication p JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid \
@@ -504,20 +580,14 @@ pub(super) async fn publication_rule_problems(
         Ok(rows) => rows,
         Err(e) => {
             return vec![format!(
-                "source: cannot read the publications' row filters and column lists of {qualified}: {}",
+                "source: cannot read the publications' column lists of {qualified}: {}",
                 describe_postgres(&e)
             )]
         }
     };
-    let mut problems = Vec::new();
     for row in rows {
         let publication: String = row.get(0);
         if let Some(columns) = row.get::<_, Option<String>>(1) {
-            problems.push(format!(
-                "the row filter of publication {publication:?} on {qualified} uses {columns}, outside the table's replica identity: the source refuses every UPDATE and DELETE of {qualified} while it is published so; filter on replica identity columns only, or ALTER TABLE {qualified} REPLICA IDENTITY FULL (or USING INDEX on an index that covers them)"
-            ));
-        }
-        if let Some(columns) = row.get::<_, Option<String>>(2) {
             problems.push(format!(
                 "the column list of publication {publication:?} on {qualified} leaves out replica identity column(s) {columns}: the source refuses every UPDATE and DELETE of {qualified} while it is published so; add them to the column list (ALTER PUBLICATION ... SET TABLE {qualified} (...))"
             ));
