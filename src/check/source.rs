@@ -515,8 +515,10 @@ pub(super) async fn publication_rule_problems(
         }
     };
     let mut problems = Vec::new();
-    // (publication, the table itself, its partitions) whose identity leaves filter columns out.
-    let mut outside: Vec<(String, Option<String>, Vec<(String, String)>)> = Vec::new();
+    // Per publication: the filter's columns outside the identity of the table itself, and of
+    // each of its partitions (name, columns).
+    type Outside = (String, Option<String>, Vec<(String, String)>);
+    let mut outside: Vec<Outside> = Vec::new();
     for row in filters {
         let (publication, itself, table): (String, bool, String) =
             (row.get(0), row.get(1), row.get(2));
