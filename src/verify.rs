@@ -111,7 +111,7 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<Key>
                 "SELECT a.attname::text, \
                         CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
                              ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END, \
-                        {ENUM_TYPE} \
+                        {SORTED_AS_TEXT} \
                  FROM (SELECT i.indrelid, i.indkey, {key_count} AS n FROM pg_catalog.pg_index i \
                        WHERE i.indrelid = $1::text::regclass AND (i.indisprimary OR i.indisreplident) \
                        ORDER BY i.indisprimary DESC LIMIT 1) i \
@@ -132,6 +132,8 @@ async fn key_columns(source: &Client, table: &PublishedTable) -> Result<Vec<Key>
                 by_text: r.get::<_, bool>(2) || collatable(&ty),
                 name: r.get(0),
                 ty,
+                // (A primary key's or replica identity index's columns are NOT NULL.)
+                nullable: false,
             }
         })
         .collect();
@@ -174,7 +176,8 @@ async fn target_key_types(
         let row = target
             .query_opt(
                 &format!("SELECT CASE WHEN t.typtype = 'd' THEN pg_catalog.format_type(t.typbasetype, t.typtypmod) \
-                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END, {ENUM_TYPE} \
+                             ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END, {SORTED_AS_TEXT}, \
+                        NOT a.attnotnull \
                  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
                  WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped"),
                 &[&qualified, &table.target_column(column)],
@@ -195,6 +198,7 @@ async fn target_key_types(
             name: column.clone(),
             ty,
             by_text: false,
+            nullable: row.get(2),
         });
     }
     for (theirs, key) in out.iter_mut().zip(keys.iter()) {
@@ -308,22 +312,28 @@ const ROW_HASH: &str = "md5(convert_to((r.*)::text, 'UTF8'))";
 
 /// A key column: its name, its type as its side names it, and whether both sides sort it by the
 /// bytes of its UTF-8 text form (text-like types, whose order depends on collations; enums,
-/// whose order is their labels' order on each side).
+/// whose order is their labels' order on each side; composite and range types, which may hold
+/// either).
 struct Key {
     name: String,
     ty: String,
     by_text: bool,
+    /// May hold NULL on this side (a target table without the source's key): compared so that
+    /// NULL sorts after every value, as ORDER BY puts it, never as an unknown result that
+    /// leaves the row out of every range.
+    nullable: bool,
 }
 
-/// Whether a column's type is an enum, or built on one: through domains and arrays, to any
-/// depth (a domain over an array of a domain over an enum).
-const ENUM_TYPE: &str = "coalesce((WITH RECURSIVE b(oid, depth) AS ( \
+/// Whether a column's type is an enum, a composite or a range type (whose order may follow a
+/// collation or an enum inside), or built on one: through domains and arrays, to any depth (a
+/// domain over an array of a domain over an enum).
+const SORTED_AS_TEXT: &str = "coalesce((WITH RECURSIVE b(oid, depth) AS ( \
                              SELECT t.oid, 0 \
                              UNION ALL \
                              SELECT CASE WHEN bt.typtype = 'd' THEN bt.typbasetype ELSE bt.typelem END, b.depth + 1 \
                              FROM b JOIN pg_catalog.pg_type bt ON bt.oid = b.oid \
                              WHERE b.depth < 16 AND (bt.typtype = 'd' OR (bt.typelem <> 0 AND bt.typlen = -1))) \
-                         SELECT bool_or(e.typtype = 'e') FROM b JOIN pg_catalog.pg_type e ON e.oid = b.oid), false)";
+                         SELECT bool_or(e.typtype IN ('e', 'c', 'r')) FROM b JOIN pg_catalog.pg_type e ON e.oid = b.oid), false)";
 
 struct Chunk {
     from: Option<Vec<String>>,
@@ -365,21 +375,40 @@ fn key_list(prefix: &str, keys: &[Key]) -> String {
         .join(", ")
 }
 
+/// A row's key for a range condition. With a nullable key column, each value is preceded by
+/// whether it is NULL (`(a IS NULL, a, ..)` against `(false, $1, ..)`): the comparison is then
+/// decided before it reaches a NULL, and puts such rows after every bound, where the chunks'
+/// ORDER BY put them. (The bounds come from the source's key: never NULL.)
 fn row_expr(keys: &[Key]) -> String {
-    format!("({})", key_list("", keys))
+    if !keys.iter().any(|k| k.nullable) {
+        return format!("({})", key_list("", keys));
+    }
+    format!(
+        "({})",
+        keys.iter()
+            .map(|k| format!("{} IS NULL, {}", key_expr("", k), key_expr("", k)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
 }
 
 fn bound_expr(keys: &[Key], first_param: usize) -> String {
+    let nullable = keys.iter().any(|k| k.nullable);
     format!(
         "({})",
         keys.iter()
             .enumerate()
             .map(|(i, k)| {
                 let cast = format!("${}::text::{}", first_param + i, k.ty);
-                if k.by_text {
+                let value = if k.by_text {
                     format!("pg_catalog.convert_to({cast}::text, 'UTF8')")
                 } else {
                     cast
+                };
+                if nullable {
+                    format!("false, {value}")
+                } else {
+                    value
                 }
             })
             .collect::<Vec<_>>()
