@@ -25,6 +25,7 @@ macro_rules! err_line {
 }
 
 pub mod apply;
+pub mod cancel;
 pub mod check;
 pub mod cli;
 pub mod cluster;

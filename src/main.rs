@@ -229,6 +229,7 @@ async fn until_signalled(
         _ = int.recv() => ("SIGINT", libc::SIGINT),
         _ = term.recv() => ("SIGTERM", libc::SIGTERM),
     };
+    pgapply::cancel::cancel_all().await;
     INTERRUPTED_BY.store(
         u8::try_from(number).unwrap_or(2),
         std::sync::atomic::Ordering::Relaxed,
@@ -770,6 +771,8 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
     tokio::select! {
         result = cutover::cutover(config, settings, verify::VerifySettings::default()) => result,
         _ = signalled => {
+            // (Its verify step's comparisons, if it was there.)
+            pgapply::cancel::cancel_all().await;
             cutover::release_own_run(&shown).await;
             Err(cutover::interrupted(&shown, &roles))
         }

@@ -1904,6 +1904,39 @@ async fn verify_sorts_composite_keys_alike_and_counts_null_keys() {
     );
 }
 
+/// Verify interrupted (Ctrl-C) while its query waits on the target: the query is cancelled on
+/// the server too, not left waiting (a backend waiting for a lock does not notice that its
+/// client went away), and the exit code is the shell's for SIGINT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_interrupted_cancels_its_queries() {
+    let db = TestDb::new("verifyint").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO t SELECT generate_series(1, 10); CREATE PUBLICATION p FOR TABLE t")
+        .await;
+    let holder = common::connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let (child, log) = common::spawn_logged(db.on_both("verify", &[]));
+    common::wait_for("verify waiting for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    common::signal(&child, libc::SIGINT);
+    let out = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait_with_output())
+        .await
+        .expect("verify stopped")
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(out.status.code(), Some(130), "{text}");
+    common::wait_for("no query of verify left waiting", 10, || async {
+        common::waiting_for_a_lock(&db).await == 0
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+}
+
 /// Verify keys on an index's key columns only (INCLUDE columns may be NULL), and reads a plain
 /// table's own rows (ONLY), as the copy does: an unpublished inheritance child's rows on the
 /// source are not the parent's.
