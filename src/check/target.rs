@@ -758,6 +758,12 @@ pub(crate) fn narrower(source: &str, target: &str) -> Option<&'static str> {
         ("timestamp with time zone" | "timestamp without time zone", "date") => {
             return Some("drops the time of day of the source's values without a word")
         }
+        // Without a time zone, the target reads the source's text of a value (in the source
+        // server's TimeZone) and drops its offset.
+        ("timestamp with time zone", "timestamp without time zone")
+        | ("time with time zone", "time without time zone") => {
+            return Some("drops the offset of the source's values without a word: they land as the source server's time zone (its TimeZone setting) shows them")
+        }
         // Fractional digits of seconds (6 without a precision): fewer round.
         (
             "timestamp with time zone"
@@ -938,6 +944,14 @@ mod tests {
         )
         .is_none());
         assert!(narrower("interval", "interval(2)").is_some());
+        // The offset dropped: the values shift by the source's time zone.
+        assert!(narrower(
+            "timestamp(3) with time zone",
+            "timestamp without time zone"
+        )
+        .is_some_and(|why| why.contains("offset")));
+        assert!(narrower("time with time zone", "time without time zone").is_some());
+        assert!(narrower("timestamp without time zone", "timestamp with time zone").is_none());
         assert!(narrower("time(2) with time zone", "time(4) with time zone").is_none());
         assert!(!compatible(
             "timestamp with time zone",
