@@ -36,6 +36,11 @@ pub async fn skip_command(args: &SkipArgs, file: &FileConfig) -> Result<()> {
                 Error::postgres("reading pgapply.progress on the target", e)
             }
         })?;
+    if row.is_none() {
+        return Err(Error::definite(format!(
+            "the target has no pgapply progress for slot {slot:?}: check --slot (see `pgapply status`)"
+        )));
+    }
     let applied: Option<String> = row.as_ref().and_then(|r| r.get(0));
     let pending: Option<String> = row.as_ref().and_then(|r| r.get(1));
     let last_error: Option<String> = row.as_ref().and_then(|r| r.get(2));
@@ -278,7 +283,20 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
         crate::out!("the target holds nothing for slot {slot}");
         // Nothing ties the source's slot of that name to a replication into this target (its
         // state forgotten earlier, or never here): it may be another one's.
-        if source.is_some() {
+        let on_source = match &source_sql {
+            Some(src) => src
+                .query_opt(
+                    "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map_err(|e| Error::postgres("reading the source's replication slots", e))?
+                .is_some(),
+            None => false,
+        };
+        if source.is_some() && !on_source {
+            crate::out!("the source has no replication slot {slot} either: nothing to drop");
+        } else if source.is_some() {
             return Err(Error::definite(format!(
                 "not dropping replication slot {slot:?} on the source: this target holds no state for it, so nothing says it is the slot of a replication into this target (it may be another one's). If it is yours, drop it on the source yourself: SELECT pg_drop_replication_slot({})",
                 crate::sql::shown_literal(&slot)

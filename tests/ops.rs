@@ -2343,6 +2343,40 @@ async fn forget_drops_no_slot_of_another_replication() {
         .await,
         3
     );
+    // A slot neither side has: nothing to do, said so (no advice to drop what is not there).
+    let out = run_with_deadline(
+        forget(
+            "no_such_slot",
+            &["--drop-slot", "--source", &db.source_conninfo()],
+        ),
+        30,
+    )
+    .await;
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        said.contains("the source has no replication slot no_such_slot either: nothing to drop"),
+        "{said}"
+    );
+    // skip for it: the unknown slot is what is said (not "add --force").
+    let mut skip = pgapply();
+    skip.args([
+        "skip",
+        "--target",
+        &db.target_conninfo(),
+        "--slot",
+        "no_such_slot",
+        "--lsn",
+        "0/1",
+    ]);
+    let out = run_with_deadline(skip, 30).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the target has no pgapply progress for slot \"no_such_slot\"")
+            && !stderr(&out).contains("--force"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 /// A worker waiting to try again after a failure still runs: its heartbeat goes on, `forget`

@@ -945,11 +945,10 @@ mod tests {
         .is_none());
         assert!(narrower("interval", "interval(2)").is_some());
         // The offset dropped: the values shift by the source's time zone.
-        assert!(narrower(
-            "timestamp(3) with time zone",
-            "timestamp without time zone"
-        )
-        .is_some_and(|why| why.contains("offset")));
+        assert!(
+            narrower("timestamp(3) with time zone", "timestamp without time zone")
+                .is_some_and(|why| why.contains("offset"))
+        );
         assert!(narrower("time with time zone", "time without time zone").is_some());
         assert!(narrower("timestamp without time zone", "timestamp with time zone").is_none());
         assert!(narrower("time(2) with time zone", "time(4) with time zone").is_none());
