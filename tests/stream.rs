@@ -21,6 +21,9 @@ async fn small_decoding_memory() -> i32 {
         .await
         .unwrap()
         .get(0);
+    // The tests here are of streamed transactions: streaming on unless a test's flag says
+    // otherwise (pgapply's default is off). (Set once, before this binary starts any pgapply.)
+    std::env::set_var("PGAPPLY_STREAMING", "on");
     if version >= 130000 {
         admin
             .batch_execute("ALTER SYSTEM SET logical_decoding_work_mem = '64kB'")
@@ -60,6 +63,30 @@ fn spool_files(dir: &std::path::Path) -> usize {
                 .count()
         })
         .unwrap_or(0)
+}
+
+/// Without `--streaming`, a large transaction is not streamed (the source sends it whole at
+/// commit, only what committed): the default, whatever the source's version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_is_off_unless_asked_for() {
+    small_decoding_memory().await;
+    let db = TestDb::new("streamdefault").await;
+    db.both("CREATE TABLE s (id int PRIMARY KEY, pad text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE s").await;
+    db.source_sql(
+        "BEGIN; INSERT INTO s SELECT g, repeat('x', 200) FROM generate_series(1, 3000) g; \
+         SAVEPOINT a; UPDATE s SET pad = 'undone' WHERE id % 2 = 0; ROLLBACK TO SAVEPOINT a; \
+         UPDATE s SET pad = 'kept' WHERE id % 3 = 0; COMMIT;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let mut cmd = db.pgapply("p", &["--endpos", &endpos]);
+    cmd.env_remove("PGAPPLY_STREAMING");
+    let out = run_with_deadline(cmd, 120).await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("streaming off"), "{log}");
+    db.assert_same("s").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
