@@ -1414,6 +1414,9 @@ async fn check_tries_the_spool_directory_and_the_metrics_address() {
     let db = TestDb::new("checklocal").await;
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    // And an unlogged table, which no publication takes: named for a migration.
+    db.source_sql("CREATE UNLOGGED TABLE scratch (id int)")
+        .await;
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = held.local_addr().unwrap().to_string();
     let slot = db.slot();
@@ -1431,6 +1434,7 @@ async fn check_tries_the_spool_directory_and_the_metrics_address() {
     for expected in [
         "PROBLEM  --spool-dir /proc/pgapply-spool: cannot create a directory in /proc",
         &format!("WARNING  --metrics-addr {addr}: in use now, so `run` would stop at its start"),
+        "WARNING  unlogged table(s) on the source: public.scratch: PostgreSQL replicates no unlogged table",
     ] {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }

@@ -71,7 +71,8 @@ fn spool_files(dir: &std::path::Path) -> usize {
 async fn streaming_is_off_unless_asked_for() {
     small_decoding_memory().await;
     let db = TestDb::new("streamdefault").await;
-    db.both("CREATE TABLE s (id int PRIMARY KEY, pad text)").await;
+    db.both("CREATE TABLE s (id int PRIMARY KEY, pad text)")
+        .await;
     db.publish("CREATE PUBLICATION p FOR TABLE s").await;
     db.source_sql(
         "BEGIN; INSERT INTO s SELECT g, repeat('x', 200) FROM generate_series(1, 3000) g; \

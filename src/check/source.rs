@@ -7,6 +7,36 @@ use crate::copy::published_tables;
 use crate::error::describe_postgres;
 use crate::sql::quote_ident;
 
+/// The source database's unlogged tables, which no publication can hold (not even FOR ALL
+/// TABLES): a migration leaves them, and their rows, behind unless the user moves them.
+async fn unlogged_tables(src: &Client) -> Option<String> {
+    let rows = src
+        .query(
+            "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.relpersistence = 'u' AND c.relkind IN ('r', 'p') \
+               AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_%' \
+             ORDER BY 1 LIMIT 21",
+            &[],
+        )
+        .await
+        .ok()?;
+    if rows.is_empty() {
+        return None;
+    }
+    let mut names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    let more = if names.len() > 20 {
+        names.truncate(20);
+        ", and more"
+    } else {
+        ""
+    };
+    Some(format!(
+        "unlogged table(s) on the source: {}{more}: PostgreSQL replicates no unlogged table (no publication holds one, FOR ALL TABLES included), so neither `schema`, the copy nor the stream takes them; for a migration, create them on the target and copy their rows yourself (or ALTER TABLE ... SET LOGGED on the source and add them to the publication)",
+        names.join(", ")
+    ))
+}
+
 pub(super) async fn check_source(
     src: &Client,
     dst: Option<&Client>,
@@ -207,6 +237,9 @@ pub(super) async fn check_source(
             }
         }
         Err(e) => report.problem(e.to_string()),
+    }
+    if let Some(warning) = unlogged_tables(src).await {
+        report.warning(warning);
     }
     match src
         .query_opt(
