@@ -737,7 +737,7 @@ async fn run_in_span(
         if config.copy_data && copy_status == CopyStatus::Done && fence.is_none() {
             // Not under a worker that streams the slot: it would apply the copied tables'
             // changes the copy holds (it knows nothing of the copy's position).
-            if let Some(pid) = session.slot_active_pid(&config.slot).await? {
+            if let Some(pid) = session.slot_holder(&config.slot).await? {
                 return Err(Error::transient(format!(
                     "replication slot {:?} is in use on the source (its walsender is process {pid} there; another pgapply streaming it?): stop that one before a run with --copy-data copies the tables published since; it must end first",
                     config.slot

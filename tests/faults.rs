@@ -19,6 +19,8 @@ struct Proxy {
     generation: watch::Sender<u64>,
     stalled: Arc<AtomicBool>,
     connections: Arc<AtomicU64>,
+    /// Connections numbered below this pass nothing more, for ever (`freeze_open`).
+    frozen_below: Arc<AtomicU64>,
 }
 
 impl Proxy {
@@ -28,8 +30,10 @@ impl Proxy {
         let (generation, _) = watch::channel(0u64);
         let stalled = Arc::new(AtomicBool::new(false));
         let connections = Arc::new(AtomicU64::new(0));
+        let frozen_below = Arc::new(AtomicU64::new(0));
         let gen_tx = generation.clone();
         let (stalled2, connections2) = (stalled.clone(), connections.clone());
+        let frozen2 = frozen_below.clone();
         tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -38,15 +42,17 @@ impl Proxy {
                 let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
                     continue;
                 };
-                connections2.fetch_add(1, Ordering::SeqCst);
+                let number = connections2.fetch_add(1, Ordering::SeqCst);
                 let mut cut = gen_tx.subscribe();
                 let stalled = stalled2.clone();
+                let frozen = frozen2.clone();
                 tokio::spawn(async move {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     let pump = |mut r: tokio::net::tcp::OwnedReadHalf,
                                 mut w: tokio::net::tcp::OwnedWriteHalf,
-                                stalled: Arc<AtomicBool>| async move {
+                                stalled: Arc<AtomicBool>,
+                                frozen: Arc<AtomicU64>| async move {
                         let mut buf = vec![0u8; 64 * 1024];
                         loop {
                             use tokio::io::AsyncReadExt;
@@ -54,7 +60,9 @@ impl Proxy {
                                 Ok(0) | Err(_) => break,
                                 Ok(n) => n,
                             };
-                            while stalled.load(Ordering::SeqCst) {
+                            while stalled.load(Ordering::SeqCst)
+                                || number < frozen.load(Ordering::SeqCst)
+                            {
                                 tokio::time::sleep(Duration::from_millis(20)).await;
                             }
                             if w.write_all(&buf[..n]).await.is_err() {
@@ -63,8 +71,8 @@ impl Proxy {
                         }
                     };
                     tokio::select! {
-                        _ = pump(cr, sw, stalled.clone()) => {}
-                        _ = pump(sr, cw, stalled) => {}
+                        _ = pump(cr, sw, stalled.clone(), frozen.clone()) => {}
+                        _ = pump(sr, cw, stalled, frozen) => {}
                         _ = cut.changed() => {}
                     }
                 });
@@ -75,7 +83,15 @@ impl Proxy {
             generation,
             stalled,
             connections,
+            frozen_below,
         }
+    }
+
+    /// The connections open now pass nothing more, for ever, and stay open (a peer gone
+    /// silent behind a device that keeps the TCP connection up); new ones pass.
+    fn freeze_open(&self) {
+        self.frozen_below
+            .store(self.connections.load(Ordering::SeqCst), Ordering::SeqCst);
     }
 
     fn cut(&self) {
@@ -157,6 +173,45 @@ async fn network_cuts_and_stalls_are_ridden_out() {
     let _ = child.wait().await;
     db.assert_same("n").await;
     db.assert_same("f").await;
+}
+
+/// The replication connection goes silent for good behind a device that keeps it open, and the
+/// source never ends its walsender (wal_sender_timeout = 0), which keeps the slot: pgapply
+/// gives the connection up after its silence limit, and at its next start ends that walsender
+/// of its own (it was "in use" for ever), then streams on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn its_own_walsender_cut_off_silently_is_ended() {
+    let db = TestDb::new("ownwalsender").await;
+    db.both("CREATE TABLE n (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE n").await;
+    let proxy = Proxy::start(db.source_port).await;
+    let source = format!(
+        "host=127.0.0.1 port={} user=postgres dbname={} options='-c wal_sender_timeout=0'",
+        proxy.port, db.name
+    );
+    let mut cmd = db.pgapply_via(&source, &db.target_conninfo(), &db.slot(), "p", &[]);
+    cmd.args(["--retry-min", "100ms", "--retry-max", "1s"]);
+    let (mut child, log) = common::spawn_logged(cmd);
+    db.source_sql("INSERT INTO n VALUES (1)").await;
+    wait_for("the first row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM n").await == 1
+    })
+    .await;
+    proxy.freeze_open();
+    db.source_sql("INSERT INTO n VALUES (2)").await;
+    // (The silence limit is a minute at least.)
+    wait_for("the row written after the cut", 150, || async {
+        db.count(&db.target, "SELECT count(*) FROM n").await == 2
+    })
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains("ended this process's earlier walsender on the source"),
+        "{text}"
+    );
+    common::signal(&child, libc::SIGTERM);
+    let _ = child.wait().await;
+    db.assert_same("n").await;
 }
 
 /// SIGTERM while the reader waits for room in a full queue: the change it holds is dropped, and so

@@ -256,9 +256,9 @@ pub(super) async fn refuse_lost_changes(
     };
     // Another process streaming from the slot moves it under this comparison: that is what
     // to say (the run waits for it as for a previous run's session), not lost changes.
-    if let Some(pid) = session.slot_active_pid(slot).await? {
+    if let Some(pid) = session.slot_holder(slot).await? {
         return Err(Error::transient(format!(
-            "replication slot {slot:?} is in use on the source (its walsender is process {pid} there: another pgapply streaming it, into this target or another one, or the session of a run that just ended; `pgapply status` on the target shows its running worker): it must end first"
+            "replication slot {slot:?} is in use on the source (its walsender is process {pid} there: another pgapply streaming it, into this target or another one, or the session of a run that just ended, or an earlier connection of another pgapply that the network cut off, which the source ends after wal_sender_timeout (never when that is 0: then end it there, SELECT pg_terminate_backend({pid})); `pgapply status` on the target shows its running worker): it must end first"
         )));
     }
     let Some(confirmed) = session.slot_confirmed(slot).await? else {

@@ -308,6 +308,36 @@ pub struct ReplicationConnection {
     /// cancelled meanwhile (the reader's timers do, every second or more often) finds it where
     /// it was instead of starting it over, which behind a slow link would never finish.
     publication_lookup: Option<tokio::task::JoinHandle<Result<Vec<String>>>>,
+    /// The walsender's process id on the source (BackendKeyData).
+    backend_pid: Option<i32>,
+}
+
+/// Walsenders of this process's replication connections that it has let go (dropped), and
+/// when: one whose connection the network cut off silently may still hold its slot on the
+/// source, which notices only after wal_sender_timeout (never when that is 0).
+static LET_GO: std::sync::Mutex<Vec<(i32, std::time::SystemTime)>> =
+    std::sync::Mutex::new(Vec::new());
+
+impl Drop for ReplicationConnection {
+    fn drop(&mut self) {
+        if let (Some(pid), Ok(mut let_go)) = (self.backend_pid, LET_GO.lock()) {
+            // (A few are enough: only the latest can still hold the slot.)
+            if let_go.len() >= 16 {
+                let_go.remove(0);
+            }
+            let_go.push((pid, std::time::SystemTime::now()));
+        }
+    }
+}
+
+/// When this process let go of its connection to walsender `pid`, if it had one.
+pub fn let_go_at(pid: i32) -> Option<std::time::SystemTime> {
+    let let_go = LET_GO.lock().ok()?;
+    let_go
+        .iter()
+        .rev()
+        .find(|(p, _)| *p == pid)
+        .map(|(_, at)| *at)
 }
 
 /// A read smaller than this means the source is keeping up with us message by message.
@@ -419,6 +449,7 @@ impl ReplicationConnection {
             publications: Vec::new(),
             skipped_notice: None,
             publication_lookup: None,
+            backend_pid: None,
         };
         // The user's own `options` (say `-c work_mem=..`) come first: the later of two
         // settings wins, and the text form of the values pgoutput sends depends on pgapply's.
@@ -692,7 +723,10 @@ impl ReplicationConnection {
                         }
                     }
                 }
-                backend::Message::BackendKeyData(_) | backend::Message::NoticeResponse(_) => {}
+                backend::Message::BackendKeyData(key) => {
+                    self.backend_pid = Some(key.process_id());
+                }
+                backend::Message::NoticeResponse(_) => {}
                 backend::Message::ReadyForQuery(_) => {
                     self.in_handshake = false;
                     return Ok(());

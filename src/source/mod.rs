@@ -300,6 +300,36 @@ impl ReplicationSession {
         Ok(r.first("pid").and_then(|p| p.parse().ok()))
     }
 
+    /// The slot's walsender, if one streams it, after ending it if it is this process's own
+    /// earlier connection that the network cut off without a word (the source would keep it
+    /// until wal_sender_timeout, for ever when that is 0, and the slot with it): then `None`
+    /// once it is gone.
+    pub async fn slot_holder(&mut self, slot: &str) -> Result<Option<i32>> {
+        let Some(pid) = self.slot_active_pid(slot).await? else {
+            return Ok(None);
+        };
+        let Some(at) = connection::let_go_at(pid) else {
+            return Ok(Some(pid));
+        };
+        // (Started before this process let it go: not another process that took its pid.)
+        let sql = format!(
+            "SELECT pg_catalog.pg_terminate_backend(pid)::text AS ended FROM pg_catalog.pg_stat_activity \
+             WHERE pid = {pid} AND backend_start < {}::timestamptz",
+            quote_literal(&humantime::format_rfc3339_micros(at).to_string())
+        );
+        if self.conn.simple_query(&sql).await?.first("ended") != Some("true") {
+            return Ok(Some(pid));
+        }
+        tracing::info!(pid, slot, "ended this process's earlier walsender on the source, whose connection was cut off without the source noticing (it held the slot)");
+        for _ in 0..50 {
+            if self.slot_active_pid(slot).await? != Some(pid) {
+                return self.slot_active_pid(slot).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        Ok(Some(pid))
+    }
+
     /// Whether the slot exists and decodes two-phase transactions (15+; made so by a
     /// `--two-phase` run). PostgreSQL keeps that once enabled, whatever a start asks for.
     pub async fn slot_is_two_phase(&mut self, slot: &str) -> Result<bool> {
