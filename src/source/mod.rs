@@ -309,6 +309,14 @@ impl ReplicationSession {
             return Ok(None);
         };
         let Some(at) = connection::let_go_at(pid) else {
+            // The walsender of a run that has just ended goes away within moments (its client's
+            // close seen): waited for briefly, rather than failing this start for a retry.
+            for _ in 0..20 {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                if self.slot_active_pid(slot).await? != Some(pid) {
+                    return self.slot_active_pid(slot).await;
+                }
+            }
             return Ok(Some(pid));
         };
         // (Started before this process let it go: not another process that took its pid.)
