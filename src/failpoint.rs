@@ -45,3 +45,12 @@ pub fn exit(name: &str) -> ! {
     tracing::error!(failpoint = name, "PGAPPLY_TEST_FAILPOINT: exiting here");
     std::process::exit(EXIT_STATUS)
 }
+
+/// How long a table being copied may receive nothing before that is said: `default`, or
+/// `PGAPPLY_TEST_COPY_SILENCE_SECS` seconds (a test waits less than a minute).
+pub fn copy_silence(default: std::time::Duration) -> std::time::Duration {
+    std::env::var("PGAPPLY_TEST_COPY_SILENCE_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(default, std::time::Duration::from_secs)
+}

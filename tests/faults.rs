@@ -799,9 +799,20 @@ async fn a_stop_during_the_initial_copy_ends_it_and_the_next_run_copies_again() 
         .batch_execute("BEGIN; LOCK TABLE c IN SHARE MODE")
         .await
         .unwrap();
-    let mut child = spawn(db.pgapply("p", &["--copy-data"]));
+    let mut cmd = db.pgapply("p", &["--copy-data"]);
+    // (The warning of a copy that gets nothing done after 2 s instead of a minute.)
+    cmd.env("PGAPPLY_TEST_COPY_SILENCE_SECS", "2");
+    let (mut child, log) = common::spawn_logged(cmd);
     wait_for("the copy to wait for the lock", 30, || async {
         common::waiting_for_a_lock(&db).await == 1
+    })
+    .await;
+    // A copy that gets nothing done is said, naming the table (not only a growing ETA).
+    wait_for("the copy's stall said", 30, || async {
+        std::fs::read_to_string(&log).is_ok_and(|t| {
+            t.contains("copying: nothing of this table has been copied for 2s")
+                && t.contains("\"public\".\"c\"")
+        })
     })
     .await;
     let asked = std::time::Instant::now();

@@ -406,7 +406,28 @@ struct TableProgress {
     /// Of `bytes`, how much `record_bytes` has added to the metrics and to `pgapply.copy_state`.
     bytes_in_metrics: AtomicU64,
     bytes_in_state: AtomicU64,
+    /// Ranges of the table being copied now (not waiting for a free job).
+    active: AtomicU64,
 }
+
+/// Counts a range as being copied while it lives (`TableProgress::active`).
+struct Active<'a>(&'a TableProgress);
+
+impl<'a> Active<'a> {
+    fn start(progress: &'a TableProgress) -> Self {
+        progress.active.fetch_add(1, Ordering::Relaxed);
+        Active(progress)
+    }
+}
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How long a table being copied may receive nothing before that is said (once per stall).
+const COPY_SILENCE_WARNING: Duration = Duration::from_secs(60);
 
 /// The source tables (schema, name) a slot's initial copy took in.
 pub(crate) async fn copied_tables(
@@ -764,6 +785,7 @@ pub async fn copy_tables(
                 jobs_left: AtomicU64::new(jobs.iter().filter(|j| j.table == i).count() as u64),
                 bytes_in_metrics: AtomicU64::new(0),
                 bytes_in_state: AtomicU64::new(0),
+                active: AtomicU64::new(0),
             })
         })
         .collect();
@@ -937,14 +959,28 @@ async fn report_progress(
     let mut tick = tokio::time::interval(Duration::from_secs(if terminal { 1 } else { 5 }));
     tick.tick().await;
     let mut drawn = 0usize;
+    // Per table: the bytes last seen while it was being copied, since when, and whether that
+    // stall was said.
+    let mut seen: Vec<(u64, Instant, bool)> = vec![(0, Instant::now(), false); tables.len()];
+    let silence = crate::failpoint::copy_silence(COPY_SILENCE_WARNING);
     loop {
         tick.tick().await;
         let secs = started.elapsed().as_secs_f64().max(0.001);
         let mut lines = Vec::new();
-        for (table, p) in tables.iter().zip(progress.iter()) {
+        for ((table, p), seen) in tables.iter().zip(progress.iter()).zip(seen.iter_mut()) {
             let left = p.jobs_left.load(Ordering::Relaxed);
             let rows = p.rows.load(Ordering::Relaxed);
             let bytes = p.bytes.load(Ordering::Relaxed);
+            if p.active.load(Ordering::Relaxed) == 0 || bytes != seen.0 {
+                *seen = (bytes, Instant::now(), false);
+            } else if !seen.2 && seen.1.elapsed() >= silence {
+                seen.2 = true;
+                tracing::warn!(
+                    table = %table.qualified(),
+                    "copying: nothing of this table has been copied for {}: the source may be reading rows its row filter leaves out, or a server waiting for a lock (look at pg_stat_activity on both), or a connection gone silent behind a device that keeps it open (then stop pgapply and start it again: the copy starts over); pgapply goes on waiting",
+                    humantime::format_duration(silence)
+                );
+            }
             let estimate = (table.pages.max(1) as f64) * 8192.0;
             let fraction = if left == 0 {
                 1.0
@@ -1032,6 +1068,7 @@ async fn copy_one(
     slot: &str,
     progress: &TableProgress,
 ) -> Result<()> {
+    let _active = Active::start(progress);
     let qualified = table.qualified();
     let columns = table.column_list();
     let mut conditions = Vec::new();
