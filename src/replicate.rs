@@ -823,14 +823,18 @@ async fn run_in_span(
         .await?;
     // After a finished initial copy, the tables it took in: a change of another table (published
     // since) is named once, as its earlier rows are not on the target.
+    // (With the partitions of copied tables, and the roots of copied partitions: their rows
+    // were copied under the other name.)
     let copied_tables = match copy::status(&setup, &config.slot).await? {
-        CopyStatus::Done => Some(Arc::new(
-            copy::copied_tables(&setup, &config.slot)
+        CopyStatus::Done => {
+            let copied = copy::copied_tables(&setup, &config.slot)
                 .await
-                .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?
-                .into_iter()
-                .collect::<std::collections::HashSet<_>>(),
-        )),
+                .map_err(|e| Error::postgres("reading pgapply.copy_state on the target", e))?;
+            let source = crate::tls::connect(&config.source)
+                .await
+                .map_err(|e| e.into_error("connecting to the source"))?;
+            Some(Arc::new(copy::covered_by_copies(&source, copied).await))
+        }
         _ => None,
     };
     if session.server_version() < 110000 {

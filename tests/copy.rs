@@ -1904,6 +1904,41 @@ async fn verify_sorts_composite_keys_alike_and_counts_null_keys() {
     );
 }
 
+/// A partitioned table copied through its root, then published by its partitions' names
+/// (`publish_via_partition_root` switched off): their rows were copied under the root's name,
+/// so neither `run` nor `check` calls them published after the initial copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_of_a_copied_root_are_not_published_later() {
+    let db = TestDb::new("viaroot").await;
+    if common::source_version(&db).await < 130000 {
+        return common::skip("publish_via_partition_root needs PostgreSQL 13");
+    }
+    db.both(
+        "CREATE TABLE ev (id int, k int, PRIMARY KEY (id, k)) PARTITION BY RANGE (k); \
+         CREATE TABLE ev_0 PARTITION OF ev FOR VALUES FROM (0) TO (10); \
+         CREATE TABLE ev_1 PARTITION OF ev FOR VALUES FROM (10) TO (20);",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO ev SELECT g, g % 20 FROM generate_series(1, 100) g; \
+         CREATE PUBLICATION p FOR TABLE ev WITH (publish_via_partition_root = true);",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    db.source_sql("ALTER PUBLICATION p SET (publish_via_partition_root = false)")
+        .await;
+    db.source_sql("UPDATE ev SET id = id + 1000 WHERE id <= 10").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(!log.contains("the initial copy did not take in"), "{log}");
+    db.assert_same("ev").await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!text.contains("published after the initial copy"), "{text}");
+}
+
 /// Verify interrupted (Ctrl-C) while its query waits on the target: the query is cancelled on
 /// the server too, not left waiting (a backend waiting for a lock does not notice that its
 /// client went away), and the exit code is the shell's for SIGINT.

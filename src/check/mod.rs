@@ -289,6 +289,11 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
             let recorded = crate::copy::copied_tables(dst, &config.slot)
                 .await
                 .unwrap_or_default();
+            // (Partitions of copied tables, and roots of copied partitions, were copied too.)
+            let recorded = match &source {
+                Some(src) => crate::copy::covered_by_copies(src, recorded).await,
+                None => recorded.into_iter().collect(),
+            };
             let not_copied: Vec<String> = tables
                 .iter()
                 .filter(|t| !recorded.contains(&(t.schema.clone(), t.name.clone())))

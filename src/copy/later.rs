@@ -79,6 +79,26 @@ pub async fn copied_since(
     Ok(copies)
 }
 
+/// The source tables whose rows the copies of `copied` hold: those tables, the partitions
+/// under them, and the partitioned tables all of whose leaves are among them
+/// (`cover_partitions`). After `publish_via_partition_root` switched, the stream names the
+/// other ones, which were copied all the same. (`copied` alone when the source cannot say.)
+pub async fn covered_by_copies(
+    source: &Client,
+    copied: Vec<(String, String)>,
+) -> std::collections::HashSet<(String, String)> {
+    let mut copies = LaterCopies {
+        by_source: copied
+            .iter()
+            .map(|t| (t.clone(), crate::protocol::Lsn::INVALID))
+            .collect(),
+    };
+    if cover_partitions(source, &mut copies).await.is_err() {
+        return copied.into_iter().collect();
+    }
+    copies.by_source.into_keys().collect()
+}
+
 /// A copied table's rows, read on the source, are those of its partitions too, and a
 /// partitioned table's rows those of its leaves: after `publish_via_partition_root` switched, a
 /// change still to be applied may come under the other name. Adds (by the source's partition

@@ -31,7 +31,7 @@ mod tables;
 
 use later::target_table_exists;
 pub use later::{
-    copied_since, copies_to_make_again, cover_partitions, forget_unpublished, late_unfinished,
+    copied_since, copies_to_make_again, cover_partitions, covered_by_copies, forget_unpublished, late_unfinished,
     set_synced_lsn, LaterCopies,
 };
 pub use tables::{
