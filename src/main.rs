@@ -217,6 +217,7 @@ async fn until_signalled(
     work: impl std::future::Future<Output = pgapply::error::Result<()>>,
 ) -> pgapply::error::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
+    pgapply::cancel::enable();
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
@@ -725,6 +726,7 @@ async fn cutover_command(args: CutoverArgs, file: FileConfig) -> Result<(), Erro
             "--endpos (or PGAPPLY_ENDPOS) does not apply to cutover: it takes the end position from the source itself once writes have stopped; leave it out",
         ));
     }
+    pgapply::cancel::enable();
     let (mut config, service) = config::resolve(&args.run, &file)?;
     // (A run's --copy-only, from the environment or the file, is not the cutover's business.)
     config.copy_only = false;

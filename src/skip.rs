@@ -294,9 +294,8 @@ pub async fn forget_command(args: &crate::cli::ForgetArgs, file: &FileConfig) ->
                 .is_some(),
             None => false,
         };
-        if source.is_some() && !on_source {
-            crate::out!("the source has no replication slot {slot} either: nothing to drop");
-        } else if source.is_some() {
+        // (A slot the source lacks too: said below, nothing to drop.)
+        if source.is_some() && on_source {
             return Err(Error::definite(format!(
                 "not dropping replication slot {slot:?} on the source: this target holds no state for it, so nothing says it is the slot of a replication into this target (it may be another one's). If it is yours, drop it on the source yourself: SELECT pg_drop_replication_slot({})",
                 crate::sql::shown_literal(&slot)

@@ -915,6 +915,7 @@ pub async fn connect(
             tracing::debug!(error = %e, "connection ended");
         }
     }));
+    crate::cancel::register(&client, config);
     Ok(client)
 }
 

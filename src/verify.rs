@@ -76,7 +76,6 @@ pub fn float_digits(source_version: i32, target_version: i32) -> i32 {
 
 async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32) -> Result<Client> {
     let client = crate::tls::connect_to(config, role).await?;
-    crate::cancel::register(&client, config);
     // The same text for the same value on both sides; every row, or an error (row_security).
     client
         .batch_execute(&format!(

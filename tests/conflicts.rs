@@ -1053,12 +1053,12 @@ async fn a_skip_for_the_wrong_lsn_is_refused_or_taken_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_missing_apply_remote_without_the_whole_row_says_why_it_skipped() {
     let db = TestDb::new("umtoast").await;
-    db.both("CREATE TABLE ut (id int PRIMARY KEY, n int, big text)")
+    db.both("CREATE TABLE ut (id int PRIMARY KEY, n int, big text, doc jsonb)")
         .await;
     db.publish("CREATE PUBLICATION p FOR TABLE ut").await;
     // Random text does not compress: stored out of line, and left out of later UPDATEs.
     db.source_sql(
-        "INSERT INTO ut SELECT 1, 0, string_agg(md5(g::text), '') FROM generate_series(1, 4000) g",
+        "INSERT INTO ut SELECT 1, 0, string_agg(md5(g::text), ''), '{\"a\": [1, 2]}' FROM generate_series(1, 4000) g",
     )
     .await;
     let config = config_file(
@@ -1081,7 +1081,7 @@ async fn update_missing_apply_remote_without_the_whole_row_says_why_it_skipped()
     let recorded = conflicts(&db).await;
     assert_eq!(
         recorded.last().and_then(|r| r.3.as_deref()),
-        Some("{\"n\": 1, \"id\": 1, \"big\": \"<unchanged>\"}"),
+        Some("{\"n\": 1, \"id\": 1, \"big\": \"<unchanged>\", \"doc\": {\"a\": [1, 2]}}"),
         "{recorded:?}"
     );
 }

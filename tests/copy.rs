@@ -1927,7 +1927,8 @@ async fn partitions_of_a_copied_root_are_not_published_later() {
     copy_up_to_now(&db).await;
     db.source_sql("ALTER PUBLICATION p SET (publish_via_partition_root = false)")
         .await;
-    db.source_sql("UPDATE ev SET id = id + 1000 WHERE id <= 10").await;
+    db.source_sql("UPDATE ev SET id = id + 1000 WHERE id <= 10")
+        .await;
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
     let log = stderr(&out);
@@ -1970,6 +1971,52 @@ async fn verify_interrupted_cancels_its_queries() {
     })
     .await;
     holder.batch_execute("COMMIT").await.unwrap();
+    // A `skip` interrupted while its request waits for the progress row (a worker holding it):
+    // the request is cancelled, not recorded once the row is free.
+    copy_up_to_now(&db).await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM pgapply.progress WHERE slot_name = '{}' FOR UPDATE",
+            db.slot()
+        ))
+        .await
+        .unwrap();
+    let target = db.target_conninfo();
+    let slot = db.slot();
+    let skip = common::pgapply_command(&[
+        "skip",
+        "--target",
+        &target,
+        "--slot",
+        &slot,
+        "--lsn",
+        "0/FFFFFFF0",
+        "--force",
+    ]);
+    let (child, _) = common::spawn_logged(skip);
+    common::wait_for("skip waiting for the progress row", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    common::signal(&child, libc::SIGINT);
+    let out = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait_with_output())
+        .await
+        .expect("skip stopped")
+        .unwrap();
+    assert_eq!(out.status.code(), Some(130));
+    common::wait_for("no query of skip left waiting", 10, || async {
+        common::waiting_for_a_lock(&db).await == 0
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE skip_lsn IS NOT NULL"
+        )
+        .await,
+        0
+    );
 }
 
 /// Verify keys on an index's key columns only (INCLUDE columns may be NULL), and reads a plain

@@ -71,12 +71,8 @@ fn spool_dir_problem(dir: Option<&std::path::Path>) -> Option<String> {
     if !existing.is_dir() {
         return Some(said(&format!("{} is not a directory", existing.display())));
     }
-    if existing == dir {
-        // (Made already: `run` checks who owns it and what is in it.)
-        return None;
-    }
-    // A directory made and removed at once: permissions alone do not tell (root may write
-    // anywhere, but not in /proc).
+    // A directory made and removed at once (in the spool directory itself if it is there):
+    // permissions alone do not tell (root may write anywhere, but not in /proc).
     let probe = existing.join(format!(".pgapply-check-{}", std::process::id()));
     match std::fs::create_dir(&probe) {
         Ok(()) => {

@@ -758,11 +758,13 @@ pub(crate) fn narrower(source: &str, target: &str) -> Option<&'static str> {
         ("timestamp with time zone" | "timestamp without time zone", "date") => {
             return Some("drops the time of day of the source's values without a word")
         }
-        // Without a time zone, the target reads the source's text of a value (in the source
-        // server's TimeZone) and drops its offset.
-        ("timestamp with time zone", "timestamp without time zone")
-        | ("time with time zone", "time without time zone") => {
+        // Without a time zone, the target reads the source's text of a value (a timestamp in
+        // the source server's TimeZone, a time with its own offset) and drops the offset.
+        ("timestamp with time zone", "timestamp without time zone") => {
             return Some("drops the offset of the source's values without a word: they land as the source server's time zone (its TimeZone setting) shows them")
+        }
+        ("time with time zone", "time without time zone") => {
+            return Some("drops the offset of the source's values without a word: each keeps its time of day as written, whatever its offset")
         }
         // Fractional digits of seconds (6 without a precision): fewer round.
         (
@@ -852,12 +854,15 @@ pub(super) fn compatible(source: &str, target: &str, target_category: &str) -> b
     ];
     let text = ["text", "character varying", "character", "name"];
     let times = ["timestamp without time zone", "timestamp with time zone"];
+    // A time with a time zone read as one without: its offset dropped (`narrower` says so).
+    let times_of_day = ["time without time zone", "time with time zone"];
     let family = |list: &[&str]| {
         list.contains(&base(source).as_str()) && list.contains(&base(target).as_str())
     };
     family(&numeric)
         || family(&text)
         || family(&times)
+        || family(&times_of_day)
         || (target_category == "S" && text.contains(&base(source).as_str()))
         // Values travel in their text form, which a text column takes whatever the source's
         // type (one a target of an older version lacks, a multirange into 13, say).
@@ -950,6 +955,11 @@ mod tests {
                 .is_some_and(|why| why.contains("offset"))
         );
         assert!(narrower("time with time zone", "time without time zone").is_some());
+        assert!(compatible(
+            "time with time zone",
+            "time without time zone",
+            "D"
+        ));
         assert!(narrower("timestamp without time zone", "timestamp with time zone").is_none());
         assert!(narrower("time(2) with time zone", "time(4) with time zone").is_none());
         assert!(!compatible(

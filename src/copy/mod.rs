@@ -31,8 +31,8 @@ mod tables;
 
 use later::target_table_exists;
 pub use later::{
-    copied_since, copies_to_make_again, cover_partitions, covered_by_copies, forget_unpublished, late_unfinished,
-    set_synced_lsn, LaterCopies,
+    copied_since, copies_to_make_again, cover_partitions, covered_by_copies, forget_unpublished,
+    late_unfinished, set_synced_lsn, LaterCopies,
 };
 pub use tables::{
     missing_publications, no_tables_message, own_rows, published_tables, PublishedTable,

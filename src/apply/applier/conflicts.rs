@@ -134,18 +134,23 @@ impl Applier {
             &policy,
             &occurrences,
         ];
-        // The source's row arrives as text: read through the target table's types, its values
-        // are JSON of the same kinds as the target's row beside it (numbers, booleans, nested
-        // arrays). A value the target's type cannot read (the cause of some conflicts), or a
-        // column it lacks, stays as the source's text.
+        // The source's row arrives as text: read through the target table's types (as they
+        // would store it: a numeric rounded to its scale, say), its values are JSON of the same
+        // kinds as the target's row beside it (numbers, booleans, nested arrays, a json
+        // column's document). A value the target's type cannot read, or a column it lacks,
+        // stays as the source's text.
         let mut result = Err(None);
         if remote_row.is_some() {
             let typed = format!(
                 "INSERT INTO pgapply.conflicts (slot_name, relation, conflict_type, key, local_row, remote_row, \
                      source_lsn, source_commit_time, policy, occurrences) \
                  SELECT $1, $2, $3, $4, $5::text::jsonb, \
-                        (SELECT jsonb_object_agg(s.key, CASE WHEN s.value IN ('\"<binary>\"', '\"<unchanged>\"') \
-                                THEN s.value ELSE coalesce(t.row -> s.key, s.value) END) \
+                        (SELECT jsonb_object_agg(s.key, CASE WHEN s.value IN ('\"<binary>\"', '\"<unchanged>\"') THEN s.value \
+                                WHEN jsonb_typeof(t.row -> s.key) = 'string' AND EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a \
+                                    WHERE a.attrelid = pg_catalog.to_regclass($2) AND a.attname = s.key \
+                                      AND a.atttypid IN ('json'::regtype, 'jsonb'::regtype)) \
+                                THEN (t.row ->> s.key)::jsonb \
+                                ELSE coalesce(t.row -> s.key, s.value) END) \
                            FROM jsonb_each(r.row) s, \
                                 (SELECT to_jsonb(jsonb_populate_record(NULL::{relation}, \
                                     r.row - ARRAY(SELECT p.key FROM jsonb_each(r.row) p \
