@@ -311,13 +311,7 @@ impl ReplicationSession {
         let Some(at) = connection::let_go_at(pid) else {
             // The walsender of a run that has just ended goes away within moments (its client's
             // close seen): waited for briefly, rather than failing this start for a retry.
-            for _ in 0..20 {
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                if self.slot_active_pid(slot).await? != Some(pid) {
-                    return self.slot_active_pid(slot).await;
-                }
-            }
-            return Ok(Some(pid));
+            return self.until_released(slot, pid, 20).await;
         };
         // (Started before this process let it go: not another process that took its pid.)
         let sql = format!(
@@ -329,11 +323,18 @@ impl ReplicationSession {
             return Ok(Some(pid));
         }
         tracing::info!(pid, slot, "ended this process's earlier walsender on the source, whose connection was cut off without the source noticing (it held the slot)");
-        for _ in 0..50 {
-            if self.slot_active_pid(slot).await? != Some(pid) {
-                return self.slot_active_pid(slot).await;
-            }
+        self.until_released(slot, pid, 50).await
+    }
+
+    /// The slot's walsender once walsender `pid` has let it go, or `pid` after `tries` looks
+    /// 100 ms apart.
+    async fn until_released(&mut self, slot: &str, pid: i32, tries: u32) -> Result<Option<i32>> {
+        for _ in 0..tries {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            let holder = self.slot_active_pid(slot).await?;
+            if holder != Some(pid) {
+                return Ok(holder);
+            }
         }
         Ok(Some(pid))
     }
