@@ -105,12 +105,12 @@ pub struct RunArgs {
     #[arg(long, env = "PGAPPLY_SLOT")]
     pub slot: Option<String>,
     /// Create the slot (pgoutput) if it does not exist.
-    #[arg(long, env = "PGAPPLY_CREATE_SLOT", value_parser = parse_switch)]
-    pub create_slot: bool,
+    #[arg(long, env = "PGAPPLY_CREATE_SLOT", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub create_slot: Option<bool>,
     /// Copy the published tables' existing rows first (creates the slot with a snapshot), then
     /// stream from that point.
-    #[arg(long, env = "PGAPPLY_COPY_DATA", value_parser = parse_switch)]
-    pub copy_data: bool,
+    #[arg(long, env = "PGAPPLY_COPY_DATA", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub copy_data: Option<bool>,
     /// Tables (or parts of large tables) copied at once during --copy-data, 1 to 64 [default: 4].
     #[arg(long, env = "PGAPPLY_COPY_JOBS")]
     pub copy_jobs: Option<usize>,
@@ -121,11 +121,11 @@ pub struct RunArgs {
     /// With --copy-data: exit once the copy is done, before streaming. The slot stays at the
     /// copy's consistent point, and the next `run` streams from there (build the indexes with
     /// `pgapply schema --section post-data` in between).
-    #[arg(long, env = "PGAPPLY_COPY_ONLY", value_parser = parse_switch)]
-    pub copy_only: bool,
+    #[arg(long, env = "PGAPPLY_COPY_ONLY", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub copy_only: Option<bool>,
     /// With --copy-data: empty target tables that already hold rows instead of refusing.
-    #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET", value_parser = parse_switch)]
-    pub truncate_target: bool,
+    #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub truncate_target: Option<bool>,
     /// Exit 0 once every transaction committed before this LSN is applied.
     #[arg(long, value_name = "LSN", env = "PGAPPLY_ENDPOS")]
     pub endpos: Option<String>,
@@ -136,20 +136,20 @@ pub struct RunArgs {
     #[arg(long, value_enum, env = "PGAPPLY_STREAMING")]
     pub streaming: Option<Streaming>,
     /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).
-    #[arg(long, env = "PGAPPLY_TWO_PHASE", value_parser = parse_switch)]
-    pub two_phase: bool,
+    #[arg(long, env = "PGAPPLY_TWO_PHASE", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub two_phase: Option<bool>,
     /// Make the slot a failover slot (PostgreSQL 17+): standbys with `sync_replication_slots`
     /// keep a copy of it, so replication goes on from the new primary after a failover. Sets it
     /// on an existing slot too.
-    #[arg(long, env = "PGAPPLY_FAILOVER_SLOT", value_parser = parse_switch)]
-    pub failover_slot: bool,
+    #[arg(long, env = "PGAPPLY_FAILOVER_SLOT", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub failover_slot: Option<bool>,
     /// Receive values in binary form when every published column has the same built-in type on
     /// both sides and both run the same major version (PostgreSQL 14+); text otherwise.
-    #[arg(long, env = "PGAPPLY_BINARY", value_parser = parse_switch)]
-    pub binary: bool,
+    #[arg(long, env = "PGAPPLY_BINARY", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub binary: Option<bool>,
     /// Receive logical decoding messages (pg_logical_emit_message) and log them (PostgreSQL 14+).
-    #[arg(long, env = "PGAPPLY_MESSAGES", value_parser = parse_switch)]
-    pub messages: bool,
+    #[arg(long, env = "PGAPPLY_MESSAGES", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub messages: Option<bool>,
     /// `none`: only changes made on the source itself, not ones it replicated from elsewhere
     /// (loop prevention, PostgreSQL 16+) [default: any].
     #[arg(long, env = "PGAPPLY_ORIGIN", value_name = "any|none")]
@@ -181,7 +181,7 @@ pub struct RunArgs {
     pub status_interval: Option<Duration>,
     /// Largest protocol message accepted from the source, in bytes; a larger one is refused
     /// instead of buffered [default: 1 GiB, PostgreSQL's own limit].
-    #[arg(long, env = "PGAPPLY_MAX_MESSAGE_BYTES")]
+    #[arg(long, env = "PGAPPLY_MAX_MESSAGE_BYTES", value_name = "SIZE", value_parser = crate::config::parse_message_size)]
     pub max_message_bytes: Option<usize>,
     /// Memory for changes received and not applied yet (64MB, 512kB, ...); when it is full,
     /// pgapply reads nothing more from the source until the target has caught up [default: 64MB].
@@ -371,5 +371,28 @@ mod switch_tests {
         }
         let err = super::parse_switch("bogus").unwrap_err();
         assert!(err.contains("\"bogus\" is not on or off"), "{err}");
+    }
+
+    /// `--copy-data=false` turns off what the config file turns on; a bare flag turns it on.
+    #[test]
+    fn a_switch_can_be_turned_off_on_the_command_line() {
+        use clap::Parser;
+        let parse = |args: &[&str]| match super::Cli::try_parse_from(args) {
+            Ok(super::Cli {
+                command: super::Command::Run(run),
+                ..
+            }) => (run.copy_data, run.binary),
+            other => panic!("{other:?}"),
+        };
+        let run = |extra: &[&str]| parse(&[&["pgapply", "run"][..], extra].concat());
+        assert_eq!(
+            run(&["--copy-data=false", "--binary"]),
+            (Some(false), Some(true))
+        );
+        assert_eq!(
+            run(&["--copy-data=on", "--binary=no"]),
+            (Some(true), Some(false))
+        );
+        assert_eq!(run(&[]), (None, None));
     }
 }

@@ -76,6 +76,29 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Durat
     .transpose()
 }
 
+/// `max_message_bytes`: a size with a unit ("64MB") or plain bytes.
+pub fn parse_message_size(text: &str) -> std::result::Result<usize, String> {
+    let bytes = crate::cutover::parse_size(text).map_err(|e| e.message().to_owned())?;
+    Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
+}
+
+/// `max_message_bytes` in the file: a number of bytes, as before, or a size with a unit.
+fn message_size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<usize>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    match Option::<Size>::deserialize(d)? {
+        None => Ok(None),
+        Some(Size::Bytes(n)) => Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
+        Some(Size::Text(t)) => parse_message_size(&t)
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+    }
+}
+
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryFile {
@@ -141,6 +164,7 @@ pub struct FileConfig {
     pub messages: Option<bool>,
     pub origin: Option<String>,
     pub spool_dir: Option<PathBuf>,
+    #[serde(default, deserialize_with = "message_size")]
     pub max_message_bytes: Option<usize>,
     pub queue_size: Option<String>,
     pub apply_workers: Option<usize>,
@@ -377,14 +401,10 @@ pub fn conflict_policies(file: &FileConfig) -> Result<crate::apply::conflict::Po
     Ok(map)
 }
 
-/// An on/off setting: the flag, else `PGAPPLY_*` (clap reads a false value there as "not
-/// given", but it must still win over the file), else the file, else off.
-fn switch(flag_or_env: bool, env: &str, file: Option<bool>) -> bool {
-    if flag_or_env {
-        return true;
-    }
-    let env_says_off = std::env::var(env).is_ok_and(|v| !v.trim().is_empty());
-    !env_says_off && file.unwrap_or(false)
+/// An on/off setting: the flag (`--binary`, `--binary=false`) or its `PGAPPLY_*` variable, else
+/// the file, else off.
+fn switch(flag_or_env: Option<bool>, file: Option<bool>) -> bool {
+    flag_or_env.or(file).unwrap_or(false)
 }
 
 /// Everything `pgapply run` needs besides the run configuration itself.
@@ -544,19 +564,11 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
         )));
     }
     let mut config = RunConfig::new(source, target, publications, slot);
-    config.create_slot = switch(args.create_slot, "PGAPPLY_CREATE_SLOT", file.create_slot);
-    config.failover_slot = switch(
-        args.failover_slot,
-        "PGAPPLY_FAILOVER_SLOT",
-        file.failover_slot,
-    );
-    config.copy_data = switch(args.copy_data, "PGAPPLY_COPY_DATA", file.copy_data);
-    config.copy_only = switch(args.copy_only, "PGAPPLY_COPY_ONLY", file.copy_only);
-    config.copy.truncate_target = switch(
-        args.truncate_target,
-        "PGAPPLY_TRUNCATE_TARGET",
-        file.truncate_target,
-    );
+    config.create_slot = switch(args.create_slot, file.create_slot);
+    config.failover_slot = switch(args.failover_slot, file.failover_slot);
+    config.copy_data = switch(args.copy_data, file.copy_data);
+    config.copy_only = switch(args.copy_only, file.copy_only);
+    config.copy.truncate_target = switch(args.truncate_target, file.truncate_target);
     if let Some(jobs) = args.copy_jobs.or(file.copy_jobs) {
         if !(1..=64).contains(&jobs) {
             return Err(Error::usage(format!(
@@ -587,9 +599,9 @@ pub fn resolve(args: &RunArgs, file: &FileConfig) -> Result<(RunConfig, ServiceS
     }
     config.requested = crate::source::options::Requested {
         streaming: args.streaming.or(file.streaming),
-        two_phase: switch(args.two_phase, "PGAPPLY_TWO_PHASE", file.two_phase),
-        binary: switch(args.binary, "PGAPPLY_BINARY", file.binary),
-        messages: switch(args.messages, "PGAPPLY_MESSAGES", file.messages),
+        two_phase: switch(args.two_phase, file.two_phase),
+        binary: switch(args.binary, file.binary),
+        messages: switch(args.messages, file.messages),
         origin_none: match args.origin.clone().or_else(|| file.origin.clone()).as_deref() {
             None | Some("any") => false,
             Some("none") => true,
@@ -745,6 +757,17 @@ mod tests {
             err.to_string(),
             "line 1, copy_jobs: invalid type: string \"4\", expected a whole number"
         );
+    }
+
+    #[test]
+    fn max_message_bytes_takes_a_number_or_a_size() {
+        let bytes = FileConfig::parse("max_message_bytes = 1048576").unwrap();
+        assert_eq!(bytes.max_message_bytes, Some(1 << 20));
+        let size = FileConfig::parse("max_message_bytes = \"256MB\"").unwrap();
+        assert_eq!(size.max_message_bytes, Some(256 << 20));
+        let err = FileConfig::parse("max_message_bytes = \"lots\"").unwrap_err();
+        assert!(err.to_string().contains("invalid size \"lots\""), "{err}");
+        assert_eq!(parse_message_size("2GB"), Ok(2 << 30));
     }
 
     #[test]
