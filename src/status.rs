@@ -341,13 +341,19 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             crate::out!("  will skip the source transaction committed at {skip} (`pgapply skip`)");
         }
         for c in &s.copy {
-            crate::out!(
-                "  copy {} {}: {} rows, {} bytes",
-                c.table,
-                c.state,
-                c.rows,
-                c.bytes
-            );
+            if c.state == "done" {
+                crate::out!("  copy {} done: {} rows, {} bytes", c.table, c.rows, c.bytes);
+            } else {
+                // A part's rows are counted when it commits (COPY says how many then); its
+                // bytes as they go.
+                crate::out!(
+                    "  copy {} {}: {} bytes so far, {} rows in the parts finished",
+                    c.table,
+                    c.state,
+                    c.bytes,
+                    c.rows
+                );
+            }
         }
     }
     Ok(())
