@@ -32,18 +32,27 @@ pub async fn source_speed_command(args: &SourceSpeedArgs) -> Result<()> {
         ))
     })?;
     let speed = measure(&source, &args.publication, &args.slot, endpos).await?;
-    let per_second = |n: u64| n as f64 / speed.seconds.max(1e-9);
+    let per_second = |n: u64| rate(n as f64 / speed.seconds.max(1e-9));
     crate::out!(
-        "read {} transactions ({} messages, {:.1} MB) up to {endpos} in {:.3} s: {:.0} txn/s, {:.0} messages/s, {:.1} MB/s",
+        "read {} transactions ({} messages, {:.1} MB) up to {endpos} in {:.3} s: {} txn/s, {} messages/s, {} MB/s",
         speed.transactions,
         speed.messages,
         speed.bytes as f64 / 1e6,
         speed.seconds,
         per_second(speed.transactions),
         per_second(speed.messages),
-        per_second(speed.bytes) / 1e6,
+        rate(speed.bytes as f64 / speed.seconds.max(1e-9) / 1e6),
     );
     Ok(())
+}
+
+/// A rate with the digits that say something: a few transactions over a long read are not "0".
+fn rate(per_second: f64) -> String {
+    match per_second {
+        r if r >= 100.0 => format!("{r:.0}"),
+        r if r >= 1.0 => format!("{r:.1}"),
+        r => format!("{r:.3}"),
+    }
 }
 
 /// Reads the slot's changes up to `endpos` (a commit ending there or later, or the source's WAL
@@ -131,4 +140,14 @@ pub async fn measure(
     speed.seconds = started.elapsed().as_secs_f64();
     stream.close().await;
     Ok(speed)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rates_keep_their_digits() {
+        assert_eq!(super::rate(14_563.4), "14563");
+        assert_eq!(super::rate(2.54), "2.5");
+        assert_eq!(super::rate(0.04), "0.040");
+    }
 }
