@@ -463,7 +463,9 @@ async fn run_in_span(
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
     source_has_reached(&mut session, &config.slot, identity.wal_position, resume).await?;
-    on_the_timeline_applied_from(
+    // (Recorded only once the run is about to stream: a start refused on the way, say for a
+    // slot the server lacks, must not make this server's timeline the one applied from.)
+    let timeline = on_the_timeline_applied_from(
         &setup,
         &mut session,
         &config.slot,
@@ -897,6 +899,9 @@ async fn run_in_span(
             });
         }
     }
+    if let Some(timeline) = timeline {
+        timeline.record(&setup, &config.slot).await?;
+    }
     drop(setup);
 
     let (applied_tx, applied_rx) = watch::channel(resume);
@@ -1180,17 +1185,18 @@ async fn source_has_reached(
 /// its own end of WAL, and the target then holds changes of the old primary the new one never had,
 /// while the new primary's own transactions up to that position would be skipped without a word
 /// (once its WAL is past the position, `source_has_reached` cannot tell); and one whose timeline
-/// has the recorded number but began elsewhere. Then records the timeline this run streams from
-/// and where it began (nothing for a standby source, which changes timelines as it streams).
+/// has the recorded number but began elsewhere. Then says what to record once the run streams:
+/// the timeline it streams from and where it began (nothing for a standby source, which changes
+/// timelines as it streams), if that is not what the target has already.
 async fn on_the_timeline_applied_from(
     setup: &tokio_postgres::Client,
     session: &mut ReplicationSession,
     slot: &str,
     timeline: u32,
     resume: Lsn,
-) -> Result<()> {
+) -> Result<Option<TimelineRecord>> {
     if timeline == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let row = setup
         .query_opt(
@@ -1244,16 +1250,27 @@ async fn on_the_timeline_applied_from(
     } else {
         (Some(i64::from(timeline)), Some(began.to_string()))
     };
-    if recorded != timeline || recorded_start.map(|s| s.to_string()) != began {
+    let changed = recorded != timeline || recorded_start.map(|s| s.to_string()) != began;
+    Ok(changed.then_some(TimelineRecord { timeline, began }))
+}
+
+/// The source's timeline, and where it began, for `pgapply.progress` (both NULL: a standby).
+struct TimelineRecord {
+    timeline: Option<i64>,
+    began: Option<String>,
+}
+
+impl TimelineRecord {
+    async fn record(&self, setup: &tokio_postgres::Client, slot: &str) -> Result<()> {
         setup
             .execute(
                 "UPDATE pgapply.progress SET source_timeline = $2, source_timeline_start = $3::text::pg_lsn WHERE slot_name = $1",
-                &[&slot, &timeline, &began],
+                &[&slot, &self.timeline, &self.began],
             )
             .await
             .map_err(|e| Error::postgres("recording the source's timeline on the target", e))?;
+        Ok(())
     }
-    Ok(())
 }
 
 /// What to do when the target holds changes the source never had: the slot's state on the

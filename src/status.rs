@@ -342,7 +342,12 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
         }
         for c in &s.copy {
             if c.state == "done" {
-                crate::out!("  copy {} done: {} rows, {} bytes", c.table, c.rows, c.bytes);
+                crate::out!(
+                    "  copy {} done: {} rows, {} bytes",
+                    c.table,
+                    c.rows,
+                    c.bytes
+                );
             } else {
                 // A part's rows are counted when it commits (COPY says how many then); its
                 // bytes as they go.

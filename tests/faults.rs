@@ -1381,6 +1381,93 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
     );
 }
 
+/// A run refused by a promoted standby (the slot is not there) records nothing of that server:
+/// the old primary, back and still holding the slot, is taken again (its timeline was refused
+/// as "not the server those changes came from" when the refused start had recorded the new one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_refused_by_a_promoted_standby_leaves_the_old_primary_usable() {
+    let c = common::clusters();
+    let mut primary = pgapply::cluster::LocalCluster::start(&c.source_bin, &[])
+        .expect("a source cluster of its own");
+    let admin = common::connect(primary.port, "postgres").await;
+    for sql in [
+        "CREATE TABLE t (id int PRIMARY KEY, v text)",
+        "CREATE PUBLICATION p FOR TABLE t",
+        "SELECT pg_create_logical_replication_slot('back_slot', 'pgoutput')",
+        "INSERT INTO t SELECT g, 'before' FROM generate_series(1, 10) g",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    let db = TestDb::new("tlback").await;
+    db.target_sql("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        .await;
+    let apply = |port: u16, endpos: &str| {
+        let source = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
+        let target = db.target_conninfo();
+        common::pgapply_command(&[
+            "run",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+            "back_slot",
+            "--endpos",
+            endpos,
+        ])
+    };
+    async fn wal(client: &tokio_postgres::Client) -> String {
+        let row = client
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap();
+        row.get::<_, String>(0)
+    }
+    let out = run_with_deadline(apply(primary.port, &wal(&admin).await), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // A standby of it promoted, without the slot (a base backup does not take slots).
+    drop(admin);
+    primary.stop("fast").unwrap();
+    let mut standby = primary.copy_of_stopped().unwrap();
+    standby.make_standby().unwrap();
+    standby.start_again().unwrap();
+    standby.promote().unwrap();
+    let promoted = common::connect(standby.port, "postgres").await;
+    promoted
+        .batch_execute("SELECT pg_drop_replication_slot('back_slot')")
+        .await
+        .unwrap();
+    let out = run_with_deadline(apply(standby.port, &wal(&promoted).await), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no longer exists on the source"), "{err}");
+    let recorded: Option<i64> = db
+        .target
+        .query_one("SELECT source_timeline FROM pgapply.progress", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        recorded,
+        Some(1),
+        "the refused start recorded the promoted server's timeline"
+    );
+    // The failover is given up: the old primary comes back, with the slot, and goes on.
+    drop(promoted);
+    standby.stop("fast").unwrap();
+    primary.start_again().unwrap();
+    let admin = common::connect(primary.port, "postgres").await;
+    admin
+        .batch_execute("INSERT INTO t SELECT g, 'after' FROM generate_series(11, 20) g")
+        .await
+        .unwrap();
+    let out = run_with_deadline(apply(primary.port, &wal(&admin).await), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM t").await, 20);
+}
+
 /// `target_session_attrs=read-write` with several hosts in --source: a host whose sessions are
 /// read-only (a standby, or an old primary back as one) is passed over for the next, as libpq
 /// does. (A read-only cluster of its own as the first host.)
