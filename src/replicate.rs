@@ -47,7 +47,7 @@ use start::*;
 pub(crate) use start::{binary_unsafe, missing_partition_hint};
 pub use start::{
     publications_dropped, recorded_publications, refuse_same_database, same_publications,
-    unmatched_table_settings,
+    tables_shared_with_other_slots, unmatched_table_settings,
 };
 
 #[derive(Debug, Clone)]

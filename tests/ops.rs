@@ -2567,6 +2567,69 @@ async fn a_second_worker_on_the_same_publication_and_target_is_named() {
     );
 }
 
+/// A table in the publications of two workers of one source into one target (another
+/// publication, another slot): `check` and the second worker's start name it and the other slot
+/// (each change would be applied twice, and updates could land out of order). A table only one
+/// of them publishes is not named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_two_workers_publish_into_one_target_is_named() {
+    let db = TestDb::new("overlap").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.both("CREATE TABLE u (id int PRIMARY KEY)").await;
+    db.both("CREATE TABLE w (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t, u").await;
+    db.source
+        .batch_execute("CREATE PUBLICATION q FOR TABLE u, w")
+        .await
+        .unwrap();
+    db.sync("p").await;
+    let second = format!("{}_q", db.slot());
+    let (source, target) = (db.source_conninfo(), db.target_conninfo());
+    let shared = format!(
+        "source table(s) \"public\".\"u\" are published both by this worker's publication(s) q and by publication(s) p of slot \"{}\"",
+        db.slot()
+    );
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "check",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "q",
+            "--slot",
+            &second,
+            "--create-slot",
+        ]),
+        60,
+    )
+    .await;
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(
+        said.contains(&shared) && !said.contains("\"public\".\"w\" are"),
+        "{said}"
+    );
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &source,
+            &target,
+            &second,
+            "q",
+            &["--create-slot", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    let _ = db
+        .source
+        .execute("SELECT pg_drop_replication_slot($1)", &[&second])
+        .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains(&shared), "{}", stderr(&out));
+}
+
 /// A reload signal sent to every pgapply process (a service manager's reload) does not end a
 /// command other than `run` half-way: it is said and ignored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

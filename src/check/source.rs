@@ -241,6 +241,19 @@ pub(super) async fn check_source(
     if let Some(warning) = unlogged_tables(src).await {
         report.warning(warning);
     }
+    if let Some(dst) = dst {
+        for shared in crate::replicate::tables_shared_with_other_slots(
+            src,
+            dst,
+            &config.slot,
+            &existing,
+            &config.table_map,
+        )
+        .await
+        {
+            report.warning(shared);
+        }
+    }
     match src
         .query_opt(
             "SELECT plugin::text, database::text = current_database(), active_pid, \

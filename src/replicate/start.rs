@@ -426,6 +426,78 @@ pub(super) async fn warn_of_other_live_slots(
     }
 }
 
+/// Source tables this worker's publications share with another slot's that applies from the same
+/// source database into this target (a worker that a cutover stopped aside): both workers would
+/// apply each of their changes, the second time as a conflict, and the two streams' updates land
+/// in whatever order the workers reach them, so an older value can win. Said, not refused: the
+/// other worker may map them to target tables of its own (its `[tables]`, which this one cannot
+/// see); tables this worker maps elsewhere are left out for the same reason.
+pub async fn tables_shared_with_other_slots(
+    source: &tokio_postgres::Client,
+    target: &tokio_postgres::Client,
+    slot: &str,
+    publications: &[String],
+    table_map: &crate::config::TableMap,
+) -> Vec<String> {
+    let Ok(Some(here)) = source
+        .query_opt(
+            "SELECT system_identifier::text, current_database()::text FROM pg_catalog.pg_control_system()",
+            &[],
+        )
+        .await
+    else {
+        return Vec::new();
+    };
+    let (system_id, database): (String, String) = (here.get(0), here.get(1));
+    // (No pgapply schema on the target yet: no other worker.)
+    let Ok(others) = target
+        .query(
+            "SELECT slot_name, publications FROM pgapply.progress \
+             WHERE slot_name <> $1 AND publications IS NOT NULL AND stop_lsn IS NULL \
+               AND source_system_id = $2 AND coalesce(source_database, $3) = $3 \
+             ORDER BY slot_name",
+            &[&slot, &system_id, &database],
+        )
+        .await
+    else {
+        return Vec::new();
+    };
+    let mut said = Vec::new();
+    for other in others {
+        let (other_slot, theirs): (String, Vec<String>) = (other.get(0), other.get(1));
+        let Ok(rows) = source
+            .query(
+                "SELECT DISTINCT schemaname::text, tablename::text FROM pg_catalog.pg_publication_tables \
+                 WHERE pubname = ANY($1) \
+                 INTERSECT \
+                 SELECT schemaname::text, tablename::text FROM pg_catalog.pg_publication_tables \
+                 WHERE pubname = ANY($2) \
+                 ORDER BY 1, 2",
+                &[&publications, &theirs],
+            )
+            .await
+        else {
+            continue;
+        };
+        let shared: Vec<String> = rows
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+            .filter(|name| !table_map.contains_key(name))
+            .map(|(schema, name)| crate::sql::qualified_name(&schema, &name))
+            .collect();
+        if shared.is_empty() {
+            continue;
+        }
+        said.push(format!(
+            "source table(s) {} are published both by this worker's publication(s) {} and by publication(s) {} of slot {other_slot:?}, which applies from the same source database into this target: each of their changes would be applied twice (the second time as a conflict, such as insert_exists) and the two workers' updates could land out of order (an older value winning). Take each table out of one worker's publications (ALTER PUBLICATION ... DROP TABLE ...), or map it to a different target table in one worker's [tables]; if slot {other_slot:?} is retired for good, remove its state (pgapply forget --slot {other_slot})",
+            shared.join(", "),
+            publications.join(", "),
+            theirs.join(", "),
+        ));
+    }
+    said
+}
+
 /// Entries of the config file's `[tables]` (renames, conflict policies) that name no published
 /// table: a misspelt name would otherwise be ignored without a word.
 pub fn unmatched_table_settings(
@@ -470,6 +542,17 @@ pub(super) async fn target_tables_exist(
     }
     for problem in unmatched_table_settings(config, &tables) {
         tracing::warn!("{problem}");
+    }
+    for shared in tables_shared_with_other_slots(
+        &source,
+        target,
+        &config.slot,
+        &config.publications,
+        &config.table_map,
+    )
+    .await
+    {
+        tracing::warn!("{shared}");
     }
     for left_out in crate::check::operations_left_out(&source, &config.publications).await? {
         tracing::warn!("{left_out}");
