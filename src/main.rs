@@ -625,6 +625,24 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
             Err(e) if e.is_planned_restart() && !*shutdown.borrow() => {
                 tracing::info!(slot = %config.slot, "{e}");
             }
+            // A stop asked while an attempt failed for a passing reason (the slot still in
+            // use, say): a stop, as one during the wait after it would be, not a failure.
+            Err(e) if (e.is_transient() || e.is_planned_restart()) && *shutdown.borrow() => {
+                let mut target = None;
+                let noting = pgapply::replicate::note_waiting(
+                    &config.target,
+                    &mut target,
+                    &config.slot,
+                    true,
+                );
+                let _ = tokio::time::timeout(Duration::from_secs(5), noting).await;
+                tracing::info!(
+                    slot = %config.slot,
+                    "replication stopped while starting (that attempt ended with: {e})"
+                );
+                tracing::info!(slot = %config.slot, reason = "Shutdown", "done");
+                return Ok(());
+            }
             Err(e) if e.is_transient() && !*shutdown.borrow() => {
                 if progress_rx.borrow().durable > before
                     || started.elapsed() > Duration::from_secs(60)

@@ -436,8 +436,9 @@ async fn run_in_span(
             crate::apply::progress::WORKERS_NEED_ORIGINS,
         ));
     }
+    // (What changed is said now, and recorded once the source is known to be the slot's.)
     let publications_dropped =
-        record_publications(&setup, &config.slot, &config.publications).await?;
+        publications_change(&setup, &config.slot, &config.publications).await?;
     warn_of_other_live_slots(&setup, &config.slot, &config.publications, &identity).await;
     // A slot that `pgapply cutover` stopped at a position stays stopped there: after a cutover
     // the target is the primary, and a worker started again (by a service manager, say) must not
@@ -463,8 +464,8 @@ async fn run_in_span(
         tracing::info!(stop_lsn = %fence, "`pgapply cutover` asked to stop there: applying everything committed before it, then stopping");
     }
     source_has_reached(&mut session, &config.slot, identity.wal_position, resume).await?;
-    // (Recorded only once the run is about to stream: a start refused on the way, say for a
-    // slot the server lacks, must not make this server's timeline the one applied from.)
+    // (Recorded only once the source is known to be the slot's: a start refused on the way, say
+    // for a slot the server lacks, must not make this server's timeline the one applied from.)
     let timeline = on_the_timeline_applied_from(
         &setup,
         &mut session,
@@ -547,6 +548,16 @@ async fn run_in_span(
         }
         for (client, worker) in probes {
             worker.release_origin(&client).await?;
+        }
+        record_source(
+            &setup,
+            &config.slot,
+            &config.publications,
+            &identity.database,
+        )
+        .await?;
+        if let Some(timeline) = &timeline {
+            timeline.record(&setup, &config.slot).await?;
         }
         let plan = copy::plan_copy(
             &config.source,
@@ -714,6 +725,16 @@ async fn run_in_span(
         match unless_stopped(&mut shutdown, ensured).await {
             Some(result) => result?,
             None => return Ok(stopped()),
+        }
+        record_source(
+            &setup,
+            &config.slot,
+            &config.publications,
+            &identity.database,
+        )
+        .await?;
+        if let Some(timeline) = &timeline {
+            timeline.record(&setup, &config.slot).await?;
         }
         if config.failover_slot && session.standby_slots_unset().await? {
             tracing::warn!("{}", crate::source::STANDBY_SLOTS_UNSET);
@@ -898,9 +919,6 @@ async fn run_in_span(
                 stats: ApplyStats::default(),
             });
         }
-    }
-    if let Some(timeline) = timeline {
-        timeline.record(&setup, &config.slot).await?;
     }
     drop(setup);
 

@@ -2500,3 +2500,55 @@ async fn an_empty_password_file_is_named() {
     );
     let _ = std::fs::remove_file(&file);
 }
+
+/// A run refused because its slot belongs to another source database records nothing of that
+/// database: the slot's publications and database stay what the last run recorded, so the next,
+/// right, start does not warn that the publications changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_refused_for_another_database_leaves_the_slots_state() {
+    let db = TestDb::new("otherdb").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.sync("p").await;
+    let other = format!("{}_b", db.name);
+    db.source
+        .batch_execute(&format!("CREATE DATABASE {other}"))
+        .await
+        .unwrap();
+    let other_db = common::connect(db.source_port, &other).await;
+    other_db
+        .batch_execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION q FOR TABLE t")
+        .await
+        .unwrap();
+    let source = format!(
+        "host=127.0.0.1 port={} user=postgres dbname={other}",
+        db.source_port
+    );
+    let out = run_with_deadline(
+        db.pgapply_via(&source, &db.target_conninfo(), &db.slot(), "q", &[]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("belongs to database"), "{err}");
+    let row = db
+        .target
+        .query_one(
+            "SELECT publications, source_database FROM pgapply.progress WHERE slot_name = $1",
+            &[&db.slot()],
+        )
+        .await
+        .unwrap();
+    let (publications, database): (Vec<String>, String) = (row.get(0), row.get(1));
+    assert_eq!(
+        (publications, database),
+        (vec!["p".to_owned()], db.name.clone())
+    );
+    let out = db.sync("p").await;
+    assert!(
+        !stderr(&out).contains("other publications until now"),
+        "{}",
+        stderr(&out)
+    );
+}

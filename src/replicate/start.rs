@@ -345,7 +345,7 @@ pub fn publications_dropped(previous: Option<&[String]>, now: &[String]) -> bool
     previous.is_some_and(|p| p.iter().any(|name| !now.contains(name)))
 }
 
-pub(super) async fn record_publications(
+pub(super) async fn publications_change(
     target: &tokio_postgres::Client,
     slot: &str,
     publications: &[String],
@@ -373,14 +373,26 @@ pub(super) async fn record_publications(
             previous.join(",")
         );
     }
+    Ok(dropped)
+}
+
+/// Records the slot's publications and source database on the target, once the run has found
+/// the source to be the slot's (its slot there, or one made now): a start refused before that
+/// (another database's slot, a slot the server lacks) leaves what the last run recorded.
+pub(super) async fn record_source(
+    target: &tokio_postgres::Client,
+    slot: &str,
+    publications: &[String],
+    database: &str,
+) -> Result<()> {
     target
         .execute(
-            "UPDATE pgapply.progress SET publications = $2 WHERE slot_name = $1",
-            &[&slot, &publications],
+            "UPDATE pgapply.progress SET publications = $2, source_database = $3 WHERE slot_name = $1",
+            &[&slot, &publications, &database],
         )
         .await
-        .map_err(context)?;
-    Ok(dropped)
+        .map_err(|e| Error::postgres("recording the slot's publications on the target", e))?;
+    Ok(())
 }
 
 /// Says when another slot's worker, alive now, applies one of the same publications of the same
@@ -394,12 +406,6 @@ pub(super) async fn warn_of_other_live_slots(
     publications: &[String],
     source: &crate::source::SystemIdentity,
 ) {
-    let _ = target
-        .execute(
-            "UPDATE pgapply.progress SET source_database = $2 WHERE slot_name = $1",
-            &[&slot, &source.database],
-        )
-        .await;
     let Ok(rows) = target
         .query(
             "SELECT slot_name, pid, array_to_string(publications, ',') FROM pgapply.progress \
