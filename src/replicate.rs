@@ -1193,7 +1193,8 @@ async fn source_has_reached(
         )));
     }
     Err(Error::definite(format!(
-        "the target has applied changes from this source up to {resume}, but the source's WAL ends at {wal_end}: the source is not the server those changes came from (a standby that was behind was promoted, or the server was restored from a backup), and its transactions below {resume} would be skipped: {}",
+        "the target has applied changes from this source up to {resume}, but the WAL of the source reached ({}) ends at {wal_end}: it is not the server those changes came from (a standby that was behind was promoted, the server was restored from a backup, or an old primary started again after a failover: with several hosts in --source the first that answers is taken; stop it, and pgapply goes on from the server that took over), and its transactions below {resume} would be skipped. If it is the right server: {}",
+        session.endpoint(),
         start_over_advice_for_another_server(slot)
     )))
 }
@@ -1243,7 +1244,8 @@ async fn on_the_timeline_applied_from(
                 }
                 None => {
                     return Err(Error::definite(format!(
-                        "the target has applied changes of timeline {recorded} of this source up to {resume}, but the source is on timeline {timeline}, whose history does not go through timeline {recorded}: it is not the server those changes came from (an old primary after a failover, say). Point --source at the server that took over; or, if this is the right one: {start_over}"
+                        "the target has applied changes of timeline {recorded} of this source up to {resume}, but the source reached ({}) is on timeline {timeline}, whose history does not go through timeline {recorded}: it is not the server those changes came from (an old primary after a failover, say: with several hosts in --source the first that answers is taken). Stop it, or point --source at the server that took over; or, if this is the right one: {start_over}",
+                        session.endpoint()
                     )));
                 }
             }
@@ -1296,7 +1298,7 @@ impl TimelineRecord {
 /// would find the old one "done" and copy nothing.
 fn start_over_advice_for_another_server(slot: &str) -> String {
     format!(
-        "compare the tables (pgapply verify), then start over: remove the slot's state on the target and the slot (pgapply forget --target ... --slot {slot} --drop-slot --source ...), then run with --copy-data --truncate-target (under this slot name or a new one)"
+        "compare the tables (pgapply verify), then start over: remove the slot's state on the target and the slot (pgapply forget --target ... --slot {slot} --drop-slot --source ...), then run with --copy-data --truncate-target (under this slot name or a new one), with --source naming this server alone"
     )
 }
 

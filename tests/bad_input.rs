@@ -1021,7 +1021,8 @@ async fn a_source_behind_the_targets_position_is_refused() {
         db.pgapply("p", &[]),
         &[
             "FF/0",
-            "the source's WAL ends at",
+            "but the WAL of the source reached (127.0.0.1:",
+            "an old primary started again after a failover",
             "--copy-data --truncate-target",
         ],
     )
