@@ -1028,6 +1028,31 @@ async fn a_source_behind_the_targets_position_is_refused() {
     )
     .await;
     assert!(!last.contains("panicked"), "{last}");
+    // `check` says so too.
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("up to FF/0, but the source's WAL ends at"),
+        "{said}"
+    );
+    // A later timeline recorded than the source's own (an old primary back): both refuse.
+    db.target_sql("UPDATE pgapply.progress SET lsn = '0/1', source_timeline = 7")
+        .await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains(
+            "applied changes of the source's timeline 7, but this source is on timeline 1"
+        ),
+        "{said}"
+    );
+    expect_failure(
+        db.pgapply("p", &[]),
+        &["whose history does not go through timeline 7"],
+    )
+    .await;
 }
 
 /// Replication origins belong to the whole target cluster: a second database of that cluster

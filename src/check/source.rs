@@ -93,6 +93,11 @@ pub(super) async fn check_source(
             .and_then(|r| r.get(0)),
         None => None,
     };
+    if let (Some(dst), Some(applied)) = (dst, applied.as_deref()) {
+        if let Some(problem) = not_the_server_applied_from(src, dst, &config.slot, applied).await {
+            report.problem(problem);
+        }
+    }
     if let Ok(row) = src
         .query_one(
             "SELECT pg_catalog.pg_is_in_recovery(), current_setting('server_version_num')::int",
@@ -483,6 +488,57 @@ pub(super) async fn check_source(
 /// filter or column list that leaves out replica identity columns in a publication of UPDATE or
 /// DELETE ("cannot update table"), and different column lists in two of the publications.
 /// (Row filter columns are read from the filter's stored form, `:varattno N`.)
+/// What `run` refuses at its start, said here too: a source whose WAL ends before what the
+/// target applied from it, or on a timeline older than the one the target applied from (an old
+/// primary started again after a failover). (A timeline that forked below the position needs the
+/// source's timeline history, which only `run` reads.)
+async fn not_the_server_applied_from(
+    src: &Client,
+    dst: &Client,
+    slot: &str,
+    applied: &str,
+) -> Option<String> {
+    let applied: crate::protocol::Lsn = applied.parse().ok()?;
+    let row = src
+        .query_one(
+            "SELECT CASE WHEN pg_catalog.pg_is_in_recovery() \
+                         THEN pg_catalog.pg_last_wal_replay_lsn() \
+                         ELSE pg_catalog.pg_current_wal_lsn() END::text, \
+                    pg_catalog.pg_is_in_recovery(), \
+                    CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN \
+                         ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END",
+            &[],
+        )
+        .await
+        .ok()?;
+    // (The timeline from the current WAL file's name: the last checkpoint's may still be the
+    // old one for minutes after a promotion.)
+    let (wal_end, standby, timeline): (Option<String>, bool, Option<i64>) =
+        (row.get(0), row.get(1), row.get(2));
+    let wal_end: crate::protocol::Lsn = wal_end?.parse().ok()?;
+    let recorded: Option<i64> = dst
+        .query_opt(
+            "SELECT source_timeline FROM pgapply.progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ok()
+        .flatten()
+        .and_then(|r| r.get(0));
+    let advice = "stop it, or point --source at the server that took over; if it is the right server, compare the tables (pgapply verify) and start over as `run` would say";
+    if applied > wal_end && !standby {
+        return Some(format!(
+            "the target has applied changes from this source up to {applied}, but the source's WAL ends at {wal_end}: it is not the server those changes came from (a standby that was behind was promoted, the server was restored from a backup, or an old primary started again after a failover); `run` refuses it: {advice}"
+        ));
+    }
+    match (recorded, timeline) {
+        (Some(recorded), Some(timeline)) if timeline < recorded && !standby => Some(format!(
+            "the target has applied changes of the source's timeline {recorded}, but this source is on timeline {timeline}: it is not the server those changes came from (an old primary started again after a failover, say); `run` refuses it: {advice}"
+        )),
+        _ => None,
+    }
+}
+
 /// A slot that confirmed more than the target applied (and more than pgapply ever reported):
 /// dropped and made again, or consumed by another client. `run` refuses it; said the same way.
 async fn slot_ahead(
