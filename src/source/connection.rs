@@ -310,7 +310,41 @@ pub struct ReplicationConnection {
     publication_lookup: Option<tokio::task::JoinHandle<Result<Vec<String>>>>,
     /// The walsender's process id on the source (BackendKeyData).
     backend_pid: Option<i32>,
+    /// The source's last warning or notice logged: the same one again within a minute is
+    /// counted, not logged (a source waiting on `synchronized_standby_slots` repeats its
+    /// warning several times a second).
+    last_notice: Option<RepeatedNotice>,
 }
+
+struct RepeatedNotice {
+    text: String,
+    logged_at: std::time::Instant,
+    repeats: u64,
+}
+
+impl RepeatedNotice {
+    /// Whether to log `text` now, after the last one logged: `Some(times it came meanwhile
+    /// unlogged)`, or `None` for the same text again within `NOTICE_REPEAT_QUIET` (counted).
+    fn to_log(last: &mut Option<RepeatedNotice>, text: String) -> Option<u64> {
+        let repeats = match last {
+            Some(l) if l.text == text && l.logged_at.elapsed() < NOTICE_REPEAT_QUIET => {
+                l.repeats += 1;
+                return None;
+            }
+            Some(l) if l.text == text => l.repeats,
+            _ => 0,
+        };
+        *last = Some(RepeatedNotice {
+            text,
+            logged_at: std::time::Instant::now(),
+            repeats: 0,
+        });
+        Some(repeats)
+    }
+}
+
+/// How long the same source notice is counted instead of logged again.
+const NOTICE_REPEAT_QUIET: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Walsenders of this process's replication connections that it has let go (dropped), and
 /// when: one whose connection the network cut off silently may still hold its slot on the
@@ -450,6 +484,7 @@ impl ReplicationConnection {
             skipped_notice: None,
             publication_lookup: None,
             backend_pid: None,
+            last_notice: None,
         };
         // The user's own `options` (say `-c work_mem=..`) come first: the later of two
         // settings wins, and the text form of the values pgoutput sends depends on pgapply's.
@@ -819,6 +854,20 @@ impl ReplicationConnection {
         }
     }
 
+    /// Logs a source's notice or warning, once a minute at most when it repeats itself.
+    fn log_notice(&mut self, n: &ServerError) {
+        let Some(repeats) = RepeatedNotice::to_log(&mut self.last_notice, n.to_string()) else {
+            return;
+        };
+        // A WARNING says something is wrong (a standby that holds logical replication back,
+        // say): seen, and with what the server says to do.
+        if n.severity == "WARNING" {
+            tracing::warn!(source = %self.endpoint, warning = %n, repeated_since_last_logged = repeats, "source warning");
+        } else {
+            tracing::info!(source = %self.endpoint, notice = %n.message, repeated_since_last_logged = repeats, "source notice");
+        }
+    }
+
     /// In copy mode: the next CopyData payload. `Ok(None)` when the server ended copy mode.
     /// Cancel-safe: bytes read so far stay in the connection's buffer.
     pub async fn read_copy_data(&mut self) -> Result<Option<Bytes>> {
@@ -847,13 +896,7 @@ impl ReplicationConnection {
                             self.skipped_notice = Some(n);
                             continue;
                         }
-                        // A WARNING says something is wrong (a standby that holds logical
-                        // replication back, say): seen, and with what the server says to do.
-                        if n.severity == "WARNING" {
-                            tracing::warn!(source = %self.endpoint, warning = %n, "source warning");
-                        } else {
-                            tracing::info!(source = %self.endpoint, notice = %n.message, "source notice");
-                        }
+                        self.log_notice(&n);
                     }
                 }
                 b'E' => {
@@ -1077,6 +1120,24 @@ async fn open_stream(
 #[cfg(test)]
 mod tests {
     use super::parse_server_version;
+
+    #[test]
+    fn a_repeated_notice_is_counted_not_logged() {
+        use super::{RepeatedNotice, NOTICE_REPEAT_QUIET};
+        let mut last = None;
+        assert_eq!(RepeatedNotice::to_log(&mut last, "a".into()), Some(0));
+        assert_eq!(RepeatedNotice::to_log(&mut last, "a".into()), None);
+        assert_eq!(RepeatedNotice::to_log(&mut last, "a".into()), None);
+        // Another one is logged at once; the first again too (its count started over).
+        assert_eq!(RepeatedNotice::to_log(&mut last, "b".into()), Some(0));
+        assert_eq!(RepeatedNotice::to_log(&mut last, "a".into()), Some(0));
+        assert_eq!(RepeatedNotice::to_log(&mut last, "a".into()), None);
+        // A minute on, the same one is logged again, with how often it came meanwhile.
+        if let Some(l) = last.as_mut() {
+            l.logged_at -= NOTICE_REPEAT_QUIET;
+        }
+        assert_eq!(RepeatedNotice::to_log(&mut last, "a".into()), Some(1));
+    }
 
     #[test]
     fn server_versions() {
