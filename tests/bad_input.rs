@@ -2334,6 +2334,55 @@ async fn a_foreign_key_the_target_checks_is_explained() {
     );
 }
 
+/// A source without the target's foreign key deletes a parent its replicated children still
+/// refer to: the error says to drop (or not check) the target's key, not to delete the children
+/// (rows the source still has).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_a_target_only_foreign_key_refuses_is_explained() {
+    let db = TestDb::new("fkdelete").await;
+    db.both("CREATE TABLE parent (id int PRIMARY KEY); CREATE TABLE child (id int PRIMARY KEY, parent_id int)")
+        .await;
+    db.target_sql("ALTER TABLE child ADD FOREIGN KEY (parent_id) REFERENCES parent")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE parent, child")
+        .await;
+    db.source_sql("INSERT INTO parent VALUES (1); INSERT INTO child VALUES (1, 1)")
+        .await;
+    db.sync("p").await;
+    let writer = format!("w_{}", db.name);
+    db.target_sql(&format!(
+        "CREATE ROLE {writer} LOGIN PASSWORD 'w-secret'; GRANT INSERT, UPDATE, DELETE, SELECT, TRUNCATE ON parent, child TO {writer}; \
+         GRANT USAGE ON SCHEMA pgapply TO {writer}; GRANT ALL ON ALL TABLES IN SCHEMA pgapply TO {writer}; \
+         GRANT CREATE ON DATABASE {} TO {writer};",
+        db.name
+    ))
+    .await;
+    let target = format!(
+        "host=127.0.0.1 port={} user={writer} password=w-secret dbname={}",
+        db.target_port, db.name
+    );
+    db.source_sql("DELETE FROM parent WHERE id = 1").await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &target,
+            &db.slot(),
+            "p",
+            &["--endpos", &db.source_wal().await],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("which the source did not stop")
+            && err.contains("drop that foreign key on the target")
+            && err.contains("right only for rows the source does not have"),
+        "{err}"
+    );
+}
+
 /// A publication that leaves out some kinds of change (`publish = 'insert'`): the target drifts
 /// from the source with no error, so `check` and every start say so, with the ALTER that undoes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

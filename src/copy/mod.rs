@@ -1160,7 +1160,7 @@ async fn copy_one(
         // Tables are copied side by side, in no order: a child's rows may come first.
         if code.as_deref() == Some("23503") {
             return err.context_after(
-                "the target's foreign keys check the copied rows because the target role may not set session_replication_role: copy as a superuser (or, on PostgreSQL 15+, GRANT SET ON PARAMETER session_replication_role TO the role), or create the foreign keys after the copy (`pgapply schema --section post-data`), then run with --copy-data again (the copy starts over)",
+                "the target's foreign keys check the copied rows because the target role may not set session_replication_role: copy as a superuser (or, on PostgreSQL 15+, GRANT SET ON PARAMETER session_replication_role TO the role), or create the foreign keys after the copy (`pgapply schema --section post-data`), then run with --copy-data again (the copy starts over). Tables are copied side by side, so a row may come before the one it refers to; but if the source itself holds rows that refer to nothing (it has no such foreign key), the key cannot be created after the copy either: leave it out on the target",
             );
         }
         with_grant(

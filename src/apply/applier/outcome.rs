@@ -412,7 +412,7 @@ impl Applier {
                         None => quote_ident(child),
                     };
                     return format!(
-                        "rows of target table {child} still refer to the row of {table} this {} changes, through its foreign key{constraint} (rows the source does not have there: a target-only table, or one filled from elsewhere), and the foreign key checks replicated changes because the target role may not set session_replication_role: delete or change those rows on the target (or give the foreign key ON DELETE/ON UPDATE CASCADE there), or apply as a superuser or, on PostgreSQL 15+, a role granted SET ON PARAMETER session_replication_role (the foreign key is then not checked, and those rows are left referring to a row that is gone), then start pgapply again; or {}",
+                        "rows of target table {child} still refer to the row of {table} this {} changes, through its foreign key{constraint}, which the source did not stop (it has no such foreign key, or its rows differ), and the target checks it on replicated changes because the target role may not set session_replication_role. To keep the target a copy of the source: drop that foreign key on the target, or apply as a superuser or, on PostgreSQL 15+, a role granted SET ON PARAMETER session_replication_role (foreign keys are then not checked, as under PostgreSQL's own subscriber), then start pgapply again. Deleting or changing the referring rows on the target (or ON DELETE/ON UPDATE CASCADE) is right only for rows the source does not have (a target-only table): rows that came from the source would then differ from it. Or {}",
                         about.operation,
                         self.skip_hint(about.commit_lsn)
                     );
