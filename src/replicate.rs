@@ -215,6 +215,7 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
         deadpool_postgres::PoolError::Backend(e) => {
             let refused = e.code()
                 == Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE);
+            let full = e.code() == Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS);
             let tls_advice = crate::tls::tls_advice(&e);
             let err = Error::postgres(
                 format!("connecting to target {}", conninfo::describe(target)),
@@ -227,6 +228,11 @@ pub async fn target_connection(pool: &Pool, target: &tokio_postgres::Config) -> 
                     "{}: the target database refuses connections (ALTER DATABASE .. ALLOW_CONNECTIONS false, for maintenance): the changes wait in the slot until it allows them again",
                     err.message()
                 ))
+            } else if full {
+                // (Transient: another client's sessions may end.)
+                err.context_after(
+                    "the target's max_connections are all in use, pgapply's own sessions counted: a run keeps up to about 8 on the target (one more per extra --apply-workers worker and for --streaming parallel, --copy-jobs more during a copy); raise max_connections on the target or end other sessions there (SELECT count(*) FROM pg_stat_activity shows how many it has)",
+                )
             } else if let Some(advice) = tls_advice {
                 err.context_after(advice)
             } else if err.message().ends_with("password missing") {

@@ -2627,3 +2627,47 @@ async fn a_start_refused_for_another_database_leaves_the_slots_state() {
         stderr(&out)
     );
 }
+
+/// `check` compares the room the target has for sessions with what a run keeps there: a full
+/// target refuses them as "too many clients", which reads as someone else's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_says_when_the_target_has_no_room_for_the_runs_sessions() {
+    let c = common::clusters();
+    let small = pgapply::cluster::LocalCluster::start(&c.target_bin, &["max_connections = 12"])
+        .expect("a target cluster of its own");
+    let db = TestDb::new("roomy").await;
+    db.source_sql("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let target = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        small.port
+    );
+    let check = |extra: &[&str]| {
+        let source = db.source_conninfo();
+        let mut args = vec![
+            "check",
+            "--source",
+            &source,
+            "--target",
+            &target,
+            "--publication",
+            "p",
+            "--slot",
+        ];
+        let slot = db.slot();
+        args.push(&slot);
+        args.extend_from_slice(extra);
+        let cmd = common::pgapply_command(&args);
+        async move {
+            let out = run_with_deadline(cmd, 60).await;
+            String::from_utf8_lossy(&out.stdout).to_string()
+        }
+    };
+    let said = check(&[]).await;
+    assert!(!said.contains("more sessions"), "{said}");
+    let said = check(&["--copy-data", "--copy-jobs", "8"]).await;
+    assert!(
+        said.contains("a run with these settings keeps up to about 16 there"),
+        "{said}"
+    );
+}

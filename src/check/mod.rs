@@ -375,8 +375,47 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
             &config.policies,
         )
         .await;
+        if let Some(warning) = room_for_sessions(dst, &config).await {
+            report.warning(warning);
+        }
     }
     finish(report)
+}
+
+/// Sessions a run may keep on the target (README: "Room in max_connections").
+fn sessions_needed(config: &crate::replicate::RunConfig) -> i64 {
+    let parallel = matches!(
+        config.requested.streaming,
+        Some(crate::cli::Streaming::Parallel)
+    );
+    let copy = if config.copy_data {
+        config.copy.jobs
+    } else {
+        0
+    };
+    8 + config.apply_workers.saturating_sub(1) as i64 + i64::from(parallel) + copy as i64
+}
+
+/// Whether the target has room for the sessions a run keeps, besides those it has now: a full
+/// target refuses pgapply's sessions with "too many clients", which reads as someone else's.
+async fn room_for_sessions(dst: &Client, config: &crate::replicate::RunConfig) -> Option<String> {
+    let row = dst
+        .query_one(
+            "SELECT current_setting('max_connections')::int \
+                    - CASE WHEN (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user) \
+                           THEN 0 ELSE current_setting('superuser_reserved_connections')::int END, \
+                    (SELECT count(*) FROM pg_catalog.pg_stat_activity \
+                     WHERE backend_type = 'client backend' AND pid <> pg_catalog.pg_backend_pid())::int",
+            &[],
+        )
+        .await
+        .ok()?;
+    let (allowed, others): (i32, i32) = (row.get(0), row.get(1));
+    let needed = sessions_needed(config);
+    let free = i64::from(allowed) - i64::from(others);
+    (free < needed).then(|| format!(
+        "the target has room for {free} more sessions (max_connections less the reserved ones, {allowed}, of which {others} in use now), and a run with these settings keeps up to about {needed} there: it would retry \"too many clients\" errors until sessions end; raise max_connections on the target"
+    ))
 }
 
 /// The server's `server_version_num`, or 0 if it cannot be read.
