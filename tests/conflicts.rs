@@ -185,6 +185,8 @@ async fn error_policy_stops_and_skip_gets_past_one_transaction() {
         err.contains("delete or change that row on the target")
             && err.contains("insert_exists = \"apply_remote\"")
             && err.contains("DROP CONSTRAINT \"k_pkey\"")
+            && err.contains("DROP INDEX \"public\".\"k_pkey\"")
+            && err.contains("multiple_unique_conflicts, with the same choices")
             && err.contains("its other changes too"),
         "{err}"
     );

@@ -468,7 +468,7 @@ impl Applier {
                 let (kind, take) = if beyond {
                     ("multiple_unique_conflicts", "\"apply_remote\" (delete the target's clashing rows), \"skip\" or \"keep_local\" (keep them); but no policy covers a unique index that is partial, on an expression, deferrable, or on a column the source does not send, whose key pgapply cannot compute: if the index this error names is one, fix the row or drop that index")
                 } else if about.operation == "INSERT" {
-                    ("insert_exists", "\"apply_remote\" (replace the target's row with the source's), \"skip\" or \"keep_local\" (keep the target's)")
+                    ("insert_exists", "\"apply_remote\" (replace the target's row with the source's), \"skip\" or \"keep_local\" (keep the target's); that covers a clash on the key rows are found by: one on another unique index of the target is multiple_unique_conflicts, with the same choices")
                 } else if full {
                     // (update_exists policies find the other row by the table's key.)
                     return format!(
@@ -476,15 +476,16 @@ impl Applier {
                         self.skip_hint(about.commit_lsn)
                     );
                 } else {
-                    ("update_exists", "\"apply_remote\" (delete the target's other row), \"skip\" or \"keep_local\" (keep it and leave this update out)")
+                    ("update_exists", "\"apply_remote\" (delete the target's other row), \"skip\" or \"keep_local\" (keep it and leave this update out); that covers a clash on the key rows are found by: one on another unique index of the target is multiple_unique_conflicts, with the same choices")
                 };
                 // (The unique key may be one the source no longer has: then it is the target
                 // that differs, not a row.)
                 let constraint = db.and_then(|d| d.constraint()).map(|c| {
                     format!(
-                        " If the source no longer has that unique key {} (dropped or changed there; such DDL is not replicated), drop it on the target instead (ALTER TABLE {table} DROP CONSTRAINT {}, or DROP INDEX for a unique index) and start pgapply again.",
+                        " If the source does not have that unique key {} (dropped or changed there, such DDL is not replicated; or made on the target only), drop it on the target instead (ALTER TABLE {table} DROP CONSTRAINT {}; or, for a unique index that is no constraint, DROP INDEX {}) and start pgapply again.",
                         quote_ident(c),
-                        quote_ident(c)
+                        quote_ident(c),
+                        crate::sql::qualified_name(&about.relation.target.schema, c)
                     )
                 });
                 format!(
