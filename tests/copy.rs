@@ -423,6 +423,75 @@ async fn truncate_target_refuses_a_table_another_slot_filled() {
         db.count(&db.target, "SELECT count(*) FROM shared").await,
         10
     );
+    // `check` says the same, not "empty it, or add --truncate-target".
+    let other = format!("{}_b", db.slot());
+    let out = run_with_deadline(
+        db.on_both("check", &["--slot", &other, "--create-slot", "--copy-data"]),
+        60,
+    )
+    .await;
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains(&format!(
+            "target table \"public\".\"shared\" holds the rows another worker (slot '{}') fills",
+            db.slot()
+        )) && !said.contains("empty it, or add --truncate-target"),
+        "{said}"
+    );
+    // A table published later to a worker that copied before: not emptied, and said why.
+    db.both("CREATE TABLE mine (id int PRIMARY KEY)").await;
+    db.source_sql("CREATE PUBLICATION q FOR TABLE mine").await;
+    let copy_q = |extra: &'static [&'static str]| {
+        let db = &db;
+        let other = other.clone();
+        async move {
+            let mut args = vec!["--copy-data", "--endpos"];
+            let end = db.source_wal().await;
+            args.push(&end);
+            args.extend_from_slice(extra);
+            run_with_deadline(
+                db.pgapply_via(
+                    &db.source_conninfo(),
+                    &db.target_conninfo(),
+                    &other,
+                    "q",
+                    &args,
+                ),
+                60,
+            )
+            .await
+        }
+    };
+    let out = copy_q(&[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.source_sql("ALTER PUBLICATION q ADD TABLE shared").await;
+    let out = run_with_deadline(
+        db.on_both_publication("check", "q", &["--slot", &other, "--copy-data"]),
+        60,
+    )
+    .await;
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains(&format!(
+            "published after the initial copy: target table \"public\".\"shared\" holds the rows another worker (slot '{}') fills",
+            db.slot()
+        )),
+        "{said}"
+    );
+    let out = copy_q(&[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!(
+            "its target table \"public\".\"shared\" holds the rows another worker (slot '{}') fills",
+            db.slot()
+        )),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM shared").await,
+        10
+    );
 }
 
 /// The same for a table another slot only streams into (started without an initial copy, as

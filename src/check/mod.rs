@@ -290,11 +290,23 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
                 Some(src) => crate::copy::covered_by_copies(src, recorded).await,
                 None => recorded.into_iter().collect(),
             };
-            let not_copied: Vec<String> = tables
+            let later: Vec<&crate::copy::PublishedTable> = tables
                 .iter()
                 .filter(|t| !recorded.contains(&(t.schema.clone(), t.name.clone())))
+                .collect();
+            // Target tables another worker fills: a copy would have to empty them.
+            let filled = crate::copy::other_slots_filling(dst, &config.slot, &later).await;
+            let not_copied: Vec<String> = later
+                .iter()
+                .filter(|t| !filled.iter().any(|(q, _)| *q == t.target_qualified()))
                 .map(|t| t.qualified())
                 .collect();
+            for (table, other) in &filled {
+                report.warning(format!(
+                    "published after the initial copy: target table {table} holds the rows another worker (slot {}) fills, so --copy-data does not copy into it (emptying it would lose that worker's rows, and --truncate-target is refused): copy this source's earlier rows into it by hand (README: \"Several workers\", fan-in into one table)",
+                    crate::sql::shown_literal(other)
+                ));
+            }
             if !not_copied.is_empty() {
                 let how = if two_phase {
                     "the slot is a two-phase one, whose --copy-data cannot copy them: copy their earlier rows by hand (README: \"A table added to the publication later\")"
@@ -363,8 +375,7 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
             &mut report,
             &with_target_columns(&tables, &config.column_map),
             (&truncated, &updated),
-            must_be_empty,
-            &emptied,
+            (must_be_empty, &emptied, &config.slot),
         )
         .await;
         check_apply_session(

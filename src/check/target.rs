@@ -130,8 +130,8 @@ pub(super) async fn check_target(
     report: &mut Report,
     tables: &[crate::copy::PublishedTable],
     (truncated, updated): (&[bool], &[bool]),
-    copy_pending: bool,
-    emptied: &[String],
+    // Whether a copy is to come, the tables it empties first, and the slot.
+    (copy_pending, emptied, slot): (bool, &[String], &str),
 ) {
     // (A schema pgapply that exists already is what counts then: another role's may refuse.
     // Only pgapply's own tables there: a user's tables in a schema of that name are theirs.)
@@ -328,17 +328,25 @@ pub(super) async fn check_target(
         }
         if copy_pending && !emptied.contains(&qualified) {
             match dst
-                .query_one(
-                    &format!("SELECT EXISTS (SELECT 1 FROM {qualified})"),
-                    &[],
-                )
+                .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {qualified})"), &[])
                 .await
             {
-                Ok(r) if r.get::<_, bool>(0) => report.problem(format!(
-                    "target table {qualified} is not empty, and --copy-data copies into empty tables: empty it, or add --truncate-target"
-                )),
+                Ok(r) if r.get::<_, bool>(0) => {
+                    match crate::copy::other_slots_filling(dst, slot, &[table]).await.first() {
+                        Some((_, other)) => report.problem(format!(
+                            "target table {qualified} holds the rows another worker (slot {}) fills: --copy-data copies only into empty tables, and --truncate-target is refused there (that worker never sends its rows again): copy this source's rows into it by hand and run without --copy-data (README: \"Several workers\", fan-in into one table)",
+                            crate::sql::shown_literal(other)
+                        )),
+                        None => report.problem(format!(
+                            "target table {qualified} is not empty, and --copy-data copies into empty tables: empty it, or add --truncate-target"
+                        )),
+                    }
+                }
                 Ok(_) => {}
-                Err(e) => report.problem(format!("target table {qualified}: {}", describe_postgres(&e))),
+                Err(e) => report.problem(format!(
+                    "target table {qualified}: {}",
+                    describe_postgres(&e)
+                )),
             }
         }
         let mut fine = true;

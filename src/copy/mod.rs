@@ -358,7 +358,7 @@ async fn warn_of_republished(target: &Client, tables: &[PublishedTable]) {
 
 /// The tables of `tables` another slot's initial copy took in (by source or target name), each
 /// as its target name and that slot's name; none when that cannot be read.
-async fn other_slots_filling(
+pub(crate) async fn other_slots_filling(
     target: &Client,
     slot: &str,
     tables: &[&PublishedTable],
@@ -609,7 +609,16 @@ pub async fn plan_copy(
                         })?
                         .get::<_, bool>(0)
                 };
-                has_rows.then(|| format!("its target table {qualified} is not empty (the stream brought rows since it was published, and the copy has them too): empty it, or run with --truncate-target, to have it copied"))
+                let filled_by = if has_rows {
+                    other_slots_filling(&target, slot, &[&table]).await
+                } else {
+                    Vec::new()
+                };
+                match filled_by.first() {
+                    // Not to be emptied: that worker never sends its rows again.
+                    Some((_, other)) => Some(format!("its target table {qualified} holds the rows another worker (slot {}) fills, which emptying it would lose: copy this source's earlier rows into it by hand (README: \"Several workers\", fan-in into one table)", crate::sql::shown_literal(other))),
+                    None => has_rows.then(|| format!("its target table {qualified} is not empty (the stream brought rows since it was published, and the copy has them too): empty it, or run with --truncate-target, to have it copied")),
+                }
             } else {
                 None
             };

@@ -231,6 +231,21 @@ impl TestDb {
     }
 
     fn on_both_via(&self, command: &str, target: &str, extra: &[&str]) -> Command {
+        self.on_both_full(command, target, "p", extra)
+    }
+
+    /// `on_both` with another publication than `p`.
+    pub fn on_both_publication(&self, command: &str, publication: &str, extra: &[&str]) -> Command {
+        self.on_both_full(command, &self.target_conninfo(), publication, extra)
+    }
+
+    fn on_both_full(
+        &self,
+        command: &str,
+        target: &str,
+        publication: &str,
+        extra: &[&str],
+    ) -> Command {
         let source = self.source_conninfo();
         let mut args = vec![
             command,
@@ -239,7 +254,7 @@ impl TestDb {
             "--target",
             target,
             "--publication",
-            "p",
+            publication,
         ];
         args.extend_from_slice(extra);
         pgapply_command(&args)
