@@ -2803,3 +2803,35 @@ async fn a_roles_timeouts_do_not_reach_pgapplys_sessions() {
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("t").await;
 }
+
+/// A pgapply worker replicating from the target back into the source (its state on the source)
+/// and this run taking every origin: `check` and `run` say the changes would go round for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replication_loop_without_origin_none_is_named() {
+    let db = TestDb::new("loopback").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let target_id: String = db
+        .target
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // The way back's state, as a worker from the target into the source keeps it there.
+    db.source_sql(&format!(
+        "CREATE SCHEMA pgapply; \
+         CREATE TABLE pgapply.progress (slot_name text PRIMARY KEY, source_system_id text, source_database text, stop_lsn pg_lsn); \
+         INSERT INTO pgapply.progress VALUES ('back_slot', '{target_id}', '{}', NULL)",
+        db.name
+    ))
+    .await;
+    let said = "a pgapply worker (slot \"back_slot\") replicates from this target into this source";
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(said), "{text}");
+    let out = db.sync("p").await;
+    assert!(stderr(&out).contains(said), "{}", stderr(&out));
+}

@@ -247,6 +247,11 @@ pub(super) async fn check_source(
         report.warning(warning);
     }
     if let Some(dst) = dst {
+        if let Some(warning) =
+            crate::replicate::replication_loop(src, dst, config.requested.origin_none).await
+        {
+            report.warning(warning);
+        }
         for shared in crate::replicate::tables_shared_with_other_slots(
             src,
             dst,

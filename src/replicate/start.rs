@@ -504,6 +504,60 @@ pub async fn tables_shared_with_other_slots(
     said
 }
 
+/// A worker that replicates from this target into this source (its state is on the source):
+/// with `--origin any` on both sides, each change one applies is sent back by the other, for
+/// ever. Said when this run takes every origin (the other worker's setting is not known here).
+pub async fn replication_loop(
+    source: &tokio_postgres::Client,
+    target: &tokio_postgres::Client,
+    origin_none: bool,
+) -> Option<String> {
+    if origin_none {
+        return None;
+    }
+    let target_id: String = target
+        .query_one(
+            "SELECT system_identifier::text FROM pg_catalog.pg_control_system()",
+            &[],
+        )
+        .await
+        .ok()?
+        .get(0);
+    let target_db: String = target
+        .query_one("SELECT current_database()::text", &[])
+        .await
+        .ok()?
+        .get(0);
+    // (No schema pgapply on the source: nothing replicates into it.)
+    let exists = source
+        .query_one(
+            "SELECT pg_catalog.to_regclass('pgapply.progress') IS NOT NULL",
+            &[],
+        )
+        .await
+        .ok()?
+        .get::<_, bool>(0);
+    if !exists {
+        return None;
+    }
+    let back: Vec<String> = source
+        .query(
+            "SELECT slot_name FROM pgapply.progress \
+             WHERE source_system_id = $1 AND coalesce(source_database, $2) = $2 AND stop_lsn IS NULL \
+             ORDER BY 1",
+            &[&target_id, &target_db],
+        )
+        .await
+        .ok()?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let first = back.first()?;
+    Some(format!(
+        "a pgapply worker (slot {first:?}) replicates from this target into this source (its state is in pgapply.progress on the source): with --origin any, as this run has, what that worker applies on the source comes back here, and what this run applies goes back there, for ever, unless that worker runs with --origin none. For two-way replication give both directions --origin none (PostgreSQL 16+ sources; README: \"Several workers\", two-way)"
+    ))
+}
+
 /// Entries of the config file's `[tables]` (renames, conflict policies) that name no published
 /// table: a misspelt name would otherwise be ignored without a word.
 pub fn unmatched_table_settings(
@@ -548,6 +602,9 @@ pub(super) async fn target_tables_exist(
     }
     for problem in unmatched_table_settings(config, &tables) {
         tracing::warn!("{problem}");
+    }
+    if let Some(warning) = replication_loop(&source, target, config.requested.origin_none).await {
+        tracing::warn!("{warning}");
     }
     for shared in tables_shared_with_other_slots(
         &source,
