@@ -200,7 +200,7 @@ impl Metrics {
         );
         gauge(
             LAG_BYTES,
-            "Source WAL end minus the flushed position, in bytes.",
+            "The source's WAL end as last known (its latest report, or at the run's start) minus the position confirmed to it, in bytes.",
             self.lag_bytes.get() as f64,
         );
         gauge(

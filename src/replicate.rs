@@ -1018,6 +1018,8 @@ async fn run_in_span(
         in_transaction: false,
         forwarded_end: resume,
         keepalive_end: Lsn::INVALID,
+        wal_end_at_start: identity.wal_position,
+        transaction_started: None,
         report_recorded: report_recorded_tx.subscribe(),
         report_wanted: report_wanted_tx,
         received: resume,

@@ -20,6 +20,10 @@ pub(super) struct Reader<'a> {
     pub(super) forwarded_end: Lsn,
     /// WAL end from the last keepalive.
     pub(super) keepalive_end: Lsn,
+    /// The source's WAL end when the run started (IDENTIFY_SYSTEM): only for the lag in bytes,
+    /// which would otherwise read 0 while the source decodes a backlog before it sends anything
+    /// (never as a position to confirm: what lies before it has not been received).
+    pub(super) wal_end_at_start: Lsn,
     /// How far past the applied position the target has recorded that pgapply may report
     /// (`pgapply.progress.reported_lsn`, written by the heartbeat before it is reported): a
     /// restart then knows a slot confirmed beyond it lost changes.
@@ -55,11 +59,20 @@ pub(super) struct Reader<'a> {
     /// For the lag in seconds: (end, source commit time) of transactions handed to the applier
     /// and not known applied, oldest first (see `oldest_pending`).
     pub(super) pending: std::collections::VecDeque<(Lsn, u64)>,
+    /// When the transaction being received began to arrive (its Begin).
+    pub(super) transaction_started: Option<Instant>,
     /// The commit time the transaction being received carries (its Begin's).
     pub(super) receiving_commit_time: u64,
     /// Where this run started reading (the recorded position, else the first change's): the
     /// lag in bytes counts from it until the source has confirmed something.
     pub(super) read_from: Lsn,
+}
+
+/// What the last progress line said.
+struct Logged {
+    received: Lsn,
+    transactions: u64,
+    at: Instant,
 }
 
 /// Most transactions `Reader::pending` keeps apart: past it, the newest entry stands for the
@@ -137,6 +150,11 @@ impl Reader<'_> {
         let mut lag = tokio::time::interval(Duration::from_secs(1));
         lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_log = Instant::now();
+        let mut logged = Logged {
+            received: self.received,
+            transactions: METRICS.transactions.get(),
+            at: Instant::now(),
+        };
         self.send_status(self.endpos.is_some()).await?;
         loop {
             if *shutdown.borrow() {
@@ -221,9 +239,38 @@ impl Reader<'_> {
             }
             if last_log.elapsed() >= Duration::from_secs(10) {
                 last_log = Instant::now();
-                tracing::info!(received_lsn = %self.received, durable_lsn = %*self.durable.borrow(), "replicating");
+                self.log_progress(&mut logged);
             }
         }
+    }
+
+    /// The periodic progress line: every 10 s while the stream moves (or a transaction is being
+    /// received), every 10 minutes while it is idle.
+    fn log_progress(&mut self, logged: &mut Logged) {
+        let moved = self.received != logged.received || self.in_transaction;
+        if !moved && logged.at.elapsed() < Duration::from_secs(600) {
+            return;
+        }
+        let transactions = METRICS.transactions.get();
+        let receiving = self
+            .transaction_started
+            .filter(|_| self.in_transaction)
+            .map_or(0, |t| t.elapsed().as_secs());
+        tracing::info!(
+            received_lsn = %self.received,
+            flushed_lsn = %Lsn(METRICS.flushed_lsn.get()),
+            lag_seconds = (METRICS.lag_seconds() * 10.0).round() / 10.0,
+            transactions_applied = transactions.saturating_sub(logged.transactions),
+            seconds = logged.at.elapsed().as_secs(),
+            receiving_a_transaction_for_seconds = receiving,
+            "{}",
+            if moved { "replicating" } else { "replicating (idle)" }
+        );
+        *logged = Logged {
+            received: self.received,
+            transactions,
+            at: Instant::now(),
+        };
     }
 
     /// The commit time of the oldest transaction received and not applied yet, if any.
@@ -265,7 +312,10 @@ impl Reader<'_> {
     pub(super) fn update_lag(&mut self) {
         let oldest = self.oldest_pending();
         METRICS.update_lag(
-            self.keepalive_end.0.max(self.received.0),
+            self.keepalive_end
+                .0
+                .max(self.received.0)
+                .max(self.wal_end_at_start.0),
             self.read_from.0,
             oldest,
         );
@@ -324,6 +374,7 @@ impl Reader<'_> {
                             return Ok(self.past_the_end());
                         }
                         self.in_transaction = true;
+                        self.transaction_started = Some(self.last_heard);
                         self.receiving_commit_time = b.commit_time.0.max(0) as u64;
                         // Held until something follows: before PostgreSQL 15 the source sends an
                         // empty Begin/Commit for every transaction that touched nothing
@@ -337,6 +388,7 @@ impl Reader<'_> {
                             return Ok(self.past_the_end());
                         }
                         self.in_transaction = true;
+                        self.transaction_started = Some(self.last_heard);
                         self.receiving_commit_time = b.prepare_time.0.max(0) as u64;
                     }
                     LogicalMessage::Commit(c) => {
