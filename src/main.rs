@@ -268,7 +268,7 @@ fn shutdown_signal(
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-        tracing::info!("shutting down: after the transaction being applied, if one is (a second SIGTERM or SIGINT stops at once)");
+        tracing::info!("shutting down: the transaction being applied, if one is, is committed if all of it has come, else rolled back (the source sends it again at the next start); a second SIGTERM or SIGINT stops at once");
         let _ = tx.send(true);
         // A graceful stop waits for the target to answer; a lock held there, or a target that
         // went silent, would keep it waiting. A second signal, or the grace period running out,
