@@ -341,19 +341,14 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             crate::out!("  will skip the source transaction committed at {skip} (`pgapply skip`)");
         }
         for c in &s.copy {
+            let table = printable(&c.table);
             if c.state == "done" {
-                crate::out!(
-                    "  copy {} done: {} rows, {} bytes",
-                    c.table,
-                    c.rows,
-                    c.bytes
-                );
+                crate::out!("  copy {table} done: {} rows, {} bytes", c.rows, c.bytes);
             } else {
                 // A part's rows are counted when it commits (COPY says how many then); its
                 // bytes as they go.
                 crate::out!(
-                    "  copy {} {}: {} bytes so far, {} rows in the parts finished",
-                    c.table,
+                    "  copy {table} {}: {} bytes so far, {} rows in the parts finished",
                     c.state,
                     c.bytes,
                     c.rows
@@ -362,6 +357,20 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
         }
     }
     Ok(())
+}
+
+/// A name as one line of text: control characters (a newline in a table's name) escaped.
+fn printable(name: &str) -> String {
+    name.chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect()
 }
 
 /// The lag in seconds as `status` prints it: the worker's own figure, as of its last heartbeat.
@@ -380,6 +389,12 @@ fn lag_seconds_text(state: &str, lag: Option<f64>, heartbeat_age: Option<f64>) -
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn names_print_on_one_line() {
+        assert_eq!(super::printable("s.t\nz"), "s.t\\nz");
+        assert_eq!(super::printable("Sch \"q\".t"), "Sch \"q\".t");
+    }
+
     use super::lag_seconds_text;
 
     #[test]

@@ -1392,6 +1392,57 @@ async fn cutover_reverse_through_the_root_of_a_table_only_the_new_primary_partit
     );
 }
 
+/// Partitions that came one by one (published not through their root): the way back publishes
+/// their partitioned table, so a partition made on both sides after the cutover (next month's)
+/// goes back too, instead of its rows being left out of a rollback without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_reverse_takes_partitions_made_after_it() {
+    let db = TestDb::new("cutrevnew").await;
+    db.both(
+        "CREATE TABLE ev (id int, at date, PRIMARY KEY (id, at)) PARTITION BY RANGE (at); \
+         CREATE TABLE ev_01 PARTITION OF ev FOR VALUES FROM ('2024-01-01') TO ('2024-02-01');",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO ev VALUES (1, '2024-01-05'); \
+         CREATE PUBLICATION p FOR TABLE ev;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    let slot = db.slot();
+    let out = run_with_deadline(
+        db.on_both(
+            "cutover",
+            &["--slot", slot.as_str(), "--timeout", "60s", "--reverse"],
+        ),
+        120,
+    )
+    .await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    let mut args = printed_reverse_run(&db, &text);
+    db.both("CREATE TABLE ev_02 PARTITION OF ev FOR VALUES FROM ('2024-02-01') TO ('2024-03-01')")
+        .await;
+    db.target_sql("INSERT INTO ev VALUES (3, '2024-02-10'), (4, '2024-01-20')")
+        .await;
+    let target_wal: String = db
+        .target
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    args.extend(["--endpos".to_owned(), target_wal.clone()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run_with_deadline(common::pgapply_command(&args), 60).await;
+    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    assert_eq!(
+        db.count(&db.source, "SELECT count(*) FROM ev WHERE id IN (3, 4)")
+            .await,
+        2
+    );
+    db.assert_same("ev").await;
+}
+
 /// `cutover --reverse` publishes back only what came: a table mirrored by a column list goes
 /// back by the same list (published whole, the new primary's own value of a column it never got
 /// would overwrite the old primary's), a row-filtered one with its filter; the way back then

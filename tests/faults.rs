@@ -881,8 +881,10 @@ async fn a_second_signal_stops_at_once_when_the_target_holds_a_lock() {
         "{log}"
     );
     assert!(
-        log.lines()
-            .any(|l| l.contains("shutting down: after the transaction") && l.contains("run{slot=")),
+        log.lines().any(
+            |l| l.contains("shutting down: the transaction being applied")
+                && l.contains("run{slot=")
+        ),
         "{log}"
     );
     // `status` does not show the gone process as streaming.

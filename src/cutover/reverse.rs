@@ -228,6 +228,9 @@ async fn reverse_tables(
             refused_on_source,
         });
     }
+    if version >= 120000 {
+        tables = whole_partition_sets_as_roots(target, tables).await?;
+    }
     // (publish_via_partition_root is 13+; before, partitioned tables are not published at all.)
     // Through the root also when the old primary lacks a partition the new one has (it keeps
     // the table whole, or parts it otherwise): the partitions' own changes would name tables it
@@ -252,6 +255,66 @@ async fn reverse_tables(
         via_root,
         problems,
     })
+}
+
+/// Partitions that came forward one by one (a publication FOR ALL TABLES, or of a partitioned
+/// table not through its root), all of one partitioned table's: published back as that table,
+/// which takes in the partitions made later too (next month's, made on both sides, say). Listed
+/// one by one, a partition made after the cutover would not be published back, and its rows
+/// would be missing on the old primary after a rollback without a word. Each still goes back
+/// under its own name, as forward (not through the root: a TRUNCATE of one partition is
+/// published only so). Partitions with a column list or row filter of their own stay listed.
+async fn whole_partition_sets_as_roots(
+    target: &Client,
+    tables: Vec<ReverseTable>,
+) -> Result<Vec<ReverseTable>> {
+    let names: Vec<String> = tables.iter().map(|t| t.name.clone()).collect();
+    // Each listed partition's root, and whether all of that root's leaves are listed.
+    let rows = target
+        .query(
+            "WITH listed AS (SELECT n, pg_catalog.to_regclass(n) AS rel FROM unnest($1::text[]) n),                   roots AS (SELECT n, pg_catalog.pg_partition_root(rel) AS root FROM listed                             WHERE rel IS NOT NULL AND (SELECT relispartition FROM pg_catalog.pg_class WHERE oid = rel))              SELECT r.n, pg_catalog.quote_ident(ns.nspname) || '.' || pg_catalog.quote_ident(c.relname),                     NOT EXISTS (SELECT 1 FROM pg_catalog.pg_partition_tree(r.root) t                                 WHERE t.isleaf AND t.relid NOT IN (SELECT rel FROM listed WHERE rel IS NOT NULL))              FROM roots r JOIN pg_catalog.pg_class c ON c.oid = r.root              JOIN pg_catalog.pg_namespace ns ON ns.oid = c.relnamespace",
+            &[&names],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the partitions of the published tables on the target", e))?;
+    let mut root_of: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    for row in rows {
+        let (leaf, root, whole): (String, String, bool) = (row.get(0), row.get(1), row.get(2));
+        if whole {
+            root_of.insert(leaf, root);
+        }
+    }
+    // A root whose partitions all go back whole, with no list or filter of their own.
+    let plain = |t: &ReverseTable| t.columns.is_none() && t.filter.is_none();
+    let mut merged: Vec<ReverseTable> = Vec::new();
+    let mut kept_apart: std::collections::HashSet<String> = std::collections::HashSet::new();
+    for t in &tables {
+        if let Some(root) = root_of.get(&t.name) {
+            if !plain(t) {
+                kept_apart.insert(root.clone());
+            }
+        }
+    }
+    for t in tables {
+        match root_of.get(&t.name).filter(|r| !kept_apart.contains(*r)) {
+            Some(root) => {
+                if let Some(entry) = merged.iter_mut().find(|m| m.name == *root) {
+                    entry.refused_on_source |= t.refused_on_source;
+                } else {
+                    merged.push(ReverseTable {
+                        name: root.clone(),
+                        columns: None,
+                        any_column: t.any_column,
+                        filter: None,
+                        partitioned: true,
+                        refused_on_source: t.refused_on_source,
+                    });
+                }
+            }
+            None => merged.push(t),
+        }
+    }
+    Ok(merged)
 }
 
 /// Whether a partition of `table` on the new primary (`target`) is missing on the old one.
