@@ -635,3 +635,40 @@ async fn keys_of_a_nondeterministic_collation_are_applied_in_order() {
         0
     );
 }
+
+/// A change larger than the whole queue (`--queue-size`), after other changes of its
+/// transaction: with workers, those are held until the transaction is known whole or too
+/// large, and the large one asking for the whole queue waited for them for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_larger_than_the_queue_is_applied_by_workers() {
+    let db = TestDb::new("pbig").await;
+    db.both("CREATE TABLE p (id int PRIMARY KEY, t text)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE p").await;
+    // Stored uncompressed, so that the change is as large as the value (2.2 MB).
+    db.both("ALTER TABLE p ALTER COLUMN t SET STORAGE EXTERNAL")
+        .await;
+    db.source_sql(
+        "BEGIN; INSERT INTO p VALUES (1, 'small'); \
+         INSERT INTO p SELECT 2, string_agg(md5(i::text), '') FROM generate_series(1, 70000) i; \
+         COMMIT;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--endpos",
+                &endpos,
+                "--apply-workers",
+                "2",
+                "--queue-size",
+                "1MB",
+            ],
+        ),
+        120,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("p").await;
+}

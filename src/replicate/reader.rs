@@ -469,9 +469,14 @@ impl Reader<'_> {
         raw: bytes::Bytes,
         size: usize,
     ) -> Result<()> {
-        // Each queued message also costs its decoded form and the queue's own bookkeeping.
+        // Each queued message also costs its decoded form and the queue's own bookkeeping. A
+        // message larger than the queue costs at most three quarters of it: with
+        // --apply-workers, a transaction's first messages are held (up to a quarter of the
+        // queue) until it is known whole or too large, so a message asking for the whole queue
+        // would wait for them for ever.
         let overhead = std::mem::size_of::<Envelope>() + 64;
-        let cost = (size + overhead).clamp(1, self.queue_bytes) as u32;
+        let most = self.queue_bytes - self.queue_bytes / 4;
+        let cost = (size + overhead).clamp(1, most.max(1)) as u32;
         let permit = match self.budget.clone().try_acquire_many_owned(cost) {
             Ok(permit) => permit,
             Err(_) => match self.wait_for_budget(cost).await? {
