@@ -28,18 +28,28 @@ pub fn qualified_name(schema: &str, table: &str) -> String {
 ///   form is a name but whose binary form is the OID;
 /// - it has no binary form (aclitem; or an array of it);
 /// - PostgreSQL does not read back all it writes: an empty tsquery (`''`) is sent, and its
-///   receive function refuses it ("malformed tsquery: operand not found"; tsquery and its array).
+///   receive function refuses it ("malformed tsquery: operand not found"); an empty int2vector
+///   or oidvector likewise ("invalid int2vector data"); these types and their arrays.
 pub fn binary_unsafe_type_sql(type_oid: &str) -> String {
     format!(
         "({type_oid} >= 10000 OR pg_catalog.format_type({type_oid}, NULL) LIKE 'reg%' \
-          OR {type_oid} IN (3615, 3645) \
+          OR {type_oid} IN ({}) \
           OR EXISTS (SELECT FROM pg_catalog.pg_type ty \
                      LEFT JOIN pg_catalog.pg_type el ON el.oid = ty.typelem AND ty.typlen = -1 \
                      WHERE ty.oid = {type_oid} \
                        AND (ty.typsend::oid = 0 OR ty.typreceive::oid = 0 \
-                            OR el.typsend::oid = 0 OR el.typreceive::oid = 0)))"
+                            OR el.typsend::oid = 0 OR el.typreceive::oid = 0)))",
+        NOT_READ_BACK_TYPES
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
     )
 }
+
+/// Built-in types whose binary form PostgreSQL does not always read back (see
+/// `binary_unsafe_type_sql`): tsquery, int2vector, oidvector and their arrays.
+pub const NOT_READ_BACK_TYPES: [u32; 6] = [3615, 3645, 22, 1006, 30, 1013];
 
 /// SQL for a type's name as `format_type` gives it, schema-qualified unless the type is
 /// pg_catalog's: `format_type` leaves out the schema of a type the session's search_path finds,

@@ -917,7 +917,8 @@ async fn binary_falls_back_to_text_for_user_types_and_messages_are_logged() {
     db.assert_same("e").await;
 }
 
-/// aclitem has no binary form, and an empty tsquery's binary form does not read back: the copy
+/// aclitem has no binary form, and an empty tsquery's (int2vector's, oidvector's) binary form
+/// does not read back: the copy
 /// (binary between servers of one major version) and `--binary` take text for such tables.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_copy_and_binary_take_text_for_types_without_a_binary_form_that_reads_back() {
@@ -926,12 +927,13 @@ async fn the_copy_and_binary_take_text_for_types_without_a_binary_form_that_read
     }
     let db = TestDb::new("binaryunsafe").await;
     db.both(
-        "CREATE TABLE m (id int PRIMARY KEY, q tsquery, qs tsquery[], a aclitem, aa aclitem[])",
+        "CREATE TABLE m (id int PRIMARY KEY, q tsquery, qs tsquery[], a aclitem, aa aclitem[], \
+         iv int2vector, ov oidvector, ovs oidvector[])",
     )
     .await;
     let row = |id: i32| {
         format!(
-            "INSERT INTO m VALUES ({id}, '', ARRAY[''::tsquery, 'a & b'], makeaclitem(10, 10, 'SELECT', false), ARRAY[makeaclitem(10, 10, 'SELECT', false), makeaclitem(10, 10, 'UPDATE', true)])"
+            "INSERT INTO m VALUES ({id}, '', ARRAY[''::tsquery, 'a & b'], makeaclitem(10, 10, 'SELECT', false), ARRAY[makeaclitem(10, 10, 'SELECT', false), makeaclitem(10, 10, 'UPDATE', true)], '', '', ARRAY[''::oidvector, '1 2'])"
         )
     };
     db.source_sql(&format!("{}; CREATE PUBLICATION p FOR TABLE m", row(1)))
@@ -963,6 +965,7 @@ async fn the_copy_and_binary_take_text_for_types_without_a_binary_form_that_read
     // Such tables published while a --binary run streams others: it starts again with text.
     for (table, columns, value) in [
         ("q2", "q tsquery", "''"),
+        ("v2", "v int2vector", "''"),
         (
             "a2",
             "a aclitem[]",

@@ -1263,18 +1263,22 @@ impl Applier {
                 self.flush_held_updates(None).await?;
                 let name = format!("{}.{}", r.namespace, r.name);
                 // A table published since the start whose values do not come back from their
-                // binary form (tsquery, and arrays of it or of aclitem; `sql::binary_unsafe_type_sql`):
+                // binary form (tsquery, int2vector, oidvector, their arrays, aclitem[];
+                // `sql::binary_unsafe_type_sql`):
                 // the run starts again, and the start sees it and asks for text.
                 if self.binary_values {
                     if let Some(c) = r
                         .columns
                         .iter()
-                        .find(|c| matches!(c.type_oid, 3615 | 3645 | 1034))
+                        .find(|c| {
+                            c.type_oid == 1034
+                                || crate::sql::NOT_READ_BACK_TYPES.contains(&c.type_oid)
+                        })
                     {
                         crate::replicate::TEXT_FROM_NOW_ON
                             .store(true, std::sync::atomic::Ordering::SeqCst);
                         return Err(Error::transient(format!(
-                            "table {name} has column {} of a type whose binary form PostgreSQL does not read back (tsquery, aclitem[]): starting again, with values in text form",
+                            "table {name} has column {} of a type whose binary form PostgreSQL does not read back (tsquery, int2vector, oidvector, aclitem[]): starting again, with values in text form",
                             crate::sql::quote_ident(&c.name)
                         )));
                     }

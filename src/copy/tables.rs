@@ -27,8 +27,8 @@ pub struct PublishedTable {
     /// A published column has a type whose values cannot be copied in binary form
     /// (`sql::binary_unsafe_type_sql`): one not built into PostgreSQL (an enum, a domain, an
     /// extension's type, an array or composite of one) or an OID alias type (regclass ...),
-    /// whose binary form carries the source's OIDs; aclitem, which has none; tsquery, whose
-    /// empty value does not read back.
+    /// whose binary form carries the source's OIDs; aclitem, which has none; tsquery,
+    /// int2vector and oidvector, whose empty values do not read back.
     pub binary_unsafe: bool,
     /// Source column -> its target column, where the configuration renames it
     /// (`[tables."s.t".columns]`).

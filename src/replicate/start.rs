@@ -722,7 +722,7 @@ pub(crate) async fn binary_unsafe(
         for row in rows {
             if !row.get::<_, bool>(1) {
                 return Ok(Some(format!(
-                    "column {} of {} has a user-defined type or an OID alias type (regclass, regtype and the like), whose binary form holds the source's OIDs, or a type PostgreSQL cannot read back in binary form (aclitem, tsquery)",
+                    "column {} of {} has a user-defined type or an OID alias type (regclass, regtype and the like), whose binary form holds the source's OIDs, or a type PostgreSQL cannot read back in binary form (aclitem, tsquery, int2vector, oidvector)",
                     crate::sql::quote_ident(&row.get::<_, String>(0)),
                     table.qualified()
                 )));
