@@ -388,6 +388,11 @@ impl Applier {
                 )
             }
             // A value the target refuses: name the columns it can come from.
+            // Values bound in binary form that the target does not read back (a built-in type's
+            // binary form that PostgreSQL writes but refuses): text would go through.
+            Some("22P03") if self.binary_values => format!(
+                "target table {table} refuses a value the source sent in binary form (--binary): PostgreSQL does not read back every binary value it writes; start pgapply again without --binary (values then come as text); nothing of this source transaction was applied"
+            ),
             Some(c) if value_refused(c) => match refused_by_type(about.relation.narrower_candidates(), db.map(|d| d.message())).as_slice() {
                 [] => format!("target table {table} refuses the source's value, though none of its columns of a built-in type differs from the source's: a PostgreSQL older than the source's refuses some values that newer versions take (numeric 'Infinity' before 14, an infinite interval before 17), a user-defined type (an enum, a domain) may differ between the two clusters, and a target trigger may raise it. This change is in the slot already: changing the value on the source now does not replace it. Change the column, type or trigger on the target so that it takes the value, then start pgapply again; where the target cannot hold the value at all, {}, and put that transaction's rows right on the target by hand (`pgapply verify` names the rows that differ)", self.skip_hint(about.commit_lsn)),
                 [one] => format!("column {one} of target table {table} does not take the source's value: its type differs from the source column's; change it on the target to fit the source's type, then start pgapply again (it reads the target's columns when it starts)"),
