@@ -1217,3 +1217,35 @@ async fn kept_rows_are_recorded_as_they_were_met() {
         "{recorded:?}"
     );
 }
+
+/// Conflict records hold a row's values as the apply reads them, whatever the target
+/// database's own output settings: all of a float's digits, ISO dates, hex bytea.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflict_records_keep_every_digit_whatever_the_targets_settings() {
+    let db = TestDb::new("recdigits").await;
+    db.both("CREATE TABLE f (id int PRIMARY KEY, x float8, d date, b bytea)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE f").await;
+    db.target_sql(&format!(
+        "ALTER DATABASE {} SET extra_float_digits = -15; ALTER DATABASE {} SET datestyle = 'SQL, DMY'; \
+         ALTER DATABASE {} SET bytea_output = escape",
+        db.name, db.name, db.name
+    ))
+    .await;
+    db.target_sql("INSERT INTO f VALUES (1, 0.30000000000000004, '2024-02-03', '\\x00ff')")
+        .await;
+    db.source_sql("INSERT INTO f VALUES (1, 1.0000000000000002, '2024-03-04', '\\x01ff')")
+        .await;
+    let config = config_file("recdigits", "[conflicts]\ninsert_exists = \"keep_local\"\n");
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let recorded = conflicts(&db).await;
+    assert_eq!(
+        (recorded[0].2.as_deref(), recorded[0].3.as_deref()),
+        (
+            Some("{\"b\": \"\\\\x00ff\", \"d\": \"2024-02-03\", \"x\": 0.30000000000000004, \"id\": 1}"),
+            Some("{\"b\": \"\\\\x01ff\", \"d\": \"2024-03-04\", \"x\": 1.0000000000000002, \"id\": 1}")
+        ),
+        "{recorded:?}"
+    );
+}

@@ -720,10 +720,19 @@ impl Applier {
             .batch_execute(
                 // xmloption = content: an xml value may be a fragment, which a target set to
                 // DOCUMENT would refuse (pg_dump sets the same).
-                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET row_security = off; SET xmloption = content",
+                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET row_security = off; SET xmloption = content; SET bytea_output = hex",
             )
             .await
             .map_err(|e| Error::postgres("configuring the target apply session", e))?;
+        // The session that writes conflict records turns rows into JSON: values as the apply
+        // session reads them (all of a float's digits, ISO dates, xml fragments), not as the
+        // target database's own settings would show them.
+        catalog
+            .batch_execute(
+                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET xmloption = content; SET bytea_output = hex",
+            )
+            .await
+            .map_err(|e| Error::postgres("configuring the target session for conflict records", e))?;
         // As PostgreSQL's own subscriber: ordinary triggers and foreign-key checks do not fire for
         // replicated changes. Only superusers (or, from 15, roles granted SET on the parameter)
         // may ask for that; others apply with triggers firing, and are told.
