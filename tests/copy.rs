@@ -494,6 +494,71 @@ async fn truncate_target_refuses_a_table_another_slot_filled() {
     );
 }
 
+/// The same when the other slot's copy filled the table under another source name ([tables]
+/// maps its source table onto it): the copy records the target table it fills, so the refusal
+/// does not depend on names matching.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_target_refuses_a_table_another_slot_filled_through_a_mapping() {
+    let db = TestDb::new("faninmap").await;
+    db.source_sql(
+        "CREATE TABLE a (id int PRIMARY KEY); CREATE TABLE shared (id int PRIMARY KEY); \
+         INSERT INTO a SELECT generate_series(1, 10); INSERT INTO shared SELECT generate_series(11, 15); \
+         CREATE PUBLICATION p FOR TABLE a; CREATE PUBLICATION q FOR TABLE shared;",
+    )
+    .await;
+    db.target_sql("CREATE TABLE shared (id int PRIMARY KEY)")
+        .await;
+    let config = std::env::temp_dir().join(format!("pgapply-faninmap-{}.toml", db.name));
+    std::fs::write(
+        &config,
+        "[tables.\"public.a\"]\ntarget = \"public.shared\"\n",
+    )
+    .unwrap();
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply(
+            "p",
+            &[
+                "--config",
+                config.to_str().unwrap(),
+                "--copy-data",
+                "--create-slot",
+                "--endpos",
+                &endpos,
+            ],
+        ),
+        60,
+    )
+    .await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let other = format!("{}_b", db.slot());
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &db.source_conninfo(),
+            &db.target_conninfo(),
+            &other,
+            "q",
+            &["--copy-data", "--truncate-target", "--endpos", &endpos],
+        ),
+        60,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!(
+            "\"public\".\"shared\" (filled by slot '{}')",
+            db.slot()
+        )),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM shared").await,
+        10
+    );
+}
+
 /// The same for a table another slot only streams into (started without an initial copy, as
 /// the other sources of a fan-in are): its rows are never sent again, so emptying it is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

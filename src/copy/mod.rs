@@ -748,6 +748,17 @@ pub async fn plan_copy(
             )
             .await
             .map_err(record)?;
+        // The target table this slot fills, under its own name (copy_state has the source's):
+        // another worker's copy or --truncate-target into it is then refused, whatever
+        // [tables] maps onto it on either side.
+        target
+            .execute(
+                "INSERT INTO pgapply.slot_tables (slot_name, schema_name, table_name) VALUES ($1, $2, $3) \
+                 ON CONFLICT DO NOTHING",
+                &[&slot, &table.target_schema, &table.target_name],
+            )
+            .await
+            .map_err(record)?;
     }
     target.batch_execute("COMMIT").await.map_err(record)?;
     Ok(Some(CopyPlan {
