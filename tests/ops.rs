@@ -2628,6 +2628,41 @@ async fn a_table_two_workers_publish_into_one_target_is_named() {
         .await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains(&shared), "{}", stderr(&out));
+    // A table this worker maps onto a table of its own: named only once the other slot is
+    // known to write that table too.
+    let config = std::env::temp_dir().join(format!("pgapply-overlap-{}.toml", db.name));
+    std::fs::write(&config, "[tables.\"public.u\"]\ntarget = \"public.u2\"\n").unwrap();
+    db.target_sql("CREATE TABLE u2 (id int PRIMARY KEY)").await;
+    let check_mapped = || {
+        run_with_deadline(
+            common::pgapply_command(&[
+                "check",
+                "--source",
+                &source,
+                "--target",
+                &target,
+                "--publication",
+                "q",
+                "--slot",
+                &second,
+                "--create-slot",
+                "--config",
+                config.to_str().unwrap(),
+            ]),
+            60,
+        )
+    };
+    let out = check_mapped().await;
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!said.contains("\"public\".\"u\" are published"), "{said}");
+    db.target_sql(&format!(
+        "INSERT INTO pgapply.slot_tables VALUES ('{}', 'public', 'u2')",
+        db.slot()
+    ))
+    .await;
+    let out = check_mapped().await;
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(said.contains(&shared), "{said}");
 }
 
 /// A reload signal sent to every pgapply process (a service manager's reload) does not end a

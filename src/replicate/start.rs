@@ -437,7 +437,8 @@ pub(super) async fn warn_of_other_live_slots(
 /// apply each of their changes, the second time as a conflict, and the two streams' updates land
 /// in whatever order the workers reach them, so an older value can win. Said, not refused: the
 /// other worker may map them to target tables of its own (its `[tables]`, which this one cannot
-/// see); tables this worker maps elsewhere are left out for the same reason.
+/// see); a table this worker maps elsewhere is named only when the other slot is known to write
+/// that target table too (`pgapply.slot_tables`: its copies and its stream).
 pub async fn tables_shared_with_other_slots(
     source: &tokio_postgres::Client,
     target: &tokio_postgres::Client,
@@ -485,17 +486,30 @@ pub async fn tables_shared_with_other_slots(
         else {
             continue;
         };
+        // The target tables the other slot is known to write (its copies, its stream).
+        let written: Vec<(String, String)> = target
+            .query(
+                "SELECT schema_name, table_name FROM pgapply.slot_tables WHERE slot_name = $1",
+                &[&other_slot],
+            )
+            .await
+            .map(|rows| rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+            .unwrap_or_default();
         let shared: Vec<String> = rows
             .iter()
             .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
-            .filter(|name| !table_map.contains_key(name))
+            .filter(|name| match table_map.get(name) {
+                // Mapped elsewhere here: shared only if the other writes that table too.
+                Some(mapped) => written.contains(mapped),
+                None => true,
+            })
             .map(|(schema, name)| crate::sql::qualified_name(&schema, &name))
             .collect();
         if shared.is_empty() {
             continue;
         }
         said.push(format!(
-            "source table(s) {} are published both by this worker's publication(s) {} and by publication(s) {} of slot {other_slot:?}, which applies from the same source database into this target: each of their changes would be applied twice (the second time as a conflict, such as insert_exists) and the two workers' updates could land out of order (an older value winning). Take each table out of one worker's publications (ALTER PUBLICATION ... DROP TABLE ...), or map it to a different target table in one worker's [tables]; if slot {other_slot:?} is retired for good, remove its state (pgapply forget --slot {other_slot})",
+            "source table(s) {} are published both by this worker's publication(s) {} and by publication(s) {} of slot {other_slot:?}, which applies from the same source database into this target: each of their changes would be applied twice (the second time as a conflict, such as insert_exists) and the two workers' updates could land out of order (an older value winning). Take each table out of one worker's publications (ALTER PUBLICATION ... DROP TABLE ...), or map it to a different target table in one worker's [tables] (if slot {other_slot:?} maps it to a table of its own already, nothing is wrong); if slot {other_slot:?} is retired for good, remove its state (pgapply forget --slot {other_slot})",
             shared.join(", "),
             publications.join(", "),
             theirs.join(", "),
