@@ -2336,14 +2336,35 @@ async fn a_foreign_key_the_target_checks_is_explained() {
 
 /// A source without the target's foreign key deletes a parent its replicated children still
 /// refer to: the error says to drop (or not check) the target's key, not to delete the children
-/// (rows the source still has).
+/// (rows the source still has); for a deferrable key too, which refuses at commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_a_target_only_foreign_key_refuses_is_explained() {
-    let db = TestDb::new("fkdelete").await;
+    let err = delete_refused_by_a_target_foreign_key("fkdelete", "").await;
+    assert!(
+        err.contains("which the source did not stop")
+            && err.contains("drop that foreign key on the target")
+            && err.contains("right only for rows the source does not have"),
+        "{err}"
+    );
+    let err = delete_refused_by_a_target_foreign_key("fkdeferred", "DEFERRABLE").await;
+    assert!(
+        err.contains("a deferrable foreign key of the target, checked at commit")
+            && err.contains("drop that foreign key on the target")
+            && err.contains("Otherwise, to skip this source transaction"),
+        "{err}"
+    );
+}
+
+/// The run's error when a DELETE of a parent meets the target's own foreign key (`deferrable`:
+/// its clause), applied by a role that may not set session_replication_role.
+async fn delete_refused_by_a_target_foreign_key(prefix: &str, deferrable: &str) -> String {
+    let db = TestDb::new(prefix).await;
     db.both("CREATE TABLE parent (id int PRIMARY KEY); CREATE TABLE child (id int PRIMARY KEY, parent_id int)")
         .await;
-    db.target_sql("ALTER TABLE child ADD FOREIGN KEY (parent_id) REFERENCES parent")
-        .await;
+    db.target_sql(&format!(
+        "ALTER TABLE child ADD FOREIGN KEY (parent_id) REFERENCES parent {deferrable}"
+    ))
+    .await;
     db.publish("CREATE PUBLICATION p FOR TABLE parent, child")
         .await;
     db.source_sql("INSERT INTO parent VALUES (1); INSERT INTO child VALUES (1, 1)")
@@ -2375,12 +2396,7 @@ async fn a_delete_a_target_only_foreign_key_refuses_is_explained() {
     .await;
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("which the source did not stop")
-            && err.contains("drop that foreign key on the target")
-            && err.contains("right only for rows the source does not have"),
-        "{err}"
-    );
+    err
 }
 
 /// A publication that leaves out some kinds of change (`publish = 'insert'`): the target drifts

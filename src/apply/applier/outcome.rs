@@ -299,6 +299,8 @@ impl Applier {
         last: Option<(u32, Lsn)>,
         e: tokio_postgres::Error,
     ) {
+        // A deferrable foreign key checks at COMMIT (pgapply defers all it can).
+        let foreign_key = e.code() == Some(&tokio_postgres::error::SqlState::FOREIGN_KEY_VIOLATION);
         let err = Error::postgres(
             format!(
                 "committing {transactions} source transaction(s) ending at {end_lsn} on the target"
@@ -314,8 +316,13 @@ impl Applier {
                 self.retry_unbatched(err, Some(commit_lsn));
             }
             Some((xid, commit_lsn)) => {
+                let advice = if foreign_key {
+                    "a deferrable foreign key of the target, checked at commit, refused this transaction, which the source did not stop (it has no such foreign key, or its rows differ); the target checks foreign keys on replicated changes because the target role may not set session_replication_role. To keep the target a copy of the source: drop that foreign key on the target, or apply as a superuser or, on PostgreSQL 15+, a role granted SET ON PARAMETER session_replication_role (foreign keys are then not checked, as under PostgreSQL's own subscriber), then start pgapply again; or, if the target lacks a row the source has (a mirror started without --copy-data), copy it from the source. Otherwise, "
+                } else {
+                    ""
+                };
                 let err = Error::definite(format!(
-                    "{} (source transaction xid {xid}, commit LSN {commit_lsn}): {}",
+                    "{} (source transaction xid {xid}, commit LSN {commit_lsn}): {advice}{}",
                     err.message(),
                     self.skip_hint(commit_lsn)
                 ));
