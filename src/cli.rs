@@ -106,11 +106,11 @@ pub struct RunArgs {
     pub slot: Option<String>,
     /// Create the slot (pgoutput) if it does not exist.
     #[arg(long, env = "PGAPPLY_CREATE_SLOT", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub create_slot: Option<bool>,
+    pub create_slot: Option<Switch>,
     /// Copy the published tables' existing rows first (creates the slot with a snapshot), then
     /// stream from that point.
     #[arg(long, env = "PGAPPLY_COPY_DATA", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub copy_data: Option<bool>,
+    pub copy_data: Option<Switch>,
     /// Tables (or parts of large tables) copied at once during --copy-data, 1 to 64 [default: 4].
     #[arg(long, env = "PGAPPLY_COPY_JOBS")]
     pub copy_jobs: Option<usize>,
@@ -122,10 +122,10 @@ pub struct RunArgs {
     /// copy's consistent point, and the next `run` streams from there (build the indexes with
     /// `pgapply schema --section post-data` in between).
     #[arg(long, env = "PGAPPLY_COPY_ONLY", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub copy_only: Option<bool>,
+    pub copy_only: Option<Switch>,
     /// With --copy-data: empty target tables that already hold rows instead of refusing.
     #[arg(long, env = "PGAPPLY_TRUNCATE_TARGET", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub truncate_target: Option<bool>,
+    pub truncate_target: Option<Switch>,
     /// Exit 0 once every transaction committed before this LSN is applied.
     #[arg(long, value_name = "LSN", env = "PGAPPLY_ENDPOS")]
     pub endpos: Option<String>,
@@ -137,19 +137,19 @@ pub struct RunArgs {
     pub streaming: Option<Streaming>,
     /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).
     #[arg(long, env = "PGAPPLY_TWO_PHASE", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub two_phase: Option<bool>,
+    pub two_phase: Option<Switch>,
     /// Make the slot a failover slot (PostgreSQL 17+): standbys with `sync_replication_slots`
     /// keep a copy of it, so replication goes on from the new primary after a failover. Sets it
     /// on an existing slot too.
     #[arg(long, env = "PGAPPLY_FAILOVER_SLOT", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub failover_slot: Option<bool>,
+    pub failover_slot: Option<Switch>,
     /// Receive values in binary form when every published column has the same built-in type on
     /// both sides and both run the same major version (PostgreSQL 14+); text otherwise.
     #[arg(long, env = "PGAPPLY_BINARY", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub binary: Option<bool>,
+    pub binary: Option<Switch>,
     /// Receive logical decoding messages (pg_logical_emit_message) and log them (PostgreSQL 14+).
     #[arg(long, env = "PGAPPLY_MESSAGES", value_parser = parse_switch, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub messages: Option<bool>,
+    pub messages: Option<Switch>,
     /// `none`: only changes made on the source itself, not ones it replicated from elsewhere
     /// (loop prevention, PostgreSQL 16+) [default: any].
     #[arg(long, env = "PGAPPLY_ORIGIN", value_name = "any|none")]
@@ -345,15 +345,36 @@ pub struct DemoArgs {
     pub pg_bin: Option<PathBuf>,
 }
 
-/// An on/off flag's value (from its `PGAPPLY_*` variable): true/false, yes/no, on/off, 1/0; an
-/// empty variable counts as not set, as shells and service files leave them.
-fn parse_switch(value: &str) -> Result<bool, String> {
+/// An on/off flag's value, given (`--binary=off`) or from its `PGAPPLY_*` variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Switch {
+    On,
+    Off,
+    /// An empty variable, as shells and service files leave them: as if not set (the config
+    /// file's value, else off).
+    Unset,
+}
+
+impl Switch {
+    /// On or off as given, `None` when not.
+    pub fn given(self) -> Option<bool> {
+        match self {
+            Switch::On => Some(true),
+            Switch::Off => Some(false),
+            Switch::Unset => None,
+        }
+    }
+}
+
+/// true/false, yes/no, on/off, 1/0; empty: not set.
+fn parse_switch(value: &str) -> Result<Switch, String> {
     if value.trim().is_empty() {
-        return Ok(false);
+        return Ok(Switch::Unset);
     }
     let command = clap::Command::new("pgapply");
     BoolishValueParser::new()
         .parse_ref(&command, None, std::ffi::OsStr::new(value))
+        .map(|on| if on { Switch::On } else { Switch::Off })
         .map_err(|_| format!("{value:?} is not on or off: use true/false, yes/no, on/off or 1/0"))
 }
 
@@ -361,13 +382,14 @@ fn parse_switch(value: &str) -> Result<bool, String> {
 mod switch_tests {
     #[test]
     fn an_empty_variable_is_not_set_and_a_wrong_value_is_named() {
-        assert_eq!(super::parse_switch(""), Ok(false));
-        assert_eq!(super::parse_switch(" "), Ok(false));
+        use super::Switch;
+        assert_eq!(super::parse_switch(""), Ok(Switch::Unset));
+        assert_eq!(super::parse_switch(" "), Ok(Switch::Unset));
         for on in ["true", "yes", "on", "1", "TRUE"] {
-            assert_eq!(super::parse_switch(on), Ok(true), "{on}");
+            assert_eq!(super::parse_switch(on), Ok(Switch::On), "{on}");
         }
         for off in ["false", "no", "off", "0"] {
-            assert_eq!(super::parse_switch(off), Ok(false), "{off}");
+            assert_eq!(super::parse_switch(off), Ok(Switch::Off), "{off}");
         }
         let err = super::parse_switch("bogus").unwrap_err();
         assert!(err.contains("\"bogus\" is not on or off"), "{err}");
@@ -381,7 +403,10 @@ mod switch_tests {
             Ok(super::Cli {
                 command: super::Command::Run(run),
                 ..
-            }) => (run.copy_data, run.binary),
+            }) => (
+                run.copy_data.and_then(super::Switch::given),
+                run.binary.and_then(super::Switch::given),
+            ),
             other => panic!("{other:?}"),
         };
         let run = |extra: &[&str]| parse(&[&["pgapply", "run"][..], extra].concat());
@@ -394,5 +419,6 @@ mod switch_tests {
             (Some(true), Some(false))
         );
         assert_eq!(run(&[]), (None, None));
+        assert_eq!(run(&["--copy-data="]), (None, None));
     }
 }

@@ -84,18 +84,17 @@ pub fn parse_message_size(text: &str) -> std::result::Result<usize, String> {
 
 /// `max_message_bytes` in the file: a number of bytes, as before, or a size with a unit.
 fn message_size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<usize>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Size {
-        Bytes(u64),
-        Text(String),
-    }
-    match Option::<Size>::deserialize(d)? {
+    match Option::<toml::Value>::deserialize(d)? {
         None => Ok(None),
-        Some(Size::Bytes(n)) => Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
-        Some(Size::Text(t)) => parse_message_size(&t)
+        Some(toml::Value::Integer(n)) if n >= 0 => {
+            Ok(Some(usize::try_from(n).unwrap_or(usize::MAX)))
+        }
+        Some(toml::Value::String(t)) => parse_message_size(&t)
             .map(Some)
             .map_err(serde::de::Error::custom),
+        Some(other) => Err(serde::de::Error::custom(format!(
+            "{other} is not a size: give a number of bytes (1048576) or a size in quotes (\"64MB\")"
+        ))),
     }
 }
 
@@ -403,8 +402,11 @@ pub fn conflict_policies(file: &FileConfig) -> Result<crate::apply::conflict::Po
 
 /// An on/off setting: the flag (`--binary`, `--binary=false`) or its `PGAPPLY_*` variable, else
 /// the file, else off.
-fn switch(flag_or_env: Option<bool>, file: Option<bool>) -> bool {
-    flag_or_env.or(file).unwrap_or(false)
+fn switch(flag_or_env: Option<crate::cli::Switch>, file: Option<bool>) -> bool {
+    flag_or_env
+        .and_then(crate::cli::Switch::given)
+        .or(file)
+        .unwrap_or(false)
 }
 
 /// Everything `pgapply run` needs besides the run configuration itself.
@@ -767,6 +769,8 @@ mod tests {
         assert_eq!(size.max_message_bytes, Some(256 << 20));
         let err = FileConfig::parse("max_message_bytes = \"lots\"").unwrap_err();
         assert!(err.to_string().contains("invalid size \"lots\""), "{err}");
+        let err = FileConfig::parse("max_message_bytes = -1").unwrap_err();
+        assert!(err.to_string().contains("-1 is not a size"), "{err}");
         assert_eq!(parse_message_size("2GB"), Ok(2 << 30));
     }
 

@@ -414,7 +414,9 @@ async fn room_for_sessions(dst: &Client, config: &crate::replicate::RunConfig) -
         .query_one(
             "SELECT current_setting('max_connections')::int \
                     - CASE WHEN (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user) \
-                           THEN 0 ELSE current_setting('superuser_reserved_connections')::int END, \
+                           THEN 0 ELSE current_setting('superuser_reserved_connections')::int \
+                                       + CASE WHEN coalesce(pg_catalog.pg_has_role(current_user, pg_catalog.to_regrole('pg_use_reserved_connections'), 'MEMBER'), false) \
+                                              THEN 0 ELSE coalesce(current_setting('reserved_connections', true)::int, 0) END END, \
                     (SELECT count(*) FROM pg_catalog.pg_stat_activity \
                      WHERE backend_type = 'client backend' AND pid <> pg_catalog.pg_backend_pid())::int",
             &[],
@@ -425,7 +427,7 @@ async fn room_for_sessions(dst: &Client, config: &crate::replicate::RunConfig) -
     let needed = sessions_needed(config);
     let free = i64::from(allowed) - i64::from(others);
     (free < needed).then(|| format!(
-        "the target has room for {free} more sessions (max_connections less the reserved ones, {allowed}, of which {others} in use now), and a run with these settings keeps up to about {needed} there: it would retry \"too many clients\" errors until sessions end; raise max_connections on the target"
+        "the target has room for {free} more sessions (max_connections less the ones reserved for other roles, {allowed}, of which {others} in use now), and a run with these settings keeps up to about {needed} there: it would retry \"too many clients\" errors until sessions end; raise max_connections on the target"
     ))
 }
 
