@@ -508,6 +508,11 @@ async fn run_in_span(
     };
     let copy_status = copy::status(&setup, &config.slot).await?;
     let slot_exists = session.slot_exists(&config.slot).await?;
+    if slot_exists {
+        session
+            .refuse_another_databases_slot(&config.slot, &identity.database)
+            .await?;
+    }
     // The slot of a finished copy was dropped: the changes it held are lost, so with --copy-data
     // the copy is made again, into a new slot. (An invalidated slot still exists: ensure_slot
     // names it.)

@@ -418,6 +418,22 @@ async fn refuse_a_slot_not_ours(
     } else if plugin != "pgoutput" {
         Some(format!("a logical slot of plugin {plugin:?}"))
     } else if database != here {
+        // This target's state for the slot names that database: --source points at the
+        // wrong one, and the advice below would remove a working mirror's state.
+        let recorded: Option<String> = target
+            .query_opt(
+                "SELECT source_database FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .ok()
+            .flatten()
+            .and_then(|r| r.get(0));
+        if recorded.as_deref() == Some(database.as_str()) {
+            return Err(Error::definite(format!(
+                "not dropping replication slot {slot:?}: it belongs to source database {database:?}, which this target's state for it names too, but --source connects to {here:?}. Nothing was removed: give --source with dbname={database} to drop it and remove its state"
+            )));
+        }
         Some(format!("a slot of database {database:?}, not of {here:?}"))
     } else {
         None

@@ -2636,6 +2636,45 @@ async fn a_start_refused_for_another_database_leaves_the_slots_state() {
         (publications, database),
         (vec!["p".to_owned()], db.name.clone())
     );
+    // With --copy-data too, the database is what is named (not "drop the slot and its state").
+    let out = run_with_deadline(
+        db.pgapply_via(
+            &source,
+            &db.target_conninfo(),
+            &db.slot(),
+            "q",
+            &["--copy-data"],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("belongs to database") && !err.contains("forget"),
+        "{err}"
+    );
+    // And forget --drop-slot through that database says to connect to the slot's.
+    let out = run_with_deadline(
+        common::pgapply_command(&[
+            "forget",
+            "--target",
+            &db.target_conninfo(),
+            "--slot",
+            &db.slot(),
+            "--drop-slot",
+            "--source",
+            &source,
+        ]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("give --source with dbname={} to drop it", db.name)),
+        "{err}"
+    );
     let out = db.sync("p").await;
     assert!(
         !stderr(&out).contains("other publications until now"),

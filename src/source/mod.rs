@@ -289,6 +289,26 @@ impl ReplicationSession {
         Ok(!self.conn.simple_query(&sql).await?.rows.is_empty())
     }
 
+    /// Refuses a logical slot of another database than the connection's (`database`): before
+    /// any other refusal, whose advice (drop the slot, forget its state) would be wrong then.
+    pub async fn refuse_another_databases_slot(
+        &mut self,
+        slot: &str,
+        database: &str,
+    ) -> Result<()> {
+        let sql = format!(
+            "SELECT coalesce(database::text, '') AS database FROM pg_catalog.pg_replication_slots WHERE slot_name = {} AND slot_type = 'logical'",
+            quote_literal(slot)
+        );
+        let r = self.conn.simple_query(&sql).await?;
+        match r.first("database") {
+            Some(slot_db) if slot_db != database => Err(Error::definite(format!(
+                "replication slot {slot:?} belongs to database {slot_db:?}, but the source connection is to database {database:?}: connect --source to dbname={slot_db}, or give another --slot for {database:?}"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The process streaming from the slot now, if one is (another pgapply, or a walsender of
     /// a run that just ended and has not noticed yet).
     pub async fn slot_active_pid(&mut self, slot: &str) -> Result<Option<i32>> {
