@@ -672,14 +672,16 @@ async fn run_in_span(
             // A new slot starts at the source's current position: whatever the old one still
             // held for the target would be skipped without a word.
             return Err(Error::definite(format!(
-                "replication slot {:?} no longer exists on the source, but pgapply applied changes from it up to {resume}: a new slot would start after changes that were never applied. Start over with --copy-data --truncate-target (copies the published tables again into a new slot)",
-                config.slot
+                "replication slot {:?} no longer exists on the source ({}), but pgapply applied changes from it up to {resume}: a new slot would start after changes that were never applied. Start over with --copy-data --truncate-target (copies the published tables again into a new slot) (a slot does not survive a failover before PostgreSQL 17, nor one not synced to the standby: README \"A failover of the source\")",
+                config.slot,
+                session.endpoint()
             )));
         }
         if !slot_exists && copy_status == CopyStatus::Done {
             return Err(Error::definite(format!(
-                "replication slot {:?} no longer exists on the source, but the initial copy was made from it: a new slot would start after the changes made since the copy. Start over with --copy-data --truncate-target (copies the published tables again into a new slot)",
-                config.slot
+                "replication slot {:?} no longer exists on the source ({}), but the initial copy was made from it: a new slot would start after the changes made since the copy. Start over with --copy-data --truncate-target (copies the published tables again into a new slot) (a slot does not survive a failover before PostgreSQL 17, nor one not synced to the standby: README \"A failover of the source\")",
+                config.slot,
+                session.endpoint()
             )));
         }
         // A slot of the source, and no state for it on this target: the first run on a slot made
