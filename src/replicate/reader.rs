@@ -70,7 +70,6 @@ pub(super) struct Reader<'a> {
 
 /// What the last progress line said.
 struct Logged {
-    received: Lsn,
     transactions: u64,
     at: Instant,
 }
@@ -151,7 +150,6 @@ impl Reader<'_> {
         lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_log = Instant::now();
         let mut logged = Logged {
-            received: self.received,
             transactions: METRICS.transactions.get(),
             at: Instant::now(),
         };
@@ -247,11 +245,12 @@ impl Reader<'_> {
     /// The periodic progress line: every 10 s while the stream moves (or a transaction is being
     /// received), every 10 minutes while it is idle.
     fn log_progress(&mut self, logged: &mut Logged) {
-        let moved = self.received != logged.received || self.in_transaction;
+        // (Positions move with writes to unpublished tables too: not what "idle" means here.)
+        let transactions = METRICS.transactions.get();
+        let moved = transactions != logged.transactions || self.in_transaction || self.queued() > 0;
         if !moved && logged.at.elapsed() < Duration::from_secs(600) {
             return;
         }
-        let transactions = METRICS.transactions.get();
         let receiving = self
             .transaction_started
             .filter(|_| self.in_transaction)
@@ -267,7 +266,6 @@ impl Reader<'_> {
             if moved { "replicating" } else { "replicating (idle)" }
         );
         *logged = Logged {
-            received: self.received,
             transactions,
             at: Instant::now(),
         };
