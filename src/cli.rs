@@ -131,8 +131,8 @@ pub struct RunArgs {
     pub endpos: Option<String>,
     /// Receive large transactions while they run (PostgreSQL 14+): `on` spools them until they
     /// commit; `parallel` (16+; `on` with a 14 or 15 source) applies one at a time as it
-    /// arrives, on a second target connection [default: off: sources 16 to 18 were seen sending
-    /// a large value's change that ROLLBACK TO SAVEPOINT undid as kept when streaming].
+    /// arrives, on a second target connection [default: off: sources were seen sending, when
+    /// streaming, changes that ROLLBACK TO SAVEPOINT undid as kept (README: Supported versions)].
     #[arg(long, value_enum, env = "PGAPPLY_STREAMING")]
     pub streaming: Option<Streaming>,
     /// Replicate PREPARE TRANSACTION as prepared transactions on the target (PostgreSQL 15+).

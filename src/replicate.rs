@@ -915,12 +915,15 @@ async fn run_in_span(
         if resume.is_valid() && resume >= endpos {
             tracing::info!(%endpos, %resume, "already applied up to the end position");
             // (Right after an initial copy the row still says `copying`: `status`, and a
-            // cutover waiting for a copy to end, would take it for one under way.)
+            // cutover waiting for a copy to end, would take it for one under way.) Another
+            // process's row too when nothing streams the slot: that one was killed, and `status`
+            // and `forget` would take it for a live worker until its heartbeat aged.
+            let nobody_streams = session.slot_active_pid(&config.slot).await.ok() == Some(None);
             if let Err(e) = setup
                 .execute(
                     "UPDATE pgapply.progress SET state = 'stopped', pid = NULL, heartbeat_at = now() \
-                     WHERE slot_name = $1 AND (pid IS NULL OR pid = $2)",
-                    &[&config.slot, &(std::process::id() as i32)],
+                     WHERE slot_name = $1 AND (pid IS NULL OR pid = $2 OR ($3 AND state IS DISTINCT FROM 'copying'))",
+                    &[&config.slot, &(std::process::id() as i32), &nobody_streams],
                 )
                 .await
             {

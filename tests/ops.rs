@@ -2870,3 +2870,53 @@ async fn a_replication_loop_without_origin_none_is_named() {
     let out = db.sync("p").await;
     assert!(stderr(&out).contains(said), "{}", stderr(&out));
 }
+
+/// A worker killed with kill -9, then a run whose end position is applied already: it records
+/// the slot stopped (nothing streams it), so `status` and `forget` do not take the dead process
+/// for a live worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_position_applied_already_records_a_killed_worker_stopped() {
+    let db = TestDb::new("deadrow").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    db.sync("p").await;
+    let mut child = spawn(db.pgapply("p", &[]));
+    db.wait_slot_active().await;
+    let pid = child.id().unwrap() as i32;
+    wait_for("the worker's row", 60, || async {
+        db.count(
+            &db.target,
+            &format!(
+                "SELECT count(*) FROM pgapply.progress WHERE pid = {pid} AND state = 'streaming'"
+            ),
+        )
+        .await
+            == 1
+    })
+    .await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let slot = db.slot();
+    wait_for("the slot to be let go", 60, || async {
+        db.count(
+            &db.source,
+            &format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{slot}' AND active"
+            ),
+        )
+        .await
+            == 0
+    })
+    .await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", "0/1"]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pgapply.progress WHERE state = 'stopped' AND pid IS NULL"
+        )
+        .await,
+        1
+    );
+}

@@ -129,9 +129,10 @@ pub fn negotiate(server_version: u32, requested: &Requested) -> Result<Negotiate
     if !problems.is_empty() {
         return Err(Error::definite(problems.join("; ")));
     }
-    // Off unless asked for: sources 16 to 18 were seen sending, in a streamed transaction, a
-    // change to a large (TOASTed) value that ROLLBACK TO SAVEPOINT undid as kept (PostgreSQL's
-    // own subscriber applies it too). Not streamed, the source decodes the whole transaction
+    // Off unless asked for: sources were seen sending, in a streamed transaction, changes that
+    // ROLLBACK TO SAVEPOINT undid as kept (a TOASTed value's, 16 to 18; a subtransaction's rows
+    // after the connection started again mid-transaction, 14 to 18), and PostgreSQL's own
+    // subscriber applies them too. Not streamed, the source decodes the whole transaction
     // before sending it, and sends only what committed.
     let streaming = match requested.streaming {
         None => Streaming::Off,
