@@ -628,19 +628,11 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
             // A stop asked while an attempt failed for a passing reason (the slot still in
             // use, say): a stop, as one during the wait after it would be, not a failure.
             Err(e) if (e.is_transient() || e.is_planned_restart()) && *shutdown.borrow() => {
-                let mut target = None;
-                let noting = pgapply::replicate::note_waiting(
-                    &config.target,
-                    &mut target,
-                    &config.slot,
-                    true,
-                );
-                let _ = tokio::time::timeout(Duration::from_secs(5), noting).await;
-                tracing::info!(
-                    slot = %config.slot,
-                    "replication stopped while starting (that attempt ended with: {e})"
-                );
-                tracing::info!(slot = %config.slot, reason = "Shutdown", "done");
+                stopped_between_attempts(
+                    &config,
+                    &format!("while starting (that attempt ended with: {e})"),
+                )
+                .await;
                 return Ok(());
             }
             Err(e) if e.is_transient() && !*shutdown.borrow() => {
@@ -684,25 +676,27 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
                     _ = shutdown.changed() => true,
                 };
                 if stop {
-                    let mut target = None;
-                    let noting = pgapply::replicate::note_waiting(
-                        &config.target,
-                        &mut target,
-                        &config.slot,
-                        true,
-                    );
-                    let _ = tokio::time::timeout(Duration::from_secs(5), noting).await;
-                    tracing::info!(
-                        slot = %config.slot,
-                        "replication stopped while waiting to start again (after: {e})"
-                    );
-                    tracing::info!(slot = %config.slot, reason = "Shutdown", "done");
+                    stopped_between_attempts(
+                        &config,
+                        &format!("while waiting to start again (after: {e})"),
+                    )
+                    .await;
                     return Ok(());
                 }
             }
             Err(e) => return Err(e),
         }
     }
+}
+
+/// A stop asked between two attempts of `run`: recorded on the target (best effort, 5 s at
+/// most) and said, `when` saying where it came.
+async fn stopped_between_attempts(config: &pgapply::replicate::RunConfig, when: &str) {
+    let mut target = None;
+    let noting = pgapply::replicate::note_waiting(&config.target, &mut target, &config.slot, true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), noting).await;
+    tracing::info!(slot = %config.slot, "replication stopped {when}");
+    tracing::info!(slot = %config.slot, reason = "Shutdown", "done");
 }
 
 async fn schema_command(args: SchemaArgs, file: FileConfig) -> Result<(), Error> {

@@ -441,28 +441,23 @@ async fn truncate_target_refuses_a_table_another_slot_filled() {
     // A table published later to a worker that copied before: not emptied, and said why.
     db.both("CREATE TABLE mine (id int PRIMARY KEY)").await;
     db.source_sql("CREATE PUBLICATION q FOR TABLE mine").await;
-    let copy_q = |extra: &'static [&'static str]| {
-        let db = &db;
-        let other = other.clone();
+    // `run --copy-data` of publication q under the second slot, up to now.
+    let copy_q = || {
+        let (db, other) = (&db, other.clone());
         async move {
-            let mut args = vec!["--copy-data", "--endpos"];
             let end = db.source_wal().await;
-            args.push(&end);
-            args.extend_from_slice(extra);
-            run_with_deadline(
-                db.pgapply_via(
-                    &db.source_conninfo(),
-                    &db.target_conninfo(),
-                    &other,
-                    "q",
-                    &args,
-                ),
-                60,
-            )
-            .await
+            let args = ["--copy-data", "--endpos", end.as_str()];
+            let run = db.pgapply_via(
+                &db.source_conninfo(),
+                &db.target_conninfo(),
+                &other,
+                "q",
+                &args,
+            );
+            run_with_deadline(run, 60).await
         }
     };
-    let out = copy_q(&[]).await;
+    let out = copy_q().await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.source_sql("ALTER PUBLICATION q ADD TABLE shared").await;
     let out = run_with_deadline(
@@ -478,7 +473,7 @@ async fn truncate_target_refuses_a_table_another_slot_filled() {
         )),
         "{said}"
     );
-    let out = copy_q(&[]).await;
+    let out = copy_q().await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
         stderr(&out).contains(&format!(

@@ -1248,6 +1248,35 @@ async fn write_past(client: &tokio_postgres::Client, lsn: &str, first: i32, tag:
     .await;
 }
 
+/// `pgapply run` from publication p of the `postgres` database of the cluster at `port` into
+/// `db`'s target, up to `endpos`.
+fn run_from_port(port: u16, db: &TestDb, slot: &str, endpos: &str) -> tokio::process::Command {
+    let source = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
+    let target = db.target_conninfo();
+    common::pgapply_command(&[
+        "run",
+        "--source",
+        &source,
+        "--target",
+        &target,
+        "--publication",
+        "p",
+        "--slot",
+        slot,
+        "--endpos",
+        endpos,
+    ])
+}
+
+/// The server's current WAL position.
+async fn wal(client: &tokio_postgres::Client) -> String {
+    let row = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap();
+    row.get::<_, String>(0)
+}
+
 /// A failover to a standby that was behind: the promoted server's timeline forks below what the
 /// target applied from the old primary. pgapply refuses it (the target holds changes that server
 /// never had, and its own transactions up to there would be skipped), even once its WAL is past
@@ -1273,30 +1302,7 @@ async fn a_promoted_standby_that_was_behind_is_refused_even_once_its_wal_is_ahea
         db.target_sql("CREATE TABLE t (id int PRIMARY KEY, v text)")
             .await;
     }
-    let apply = |port: u16, db: &TestDb, slot: &str, endpos: &str| {
-        let source = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
-        let target = db.target_conninfo();
-        common::pgapply_command(&[
-            "run",
-            "--source",
-            &source,
-            "--target",
-            &target,
-            "--publication",
-            "p",
-            "--slot",
-            slot,
-            "--endpos",
-            endpos,
-        ])
-    };
-    async fn wal(client: &tokio_postgres::Client) -> String {
-        let row = client
-            .query_one("SELECT pg_current_wal_lsn()::text", &[])
-            .await
-            .unwrap();
-        row.get::<_, String>(0)
-    }
+    let apply = run_from_port;
     admin
         .batch_execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, 10) g")
         .await
@@ -1403,30 +1409,7 @@ async fn a_start_refused_by_a_promoted_standby_leaves_the_old_primary_usable() {
     let db = TestDb::new("tlback").await;
     db.target_sql("CREATE TABLE t (id int PRIMARY KEY, v text)")
         .await;
-    let apply = |port: u16, endpos: &str| {
-        let source = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
-        let target = db.target_conninfo();
-        common::pgapply_command(&[
-            "run",
-            "--source",
-            &source,
-            "--target",
-            &target,
-            "--publication",
-            "p",
-            "--slot",
-            "back_slot",
-            "--endpos",
-            endpos,
-        ])
-    };
-    async fn wal(client: &tokio_postgres::Client) -> String {
-        let row = client
-            .query_one("SELECT pg_current_wal_lsn()::text", &[])
-            .await
-            .unwrap();
-        row.get::<_, String>(0)
-    }
+    let apply = |port: u16, endpos: &str| run_from_port(port, &db, "back_slot", endpos);
     let out = run_with_deadline(apply(primary.port, &wal(&admin).await), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     // A standby of it promoted, without the slot (a base backup does not take slots).

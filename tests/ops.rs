@@ -2589,22 +2589,13 @@ async fn a_table_two_workers_publish_into_one_target_is_named() {
         "source table(s) \"public\".\"u\" are published both by this worker's publication(s) q and by publication(s) p of slot \"{}\"",
         db.slot()
     );
-    let out = run_with_deadline(
-        common::pgapply_command(&[
-            "check",
-            "--source",
-            &source,
-            "--target",
-            &target,
-            "--publication",
-            "q",
-            "--slot",
-            &second,
-            "--create-slot",
-        ]),
-        60,
-    )
-    .await;
+    // `check` of the second worker (publication q, its slot), with `extra` options.
+    let check_q = |extra: &[&str]| {
+        let mut args = vec!["--slot", second.as_str(), "--create-slot"];
+        args.extend_from_slice(extra);
+        run_with_deadline(db.on_both_publication("check", "q", &args), 60)
+    };
+    let out = check_q(&[]).await;
     let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
     assert!(
         said.contains(&shared) && !said.contains("\"public\".\"w\" are"),
@@ -2633,26 +2624,8 @@ async fn a_table_two_workers_publish_into_one_target_is_named() {
     let config = std::env::temp_dir().join(format!("pgapply-overlap-{}.toml", db.name));
     std::fs::write(&config, "[tables.\"public.u\"]\ntarget = \"public.u2\"\n").unwrap();
     db.target_sql("CREATE TABLE u2 (id int PRIMARY KEY)").await;
-    let check_mapped = || {
-        run_with_deadline(
-            common::pgapply_command(&[
-                "check",
-                "--source",
-                &source,
-                "--target",
-                &target,
-                "--publication",
-                "q",
-                "--slot",
-                &second,
-                "--create-slot",
-                "--config",
-                config.to_str().unwrap(),
-            ]),
-            60,
-        )
-    };
-    let out = check_mapped().await;
+    let config = config.to_str().unwrap();
+    let out = check_q(&["--config", config]).await;
     let said = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(!said.contains("\"public\".\"u\" are published"), "{said}");
     db.target_sql(&format!(
@@ -2660,7 +2633,7 @@ async fn a_table_two_workers_publish_into_one_target_is_named() {
         db.slot()
     ))
     .await;
-    let out = check_mapped().await;
+    let out = check_q(&["--config", config]).await;
     let said = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(said.contains(&shared), "{said}");
 }

@@ -639,6 +639,11 @@ pub fn own_table_sql(schema: &str, name: &str) -> String {
     )
 }
 
+/// How the target's sessions write and read values, whatever the target database sets: all of
+/// a float's digits, ISO dates, hex bytea; xmloption = content because an xml value may be a
+/// fragment, which a target set to DOCUMENT would refuse (pg_dump sets the same).
+const VALUE_FORMAT: &str = "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET xmloption = content; SET bytea_output = hex";
+
 /// Target tables (slot, schema, name) this process noted in pgapply.slot_tables.
 static TABLES_NOTED: std::sync::LazyLock<
     std::sync::Mutex<std::collections::HashSet<(String, String, String)>>,
@@ -717,22 +722,15 @@ impl Applier {
         }
         let spool = Spool::open(options.spool_dir.clone(), &options.slot)?;
         client
-            .batch_execute(
-                // xmloption = content: an xml value may be a fragment, which a target set to
-                // DOCUMENT would refuse (pg_dump sets the same).
-                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET row_security = off; SET xmloption = content; SET bytea_output = hex",
-            )
+            .batch_execute(&format!("{VALUE_FORMAT}; SET row_security = off"))
             .await
             .map_err(|e| Error::postgres("configuring the target apply session", e))?;
         // The session that writes conflict records turns rows into JSON: values as the apply
         // session reads them (all of a float's digits, ISO dates, xml fragments), not as the
         // target database's own settings would show them.
-        catalog
-            .batch_execute(
-                "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = 3; SET lc_monetary = 'C'; SET xmloption = content; SET bytea_output = hex",
-            )
-            .await
-            .map_err(|e| Error::postgres("configuring the target session for conflict records", e))?;
+        catalog.batch_execute(VALUE_FORMAT).await.map_err(|e| {
+            Error::postgres("configuring the target session for conflict records", e)
+        })?;
         // As PostgreSQL's own subscriber: ordinary triggers and foreign-key checks do not fire for
         // replicated changes. Only superusers (or, from 15, roles granted SET on the parameter)
         // may ask for that; others apply with triggers firing, and are told.

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// What to do about a foreign key only the target has, which checks replicated changes.
+const KEEP_FOREIGN_KEYS_QUIET: &str = "To keep the target a copy of the source: drop that foreign key on the target, or apply as a superuser or, on PostgreSQL 15+, a role granted SET ON PARAMETER session_replication_role (foreign keys are then not checked, as under PostgreSQL's own subscriber), then start pgapply again";
+
 impl Applier {
     pub(super) fn check_outcome(&mut self, outcome: Outcome) {
         let values = self.in_flight_sizes.pop_front().unwrap_or(0);
@@ -317,9 +320,9 @@ impl Applier {
             }
             Some((xid, commit_lsn)) => {
                 let advice = if foreign_key {
-                    "a deferrable foreign key of the target, checked at commit, refused this transaction, which the source did not stop (it has no such foreign key, or its rows differ); the target checks foreign keys on replicated changes because the target role may not set session_replication_role. To keep the target a copy of the source: drop that foreign key on the target, or apply as a superuser or, on PostgreSQL 15+, a role granted SET ON PARAMETER session_replication_role (foreign keys are then not checked, as under PostgreSQL's own subscriber), then start pgapply again; or, if the target lacks a row the source has (a mirror started without --copy-data), copy it from the source. Otherwise, "
+                    format!("a deferrable foreign key of the target, checked at commit, refused this transaction, which the source did not stop (it has no such foreign key, or its rows differ); the target checks foreign keys on replicated changes because the target role may not set session_replication_role. {KEEP_FOREIGN_KEYS_QUIET}; or, if the target lacks a row the source has (a mirror started without --copy-data), copy it from the source. Otherwise, ")
                 } else {
-                    ""
+                    String::new()
                 };
                 let err = Error::definite(format!(
                     "{} (source transaction xid {xid}, commit LSN {commit_lsn}): {advice}{}",
@@ -424,7 +427,7 @@ impl Applier {
                         None => quote_ident(child),
                     };
                     return format!(
-                        "rows of target table {child} still refer to the row of {table} this {} changes, through its foreign key{constraint}, which the source did not stop (it has no such foreign key, or its rows differ), and the target checks it on replicated changes because the target role may not set session_replication_role. To keep the target a copy of the source: drop that foreign key on the target, or apply as a superuser or, on PostgreSQL 15+, a role granted SET ON PARAMETER session_replication_role (foreign keys are then not checked, as under PostgreSQL's own subscriber), then start pgapply again. Deleting or changing the referring rows on the target (or ON DELETE/ON UPDATE CASCADE) is right only for rows the source does not have (a target-only table): rows that came from the source would then differ from it. Or {}",
+                        "rows of target table {child} still refer to the row of {table} this {} changes, through its foreign key{constraint}, which the source did not stop (it has no such foreign key, or its rows differ), and the target checks it on replicated changes because the target role may not set session_replication_role. {KEEP_FOREIGN_KEYS_QUIET}. Deleting or changing the referring rows on the target (or ON DELETE/ON UPDATE CASCADE) is right only for rows the source does not have (a target-only table): rows that came from the source would then differ from it. Or {}",
                         about.operation,
                         self.skip_hint(about.commit_lsn)
                     );
