@@ -2686,6 +2686,70 @@ async fn a_start_refused_for_another_database_leaves_the_slots_state() {
 /// `check` compares the room the target has for sessions with what a run keeps there: a full
 /// target refuses them as "too many clients", which reads as someone else's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_says_when_the_target_has_no_free_origin_state_for_each_worker() {
+    let c = common::clusters();
+    let setting = if c.target_major >= 18 {
+        "max_active_replication_origins = 2"
+    } else {
+        "max_replication_slots = 2"
+    };
+    let small = pgapply::cluster::LocalCluster::start(&c.target_bin, &[setting])
+        .expect("a target cluster of its own");
+    let db = TestDb::new("origin_states").await;
+    db.source_sql("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let target = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        small.port
+    );
+    let check = |workers: &'static str| {
+        let source = db.source_conninfo();
+        let target = target.clone();
+        let slot = db.slot();
+        async move {
+            let cmd = common::pgapply_command(&[
+                "check",
+                "--source",
+                &source,
+                "--target",
+                &target,
+                "--publication",
+                "p",
+                "--slot",
+                &slot,
+                "--apply-workers",
+                workers,
+            ]);
+            let out = run_with_deadline(cmd, 60).await;
+            String::from_utf8_lossy(&out.stdout).to_string()
+        }
+    };
+    let said = check("2").await;
+    assert!(!said.contains("free replication origin state"), "{said}");
+    let said = check("3").await;
+    assert!(
+        said.contains("the target has 2 free replication origin state(s)")
+            && said.contains("this run binds 3"),
+        "{said}"
+    );
+    // An origin of someone else's that holds a state leaves one.
+    let target_client = common::connect(small.port, "postgres").await;
+    target_client
+        .batch_execute(
+            "SELECT pg_replication_origin_create('someone_else'); \
+             SELECT pg_replication_origin_advance('someone_else', '0/10');",
+        )
+        .await
+        .expect("an origin holding a state");
+    let said = check("2").await;
+    assert!(
+        said.contains("the target has 1 free replication origin state(s)")
+            && said.contains("1 held by other origins"),
+        "{said}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_says_when_the_target_has_no_room_for_the_runs_sessions() {
     let c = common::clusters();
     let small = pgapply::cluster::LocalCluster::start(&c.target_bin, &["max_connections = 12"])

@@ -389,6 +389,9 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
         if let Some(warning) = room_for_sessions(dst, &config).await {
             report.warning(warning);
         }
+        if let Some(problem) = room_for_origins(dst, &config).await {
+            report.problem(problem);
+        }
     }
     finish(report)
 }
@@ -428,6 +431,50 @@ async fn room_for_sessions(dst: &Client, config: &crate::replicate::RunConfig) -
     let free = i64::from(allowed) - i64::from(others);
     (free < needed).then(|| format!(
         "the target has room for {free} more sessions (max_connections less the ones reserved for other roles, {allowed}, of which {others} in use now), and a run with these settings keeps up to about {needed} there: it would retry \"too many clients\" errors until sessions end; raise max_connections on the target"
+    ))
+}
+
+/// Whether the target has a free replication origin state for each origin a run binds (one per
+/// apply worker, and the second session of `--streaming parallel`): without one, `run` stops at
+/// its start (53400). States this slot's own origins hold already are theirs to reuse. Not said
+/// when the role may not use origins (progress then goes to a table, or `check` says that
+/// --apply-workers needs them) or may not read their states.
+async fn room_for_origins(dst: &Client, config: &crate::replicate::RunConfig) -> Option<String> {
+    let origin = format!("pgapply_{}", config.slot);
+    let row = dst
+        .query_one(
+            "SELECT (SELECT rolsuper OR (pg_catalog.current_setting('server_version_num')::int >= 140000 \
+                            AND has_function_privilege('pg_catalog.pg_replication_origin_session_setup(text)', 'EXECUTE')) \
+                     FROM pg_catalog.pg_roles WHERE rolname = current_user), \
+                    coalesce(pg_catalog.current_setting('max_active_replication_origins', true), \
+                             pg_catalog.current_setting('max_replication_slots'))::int, \
+                    (SELECT count(*) FROM pg_catalog.pg_replication_origin_status s \
+                     WHERE NOT (s.external_id = $1 OR left(s.external_id, length($1) + 2) = $1 || '-w'))::int",
+            &[&origin],
+        )
+        .await
+        .ok()?;
+    let (may_use, limit, taken): (Option<bool>, i32, i32) = (row.get(0), row.get(1), row.get(2));
+    if may_use != Some(true) {
+        return None;
+    }
+    let parallel = matches!(
+        config.requested.streaming,
+        Some(crate::cli::Streaming::Parallel)
+    );
+    let needed = if parallel {
+        crate::replicate::LIVE_HELPER_INDEX as i64 + 1
+    } else {
+        config.apply_workers.max(1) as i64
+    };
+    let free = i64::from(limit) - i64::from(taken);
+    let setting = if server_version(dst).await >= 180000 {
+        "max_active_replication_origins"
+    } else {
+        "max_replication_slots"
+    };
+    (free < needed).then(|| format!(
+        "the target has {free} free replication origin state(s) ({setting} = {limit}, {taken} held by other origins: other subscriptions and pgapply slots), and this run binds {needed} (one per apply worker, two for --streaming parallel): it would stop at its start; raise {setting} on the target (a restart), use fewer --apply-workers, or free the origins of slots no longer replicated into this cluster (pgapply forget --slot <slot> in the database each went into; SELECT external_id FROM pg_replication_origin_status lists them)"
     ))
 }
 

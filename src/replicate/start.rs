@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 
 /// The `--streaming parallel` helper records its position in the origin a second parallel worker
 /// would use (`pgapply_<slot>-w1`): the two never run together.
-pub(super) const LIVE_HELPER_INDEX: usize = 1;
+pub(crate) const LIVE_HELPER_INDEX: usize = 1;
 
 /// The applier of a run, connected and ready: one, or parallel workers behind a dispatcher.
 pub(super) enum ApplyStart {
