@@ -2828,20 +2828,46 @@ async fn a_replication_loop_without_origin_none_is_named() {
         .await
         .unwrap()
         .get(0);
-    // The way back's state, as a worker from the target into the source keeps it there.
+    // The way back's state, as a worker from the target into the source keeps it there: first
+    // one whose publication (on the target) publishes only a table this run does not write.
+    db.both("CREATE TABLE u (id int PRIMARY KEY)").await;
+    db.target
+        .batch_execute("CREATE PUBLICATION back_pub FOR TABLE u")
+        .await
+        .unwrap();
     db.source_sql(&format!(
         "CREATE SCHEMA pgapply; \
-         CREATE TABLE pgapply.progress (slot_name text PRIMARY KEY, source_system_id text, source_database text, stop_lsn pg_lsn); \
-         INSERT INTO pgapply.progress VALUES ('back_slot', '{target_id}', '{}', NULL)",
+         CREATE TABLE pgapply.progress (slot_name text PRIMARY KEY, source_system_id text, source_database text, stop_lsn pg_lsn, publications text[]); \
+         INSERT INTO pgapply.progress VALUES ('back_slot', '{target_id}', '{}', NULL, '{{back_pub}}')",
         db.name
     ))
     .await;
     let said = "a pgapply worker (slot \"back_slot\") replicates from this target into this source";
     let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
     let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains(said), "{text}");
+    let out = db.sync("p").await;
+    assert!(!stderr(&out).contains(said), "{}", stderr(&out));
+    // Then it publishes t as well: what this run applies to t goes back.
+    db.target
+        .batch_execute("ALTER PUBLICATION back_pub ADD TABLE t")
+        .await
+        .unwrap();
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains(said), "{text}");
     let out = db.sync("p").await;
     assert!(stderr(&out).contains(said), "{}", stderr(&out));
+    // A worker whose publications are not recorded (an older pgapply's state) counts too.
+    db.source_sql("UPDATE pgapply.progress SET publications = NULL")
+        .await;
+    db.target
+        .batch_execute("ALTER PUBLICATION back_pub DROP TABLE t")
+        .await
+        .unwrap();
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(said), "{text}");
 }
 
 /// A worker killed with kill -9, then a run whose end position is applied already: it records

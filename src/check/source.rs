@@ -247,8 +247,13 @@ pub(super) async fn check_source(
         report.warning(warning);
     }
     if let Some(dst) = dst {
-        if let Some(warning) =
-            crate::replicate::replication_loop(src, dst, config.requested.origin_none).await
+        if let Some(warning) = crate::replicate::replication_loop(
+            src,
+            dst,
+            config.requested.origin_none,
+            (&existing, &config.table_map),
+        )
+        .await
         {
             report.warning(warning);
         }

@@ -525,6 +525,7 @@ pub async fn replication_loop(
     source: &tokio_postgres::Client,
     target: &tokio_postgres::Client,
     origin_none: bool,
+    (publications, table_map): (&[String], &crate::config::TableMap),
 ) -> Option<String> {
     if origin_none {
         return None;
@@ -554,9 +555,9 @@ pub async fn replication_loop(
     if !exists {
         return None;
     }
-    let back: Vec<String> = source
+    let back: Vec<(String, Option<Vec<String>>)> = source
         .query(
-            "SELECT slot_name FROM pgapply.progress \
+            "SELECT slot_name, publications FROM pgapply.progress \
              WHERE source_system_id = $1 AND coalesce(source_database, $2) = $2 AND stop_lsn IS NULL \
              ORDER BY 1",
             &[&target_id, &target_db],
@@ -564,12 +565,61 @@ pub async fn replication_loop(
         .await
         .ok()?
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| (r.get(0), r.get(1)))
         .collect();
-    let first = back.first()?;
+    // Only a worker that publishes back a table this run writes makes a loop (two-way
+    // replication of disjoint tables is fine). Its publications are read where they are, on
+    // this target; one whose publications are not recorded (an older pgapply) is taken to.
+    let ours: Vec<String> = crate::copy::published_tables(source, publications, table_map)
+        .await
+        .ok()?
+        .iter()
+        .map(|t| t.target_qualified())
+        .collect();
+    let mut first = None;
+    for (slot, theirs) in &back {
+        let Some(theirs) = theirs else {
+            first = Some(slot);
+            break;
+        };
+        if publishes_any(target, theirs, &ours).await.unwrap_or(true) {
+            first = Some(slot);
+            break;
+        }
+    }
+    let first = first?;
     Some(format!(
         "a pgapply worker (slot {first:?}) replicates from this target into this source (its state is in pgapply.progress on the source): with --origin any, as this run has, what that worker applies on the source comes back here, and what this run applies goes back there, for ever, unless that worker runs with --origin none. For two-way replication give both directions --origin none (PostgreSQL 16+ sources; README: \"Several workers\", two-way)"
     ))
+}
+
+/// Whether `publications` (on `server`) publish any of `tables` (qualified names), a partition
+/// or a partitioned table counted with its tree (12+; names alone before). (A table that is
+/// no partition has no ancestors, itself neither: compared as it is first.)
+async fn publishes_any(
+    server: &tokio_postgres::Client,
+    publications: &[String],
+    tables: &[String],
+) -> std::result::Result<bool, tokio_postgres::Error> {
+    let tree = crate::sql::server_version(server).await? >= 120000;
+    let query = if tree {
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables p \
+                        CROSS JOIN LATERAL (SELECT pg_catalog.to_regclass(t) AS rel FROM unnest($2::text[]) t) ours \
+                        WHERE p.pubname = ANY($1) AND ours.rel IS NOT NULL \
+                          AND (ours.rel = pg_catalog.format('%I.%I', p.schemaname, p.tablename)::regclass \
+                               OR ours.rel IN (SELECT relid FROM pg_catalog.pg_partition_ancestors(pg_catalog.format('%I.%I', p.schemaname, p.tablename)::regclass)) \
+                               OR pg_catalog.format('%I.%I', p.schemaname, p.tablename)::regclass \
+                                  IN (SELECT relid FROM pg_catalog.pg_partition_ancestors(ours.rel))))"
+    } else {
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables p \
+                        WHERE p.pubname = ANY($1) \
+                          AND pg_catalog.format('%I.%I', p.schemaname, p.tablename)::regclass \
+                              = ANY(SELECT pg_catalog.to_regclass(t) FROM unnest($2::text[]) t))"
+    };
+    Ok(server
+        .query_one(query, &[&publications, &tables])
+        .await?
+        .get(0))
 }
 
 /// Entries of the config file's `[tables]` (renames, conflict policies) that name no published
@@ -617,7 +667,14 @@ pub(super) async fn target_tables_exist(
     for problem in unmatched_table_settings(config, &tables) {
         tracing::warn!("{problem}");
     }
-    if let Some(warning) = replication_loop(&source, target, config.requested.origin_none).await {
+    if let Some(warning) = replication_loop(
+        &source,
+        target,
+        config.requested.origin_none,
+        (&config.publications, &config.table_map),
+    )
+    .await
+    {
         tracing::warn!("{warning}");
     }
     for shared in tables_shared_with_other_slots(
