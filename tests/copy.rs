@@ -1329,6 +1329,18 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
         stderr(&out)
     );
     assert!(text.contains("step 5: 1 table(s) verified"), "{text}");
+    // So it is once the stop was cleared on the target (as to go back to mirroring after a
+    // rehearsal): the first cutover finished all the same.
+    let clear_stop =
+        format!("UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{slot}'");
+    db.target_sql(&clear_stop).await;
+    let out = cutover(&[]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("finished at") && stderr(&out).contains("--again"),
+        "{}",
+        stderr(&out)
+    );
     // (And, this time, without the verify that keeps writes frozen longest.)
     let again = cutover(&["--again", "--no-verify"]).await;
     let again_text = String::from_utf8_lossy(&again.stdout).to_string();
@@ -1351,7 +1363,9 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
         .unwrap()
         .get(0);
     // Now the target has handed out a value of its own: a cutover from the old primary is
-    // refused even with --again, and the target's sequence stays where it is.
+    // refused even with --again, and the target's sequence stays where it is (the stop
+    // cleared on the target or not).
+    db.target_sql(&clear_stop).await;
     let out = cutover(&["--again"]).await;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
@@ -3986,6 +4000,143 @@ async fn cutover_does_not_trust_a_worker_that_stopped_answering() {
         .await,
         0
     );
+}
+
+/// A cutover given a slot the target has no state for (a misspelt --slot that exists, another
+/// target's slot, one made by hand) is refused before anything is done, naming the slots that
+/// do replicate into this database: it used to apply that slot's changes here itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_of_a_slot_never_replicated_here_is_refused() {
+    let db = TestDb::new("cutwrongslot").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v int)").await;
+    db.source_sql("INSERT INTO t VALUES (1, 0); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    copy_up_to_now(&db).await;
+    let other = format!("{}_other", db.slot());
+    db.source
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&other],
+        )
+        .await
+        .unwrap();
+    let role = format!("app_{}", db.name);
+    db.source_sql(&format!("CREATE ROLE {role} LOGIN")).await;
+    db.source_sql("UPDATE t SET v = v + 1").await;
+    let before: String = db
+        .source
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&other],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let out = run_with_deadline(
+        db.on_both(
+            "cutover",
+            &[
+                "--slot",
+                &other,
+                "--timeout",
+                "30s",
+                "--freeze-writes",
+                &role,
+            ],
+        ),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "the target has no pgapply state for slot \"{other}\""
+        )) && err.contains(&format!("\"{}\"", db.slot()))
+            && err.contains("nothing was done"),
+        "{err}"
+    );
+    let after: String = db
+        .source
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&other],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(before, after);
+    assert_eq!(
+        db.count(
+            &db.source,
+            &format!("SELECT count(*) FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole WHERE r.rolname = '{role}'"),
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM t WHERE v = 1")
+            .await,
+        0
+    );
+    db.drop_slot_named(&other).await;
+}
+
+/// A worker that goes away while the cutover waits for its lag (killed, here while a lock on
+/// the target holds it back) is taken over: the cutover applies the rest itself, as when none
+/// ran, instead of failing for want of its heartbeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_takes_over_from_a_worker_killed_while_it_waits_for_the_lag() {
+    let db = TestDb::new("cutkilled").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY, v int)").await;
+    db.source_sql("INSERT INTO t VALUES (1, 0); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    copy_up_to_now(&db).await;
+    let mut worker = spawn(db.pgapply("p", &[]));
+    db.wait_slot_active().await;
+    let holder = connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    db.source_sql("INSERT INTO t SELECT g, g FROM generate_series(2, 100) g")
+        .await;
+    wait_for("the worker to wait for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await >= 1
+    })
+    .await;
+    let out_path = std::env::temp_dir().join(format!("pgapply-test-{}-cutover.out", db.name));
+    let mut cmd = db.on_both(
+        "cutover",
+        &["--slot", &db.slot(), "--timeout", "90s", "--max-lag", "1"],
+    );
+    cmd.stdout(std::fs::File::create(&out_path).unwrap());
+    cmd.stderr(std::process::Stdio::piped());
+    let cutover = cmd.spawn().unwrap();
+    wait_for("the cutover to wait for the lag", 60, || async {
+        std::fs::read_to_string(&out_path)
+            .unwrap_or_default()
+            .contains("step 1: lag")
+    })
+    .await;
+    worker.start_kill().unwrap();
+    let _ = worker.wait().await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        cutover.wait_with_output(),
+    )
+    .await
+    .expect("the cutover to end")
+    .unwrap();
+    let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let _ = std::fs::remove_file(&out_path);
+    assert_eq!(out.status.code(), Some(0), "{text}\n{}", stderr(&out));
+    assert!(
+        text.contains("the worker let go of slot") && text.contains("cutover done"),
+        "{text}"
+    );
+    db.assert_same("t").await;
 }
 
 /// An initial copy first makes sure that the apply session can bind to its replication origin

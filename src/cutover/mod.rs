@@ -147,6 +147,56 @@ async fn has_progress(target: &Client, slot: &str) -> Result<bool> {
         .is_some())
 }
 
+/// Whether `slot` is the way back an earlier `cutover --reverse` made on this source (then the
+/// target of that cutover): `<forward>_reverse`, where the source's pgapply state says a
+/// cutover stopped slot `<forward>`.
+async fn made_by_a_reverse_cutover(source: &Client, slot: &str) -> bool {
+    let Some(forward) = slot.strip_suffix("_reverse").filter(|f| !f.is_empty()) else {
+        return false;
+    };
+    let has_state = source
+        .query_one("SELECT to_regclass('pgapply.progress') IS NOT NULL", &[])
+        .await
+        .is_ok_and(|r| r.get::<_, bool>(0));
+    has_state
+        && source
+            .query_opt(
+                "SELECT 1 FROM pgapply.progress WHERE slot_name = $1 \
+                 AND (stop_lsn IS NOT NULL OR cutover_done_at IS NOT NULL)",
+                &[&forward],
+            )
+            .await
+            .is_ok_and(|r| r.is_some())
+}
+
+/// Refuses a cutover of a slot the target has no state for when other slots replicate the
+/// same publications into it (their states' publications unknown: counted), naming them.
+async fn refuse_a_slot_not_replicated_here(
+    target: &Client,
+    slot: &str,
+    publications: &[String],
+) -> Result<()> {
+    let others: Vec<String> = target
+        .query(
+            "SELECT slot_name FROM pgapply.progress \
+             WHERE slot_name <> $1 AND (publications IS NULL OR publications && $2::text[]) ORDER BY 1",
+            &[&slot, &publications],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading pgapply.progress on the target", e))?
+        .iter()
+        .map(|r| format!("{:?}", r.get::<_, String>(0)))
+        .collect();
+    if others.is_empty() {
+        return Ok(());
+    }
+    Err(Error::definite(format!(
+        "the target has no pgapply state for slot {slot:?}: no pgapply run has replicated from it into this database, while slot(s) {} replicate publication {} here: a cutover of slot {slot:?} would apply its changes over that mirror's, from wherever the slot is (nothing was done). Check --slot (the slot of the worker that replicates into this --target; pgapply status lists them)",
+        others.join(", "),
+        publications.join(", ")
+    )))
+}
+
 /// Whether a `pgapply run --copy-data` is copying for the slot now: its state says so and its
 /// heartbeat (every 10 s) is fresh (a killed one's state says so too, but goes stale).
 async fn copy_under_way(target: &Client, slot: &str) -> Result<bool> {
@@ -307,10 +357,21 @@ pub async fn cutover(
     }
     again(&source, &target, &slot, settings.again, &sequences).await?;
     wait_for_a_starting_worker(&source, &target, &slot, deadline).await?;
-    if slot_state(&source, &slot).await?.0 && !has_progress(&target, &slot).await? {
-        return Err(Error::definite(format!(
-            "a worker streams slot {slot:?}, but the target has no pgapply progress for it: is --target the database that worker replicates into? (nothing was done)"
-        )));
+    if !has_progress(&target, &slot).await? {
+        if slot_state(&source, &slot).await?.0 {
+            return Err(Error::definite(format!(
+                "a worker streams slot {slot:?}, but the target has no pgapply progress for it: is --target the database that worker replicates into? (nothing was done)"
+            )));
+        }
+        // A slot no pgapply run replicated into this database, while another slot's worker
+        // replicates the same publication here: a misspelt --slot (another target's slot, one
+        // made by hand), which would apply its changes over that mirror's, from wherever the
+        // slot happens to be. (A slot made for this cutover alone, into a database no worker
+        // replicates that publication into, is applied from its start; so is the slot an
+        // earlier `cutover --reverse` made for the way back.)
+        if !made_by_a_reverse_cutover(&source, &slot).await {
+            refuse_a_slot_not_replicated_here(&target, &slot, &run_config.publications).await?;
+        }
     }
 
     STEP.store(1, Ordering::Relaxed);
@@ -341,116 +402,24 @@ pub async fn cutover(
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     if active {
-        // The worker must also be seen working: a stopped (hung) one keeps its last lag figures,
-        // low ones too, until the source gives up on it. Its heartbeat on the target (every
-        // status interval, 10 s at most) must move while we look: that needs no privilege on
-        // the source, and works on every version.
-        let heartbeat = || async {
-            target
-                .query_opt(
-                    "SELECT heartbeat_at::text FROM pgapply.progress WHERE slot_name = $1",
-                    &[&slot],
-                )
-                .await
-                .map(|r| r.and_then(|r| r.get::<_, Option<String>>(0)))
-                .map_err(|e| {
-                    Error::postgres("step 1: reading the worker's heartbeat on the target", e)
-                })
-        };
-        let first_heartbeat = heartbeat().await?;
-        // (From here: a wait for the initial copy above does not count against the worker.)
-        let watching = Instant::now();
-        let mut said_waiting = false;
-        loop {
-            let (_, confirmed, current) = slot_state(&source, &slot).await?;
-            let bytes = current.0.saturating_sub(confirmed.0);
-            // flush_lag is NULL while the worker is idle and caught up.
-            let row = source
-                .query_one(
-                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8, \
-                            (pg_current_wal_lsn() - r.sent_lsn)::float8 \
-                     FROM pg_replication_slots s \
-                     LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1",
-                    &[&slot],
-                )
-                .await
-                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?;
-            let seconds: f64 = row.get(0);
-            // How far the walsender's sending trails the source's WAL: while it is still
-            // decoding a backlog it sends nothing, and the worker, with nothing in flight,
-            // would say 0 s.
-            let unsent: Option<f64> = row.get(1);
-            // The walsender's flush_lag counts until the worker's next status update: for a
-            // quiet publication on a busy cluster it never falls below the status interval
-            // (10 s by default). The worker's own figure (the age of the last applied commit
-            // while it is behind, 0 when it is not: recorded by its heartbeat) does.
-            let worker: Option<f64> = target
-                .query_opt(
-                    "SELECT lag_seconds FROM pgapply.progress WHERE slot_name = $1",
-                    &[&slot],
-                )
-                .await
-                .map_err(|e| Error::postgres("step 1: reading the worker's lag on the target", e))?
-                .and_then(|r| r.get(0));
-            let caught_up = unsent.is_some_and(|u| u <= 16.0 * 1024.0 * 1024.0);
-            let seconds = match worker {
-                Some(w) if caught_up => seconds.min(w.max(0.0)),
-                _ => seconds,
-            };
-            let answering = heartbeat().await? != first_heartbeat;
-            let below = match settings.max_lag {
-                MaxLag::Bytes(max) => bytes <= max,
-                MaxLag::Time(max) => seconds <= max.as_secs_f64(),
-            };
-            let waiting = if below && !answering {
-                ": below --max-lag, waiting for the worker's next heartbeat on the target (every 10 s at most) to see it alive"
-            } else {
-                ""
-            };
-            // (Said once while it waits for the heartbeat: the figures change little meanwhile.)
-            if waiting.is_empty() || !said_waiting {
-                crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed}){waiting}");
-            }
-            said_waiting |= !waiting.is_empty();
-            if below && answering {
-                break;
-            }
-            // A worker writes its heartbeat every 10 s at most: three times that without one,
-            // and it is not coming.
-            let silent =
-                !answering && watching.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY;
-            if Instant::now() > deadline || silent {
-                if !answering {
-                    return Err(Error::definite(format!(
-                        "step 1: the worker streaming slot {slot:?} wrote no heartbeat on the target in {} (it writes one every status interval, 10 s at most): is it stopped or hung? See its log and pgapply status, then run the cutover again (nothing was changed yet)",
-                        humantime::format_duration(Duration::from_secs(watching.elapsed().as_secs()))
-                    )));
-                }
-                let hint = match settings.max_lag {
-                    MaxLag::Bytes(_) => " (on a source that writes much WAL outside the publication, the slot's confirmed position trails it by up to a status interval's worth: give --max-lag as a duration, 5s say)",
-                    MaxLag::Time(_) => "",
-                };
-                return Err(Error::definite(format!(
-                    "step 1: the lag of slot {slot:?} was still {bytes} bytes, {seconds:.1} s after {} (--timeout), above --max-lag: check that pgapply keeps up (pgapply status), then run the cutover again, or give a larger --max-lag or --timeout{hint} (nothing was changed yet)",
-                    humantime::format_duration(settings.timeout)
-                )));
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
+        active = watch_the_worker(&source, &target, &slot, &settings, deadline).await?;
+        if !active {
+            crate::out!("step 1: the worker let go of slot {slot:?} (stopped, or its connection lost); this command applies the remaining changes itself");
         }
     } else {
         crate::out!("step 1: no worker is streaming slot {slot:?}; this command applies the remaining changes itself");
-        if !settings.freeze_roles.is_empty() {
-            // Catch up while the application still writes: once frozen, it waits only for
-            // what it wrote since.
-            let (_, _, current) = slot_state(&source, &slot).await?;
-            let mut config = run_config.clone();
-            config.endpos = Some(current);
-            let outcome = run_until(config, deadline, "step 1").await?;
-            crate::out!(
-                "step 1: caught up to {} before freezing writes",
-                outcome.flushed
-            );
-        }
+    }
+    if !active && !settings.freeze_roles.is_empty() {
+        // Catch up while the application still writes: once frozen, it waits only for
+        // what it wrote since.
+        let (_, _, current) = slot_state(&source, &slot).await?;
+        let mut config = run_config.clone();
+        config.endpos = Some(current);
+        let outcome = run_until(config, deadline, "step 1").await?;
+        crate::out!(
+            "step 1: caught up to {} before freezing writes",
+            outcome.flushed
+        );
     }
 
     STEP.store(2, Ordering::Relaxed);
@@ -705,7 +674,7 @@ pub async fn cutover(
             .map(|r| r.get::<_, Option<String>>(0).unwrap_or_default());
         if let Some(held) = held {
             crate::out!(
-                "the forward slot {forward:?} on the target (the old primary, primary again) holds {held} of its WAL, more every minute: unless you go forward again with it, drop it there: SELECT pg_drop_replication_slot({})",
+                "the forward slot {forward:?} on the target (the old primary, primary again) holds {held} of its WAL, more every minute: drop it there: SELECT pg_drop_replication_slot({}) (it cannot take a migration forward again: it would send back what came from the new primary; a new migration starts with a new slot and --copy-data)",
                 crate::sql::shown_literal(forward)
             );
         }
@@ -750,6 +719,120 @@ pub async fn cutover(
         slot.replace('\'', "''")
     );
     Ok(())
+}
+
+/// Step 1 with a worker streaming the slot: waits until its lag is below --max-lag and it is
+/// seen alive. Returns false when it lets go of the slot meanwhile (then the cutover applies
+/// the rest itself, as when none ran).
+async fn watch_the_worker(
+    source: &Client,
+    target: &Client,
+    slot: &str,
+    settings: &CutoverSettings,
+    deadline: Instant,
+) -> Result<bool> {
+    // The worker must also be seen working: a stopped (hung) one keeps its last lag figures,
+    // low ones too, until the source gives up on it. Its heartbeat on the target (every
+    // status interval, 10 s at most) must move while we look: that needs no privilege on
+    // the source, and works on every version.
+    let heartbeat = || async {
+        target
+            .query_opt(
+                "SELECT heartbeat_at::text FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map(|r| r.and_then(|r| r.get::<_, Option<String>>(0)))
+            .map_err(|e| Error::postgres("step 1: reading the worker's heartbeat on the target", e))
+    };
+    let first_heartbeat = heartbeat().await?;
+    // (From here: a wait for the initial copy above does not count against the worker.)
+    let watching = Instant::now();
+    let mut said_waiting = false;
+    let mut inactive_since: Option<Instant> = None;
+    loop {
+        let (streamed, confirmed, current) = slot_state(source, slot).await?;
+        // Let go of for a few seconds (a reconnect takes less): stopped, killed, or cut off.
+        if streamed {
+            inactive_since = None;
+        } else if inactive_since.get_or_insert_with(Instant::now).elapsed()
+            >= Duration::from_secs(3)
+        {
+            return Ok(false);
+        }
+        let bytes = current.0.saturating_sub(confirmed.0);
+        // flush_lag is NULL while the worker is idle and caught up.
+        let row = source
+                .query_one(
+                    "SELECT coalesce(extract(epoch FROM r.flush_lag), 0)::float8, \
+                            (pg_current_wal_lsn() - r.sent_lsn)::float8 \
+                     FROM pg_replication_slots s \
+                     LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map_err(|e| Error::postgres("step 1: reading the lag on the source", e))?;
+        let seconds: f64 = row.get(0);
+        // How far the walsender's sending trails the source's WAL: while it is still
+        // decoding a backlog it sends nothing, and the worker, with nothing in flight,
+        // would say 0 s.
+        let unsent: Option<f64> = row.get(1);
+        // The walsender's flush_lag counts until the worker's next status update: for a
+        // quiet publication on a busy cluster it never falls below the status interval
+        // (10 s by default). The worker's own figure (the age of the last applied commit
+        // while it is behind, 0 when it is not: recorded by its heartbeat) does.
+        let worker: Option<f64> = target
+            .query_opt(
+                "SELECT lag_seconds FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| Error::postgres("step 1: reading the worker's lag on the target", e))?
+            .and_then(|r| r.get(0));
+        let caught_up = unsent.is_some_and(|u| u <= 16.0 * 1024.0 * 1024.0);
+        let seconds = match worker {
+            Some(w) if caught_up => seconds.min(w.max(0.0)),
+            _ => seconds,
+        };
+        let answering = heartbeat().await? != first_heartbeat;
+        let below = match settings.max_lag {
+            MaxLag::Bytes(max) => bytes <= max,
+            MaxLag::Time(max) => seconds <= max.as_secs_f64(),
+        };
+        let waiting = if below && !answering {
+            ": below --max-lag, waiting for the worker's next heartbeat on the target (every 10 s at most) to see it alive"
+        } else {
+            ""
+        };
+        // (Said once while it waits for the heartbeat: the figures change little meanwhile.)
+        if waiting.is_empty() || !said_waiting {
+            crate::out!("step 1: lag {bytes} bytes, {seconds:.1} s (source at {current}, confirmed {confirmed}){waiting}");
+        }
+        said_waiting |= !waiting.is_empty();
+        if below && answering {
+            return Ok(true);
+        }
+        // A worker writes its heartbeat every 10 s at most: three times that without one,
+        // and it is not coming.
+        let silent = !answering && watching.elapsed() > 3 * crate::replicate::HEARTBEAT_MAX_EVERY;
+        if Instant::now() > deadline || silent {
+            if !answering {
+                return Err(Error::definite(format!(
+                        "step 1: the worker streaming slot {slot:?} wrote no heartbeat on the target in {} (it writes one every status interval, 10 s at most): is it stopped or hung? See its log and pgapply status, then run the cutover again (nothing was changed yet)",
+                        humantime::format_duration(Duration::from_secs(watching.elapsed().as_secs()))
+                    )));
+            }
+            let hint = match settings.max_lag {
+                    MaxLag::Bytes(_) => " (on a source that writes much WAL outside the publication, the slot's confirmed position trails it by up to a status interval's worth: give --max-lag as a duration, 5s say)",
+                    MaxLag::Time(_) => "",
+                };
+            return Err(Error::definite(format!(
+                    "step 1: the lag of slot {slot:?} was still {bytes} bytes, {seconds:.1} s after {} (--timeout), above --max-lag: check that pgapply keeps up (pgapply status), then run the cutover again, or give a larger --max-lag or --timeout{hint} (nothing was changed yet)",
+                    humantime::format_duration(settings.timeout)
+                )));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// Step 3: takes the end position once the frozen roles' sessions are gone, and drains replication
@@ -934,9 +1017,13 @@ async fn again(
     allowed: bool,
     sequences: &SequencePlan,
 ) -> Result<()> {
-    let previous: Option<(String, Option<String>)> = target
+    // A finished cutover counts whether or not its stop position was cleared since (as to go
+    // back to mirroring after a rehearsal): the applications may write to the target all the
+    // same.
+    let previous: Option<(Option<String>, Option<String>)> = target
         .query_opt(
-            "SELECT stop_lsn::text, cutover_done_at::text FROM pgapply.progress WHERE slot_name = $1 AND stop_lsn IS NOT NULL",
+            "SELECT stop_lsn::text, cutover_done_at::text FROM pgapply.progress \
+             WHERE slot_name = $1 AND (stop_lsn IS NOT NULL OR cutover_done_at IS NOT NULL)",
             &[&slot],
         )
         .await
@@ -945,6 +1032,8 @@ async fn again(
     let Some((previous, done_at)) = previous else {
         return Ok(());
     };
+    let previous =
+        previous.unwrap_or_else(|| "a position (cleared on the target since)".to_owned());
     let reverse = format!("{slot}_reverse");
     // Known from the source's pgapply schema (the reverse run's progress), or from the reverse
     // slot on the target: in use now, or, when the source's schema cannot be read, there at all.
@@ -1011,6 +1100,7 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
     // that stopped answering (SIGSTOP, a hang) keeps it for ever, and waiting for --timeout
     // would only keep the writes frozen longer.
     let mut origin_held_since: Option<Instant> = None;
+    let mut last_said: Option<(String, Instant)> = None;
     loop {
         match run_once_until(config.clone(), deadline, step).await {
             Err(e) if e.is_transient() => {
@@ -1029,10 +1119,19 @@ async fn run_until(config: RunConfig, deadline: Instant, step: &str) -> Result<R
                 } else {
                     origin_held_since = None;
                 }
-                if text.starts_with(step) {
-                    crate::out!("{text}; trying again");
+                // (The same error again within 10 s is not repeated: a lock or a worker's
+                // session held for a while would print it every second.)
+                let shown = if text.starts_with(step) {
+                    format!("{text}; trying again")
                 } else {
-                    crate::out!("{step}: {text}; trying again");
+                    format!("{step}: {text}; trying again")
+                };
+                let repeated = last_said.as_ref().is_some_and(|(said, at)| {
+                    *said == shown && at.elapsed() < Duration::from_secs(10)
+                });
+                if !repeated {
+                    crate::out!("{shown}");
+                    last_said = Some((shown, Instant::now()));
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
