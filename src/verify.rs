@@ -81,7 +81,7 @@ async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32)
         .batch_execute(&format!(
             "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = {float_digits}; \
              SET timezone = 'UTC'; SET bytea_output = hex; SET lc_monetary = 'C'; SET statement_timeout = 0; \
-             SET row_security = off; \
+             SET row_security = off; SET quote_all_identifiers = off; \
              SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'"
         ))
         .await
@@ -205,6 +205,58 @@ async fn target_key_types(
         theirs.by_text = key.by_text;
     }
     Ok(out)
+}
+
+/// The target table's column types (`format_type`, modifiers included), by target column name.
+async fn target_column_types(
+    target: &Client,
+    table: &PublishedTable,
+) -> Result<std::collections::HashMap<String, String>> {
+    let qualified = table.target_qualified();
+    let rows = target
+        .query(
+            "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod) \
+             FROM pg_catalog.pg_attribute a \
+             WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                format!("reading the columns of {qualified} on the target"),
+                e,
+            )
+        })?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// Whether two built-in types (as `format_type` prints them) differ only in their modifier:
+/// `numeric(20,5)` and `numeric(30,10)`, `character(4)` and `character(8)[]`'s array
+/// counterpart, `timestamp(3) without time zone` and `timestamp without time zone`.
+fn same_type_but_modifier(a: &str, b: &str) -> bool {
+    fn unmodified(t: &str) -> String {
+        match (t.find('('), t.find(')')) {
+            (Some(open), Some(close)) if open < close => {
+                format!("{}{}", &t[..open], &t[close + 1..])
+            }
+            _ => t.to_owned(),
+        }
+    }
+    const WITH_MODIFIERS: [&str; 8] = [
+        "numeric",
+        "character",
+        "character varying",
+        "bit",
+        "bit varying",
+        "time",
+        "timestamp",
+        "interval",
+    ];
+    let (a, b) = (unmodified(a), unmodified(b));
+    a == b
+        && WITH_MODIFIERS
+            .iter()
+            .any(|m| a.split([' ', '[']).next() == m.split(' ').next() && a.starts_with(m))
 }
 
 /// Per chunk index: row count and digest (chunks without rows are left out).
@@ -356,15 +408,17 @@ fn key_expr(prefix: &str, key: &Key) -> String {
     }
 }
 
-/// The built-in collatable types of a key (text, varchar, char; arrays of them). `name` sorts
-/// in "C" on every version (and takes no COLLATE before 12).
+/// The built-in types of a key whose order may differ between two databases (text, varchar,
+/// char, name, jsonb; arrays of them).
 fn collatable(ty: &str) -> bool {
     let base = ty.split(['(', '[']).next().unwrap_or(ty).trim();
     // citext may live in another schema than the search path's (printed `ext.citext`).
     let base = base.rsplit('.').next().unwrap_or(base).trim_matches('"');
+    // jsonb compares its strings in the database's default collation; `name` takes a
+    // column's COLLATE from 12 on.
     matches!(
         base,
-        "text" | "character varying" | "character" | "bpchar" | "citext"
+        "text" | "character varying" | "character" | "bpchar" | "citext" | "jsonb" | "name"
     )
 }
 
@@ -486,6 +540,8 @@ struct Sides<'a> {
     target: &'a Client,
     source_table: &'a str,
     target_table: &'a str,
+    /// The source's column list (read as the target's types where only a modifier differs).
+    source_columns: &'a str,
     columns: &'a str,
     keys: &'a [Key],
     target_keys: &'a [Key],
@@ -504,7 +560,7 @@ impl Sides<'_> {
                 self.source,
                 "source",
                 self.source_table,
-                self.columns,
+                self.source_columns,
                 self.keys,
                 self.source_filter,
                 starts
@@ -529,7 +585,7 @@ impl Sides<'_> {
                 self.source,
                 "source",
                 self.source_table,
-                self.columns,
+                self.source_columns,
                 self.keys,
                 self.source_filter,
                 chunk
@@ -598,6 +654,29 @@ async fn verify_table(
         })
         .collect::<Vec<_>>()
         .join(", ");
+    // A column whose type differs on the target only in its modifier (numeric(30,10) for
+    // numeric(20,5), character(8) for character(4), timestamp(0) for timestamp): the source's
+    // values are read as the target's type, as applying them stores them (1.50000 is
+    // 1.5000000000 there), so that equal values compare equal. Key columns keep their types.
+    let target_types = target_column_types(&target, &table).await?;
+    let source_columns = table
+        .columns
+        .iter()
+        .map(|(c, ty)| {
+            let widened = target_types
+                .get(table.target_column(c))
+                .filter(|t| *t != ty && same_type_but_modifier(ty, t))
+                .filter(|_| !keys.iter().any(|k| k.name == *c));
+            match widened {
+                Some(t) => format!("CAST({} AS {t}) AS {}", quote_ident(c), quote_ident(c)),
+                None if ty == "\"char\"" && !keys.iter().any(|k| k.name == *c) => {
+                    format!("pg_catalog.int4({}) AS {}", quote_ident(c), quote_ident(c))
+                }
+                None => quote_ident(c),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
     let mut note = None;
     let mut name = table.qualified();
     let source_table = if also.is_empty() {
@@ -628,7 +707,7 @@ async fn verify_table(
                 .as_ref()
                 .map(|f| format!(" WHERE ({f})"))
                 .unwrap_or_default();
-            parts.push(format!("SELECT {columns} FROM {rows}{filter}"));
+            parts.push(format!("SELECT {source_columns} FROM {rows}{filter}"));
         }
         let names: Vec<String> = std::iter::once(&table)
             .chain(&also)
@@ -673,6 +752,7 @@ async fn verify_table(
         target: &target,
         source_table: &source_table,
         target_table: &target_table,
+        source_columns: &source_columns,
         columns: &columns,
         keys: &keys,
         target_keys: &target_keys,
@@ -1036,6 +1116,31 @@ fn counted(n: u64, what: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn types_that_differ_only_in_their_modifier() {
+        use super::{collatable, same_type_but_modifier};
+        assert!(same_type_but_modifier("numeric(20,5)", "numeric(30,10)"));
+        assert!(same_type_but_modifier("numeric(20,5)", "numeric"));
+        assert!(same_type_but_modifier("character(4)", "character(8)"));
+        assert!(same_type_but_modifier("numeric(10,2)[]", "numeric(12,4)[]"));
+        assert!(same_type_but_modifier(
+            "timestamp(0) without time zone",
+            "timestamp(3) without time zone"
+        ));
+        assert!(!same_type_but_modifier(
+            "character(4)",
+            "character varying(4)"
+        ));
+        assert!(!same_type_but_modifier("numeric(10,2)", "numeric(10,2)[]"));
+        assert!(!same_type_but_modifier("integer", "bigint"));
+        assert!(!same_type_but_modifier(
+            "public.money2(4)",
+            "public.money2(8)"
+        ));
+        assert!(collatable("jsonb") && collatable("name") && collatable("jsonb[]"));
+        assert!(!collatable("integer"));
+    }
+
     use super::key_text;
 
     #[test]

@@ -2051,6 +2051,46 @@ async fn verify_agrees_across_collations_char_keys_and_floats() {
     );
 }
 
+/// A column the target holds in a wider type of the same kind (numeric(30,10) for
+/// numeric(20,5), character(8) for character(4), timestamp(3) for timestamp(0), as the README
+/// advises before widening one on the source): equal values are no mismatch (1.50000 and
+/// 1.5000000000 read alike), and a changed one is still found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reads_equal_values_of_a_wider_target_type_alike() {
+    let db = TestDb::new("verifywide").await;
+    db.source_sql(
+        "CREATE TABLE w (id int PRIMARY KEY, amount numeric(20,5), tag char(4), at timestamp(0), amounts numeric(10,2)[])",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE w (id int PRIMARY KEY, amount numeric(30,10), tag char(8), at timestamp(3), amounts numeric(12,4)[])",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO w SELECT g, g + 0.5, 'ab', '2026-01-01'::timestamp + g * interval '1 s', ARRAY[g + 0.25] FROM generate_series(1, 50) g; \
+         CREATE PUBLICATION p FOR TABLE w;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    let verify = || db.on_both("verify", &["--chunk-rows", "10"]);
+    let out = run_with_deadline(verify(), 120).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("OK        \"public\".\"w\" (50 rows"),
+        "{text}"
+    );
+    db.target_sql("UPDATE w SET amount = amount + 0.00001 WHERE id = 25")
+        .await;
+    let out = run_with_deadline(verify(), 120).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("MISMATCH  \"public\".\"w\"") && text.contains("key range [(21) .. (31))"),
+        "{text}"
+    );
+}
+
 /// A composite key holding text, sorted by another collation on the target, is no mismatch;
 /// a row whose key is NULL on a target without the source's key is one, in the last range,
 /// and counted (a range check left it out of every range: "OK").
