@@ -59,6 +59,8 @@ pub struct TableResult {
     pub note: Option<String>,
     /// Why the table could not be compared (then `ok` is false and nothing else is known).
     pub error: Option<String>,
+    /// That error may pass by itself (a server unreachable, out of connections): exit 3.
+    pub transient: bool,
 }
 
 /// How both sides print floating-point numbers. PostgreSQL 12 changed the output: from 12 on,
@@ -74,6 +76,67 @@ pub fn float_digits(source_version: i32, target_version: i32) -> i32 {
     }
 }
 
+/// The application_name of this process's verify sessions, by which `watch_lock_waits` finds
+/// them (digits only: safe in a literal).
+fn session_name() -> String {
+    format!("pgapply verify {}", std::process::id())
+}
+
+/// Says when one of this process's verify sessions on `side` has waited 5 s for a lock (a table
+/// locked there, by a migration script, say): the verify waits, as it must, and without this it
+/// would stand still without a word, writes frozen meanwhile in a cutover's verify step.
+async fn watch_lock_waits(config: tokio_postgres::Config, side: &'static str) {
+    let Ok(client) = crate::tls::connect_to(&config, side).await else {
+        return;
+    };
+    let mut said = std::collections::HashSet::new();
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let rows = client
+            .query(
+                "SELECT a.pid, \
+                        coalesce((SELECT l.relation::regclass::text FROM pg_catalog.pg_locks l \
+                                  WHERE l.pid = a.pid AND NOT l.granted AND l.relation IS NOT NULL LIMIT 1), ''), \
+                        pg_catalog.array_to_string(pg_catalog.pg_blocking_pids(a.pid), ', '), \
+                        extract(epoch FROM now() - a.state_change)::int8 \
+                 FROM pg_catalog.pg_stat_activity a \
+                 WHERE a.application_name = $1 AND a.wait_event_type = 'Lock' \
+                   AND a.state_change < now() - interval '5 s'",
+                &[&session_name()],
+            )
+            .await;
+        let Ok(rows) = rows else {
+            return;
+        };
+        for row in rows {
+            let pid: i32 = row.get(0);
+            if !said.insert(pid) {
+                continue;
+            }
+            let table: String = row.get(1);
+            let blockers: String = row.get(2);
+            let what = if table.is_empty() {
+                "a lock".to_owned()
+            } else {
+                format!("a lock on table {table}")
+            };
+            tracing::warn!(
+                "verify: reading on the {side} waits for {what}, held by {side} process(es) {blockers}, for {} s now: it goes on once they release it (see pg_stat_activity there; SELECT pg_terminate_backend(pid) ends one)",
+                row.get::<_, i64>(3)
+            );
+        }
+    }
+}
+
+/// A background task that ends with its owner.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32) -> Result<Client> {
     let client = crate::tls::connect_to(config, role).await?;
     // The same text for the same value on both sides; every row, or an error (row_security).
@@ -81,8 +144,9 @@ async fn connect(config: &tokio_postgres::Config, role: &str, float_digits: i32)
         .batch_execute(&format!(
             "SET datestyle = ISO; SET intervalstyle = postgres; SET extra_float_digits = {float_digits}; \
              SET timezone = 'UTC'; SET bytea_output = hex; SET lc_monetary = 'C'; SET statement_timeout = 0; \
-             SET row_security = off; SET quote_all_identifiers = off; \
-             SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'"
+             SET row_security = off; SET quote_all_identifiers = off; SET application_name = '{}'; \
+             SELECT pg_catalog.set_config(name, '0', false) FROM pg_catalog.pg_settings WHERE name = 'transaction_timeout'",
+            session_name()
         ))
         .await
         .map_err(|e| Error::postgres(format!("configuring the {role} session"), e))?;
@@ -833,6 +897,7 @@ async fn verify_table(
         mismatches: Vec::new(),
         note,
         error: None,
+        transient: false,
         target: mapped_target(&table),
     };
     // Chunks that differ are checked again together, round after round (one pause a round,
@@ -923,6 +988,11 @@ pub async fn verify(
     }
     let limit = Arc::new(Semaphore::new(settings.jobs.max(1)));
     let mut tasks = Vec::new();
+    // (Aborted on return, whichever way it goes.)
+    let _watchers = [
+        AbortOnDrop(tokio::spawn(watch_lock_waits(source.clone(), "source"))),
+        AbortOnDrop(tokio::spawn(watch_lock_waits(target.clone(), "target"))),
+    ];
     // Source tables mapped onto one target table are compared with it together.
     let mut by_target: Vec<(PublishedTable, Vec<PublishedTable>)> = Vec::new();
     for table in tables {
@@ -959,13 +1029,20 @@ pub async fn verify(
     // others are still compared.
     let mut results = Vec::new();
     for ((table, schema, name, target), task) in tasks {
-        let error = match task.await {
+        let (error, transient) = match task.await {
             Ok(Ok(result)) => {
                 results.push(result);
                 continue;
             }
-            Ok(Err(e)) => e.to_string(),
-            Err(e) => format!("the verify task failed: {e}"),
+            Ok(Err(e)) => {
+                let transient = e.is_transient();
+                let mut text = e.to_string();
+                if text.contains("53300") {
+                    text.push_str(" (fewer sessions at once: a smaller --jobs)");
+                }
+                (text, transient)
+            }
+            Err(e) => (format!("the verify task failed: {e}"), false),
         };
         results.push(TableResult {
             table,
@@ -978,6 +1055,7 @@ pub async fn verify(
             mismatches: Vec::new(),
             note: None,
             error: Some(error),
+            transient,
             target,
         });
     }
@@ -1068,7 +1146,7 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
         .map(|r| r.shown())
         .collect();
     if !failed.is_empty() {
-        Err(Error::definite(format!(
+        let message = format!(
             "{} could not be compared (see above){}",
             failed.join(", "),
             if bad.len() > failed.len() {
@@ -1076,7 +1154,15 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
             } else {
                 ""
             }
-        )))
+        );
+        // Only for errors that may pass by themselves, and nothing found different: exit 3,
+        // as for a server out of reach (run it again later).
+        let all_transient = results.iter().filter(|r| !r.ok).all(|r| r.transient);
+        Err(if all_transient {
+            Error::transient(message)
+        } else {
+            Error::definite(message)
+        })
     } else if bad.is_empty() {
         Ok(())
     } else {

@@ -2091,6 +2091,39 @@ async fn verify_reads_equal_values_of_a_wider_target_type_alike() {
     );
 }
 
+/// A table locked on the target holds verify up, as it must; after 5 s its log says so, naming
+/// the table, and once the lock goes it finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_says_when_it_waits_for_a_lock() {
+    let db = TestDb::new("verifylock").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO t SELECT generate_series(1, 10); CREATE PUBLICATION p FOR TABLE t;")
+        .await;
+    copy_up_to_now(&db).await;
+    let holder = connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let (mut verify, log) = common::spawn_logged(db.on_both("verify", &[]));
+    wait_for("verify to say it waits for the lock", 60, || async {
+        std::fs::read_to_string(&log).unwrap_or_default().contains(
+            "verify: reading on the target waits for a lock on table t, held by target process(es)",
+        )
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), verify.wait())
+        .await
+        .expect("verify to end once the lock is gone")
+        .unwrap();
+    assert!(
+        status.success(),
+        "{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+}
+
 /// A composite key holding text, sorted by another collation on the target, is no mismatch;
 /// a row whose key is NULL on a target without the source's key is one, in the last range,
 /// and counted (a range check left it out of every range: "OK").

@@ -812,8 +812,8 @@ pub async fn copy_tables(
     let total_jobs = jobs.len();
     tracing::info!(
         tables = tables.len(),
-        jobs = total_jobs,
-        workers = settings.jobs,
+        parts = total_jobs,
+        copy_jobs = settings.jobs,
         "starting the copy"
     );
     let queue = Arc::new(Mutex::new(jobs.into_iter()));
