@@ -13,7 +13,7 @@ use std::sync::Arc;
 use tokio_postgres::Client;
 
 use crate::error::{Error, Result};
-use crate::protocol::pgoutput::{Oid, Relation, ReplicaIdentity, TypeInfo};
+use crate::protocol::pgoutput::{Oid, Relation, RelationColumn, ReplicaIdentity, TypeInfo};
 use crate::sql::{qualified_name, quote_ident};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -347,6 +347,27 @@ impl RelationCache {
         let renames = self
             .column_map
             .get(&(schema.clone(), relation.name.clone()));
+        // Names swapped between columns on the source (through a temporary name): every name
+        // is still there, so changes apply by name without an error, into columns whose rows
+        // hold the other's values. Said, as the target must follow.
+        if let Some(k) = &known {
+            let moved = renamed_in_place(&k.source.columns, &relation.columns);
+            let swapped = !moved.is_empty()
+                && moved
+                    .iter()
+                    .all(|(_, new)| moved.iter().any(|(old, _)| old == new));
+            if swapped && renames.is_none() {
+                tracing::warn!(
+                    "columns of table {shown} swapped names on the source ({}): pgapply applies by name, so the rows already on the target hold each column's values under the other name until the target is renamed the same way ({}; best with pgapply stopped right after the source's rename), or the values are copied again",
+                    moved
+                        .iter()
+                        .map(|(old, new)| format!("{} to {}", quote_ident(old), quote_ident(new)))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    rename_columns_sql(&target.qualified, &moved).join("; ")
+                );
+            }
+        }
         for column in &relation.columns {
             let wanted = renames
                 .and_then(|r| r.get(&column.name))
@@ -367,6 +388,30 @@ impl RelationCache {
                             && target.columns.iter().any(|t| t.name == before.name))
                         .then(|| before.name.clone())
                     });
+                    // Several renamed at once, a name moving on to the next column (price to
+                    // price_old, price_new to price): each old name must go to its new one on
+                    // the target, in an order that frees each name before it is taken.
+                    let shifted = known
+                        .as_ref()
+                        .map(|k| renamed_in_place(&k.source.columns, &relation.columns))
+                        .unwrap_or_default();
+                    let shift_applies = shifted.len() > 1
+                        && shifted.iter().any(|(_, new)| new == &column.name)
+                        && shifted
+                            .iter()
+                            .all(|(old, _)| target.columns.iter().any(|t| t.name == *old));
+                    if shift_applies {
+                        return Error::definite(format!(
+                            "columns of table {shown} were renamed on the source ({}): rename them on the target too, in this order ({}); adding {} instead would leave the rows already there with their values under the old names; if the source renamed them in the middle of a transaction, whose earlier changes still name the old columns, also map each old name onto its new one in the config file until pgapply is past them; then start pgapply again",
+                            shifted
+                                .iter()
+                                .map(|(old, new)| format!("{} to {}", quote_ident(old), quote_ident(new)))
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            rename_columns_sql(&target.qualified, &shifted).join("; "),
+                            quote_ident(&column.name)
+                        ));
+                    }
                     if let Some(old) = renamed {
                         return Error::definite(format!(
                             "column {} of table {shown} is gone on the source and {} is new in its place: if it was renamed, rename it on the target too (ALTER TABLE {} RENAME COLUMN {} TO {}; if the source renamed it in the middle of a transaction, whose earlier changes still name {}, also map the old name onto it in the config file until pgapply is past them: {}); if one was dropped and the other added, add {} on the target (ALTER TABLE {} ADD COLUMN ...); then start pgapply again",
@@ -755,6 +800,59 @@ fn rename_table_sql(from: &TargetTable, schema: &str, name: &str) -> String {
 
 /// The config file line that applies source column `from` of table `schema.table` to target
 /// column `to`: a dotted key, one line of valid TOML (before any `[table]` header of the file).
+/// Columns renamed on the source, as two descriptions of one table show them: at the same
+/// position, of the same type, under another name (a rename keeps a column's place). Empty
+/// when columns were added or dropped (positions no longer line up) or a type changed.
+fn renamed_in_place(before: &[RelationColumn], now: &[RelationColumn]) -> Vec<(String, String)> {
+    if before.len() != now.len()
+        || before
+            .iter()
+            .zip(now)
+            .any(|(b, n)| b.type_oid != n.type_oid)
+    {
+        return Vec::new();
+    }
+    before
+        .iter()
+        .zip(now)
+        .filter(|(b, n)| b.name != n.name)
+        .map(|(b, n)| (b.name.clone(), n.name.clone()))
+        .collect()
+}
+
+/// RENAME COLUMN statements that give the target's columns the new names of `renames`, in an
+/// order in which each new name is free when taken (a swap goes through a temporary name).
+fn rename_columns_sql(table: &str, renames: &[(String, String)]) -> Vec<String> {
+    let mut pending = renames.to_vec();
+    let mut out = Vec::new();
+    let sql = |from: &str, to: &str| {
+        format!(
+            "ALTER TABLE {table} RENAME COLUMN {} TO {}",
+            quote_ident(from),
+            quote_ident(to)
+        )
+    };
+    while !pending.is_empty() {
+        let free = pending
+            .iter()
+            .position(|(_, new)| !pending.iter().any(|(old, _)| old == new));
+        match free {
+            Some(i) => {
+                let (old, new) = pending.remove(i);
+                out.push(sql(&old, &new));
+            }
+            None => {
+                // Every new name is held by another column still to rename: a cycle.
+                let (old, new) = pending.remove(0);
+                let temporary = format!("{old}_pgapply_tmp");
+                out.push(sql(&old, &temporary));
+                pending.push((temporary, new));
+            }
+        }
+    }
+    out
+}
+
 fn column_map_lines(schema: &str, table: &str, from: &str, to: &str) -> String {
     let toml = |s: &str| format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""));
     let name = format!("{schema}.{table}");
@@ -800,6 +898,42 @@ mod tests {
             "timestamp(3) without time zone"
         )
         .is_some());
+    }
+
+    #[test]
+    fn renames_in_place_are_ordered_so_that_each_name_is_free() {
+        use super::{rename_columns_sql, renamed_in_place};
+        use crate::protocol::pgoutput::RelationColumn;
+        let col = |name: &str, type_oid| RelationColumn {
+            flags: 0,
+            name: name.to_owned(),
+            type_oid,
+            type_modifier: -1,
+        };
+        let before = [col("id", 23), col("price", 23), col("price_new", 23)];
+        let now = [col("id", 23), col("price_old", 23), col("price", 23)];
+        let moved = renamed_in_place(&before, &now);
+        assert_eq!(
+            rename_columns_sql("t", &moved),
+            [
+                "ALTER TABLE t RENAME COLUMN \"price\" TO \"price_old\"",
+                "ALTER TABLE t RENAME COLUMN \"price_new\" TO \"price\""
+            ]
+        );
+        // A swap goes through a temporary name.
+        let swapped = [col("id", 23), col("price_new", 23), col("price", 23)];
+        let moved = renamed_in_place(&before, &swapped);
+        assert_eq!(
+            rename_columns_sql("t", &moved),
+            [
+                "ALTER TABLE t RENAME COLUMN \"price\" TO \"price_pgapply_tmp\"",
+                "ALTER TABLE t RENAME COLUMN \"price_new\" TO \"price\"",
+                "ALTER TABLE t RENAME COLUMN \"price_pgapply_tmp\" TO \"price_new\""
+            ]
+        );
+        // A column added or a type changed: positions say nothing.
+        assert!(renamed_in_place(&before, &now[..2]).is_empty());
+        assert!(renamed_in_place(&before, &[col("id", 23), col("a", 20), col("b", 23)]).is_empty());
     }
 
     #[test]

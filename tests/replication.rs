@@ -967,6 +967,65 @@ async fn a_column_renamed_while_stopped_commits_what_came_before() {
     db.assert_same("r").await;
 }
 
+/// Two columns renamed at once on the source, a name moving on to the next column (price to
+/// price_old, price_new to price): the error gives both renames, in an order that works (it
+/// advised adding "price_old", which left the old prices under "price" on the target). And
+/// a swap of names, which applies without an error, is warned of.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn columns_renamed_along_are_renamed_in_order_on_the_target() {
+    let db = TestDb::new("renshift").await;
+    db.both("CREATE TABLE items (id int PRIMARY KEY, price int, price_new int, qty int, nn int)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE items").await;
+    db.source_sql("INSERT INTO items SELECT g, g, g * 100, g, -g FROM generate_series(1, 5) g")
+        .await;
+    db.sync("p").await;
+    db.source_sql("UPDATE items SET qty = 10 WHERE id = 1")
+        .await;
+    db.source_sql(
+        "ALTER TABLE items RENAME COLUMN price TO price_old; \
+         ALTER TABLE items RENAME COLUMN price_new TO price; \
+         UPDATE items SET qty = 20 WHERE id = 2;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(
+        db.pgapply("p", &["--endpos", &endpos, "--max-retries", "1"]),
+        60,
+    )
+    .await;
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("ALTER TABLE \"public\".\"items\" RENAME COLUMN \"price\" TO \"price_old\"; ALTER TABLE \"public\".\"items\" RENAME COLUMN \"price_new\" TO \"price\""),
+        "{err}"
+    );
+    db.target_sql(
+        "ALTER TABLE items RENAME COLUMN price TO price_old; \
+         ALTER TABLE items RENAME COLUMN price_new TO price;",
+    )
+    .await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("items").await;
+    // Names swapped: applied by name, without an error, and said.
+    db.source_sql("UPDATE items SET qty = 30 WHERE id = 3")
+        .await;
+    db.source_sql(
+        "ALTER TABLE items RENAME COLUMN qty TO tmp; ALTER TABLE items RENAME COLUMN nn TO qty; \
+         ALTER TABLE items RENAME COLUMN tmp TO nn; UPDATE items SET price = 0 WHERE id = 4;",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("columns of table \"public\".\"items\" swapped names on the source (\"qty\" to \"nn\", \"nn\" to \"qty\")"),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_type_changed_while_binary_values_arrive_starts_again_with_text() {
     let c = common::clusters();
