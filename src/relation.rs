@@ -460,7 +460,10 @@ impl RelationCache {
                             quote_ident(&column.name)
                         ),
                     };
-                    let type_name = column_type_name(column);
+                    let type_name = match column_type_name(column) {
+                        unknown if unknown == "..." => "<its type on the source: pgapply check prints it; a type of the source's own (an enum, a domain, a composite) is created on the target first>".to_owned(),
+                        known => known,
+                    };
                     Error::definite(format!(
                         "column {}{mapped} of table {shown} is replicated from the source but does not exist in target table {}: add it on the target (ALTER TABLE {} ADD COLUMN {} {type_name}, with the DEFAULT and NOT NULL it has on the source if its default is a constant: the rows already there took it on the source; a default computed for each row, such as now(), gives them other values than the source's, so copy those from the source; `pgapply check` prints the statement; if the source has dropped it since, these changes come from before that: add it back for now, nullable, and drop it once pgapply is past them){renamed}{or_mapping}",
                         quote_ident(&column.name),

@@ -2790,3 +2790,21 @@ async fn check_says_when_the_target_has_no_room_for_the_runs_sessions() {
         "{said}"
     );
 }
+
+/// A column of a type of the source's own that the target lacks, type and all: `check`'s ADD
+/// COLUMN says to create the type first (the statement alone fails on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_says_to_create_a_missing_columns_type_first() {
+    let db = TestDb::new("newtype").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.source_sql("CREATE TYPE color AS ENUM ('red', 'blue'); ALTER TABLE t ADD COLUMN c color")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("ADD COLUMN \"c\" public.color")
+            && text.contains("(type public.color does not exist on the target: create it there first"),
+        "{text}"
+    );
+}

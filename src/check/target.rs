@@ -437,8 +437,19 @@ pub(super) async fn check_target(
                     } else {
                         ""
                     };
+                    // A type of the source's own (an enum, a domain, a composite) the target
+                    // lacks: the statement would fail on it.
+                    let type_missing = dst
+                        .query_one("SELECT pg_catalog.to_regtype($1) IS NULL", &[&source_type])
+                        .await
+                        .is_ok_and(|r| r.get::<_, bool>(0));
+                    let create_type = if type_missing {
+                        format!(" (type {source_type} does not exist on the target: create it there first, as the source has it: pg_dump --schema-only of the source shows its CREATE TYPE or CREATE DOMAIN)")
+                    } else {
+                        String::new()
+                    };
                     report.problem(format!(
-                        "column {} of {qualified} is published but missing on the target: ALTER TABLE {qualified} ADD COLUMN {} {source_type}{definition}{note}{renamed}",
+                        "column {} of {qualified} is published but missing on the target: ALTER TABLE {qualified} ADD COLUMN {} {source_type}{definition}{create_type}{note}{renamed}",
                         named(column),
                         quote_ident(column)
                     ));
