@@ -68,7 +68,7 @@ pub async fn collect(args: &StatusArgs, file: &FileConfig) -> Result<Vec<SlotSta
     // A lock held on pgapply's tables (a long transaction, a DDL waiting) must not make status,
     // which is wanted most when something is wrong, wait without a word.
     target
-        .batch_execute("SET lock_timeout = '10s'")
+        .batch_execute("SET lock_timeout = '10s'; SET statement_timeout = 0")
         .await
         .map_err(|e| Error::postgres("setting lock_timeout on the target", e))?;
     let exists: bool = target

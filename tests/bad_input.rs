@@ -2804,7 +2804,8 @@ async fn check_says_to_create_a_missing_columns_type_first() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("ADD COLUMN \"c\" public.color")
-            && text.contains("(type public.color does not exist on the target: create it there first"),
+            && text
+                .contains("(type public.color does not exist on the target: create it there first"),
         "{text}"
     );
 }

@@ -2919,3 +2919,36 @@ async fn an_end_position_applied_already_records_a_killed_worker_stopped() {
         1
     );
 }
+
+/// A statement_timeout the target sets for every session (here the database's, 1 ms) does not
+/// cut `status` and `check` short: they read the catalogs without it, as `run` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_check_are_not_cut_short_by_the_targets_statement_timeout() {
+    let db = TestDb::new("stmttimeout").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t SELECT generate_series(1, 10)")
+        .await;
+    db.sync("p").await;
+    db.target_sql(&format!(
+        "ALTER DATABASE {} SET statement_timeout = '1ms'",
+        db.name
+    ))
+    .await;
+    let out = run_with_deadline(
+        common::pgapply_command(&["status", "--target", &db.target_conninfo()]),
+        60,
+    )
+    .await;
+    let status_ok = out.status.success();
+    let status_err = stderr(&out);
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    db.target_sql(&format!(
+        "ALTER DATABASE {} RESET statement_timeout",
+        db.name
+    ))
+    .await;
+    assert!(status_ok, "{status_err}");
+    assert!(!text.contains("statement timeout"), "{text}");
+}

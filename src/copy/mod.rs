@@ -1204,7 +1204,22 @@ async fn copy_one(
             quote_literal(snapshot)
         ))
         .await
-        .map_err(src_err)?;
+        .map_err(|e| {
+            // The snapshot lives as long as the replication session that exported it: that
+            // session ended (its connection lost, its walsender ended) before this part began.
+            // Nothing to fix: the copy starts over, with a new slot and snapshot.
+            if matches!(
+                e.code().map(|c| c.code()),
+                Some("22023") | Some("42704")
+            ) {
+                Error::transient(format!(
+                    "copying {what} from the source: the copy's snapshot is gone ({}): the replication session that exported it ended (its connection lost, or its walsender ended on the source); the copy starts over",
+                    crate::error::describe_postgres(&e)
+                ))
+            } else {
+                src_err(e)
+            }
+        })?;
     // A table rewritten by ALTER TABLE since the snapshot has rows the snapshot cannot see (they
     // carry the ALTER's transaction id), and the rewrite is not streamed: copied now, it would
     // come out empty. Locked first (so it cannot happen from here on; the lock covers a
