@@ -35,18 +35,18 @@ pub(super) async fn fenced_warning(
         .ok()
         .flatten()
         .is_some_and(|r| r.get::<_, Option<bool>>(0) == Some(true));
-    let undo = format!(
-        "UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}'",
-        slot.replace('\'', "''")
-    );
     if done {
         tracing::info!(
             slot,
             stop_lsn = %fence,
-            "this slot was stopped at {fence} by a finished `pgapply cutover`: the target is the new primary, and this worker has nothing more to apply; stop it (and `pgapply forget --drop-slot` the slot once you no longer need a way back). Only if that cutover was a rehearsal and the applications still write to the source: mirror again by clearing the stop on the target ({undo}); the cutover that finishes then needs --again"
+            "this slot was stopped at {fence} by a finished `pgapply cutover`: the target is the new primary, and this worker has nothing more to apply; stop it (and `pgapply forget --drop-slot` the slot once you no longer need a way back)"
         );
         return;
     }
+    let undo = format!(
+        "UPDATE pgapply.progress SET stop_lsn = NULL WHERE slot_name = '{}'",
+        slot.replace('\'', "''")
+    );
     if reached_now {
         tracing::info!(
             slot,
