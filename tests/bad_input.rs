@@ -286,7 +286,7 @@ async fn an_enum_value_and_a_domain_check_only_one_side_has_are_named() {
     expect_failure(
         db.pgapply("p", &[]),
         &[
-            "CHECK constraint \"short\" of domain \"public\".\"short_text\"",
+            "CHECK constraint \"short\" of domain \"public\".\"short_text\" on the target refuses the source's value for column \"d\" of",
             "ALTER DOMAIN \"public\".\"short_text\" DROP CONSTRAINT \"short\"",
         ],
     )

@@ -238,7 +238,7 @@ impl Dispatcher {
             // description is needed by every worker: pgoutput does not send it again for later
             // transactions once the streamed one commits.
             LogicalMessage::Relation(r) if self.streaming => {
-                self.learn(r.clone()).await;
+                self.learn(r.clone()).await?;
                 for w in 1..self.workers.len() {
                     self.send(w, copy(&envelope))?;
                 }
@@ -290,7 +290,7 @@ impl Dispatcher {
                 self.dispatch(end).await
             }
             LogicalMessage::Relation(r) => {
-                self.learn(r.clone()).await;
+                self.learn(r.clone()).await?;
                 if self.held.is_some() {
                     self.hold(envelope).await
                 } else {
@@ -315,8 +315,16 @@ impl Dispatcher {
     }
 
     /// Reads a Relation message: where its table goes and whether it may run in parallel.
-    async fn learn(&mut self, relation: crate::protocol::pgoutput::Relation) {
+    async fn learn(&mut self, relation: crate::protocol::pgoutput::Relation) -> Result<()> {
         let oid = relation.oid;
+        // Its catalog session gone (ended on the target, the connection lost): every table
+        // learnt from here on would go serial, slowly and without a word. Started again instead,
+        // as one apply session would be.
+        if self.catalog.is_closed() {
+            return Err(crate::error::Error::transient(
+                "the target session that reads table descriptions for --apply-workers ended (terminated on the target, or its connection lost): starting again",
+            ));
+        }
         // Keys are compared by their bytes: only types whose equal values have equal text run
         // in parallel (not numeric 1.0 and 1.00, floats, case-insensitive text ...).
         let keyed = matches!(
@@ -351,6 +359,12 @@ impl Dispatcher {
             "parallel apply of the relation's changes"
         );
         self.keys.insert(oid, key);
+        if self.catalog.is_closed() {
+            return Err(crate::error::Error::transient(
+                "the target session that reads table descriptions for --apply-workers ended (terminated on the target, or its connection lost): starting again",
+            ));
+        }
+        Ok(())
     }
 
     /// The rows a change touches, hashed; `None` when they can not be told (serial).

@@ -459,7 +459,26 @@ impl Applier {
                             (_, t) => quote_ident(t.unwrap_or_default()),
                         })
                         .unwrap_or_default();
-                    format!("the CHECK constraint {} of domain {domain} on the target refuses the source's value for a column of target table {table}: drop or change it on the target (ALTER DOMAIN {domain} DROP CONSTRAINT {}), then start pgapply again; or {}", quote_ident(name), quote_ident(name), self.skip_hint(about.commit_lsn))
+                    // The target columns of that domain (or arrays of it): the error names none.
+                    let datatype = db.and_then(|d| d.datatype()).unwrap_or_default();
+                    let columns: Vec<String> = about
+                        .relation
+                        .target
+                        .columns
+                        .iter()
+                        .filter(|c| {
+                            let base = c.type_name.trim_end_matches("[]");
+                            let unqualified = base.rsplit('.').next().unwrap_or(base);
+                            unqualified.trim_matches('"').replace("\"\"", "\"") == datatype
+                        })
+                        .map(|c| quote_ident(&c.name))
+                        .collect();
+                    let which = match columns.as_slice() {
+                        [] => "a column".to_owned(),
+                        [one] => format!("column {one}"),
+                        more => format!("one of columns {}", more.join(", ")),
+                    };
+                    format!("the CHECK constraint {} of domain {domain} on the target refuses the source's value for {which} of target table {table}: drop or change it on the target (ALTER DOMAIN {domain} DROP CONSTRAINT {}), then start pgapply again; or {}", quote_ident(name), quote_ident(name), self.skip_hint(about.commit_lsn))
                 }
                 None if db.is_some_and(|d| d.message().starts_with("no partition")) => format!("no partition of target table {table} takes the source's row: create the partition on the target (as on the source), then start pgapply again"),
                 None => format!("target table {table} is a partition whose bounds do not take the source's row (the target's partitions differ from the source's): make its bounds match the source's, or apply into the partitioned table (`[tables]` in the config file), then start pgapply again"),
