@@ -1501,3 +1501,42 @@ async fn a_read_only_first_host_is_passed_over_for_one_that_takes_writes() {
     );
     db.assert_same("t").await;
 }
+
+/// Every pgapply session on the target ended while nothing is applied (as a target restart
+/// does): the idle apply session's loss is found within seconds and the run starts again,
+/// rather than at the next change while `status` says streaming; that change then arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_apply_session_ended_on_the_target_is_replaced() {
+    let db = TestDb::new("idlegone").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    let (mut worker, log) = common::spawn_logged(db.pgapply("p", &[]));
+    wait_for("the first row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 1
+    })
+    .await;
+    db.target_sql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'pgapply' AND pid <> pg_backend_pid()",
+    )
+    .await;
+    wait_for("the closed apply session to be found", 60, || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("the apply session's connection to the target was closed")
+    })
+    .await;
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    wait_for("the second row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 2
+    })
+    .await;
+    common::signal(&worker, libc::SIGTERM);
+    let status = worker.wait().await.unwrap();
+    assert!(
+        status.success(),
+        "{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+}

@@ -994,7 +994,23 @@ impl Applier {
             if self.failure.is_some() {
                 self.fail_if_failed().await?;
             }
-            let next = if !rx.is_empty() || self.in_flight_mut().is_empty() {
+            let idle = rx.is_empty() && self.current.is_none() && self.in_flight_mut().is_empty();
+            let next = if idle {
+                // Nothing under way: a session the target closed meanwhile (restarted, or the
+                // session ended there) is found now, not at the next change, which may come
+                // much later while `status` says streaming.
+                tokio::select! {
+                    envelope = rx.recv() => Next::Message(envelope),
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => {
+                        if self.client.is_closed() {
+                            return Err(Error::transient(
+                                "the apply session's connection to the target was closed (the target restarted, or the session was ended there): starting again",
+                            ));
+                        }
+                        continue;
+                    }
+                }
+            } else if !rx.is_empty() || self.in_flight_mut().is_empty() {
                 Next::Message(rx.recv().await)
             } else {
                 // Nothing to apply right now: take the target's answers while waiting, so a
