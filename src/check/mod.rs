@@ -296,9 +296,16 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
                 Some(src) => crate::copy::covered_by_copies(src, recorded).await,
                 None => recorded.into_iter().collect(),
             };
+            // A copied table renamed on the source since (same oid, a name the copy state does
+            // not have): not new, and `run` moves its copy state to the new name.
+            let renamed = match &source {
+                Some(src) => renamed_since_copy(dst, src, &config.slot, &tables).await,
+                None => Vec::new(),
+            };
             let later: Vec<&crate::copy::PublishedTable> = tables
                 .iter()
                 .filter(|t| !recorded.contains(&(t.schema.clone(), t.name.clone())))
+                .filter(|t| !renamed.contains(&(t.schema.clone(), t.name.clone())))
                 .collect();
             // Target tables another worker fills: a copy would have to empty them.
             let filled = crate::copy::other_slots_filling(dst, &config.slot, &later).await;
@@ -400,6 +407,47 @@ pub async fn check_command(args: &CheckArgs, file: &FileConfig) -> Result<()> {
         }
     }
     finish(report)
+}
+
+/// Published tables the slot's copy took in under another name (renamed on the source since
+/// the copy: the copy state's oid is theirs, its name is no published table's).
+async fn renamed_since_copy(
+    dst: &Client,
+    src: &Client,
+    slot: &str,
+    tables: &[crate::copy::PublishedTable],
+) -> Vec<(String, String)> {
+    let Ok(rows) = dst
+        .query(
+            "SELECT schema_name, table_name, source_relid FROM pgapply.copy_state \
+             WHERE slot_name = $1 AND source_relid IS NOT NULL",
+            &[&slot],
+        )
+        .await
+    else {
+        return Vec::new();
+    };
+    let published = |s: &str, n: &str| tables.iter().any(|t| t.schema == s && t.name == n);
+    let old_oids: Vec<u32> = rows
+        .iter()
+        .filter(|r| !published(&r.get::<_, String>(0), &r.get::<_, String>(1)))
+        .map(|r| r.get(2))
+        .collect();
+    if old_oids.is_empty() {
+        return Vec::new();
+    }
+    let mut renamed = Vec::new();
+    for t in tables {
+        let oid = src
+            .query_one("SELECT pg_catalog.to_regclass($1)::oid", &[&t.qualified()])
+            .await
+            .ok()
+            .and_then(|r| r.get::<_, Option<u32>>(0));
+        if oid.is_some_and(|o| old_oids.contains(&o)) {
+            renamed.push((t.schema.clone(), t.name.clone()));
+        }
+    }
+    renamed
 }
 
 /// Sessions a run may keep on the target (README: "Room in max_connections").
