@@ -51,7 +51,8 @@ impl Applier {
     }
 
     /// Waits for answers while too much is in flight: by parameter values (the statements'
-    /// size), and by statements, as each costs memory whatever it carries. (Messages leave the
+    /// size; each KiB of a value counted as one value more, so that large values stay within
+    /// about 20 MB in flight), and by statements, as each costs memory whatever it carries. (Messages leave the
     /// reader's byte-bounded queue once they are statements: without this, a target slower than
     /// the source would let the statements of tens of thousands of small transactions, sent but
     /// unanswered, grow without bound, as a parallel worker's BEGIN and COMMIT carry no values.)
@@ -211,8 +212,18 @@ impl Applier {
                 batch,
                 orders,
             } = pending;
-            self.in_flight_sizes.push_back(params.len());
-            self.in_flight_values += params.len();
+            // Each KiB of a value counts as one value more: a row of 1 MB values would
+            // otherwise let thousands of megabytes wait for their answers (values count rows).
+            let weight = params.len()
+                + params
+                    .iter()
+                    .map(|p| match p {
+                        WireValue::Null => 0,
+                        WireValue::Text(b) | WireValue::Binary(b) => b.len() / 1024,
+                    })
+                    .sum::<usize>();
+            self.in_flight_sizes.push_back(weight);
+            self.in_flight_values += weight;
             self.submitted += 1;
             let statement = match request {
                 Request::Prepared(statement) => statement,
