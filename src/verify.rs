@@ -306,21 +306,21 @@ fn same_type_but_modifier(a: &str, b: &str) -> bool {
             _ => t.to_owned(),
         }
     }
-    const WITH_MODIFIERS: [&str; 8] = [
+    // First words of the built-in types a modifier changes (character varying, bit varying,
+    // time with time zone ... included).
+    const WITH_MODIFIERS: [&str; 6] = [
         "numeric",
         "character",
-        "character varying",
         "bit",
-        "bit varying",
         "time",
         "timestamp",
         "interval",
     ];
     let (a, b) = (unmodified(a), unmodified(b));
     a == b
-        && WITH_MODIFIERS
-            .iter()
-            .any(|m| a.split([' ', '[']).next() == m.split(' ').next() && a.starts_with(m))
+        && a.split([' ', '['])
+            .next()
+            .is_some_and(|first| WITH_MODIFIERS.contains(&first))
 }
 
 /// Per chunk index: row count and digest (chunks without rows are left out).
@@ -706,41 +706,35 @@ async fn verify_table(
     // A "char" byte above 127 is written raw (no valid UTF-8) by PostgreSQL 14 and older, as an
     // octal escape by 15 and later: compared as the number both sides agree on. (Not a key
     // column: keys keep their type, to be compared with the chunks' bounds.)
-    let columns = table
-        .columns
-        .iter()
-        .map(|(c, ty)| {
-            if ty == "\"char\"" && !keys.iter().any(|k| k.name == *c) {
-                format!("pg_catalog.int4({}) AS {}", quote_ident(c), quote_ident(c))
-            } else {
-                quote_ident(c)
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(", ");
-    // A column whose type differs on the target only in its modifier (numeric(30,10) for
-    // numeric(20,5), character(8) for character(4), timestamp(0) for timestamp): the source's
-    // values are read as the target's type, as applying them stores them (1.50000 is
-    // 1.5000000000 there), so that equal values compare equal. Key columns keep their types.
+    // A "char" byte above 127 is read as a number (above). A column whose type differs on the
+    // target only in its modifier (numeric(30,10) for numeric(20,5), character(8) for
+    // character(4), timestamp(0) for timestamp): the source's values are read as the target's
+    // type, as applying them stores them (1.50000 is 1.5000000000 there), so that equal values
+    // compare equal. Key columns keep their types.
     let target_types = target_column_types(&target, &table).await?;
-    let source_columns = table
-        .columns
-        .iter()
-        .map(|(c, ty)| {
-            let widened = target_types
-                .get(table.target_column(c))
-                .filter(|t| *t != ty && same_type_but_modifier(ty, t))
-                .filter(|_| !keys.iter().any(|k| k.name == *c));
-            match widened {
-                Some(t) => format!("CAST({} AS {t}) AS {}", quote_ident(c), quote_ident(c)),
-                None if ty == "\"char\"" && !keys.iter().any(|k| k.name == *c) => {
-                    format!("pg_catalog.int4({}) AS {}", quote_ident(c), quote_ident(c))
+    let column_list = |on_source: bool| {
+        table
+            .columns
+            .iter()
+            .map(|(c, ty)| {
+                let name = quote_ident(c);
+                if keys.iter().any(|k| k.name == *c) {
+                    return name;
                 }
-                None => quote_ident(c),
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(", ");
+                let widened = target_types
+                    .get(table.target_column(c))
+                    .filter(|t| on_source && *t != ty && same_type_but_modifier(ty, t));
+                match widened {
+                    Some(t) => format!("CAST({name} AS {t}) AS {name}"),
+                    None if ty == "\"char\"" => format!("pg_catalog.int4({name}) AS {name}"),
+                    None => name,
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let columns = column_list(false);
+    let source_columns = column_list(true);
     let mut note = None;
     let mut name = table.qualified();
     let source_table = if also.is_empty() {

@@ -317,14 +317,6 @@ impl Dispatcher {
     /// Reads a Relation message: where its table goes and whether it may run in parallel.
     async fn learn(&mut self, relation: crate::protocol::pgoutput::Relation) -> Result<()> {
         let oid = relation.oid;
-        // Its catalog session gone (ended on the target, the connection lost): every table
-        // learnt from here on would go serial, slowly and without a word. Started again instead,
-        // as one apply session would be.
-        if self.catalog.is_closed() {
-            return Err(crate::error::Error::transient(
-                "the target session that reads table descriptions for --apply-workers ended (terminated on the target, or its connection lost): starting again",
-            ));
-        }
         // Keys are compared by their bytes: only types whose equal values have equal text run
         // in parallel (not numeric 1.0 and 1.00, floats, case-insensitive text ...).
         let keyed = matches!(
@@ -359,6 +351,9 @@ impl Dispatcher {
             "parallel apply of the relation's changes"
         );
         self.keys.insert(oid, key);
+        // Its catalog session gone (ended on the target, the connection lost): this table, and
+        // every one learnt from here on, would go serial, slowly and without a word. Started
+        // again instead, as one apply session would be.
         if self.catalog.is_closed() {
             return Err(crate::error::Error::transient(
                 "the target session that reads table descriptions for --apply-workers ended (terminated on the target, or its connection lost): starting again",
