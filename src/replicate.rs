@@ -390,10 +390,18 @@ async fn run_in_span(
             // Stopped reading (a full queue behind a slow target), pgapply answers no keepalive
             // request: only its own status updates keep the source from ending the connection.
             let lowered = safe_status_interval(wal_sender_timeout_ms);
-            tracing::warn!(
-                "{problem}; this run sends them every {}",
-                humantime::format_duration(lowered)
-            );
+            // Said once per process and timeout, not at each reconnect.
+            static WARNED_FOR_TIMEOUT_MS: std::sync::atomic::AtomicU64 =
+                std::sync::atomic::AtomicU64::new(u64::MAX);
+            if WARNED_FOR_TIMEOUT_MS
+                .swap(wal_sender_timeout_ms, std::sync::atomic::Ordering::Relaxed)
+                != wal_sender_timeout_ms
+            {
+                tracing::warn!(
+                    "{problem}; this run sends them every {}",
+                    humantime::format_duration(lowered)
+                );
+            }
             RunConfig {
                 status_interval: lowered,
                 ..config

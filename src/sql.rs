@@ -109,7 +109,7 @@ pub fn generated_column_fix(table: &str, column: &str, target_version: Option<i3
         Some(_) => format!("ALTER TABLE {table} ALTER COLUMN {column} DROP EXPRESSION"),
         None => format!("ALTER TABLE {table} ALTER COLUMN {column} DROP EXPRESSION, on PostgreSQL 13 or later"),
     };
-    format!("make it a plain column on the target ({plain}); or, if the source's column is generated too and published by PostgreSQL 18's publish_generated_columns = stored (or a column list naming it), stop publishing its values (publish_generated_columns = none, or a column list without it)")
+    format!("make it a plain column on the target ({plain}); or, if the source's column is generated too and published by PostgreSQL 18's publish_generated_columns = stored (or a column list naming it), stop publishing its values (publish_generated_columns = none, or a column list without it): that holds for changes written from then on, while those already written still carry the values, so only the first way gets past them")
 }
 
 /// The server's `server_version_num` (150004 for 15.4): what a statement may use.

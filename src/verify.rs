@@ -323,6 +323,70 @@ fn same_type_but_modifier(a: &str, b: &str) -> bool {
             .is_some_and(|first| WITH_MODIFIERS.contains(&first))
 }
 
+/// How the source reads a column whose type the target has with another modifier.
+struct ReadAs {
+    /// The value as the target's type holds it.
+    value: String,
+    /// A condition true when the target's type holds the value unchanged; `None` when it always
+    /// does (the target's type is the wider).
+    unchanged: Option<String>,
+}
+
+/// Reads `name` (of type `source` on the source) as the target's type `target`, which differs
+/// only in its modifier (`same_type_but_modifier`).
+fn read_as_target_type(name: &str, source: &str, target: &str) -> ReadAs {
+    let cast = format!("CAST({name} AS {target})");
+    if let (Some(s), Some(t)) = (numeric_modifier(source), numeric_modifier(target)) {
+        let is_array = target.ends_with(']');
+        return match (s, t) {
+            // Unconstrained on the target, or wider both in scale and in integer digits.
+            (_, None) => ReadAs {
+                value: format!("{cast} AS {name}"),
+                unchanged: None,
+            },
+            (Some((sp, ss)), Some((tp, ts))) if ts >= ss && tp - ts >= sp - ss => ReadAs {
+                value: format!("{cast} AS {name}"),
+                unchanged: None,
+            },
+            // Narrower: the cast would fail on a value with too many integer digits, so it is
+            // taken only for a value that fits (NaN fits any numeric).
+            (_, Some((tp, ts))) if !is_array => {
+                let fits = format!(
+                    "({name} IS NULL OR {name} = 'NaN' OR (pg_catalog.abs({name}) < 1e{} AND pg_catalog.round({name}, {ts}) = {name}))",
+                    tp - ts
+                );
+                ReadAs {
+                    value: format!("CASE WHEN {fits} THEN {cast} END AS {name}"),
+                    unchanged: Some(fits),
+                }
+            }
+            // An array of narrower numerics: compared as they are (no cast that could fail).
+            _ => ReadAs {
+                value: name.to_owned(),
+                unchanged: None,
+            },
+        };
+    }
+    // Lengths and fractional-second precisions: a cast that cuts or rounds, never fails.
+    ReadAs {
+        value: format!("{cast} AS {name}"),
+        unchanged: Some(format!("{cast} IS NOT DISTINCT FROM {name}")),
+    }
+}
+
+/// A numeric type's modifier, as `format_type` prints it: `Some(None)` for `numeric`,
+/// `Some(Some((precision, scale)))` for `numeric(p,s)`; `None` for another type.
+fn numeric_modifier(ty: &str) -> Option<Option<(i32, i32)>> {
+    let ty = ty.strip_suffix("[]").unwrap_or(ty);
+    let rest = ty.strip_prefix("numeric")?;
+    if rest.is_empty() {
+        return Some(None);
+    }
+    let inner = rest.strip_prefix('(')?.strip_suffix(')')?;
+    let (p, s) = inner.split_once(',').unwrap_or((inner, "0"));
+    Some(Some((p.trim().parse().ok()?, s.trim().parse().ok()?)))
+}
+
 /// Per chunk index: row count and digest (chunks without rows are left out).
 type ChunkDigests = std::collections::HashMap<i64, (i64, String)>;
 
@@ -710,31 +774,52 @@ async fn verify_table(
     // target only in its modifier (numeric(30,10) for numeric(20,5), character(8) for
     // character(4), timestamp(0) for timestamp): the source's values are read as the target's
     // type, as applying them stores them (1.50000 is 1.5000000000 there), so that equal values
-    // compare equal. Key columns keep their types.
+    // compare equal. Where the target's type is the narrower one, that reading could round a
+    // value as the apply did (1.2346 read as 1.23 in numeric(8,2)) and hide it: each such
+    // column gets a second field on both sides, true on the source for a value the target's type
+    // cannot hold unchanged, false on the target, so its row differs. Key columns keep their types.
     let target_types = target_column_types(&target, &table).await?;
-    let column_list = |on_source: bool| {
-        table
-            .columns
-            .iter()
-            .map(|(c, ty)| {
-                let name = quote_ident(c);
-                if keys.iter().any(|k| k.name == *c) {
-                    return name;
+    let mut source_columns = Vec::new();
+    let mut columns = Vec::new();
+    for (c, ty) in &table.columns {
+        let name = quote_ident(c);
+        if keys.iter().any(|k| k.name == *c) {
+            source_columns.push(name.clone());
+            columns.push(name);
+            continue;
+        }
+        let modified = target_types
+            .get(table.target_column(c))
+            .filter(|t| *t != ty && same_type_but_modifier(ty, t));
+        match modified {
+            Some(t) => {
+                let read = read_as_target_type(&name, ty, t);
+                source_columns.push(read.value);
+                columns.push(name);
+                if let Some(unchanged) = read.unchanged {
+                    source_columns.push(format!("NOT ({unchanged})"));
+                    columns.push("false".to_owned());
                 }
-                let widened = target_types
-                    .get(table.target_column(c))
-                    .filter(|t| on_source && *t != ty && same_type_but_modifier(ty, t));
-                match widened {
-                    Some(t) => format!("CAST({name} AS {t}) AS {name}"),
-                    None if ty == "\"char\"" => format!("pg_catalog.int4({name}) AS {name}"),
-                    None => name,
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let columns = column_list(false);
-    let source_columns = column_list(true);
+            }
+            None if ty == "\"char\"" => {
+                let read = format!("pg_catalog.int4({name}) AS {name}");
+                source_columns.push(read.clone());
+                columns.push(read);
+            }
+            None => {
+                source_columns.push(name.clone());
+                columns.push(name);
+            }
+        }
+    }
+    let (columns, source_columns) = (columns.join(", "), source_columns.join(", "));
+    // (The parts of a union of source tables are read by name, in the first table's order.)
+    let plain_columns = table
+        .columns
+        .iter()
+        .map(|(c, _)| quote_ident(c))
+        .collect::<Vec<_>>()
+        .join(", ");
     let mut note = None;
     let mut name = table.qualified();
     let source_table = if also.is_empty() {
@@ -765,7 +850,7 @@ async fn verify_table(
                 .as_ref()
                 .map(|f| format!(" WHERE ({f})"))
                 .unwrap_or_default();
-            parts.push(format!("SELECT {source_columns} FROM {rows}{filter}"));
+            parts.push(format!("SELECT {plain_columns} FROM {rows}{filter}"));
         }
         let names: Vec<String> = std::iter::once(&table)
             .chain(&also)
@@ -1219,6 +1304,46 @@ mod tests {
         ));
         assert!(collatable("jsonb") && collatable("name") && collatable("jsonb[]"));
         assert!(!collatable("integer"));
+    }
+
+    #[test]
+    fn a_narrower_target_type_is_read_with_a_test_of_what_it_keeps() {
+        use super::{numeric_modifier, read_as_target_type};
+        assert_eq!(numeric_modifier("numeric"), Some(None));
+        assert_eq!(numeric_modifier("numeric(12,4)[]"), Some(Some((12, 4))));
+        assert_eq!(numeric_modifier("numeric(7)"), Some(Some((7, 0))));
+        assert_eq!(numeric_modifier("integer"), None);
+        // Wider: a cast alone.
+        let wider = read_as_target_type("\"a\"", "numeric(20,5)", "numeric(30,10)");
+        assert_eq!(wider.value, "CAST(\"a\" AS numeric(30,10)) AS \"a\"");
+        assert!(wider.unchanged.is_none());
+        assert!(read_as_target_type("\"a\"", "numeric(8,2)", "numeric")
+            .unchanged
+            .is_none());
+        // Narrower in scale or in integer digits, or from an unconstrained numeric: tested.
+        for (from, to) in [
+            ("numeric(12,4)", "numeric(12,2)"),
+            ("numeric(12,4)", "numeric(10,4)"),
+            ("numeric", "numeric(8,2)"),
+        ] {
+            let read = read_as_target_type("\"a\"", from, to);
+            let fits = read.unchanged.expect("a test of what the target keeps");
+            assert!(fits.contains("pg_catalog.round(\"a\""), "{fits}");
+            assert!(
+                read.value.starts_with(&format!("CASE WHEN {fits} THEN")),
+                "{}",
+                read.value
+            );
+        }
+        let text = read_as_target_type(
+            "\"t\"",
+            "timestamp(3) without time zone",
+            "timestamp(0) without time zone",
+        );
+        assert_eq!(
+            text.unchanged.as_deref(),
+            Some("CAST(\"t\" AS timestamp(0) without time zone) IS NOT DISTINCT FROM \"t\"")
+        );
     }
 
     use super::key_text;

@@ -1249,3 +1249,104 @@ async fn conflict_records_keep_every_digit_whatever_the_targets_settings() {
         "{recorded:?}"
     );
 }
+
+/// A BEFORE ROW trigger on the target (ENABLE ALWAYS) that returns NULL keeps a change from
+/// happening on purpose (a table that keeps the rows the source deletes, say): as with
+/// PostgreSQL's own subscriber, that is no conflict, whatever the policy. A row really missing
+/// still is one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_a_target_trigger_skips_is_no_conflict() {
+    let db = TestDb::new("trigskip").await;
+    db.both("CREATE TABLE kept (id int PRIMARY KEY, v text); CREATE TABLE odd (id int PRIMARY KEY, v int);")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE kept, odd").await;
+    db.target_sql(
+        "CREATE FUNCTION keep() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$; \
+         CREATE TRIGGER keep BEFORE DELETE ON kept FOR EACH ROW EXECUTE FUNCTION keep(); \
+         ALTER TABLE kept ENABLE ALWAYS TRIGGER keep; \
+         CREATE FUNCTION only_even() RETURNS trigger LANGUAGE plpgsql AS $$ \
+           BEGIN IF NEW.v % 2 = 1 THEN RETURN NULL; END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER only_even BEFORE INSERT OR UPDATE ON odd FOR EACH ROW EXECUTE FUNCTION only_even(); \
+         ALTER TABLE odd ENABLE ALWAYS TRIGGER only_even;",
+    )
+    .await;
+    db.source_sql("INSERT INTO kept SELECT g, 'row ' || g FROM generate_series(1, 5) g; INSERT INTO odd VALUES (1, 2), (2, 2);")
+        .await;
+    let config = config_file(
+        "t",
+        "[conflicts]\nupdate_missing = \"error\"\ndelete_missing = \"error\"\ninsert_exists = \"skip\"\n",
+    );
+    let config = config.to_str().unwrap();
+    let out = sync_with(&db, &["--config", config]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Deletes the trigger keeps out; an update (to an odd value) it skips; an insert it skips
+    // under `skip`, which answers by the key.
+    db.source_sql(
+        "DELETE FROM kept WHERE id <= 3; UPDATE odd SET v = 3 WHERE id = 1; INSERT INTO odd VALUES (3, 5);",
+    )
+    .await;
+    let out = sync_with(&db, &["--config", config]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM kept").await, 5);
+    assert_eq!(
+        db.count(&db.target, "SELECT v::bigint FROM odd WHERE id = 1")
+            .await,
+        2
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM odd").await, 2);
+    assert_eq!(conflicts(&db).await, vec![], "no conflict happened");
+    // A row the target really lacks is still a conflict (policy error: the run stops).
+    db.target_sql("ALTER TABLE kept DISABLE TRIGGER keep; DELETE FROM kept WHERE id = 5; ALTER TABLE kept ENABLE ALWAYS TRIGGER keep;")
+        .await;
+    db.source_sql("DELETE FROM kept WHERE id = 5").await;
+    let out = sync_with(&db, &["--config", config]).await;
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("delete_missing"), "{}", stderr(&out));
+}
+
+/// insert_exists = "apply_remote" where the target's primary key is not the source's: the row
+/// an insert overwrites is the one with the same target key (an INSERT with a new key used to
+/// stop the run: no unique index matched its ON CONFLICT). Without any unique index there, the
+/// error says which to add.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_remote_where_the_target_has_another_primary_key() {
+    let db = TestDb::new("otherpk").await;
+    db.source_sql("CREATE TABLE d (id int PRIMARY KEY, code text NOT NULL, v text); CREATE TABLE n (id int PRIMARY KEY, v text);")
+        .await;
+    db.target_sql("CREATE TABLE d (id int NOT NULL, code text PRIMARY KEY, v text); CREATE TABLE n (id int, v text);")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE d").await;
+    db.target_sql("INSERT INTO d VALUES (7, 'b', 'local')")
+        .await;
+    db.source_sql("INSERT INTO d VALUES (1, 'a', 'new'), (2, 'b', 'remote')")
+        .await;
+    let config = config_file("o", "[conflicts]\ninsert_exists = \"apply_remote\"\n");
+    let config = config.to_str().unwrap();
+    let out = sync_with(&db, &["--config", config]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<(i32, String, String)> = db
+        .target
+        .query("SELECT id, code, v FROM d ORDER BY code", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            (1, "a".to_string(), "new".to_string()),
+            (2, "b".to_string(), "remote".to_string())
+        ]
+    );
+    // No unique index at all on the target: said at the first insert, naming the one to add.
+    db.source_sql("ALTER PUBLICATION p ADD TABLE n; INSERT INTO n VALUES (1, 'x');")
+        .await;
+    let out = sync_with(&db, &["--config", config]).await;
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("CREATE UNIQUE INDEX ON \"public\".\"n\" (\"id\")"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -2091,6 +2091,58 @@ async fn verify_reads_equal_values_of_a_wider_target_type_alike() {
     );
 }
 
+/// A target column of a narrower type of the same kind (numeric(8,2) for numeric(12,4),
+/// timestamp(0) for timestamp(3), numeric for numeric(8,2)) rounds what it receives without a
+/// word: verify must say so for the rows it rounded, and only for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_finds_values_a_narrower_target_type_rounded() {
+    let db = TestDb::new("verifynarrow").await;
+    db.source_sql(
+        "CREATE TABLE n (id int PRIMARY KEY, amount numeric(12,4), at timestamp(3), x numeric)",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE n (id int PRIMARY KEY, amount numeric(8,2), at timestamp(0), x numeric(8,2))",
+    )
+    .await;
+    db.source_sql(
+        "INSERT INTO n SELECT g, g + 0.25, '2026-01-01'::timestamp + g * interval '1 s', g FROM generate_series(1, 50) g; \
+         INSERT INTO n VALUES (51, 'NaN', NULL, NULL); \
+         CREATE PUBLICATION p FOR TABLE n;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    let verify = || db.on_both("verify", &["--chunk-rows", "10"]);
+    let out = run_with_deadline(verify(), 120).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("OK        \"public\".\"n\" (51 rows"),
+        "{text}"
+    );
+    // Rounded by the target's types: 1.2346 held as 1.23, .400 s as a whole second, 7.125 as 7.13.
+    db.source_sql(
+        "UPDATE n SET amount = 1.2346 WHERE id = 5; UPDATE n SET at = at + interval '0.4 s' WHERE id = 25; \
+         UPDATE n SET x = 7.125 WHERE id = 45",
+    )
+    .await;
+    db.target_sql(
+        "UPDATE n SET amount = 1.2346 WHERE id = 5; UPDATE n SET at = at + interval '0.4 s' WHERE id = 25; \
+         UPDATE n SET x = 7.125 WHERE id = 45",
+    )
+    .await;
+    let out = run_with_deadline(verify(), 120).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    for range in ["[start .. (11))", "[(21) .. (31))", "[(41) .. (51))"] {
+        assert!(
+            text.contains(&format!("key range {range}")),
+            "{range}: {text}"
+        );
+    }
+    assert!(!text.contains("key range [(11) .. (21))"), "{text}");
+}
+
 /// A table locked on the target holds verify up, as it must; after 5 s its log says so, naming
 /// the table, and once the lock goes it finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,6 +102,57 @@ async fn primary_key_changed_by_update() {
     );
 }
 
+/// Keys whose parameter type the server cannot infer from `=` alone: a composite (an anonymous
+/// record has no input), a domain over one, and a regclass (`=` is oid's, which cannot read
+/// `pg_class`). Updates of the key and of other columns, and deletes, a target trigger making
+/// the updates go one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_of_a_composite_or_regclass_type() {
+    let db = TestDb::new("compkey").await;
+    db.both(
+        "CREATE TYPE comp AS (a int, b text); CREATE DOMAIN dcomp AS comp; \
+         CREATE TABLE kc (k comp PRIMARY KEY, v text); \
+         CREATE TABLE kd (k dcomp, n int, v text, PRIMARY KEY (k, n)); \
+         CREATE TABLE kr (k regclass PRIMARY KEY, v text);",
+    )
+    .await;
+    db.target_sql(
+        "CREATE FUNCTION pass() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$; \
+         CREATE TRIGGER pass BEFORE UPDATE ON kd FOR EACH ROW EXECUTE FUNCTION pass(); \
+         ALTER TABLE kd ENABLE ALWAYS TRIGGER pass;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE kc, kd, kr")
+        .await;
+    db.source_sql(
+        "INSERT INTO kc VALUES (ROW(1, 'a'), 'x'), (ROW(2, 'b, c'), 'y'), (ROW(3, NULL), 'z'); \
+         INSERT INTO kd VALUES (ROW(1, 'a'), 1, 'x'), (ROW(2, 'b'), 2, 'y'); \
+         INSERT INTO kr VALUES ('pg_class', 'x'), ('pg_type', 'y'), ('pg_proc', 'z');",
+    )
+    .await;
+    db.source_sql(
+        "UPDATE kc SET k = ROW((k).a, (k).b || 'z')::comp WHERE (k).a = 1; UPDATE kc SET v = 'w' WHERE (k).a = 2; \
+         DELETE FROM kc WHERE (k).a = 3; \
+         UPDATE kd SET v = 'w' WHERE n = 1; UPDATE kd SET k = ROW(9, 'q')::comp WHERE n = 2; \
+         UPDATE kr SET k = 'pg_attribute' WHERE k = 'pg_type'::regclass; UPDATE kr SET v = 'w' WHERE k = 'pg_class'::regclass; \
+         DELETE FROM kr WHERE k = 'pg_proc'::regclass;",
+    )
+    .await;
+    db.sync("p").await;
+    for t in ["kc", "kd", "kr"] {
+        db.assert_same(t).await;
+    }
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM kc").await, 2);
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM kr WHERE k = 'pg_attribute'::regclass"
+        )
+        .await,
+        1
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_identity_full_with_duplicates_and_nulls() {
     let db = TestDb::new("full").await;

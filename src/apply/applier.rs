@@ -500,6 +500,9 @@ pub struct Applier {
     /// Per relation generation: the target table has a DEFERRABLE unique or exclusion
     /// constraint, which INSERT .. ON CONFLICT without a named key refuses.
     deferrable_unique: HashMap<(Oid, u64), bool>,
+    /// Per relation generation: the changes a trigger on the target table may skip
+    /// (`apply::triggers`).
+    may_skip: HashMap<(Oid, u64), crate::apply::triggers::MaySkip>,
     /// UPDATEs held in the open group, by target table (`apply::batch`): two source relations
     /// that reach one target table must not pass each other.
     held_updates: HashMap<Oid, UpdateBatch<HeldChange>>,
@@ -884,6 +887,7 @@ impl Applier {
             insert_run: None,
             unique_keys: HashMap::new(),
             deferrable_unique: HashMap::new(),
+            may_skip: HashMap::new(),
             held_updates: HashMap::new(),
             held_rows: 0,
             batchable: HashMap::new(),

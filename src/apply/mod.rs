@@ -25,4 +25,5 @@ pub use applier::{Applier, ApplierOptions, ApplySettings};
 pub use progress::{ProgressMode, ProgressStore};
 pub mod conflict;
 pub mod spool;
+pub mod triggers;
 pub mod unique;

@@ -170,6 +170,10 @@ pub struct Shape {
     /// statement answers, when it inserted nothing, with the rows that kept it out (as they were
     /// then, for the conflict record). Empty: it answers with its row count only.
     pub lookup: std::sync::Arc<Vec<Vec<usize>>>,
+    /// A trigger on the target may skip the change (`apply::triggers`): an UPDATE or DELETE
+    /// answers one row when it changed the row or the row was there (none: missing), an INSERT
+    /// under `skip` answers only when a row kept it out.
+    pub triggers_may_skip: bool,
 }
 
 /// How a statement deals with a conflict itself (see `apply::conflict`). The statement's row
@@ -207,9 +211,20 @@ fn needs_text_comparison(type_oid: Oid) -> bool {
 /// parameter $n+1 holds column n's value): the target's row with that key.
 fn same_key(entry: &RelationEntry, key: &[usize]) -> String {
     key.iter()
-        .map(|&c| format!("t.{} = ${}", entry.quoted_columns[c], c + 1))
+        .map(|&c| format!("t.{}", column_equals(entry, c, c + 1)))
         .collect::<Vec<_>>()
         .join(" AND ")
+}
+
+/// `"col" = $n::type`: source column `c` equal to parameter `n`, which is read as the target
+/// column's type. Without the cast the server infers the parameter's type from the operator: a
+/// composite column's would be an anonymous record, which has no input, and a regclass
+/// column's an oid (regclass has no `=` of its own), which cannot read `pg_class`.
+pub fn column_equals(entry: &RelationEntry, c: usize, n: usize) -> String {
+    match entry.target_column(c) {
+        Some(t) => format!("{} = ${n}::{}", entry.quoted_columns[c], t.cast_type),
+        None => format!("{} = ${n}", entry.quoted_columns[c]),
+    }
 }
 
 /// Builds the SQL for a shape. Parameters: SET/VALUES values in source column order, then the
@@ -277,11 +292,21 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                         .map(|key| format!("({})", same_key(entry, key)))
                         .collect::<Vec<_>>()
                         .join(" OR ");
+                    // (Where a trigger may skip the insert, nothing inserted and no row met is no
+                    // conflict: no answer.)
+                    let met_one = if shape.triggers_may_skip {
+                        format!(
+                            " AND EXISTS (SELECT 1 FROM {}{table} t WHERE {met})",
+                            only(entry)
+                        )
+                    } else {
+                        String::new()
+                    };
                     format!(
                         "WITH ins AS ({insert} ON CONFLICT{named} DO NOTHING RETURNING 1) \
                          SELECT (SELECT CASE WHEN count(*) = 1 THEN min(x) ELSE '[' || string_agg(x, ', ') || ']' END \
                                  FROM (SELECT pg_catalog.to_jsonb(t.*)::text AS x FROM {}{table} t WHERE {met}) found) \
-                         WHERE NOT EXISTS (SELECT 1 FROM ins)",
+                         WHERE NOT EXISTS (SELECT 1 FROM ins){met_one}",
                         only(entry)
                     )
                 }
@@ -339,6 +364,11 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
             let filter = row_filter(entry, &shape.row_match, &mut next);
             let only = only(entry);
             let update = format!("UPDATE {only}{table} SET {set} WHERE {filter}");
+            // (The row is found by the parameters after the SET's.)
+            let there = || row_there(entry, &shape.row_match, set_columns.len());
+            if shape.triggers_may_skip && shape.on_conflict == OnConflict::Plain {
+                return changed_or_there(&update, &there());
+            }
             if shape.on_conflict == OnConflict::UpdateOrInsert {
                 // The SET parameters ($1..) are the new row: reused for the INSERT. A key column
                 // left out of the SET (a GENERATED ALWAYS identity that stays) takes the value
@@ -357,9 +387,15 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                         }
                     }
                 }
+                // (A row a trigger kept from being updated is there: not inserted.)
+                let kept = if shape.triggers_may_skip {
+                    format!(" AND NOT {}", there())
+                } else {
+                    String::new()
+                };
                 format!(
                     "WITH upd AS ({update} RETURNING 1) INSERT INTO {table} ({}){overriding} \
-                     SELECT {} WHERE NOT EXISTS (SELECT 1 FROM upd)",
+                     SELECT {} WHERE NOT EXISTS (SELECT 1 FROM upd){kept}",
                     columns.join(", "),
                     values.join(", ")
                 )
@@ -369,7 +405,11 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
         }
         Operation::Delete => {
             let filter = row_filter(entry, &shape.row_match, &mut next);
-            format!("DELETE FROM {}{table} WHERE {filter}", only(entry))
+            let delete = format!("DELETE FROM {}{table} WHERE {filter}", only(entry));
+            if shape.triggers_may_skip {
+                return changed_or_there(&delete, &row_there(entry, &shape.row_match, 0));
+            }
+            delete
         }
         Operation::UpdateBatch => super::batch::batch_sql(entry, &shape.unchanged, shape.rows),
     }
@@ -386,6 +426,31 @@ pub fn only(entry: &RelationEntry) -> &'static str {
     }
 }
 
+/// An UPDATE or DELETE that answers one row (a NULL text) when it changed the row or the row
+/// was `there` before it (a trigger on the target skipped the change), none when no row was
+/// there. Both parts read the statement's snapshot, taken before it writes.
+fn changed_or_there(statement: &str, there: &str) -> String {
+    format!(
+        "WITH changed AS ({statement} RETURNING 1) SELECT NULL::text \
+         WHERE EXISTS (SELECT 1 FROM changed) OR {there}"
+    )
+}
+
+/// `EXISTS (..)`: the row an UPDATE or DELETE finds is there, by the same parameters as its
+/// own filter (the `first` parameters come before them).
+fn row_there(entry: &RelationEntry, row_match: &RowMatch, first: usize) -> String {
+    let mut param = first;
+    let filter = row_filter(entry, row_match, &mut || {
+        param += 1;
+        param
+    });
+    format!(
+        "EXISTS (SELECT 1 FROM {}{} WHERE {filter})",
+        only(entry),
+        entry.target.qualified
+    )
+}
+
 fn row_filter(
     entry: &RelationEntry,
     row_match: &RowMatch,
@@ -395,7 +460,7 @@ fn row_filter(
         RowMatch::Key => entry
             .key_columns
             .iter()
-            .map(|&c| format!("{} = ${}", entry.quoted_columns[c], next()))
+            .map(|&c| column_equals(entry, c, next()))
             .collect::<Vec<_>>()
             .join(" AND "),
         RowMatch::Full {

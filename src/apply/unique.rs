@@ -158,7 +158,7 @@ pub async fn clashing_rows(
             let Some(n) = bind(new.get(c), &mut params) else {
                 continue 'index;
             };
-            all_of.push(format!("{} = ${n}", entry.quoted_columns[c]));
+            all_of.push(super::statement::column_equals(entry, c, n));
         }
         any_of.push(format!("({})", all_of.join(" AND ")));
     }
@@ -182,7 +182,7 @@ pub async fn clashing_rows(
         let mut all_of = Vec::with_capacity(entry.key_columns.len());
         for &c in &entry.key_columns {
             if let Some(n) = bind(own.get(c), &mut params) {
-                all_of.push(format!("{} = ${n}", entry.quoted_columns[c]));
+                all_of.push(super::statement::column_equals(entry, c, n));
             }
         }
         if !all_of.is_empty() {

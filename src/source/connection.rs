@@ -234,12 +234,14 @@ fn stream_error_hint(e: &ServerError, slot: &str) -> Option<String> {
             let start_over = start_over_advice(slot);
             let slot = crate::sql::shown_literal(slot);
             Some(format!(
-                "if it was renamed while pgapply ran, run with its new name in --publication (pgapply stopped at the rename; a transaction open across it may come only in part: compare with `pgapply verify` after). If it exists now (dropped and created again, renamed while pgapply was stopped, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time: {start_over}; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
+                "if it was renamed while pgapply ran, run with its new name in --publication (pgapply stopped at the rename; a transaction open across it may come only in part: compare with `pgapply verify` after). If it exists now (dropped and created again, renamed while pgapply was stopped, or created after changes were written), the source cannot decode the changes written while it did not exist, and a PostgreSQL source before 18 stops at them every time. If it is a publication added to --publication since the slot started, nothing need be lost: run with the publications of before (without it) until the slot is past the time it was created, then add it (a table only it publishes is then published later: a run with --copy-data copies it). Otherwise {start_over}; or, losing those changes, move the slot past them (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source) and tell the target to accept the slot's new position (UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target; pgapply otherwise refuses a slot confirmed past what it applied)"
             ))
         }
-        "22021" => Some(
-            "the source has text that cannot be converted to UTF-8 (in a SQL_ASCII database, bytes above 127 have no known encoding): fix those values on the source, or move the data to a database whose encoding says what the bytes are".to_owned(),
-        ),
+        "22021" => {
+            let start_over = start_over_advice(slot);
+            let slot = crate::sql::shown_literal(slot);
+            Some(format!("the source has text that cannot be converted to UTF-8 (in a SQL_ASCII database, bytes above 127 have no known encoding): fix those values on the source, or move the data to a database whose encoding says what the bytes are. A change already written stays in the slot as it was (changing the value on the source now does not replace it, and the source fails before pgapply sees the transaction, so `pgapply skip` cannot pass it): {start_over}, once the values are fixed, or, losing the changes in between, move the slot past it (SELECT pg_replication_slot_advance({slot}, pg_current_wal_lsn()) on the source, then UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {slot} on the target)"))
+        }
         _ => None,
     }
 }

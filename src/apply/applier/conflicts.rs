@@ -212,7 +212,7 @@ pub(super) fn conflict_record(about: &ChangeInfo, signal: Signal) -> ConflictRec
             let mut params = Vec::new();
             let mut conditions = Vec::new();
             for (n, &k) in entry.key_columns.iter().enumerate() {
-                conditions.push(format!("{} = ${}", entry.quoted_columns[k], n + 1));
+                conditions.push(crate::apply::statement::column_equals(entry, k, n + 1));
                 // Copies: a slice would keep the whole received message alive until the
                 // group commits.
                 params.push(match values.get(k) {

@@ -97,13 +97,36 @@ impl Applier {
                         entry.display_name()
                     )));
                 }
-                if entry.source.replica_identity == ReplicaIdentity::Full {
-                    // Every column is "key" under FULL: the row that exists is the one with the
-                    // same values in the target's primary key (or first unique index).
-                    let keys = self.target_unique_keys(&entry).await?;
+                // Every column is "key" under FULL; and the target may have no unique index on the
+                // source's key (another primary key there): the row that exists is then the one
+                // with the same values in the target's primary key (or first unique index).
+                let keys = self.target_unique_keys(&entry).await?;
+                let on_the_key = keys.iter().any(|k| {
+                    k.len() == entry.key_columns.len()
+                        && k.iter().all(|c| entry.key_columns.contains(c))
+                });
+                if entry.source.replica_identity == ReplicaIdentity::Full || !on_the_key {
                     let Some(key) = keys.first() else {
+                        let (what, add) = if entry.source.replica_identity == ReplicaIdentity::Full
+                        {
+                            ("(REPLICA IDENTITY FULL) ".to_owned(), "add one".to_owned())
+                        } else {
+                            let columns: Vec<&str> = entry
+                                .key_columns
+                                .iter()
+                                .map(|&c| entry.quoted_columns[c].as_str())
+                                .collect();
+                            (
+                                String::new(),
+                                format!(
+                                    "add one (CREATE UNIQUE INDEX ON {} ({}), the source's key)",
+                                    entry.target.qualified,
+                                    columns.join(", ")
+                                ),
+                            )
+                        };
                         return Err(Error::definite(format!(
-                            "conflict policy insert_exists = \"apply_remote\" on table {} (REPLICA IDENTITY FULL) needs a primary key or unique index on the target table {} over replicated columns, to tell which row an insert overwrites: add one, or use another policy for this table",
+                            "conflict policy insert_exists = \"apply_remote\" on table {} {what}needs a primary key or unique index on the target table {} over replicated columns, to tell which row an insert overwrites: {add}, or use another policy for this table",
                             entry.display_name(),
                             entry.target.qualified
                         )));
@@ -139,6 +162,9 @@ impl Applier {
             row_match: RowMatch::Key,
             on_conflict,
             rows: 1,
+            triggers_may_skip: on_conflict == OnConflict::InsertDoNothing
+                && !lookup.is_empty()
+                && self.may_skip(&entry).await?.insert,
             arbiter,
             lookup,
         };
@@ -455,6 +481,7 @@ impl Applier {
         let old = delete.old;
         let (row_match, old_values) =
             self.row_match(&entry, Some(&old), old.tuple(), &mut params)?;
+        let triggers_may_skip = self.may_skip(&entry).await?.delete;
         let shape = Shape {
             relation: entry.source.oid,
             generation: entry.generation,
@@ -465,6 +492,7 @@ impl Applier {
             rows: 1,
             arbiter: ColumnSet::default(),
             lookup: Default::default(),
+            triggers_may_skip,
         };
         self.unsettled_rows.deletes += 1;
         let about = ChangeInfo {
@@ -480,7 +508,8 @@ impl Applier {
                 policy: self.policies_for(&entry).delete_missing,
                 when_rows: 0,
                 incomplete_row: false,
-                answers_local_row: false,
+                // (Whether the row was there, where a trigger may skip the delete.)
+                answers_local_row: triggers_may_skip,
             }),
             through: None,
         };

@@ -102,6 +102,7 @@ impl Applier {
             Policy::ApplyRemote => (OnConflict::Plain, (Policy::Skip, 0)),
             other => (OnConflict::Plain, (other, 0)),
         };
+        let triggers_may_skip = self.may_skip(&entry).await?.update;
         let shape = Shape {
             relation: entry.source.oid,
             generation: entry.generation,
@@ -112,6 +113,7 @@ impl Applier {
             rows: 1,
             arbiter: ColumnSet::default(),
             lookup: Default::default(),
+            triggers_may_skip,
         };
         self.unsettled_rows.updates += 1;
         let about = ChangeInfo {
@@ -127,7 +129,8 @@ impl Applier {
                 policy: signal.0,
                 when_rows: signal.1,
                 incomplete_row: policy == Policy::ApplyRemote && !complete && value_left_out,
-                answers_local_row: false,
+                // (Whether the row was there, where a trigger may skip the update.)
+                answers_local_row: triggers_may_skip && on_conflict == OnConflict::Plain,
             }),
             through: None,
         };
@@ -322,6 +325,7 @@ impl Applier {
             rows,
             arbiter: ColumnSet::default(),
             lookup: Default::default(),
+            triggers_may_skip: false,
         };
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
@@ -490,6 +494,20 @@ impl Applier {
         let d = crate::apply::unique::has_deferrable(&self.catalog, entry).await?;
         self.deferrable_unique.insert(cache_key, d);
         Ok(d)
+    }
+
+    /// The changes a trigger on the target table may skip (`apply::triggers`).
+    pub(super) async fn may_skip(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+    ) -> Result<crate::apply::triggers::MaySkip> {
+        let cache_key = (entry.source.oid, entry.generation);
+        if let Some(&m) = self.may_skip.get(&cache_key) {
+            return Ok(m);
+        }
+        let m = crate::apply::triggers::may_skip(&self.catalog, entry).await?;
+        self.may_skip.insert(cache_key, m);
+        Ok(m)
     }
 
     /// The target rows a change's unique values clash with.
