@@ -840,7 +840,8 @@ async fn run_in_span(
     if negotiated.streaming == Streaming::Parallel && !live_possible {
         tracing::info!("--streaming parallel with --two-phase or --apply-workers above 1: streamed transactions are spooled and applied at commit");
     }
-    let report_recorded = refuse_lost_changes(&setup, &mut session, &config.slot, resume).await?;
+    let report_recorded =
+        refuse_lost_changes(&setup, &mut session, &store, &config.slot, resume).await?;
     restore_applied_metrics(&setup, &config.slot, resume).await;
     // Tables copied after the initial copy whose snapshot this run's stream has not passed yet.
     // (The source's partition trees say which other names the copies' rows go by: read on a

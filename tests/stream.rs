@@ -678,6 +678,35 @@ async fn memory_stays_flat_for_a_huge_transaction() {
     assert!(rss_mb < 160, "peak RSS {rss_mb} MB");
 }
 
+/// One transaction of 200 values of 1 MB each (compressed on the source, whole in the stream):
+/// pgapply's memory stays within its bounds, not the transaction's size (inserts used to go out
+/// 128 rows to a statement, and 64 statements at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_stays_bounded_for_a_transaction_of_large_values() {
+    let db = TestDb::new("bigvalues").await;
+    db.both("CREATE TABLE v (id int PRIMARY KEY, doc text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE v").await;
+    db.source_sql(
+        "INSERT INTO v SELECT g, repeat(md5(g::text), 32768) FROM generate_series(1, 200) g",
+    )
+    .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 600).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM v WHERE length(doc) = 1048576"
+        )
+        .await,
+        200
+    );
+    let rss_mb = common::peak_rss_mb(&stderr(&out));
+    eprintln!("peak RSS of pgapply for 200 MB of values in one transaction: {rss_mb} MB");
+    assert!(rss_mb < 200, "peak RSS {rss_mb} MB");
+}
+
 /// A transaction prepared while the slot was being made (after its snapshot could see changes,
 /// before it was consistent) is sent only at its COMMIT PREPARED, prepare and all, with its old
 /// prepare position, which lies before the copy's start: it was never applied, and must be now.

@@ -458,6 +458,8 @@ pub struct Applier {
     /// Transactions ending at or before this were applied before: skip them.
     resume: Lsn,
     pending: Vec<Pending>,
+    /// The weight (`values_weight`) of the statements queued by `push_pending`, not sent yet.
+    pending_weight: usize,
     /// BEGIN has been sent (or queued) for the current group.
     group: Option<Group>,
     current: Option<SourceTransaction>,
@@ -563,6 +565,8 @@ struct InsertRun {
     entry: Arc<RelationEntry>,
     shape: Shape,
     params: Vec<WireValue>,
+    /// `values_weight` of `params`.
+    weight: usize,
     rows: usize,
     limit: usize,
     /// The first row's change, for messages.
@@ -865,6 +869,7 @@ impl Applier {
             origin_rewind: false,
             resume,
             pending: Vec::new(),
+            pending_weight: 0,
             group: None,
             current: None,
             stop_between: Arc::default(),

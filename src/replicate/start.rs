@@ -234,6 +234,7 @@ pub async fn refuse_same_database(
 pub(super) async fn refuse_lost_changes(
     setup: &tokio_postgres::Client,
     session: &mut ReplicationSession,
+    store: &crate::apply::ProgressStore,
     slot: &str,
     resume: Lsn,
 ) -> Result<Lsn> {
@@ -271,6 +272,29 @@ pub(super) async fn refuse_lost_changes(
         return Ok(confirmed);
     };
     if resume.is_valid() && confirmed > resume.max(recorded) {
+        // Another worker of this slot (the one a warm standby waits for) may have applied and
+        // confirmed more since this run read where the target stands, and let go of the slot
+        // just now (its connection to the source cut): read both again. Moved: this run starts
+        // again from there.
+        let applied_now = store.durable_position(setup).await?;
+        let recorded_now: Option<String> = setup
+            .query_opt(
+                "SELECT greatest(lsn, reported_lsn)::text FROM pgapply.progress WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(context)?
+            .and_then(|r| r.get(0));
+        let recorded_now = recorded_now
+            .and_then(|text| text.parse::<Lsn>().ok())
+            .unwrap_or(recorded);
+        if confirmed <= applied_now.max(recorded_now) {
+            return Err(Error::transient(format!(
+                "the target's position for slot {slot:?} moved from {} to {} while this run started (another worker applied for it, and let go of the slot): starting again from there",
+                resume.max(recorded),
+                applied_now.max(recorded_now)
+            )));
+        }
         return Err(Error::definite(format!(
             "replication slot {slot:?} on the source has confirmed changes up to {confirmed}, but this target applied them only up to {resume} (and pgapply never reported more than {}): the changes between are no longer in the slot and are missing here. That happens when the target was restored from an older backup, when the slot was dropped and made again, or when another pgapply or client consumed the slot. Start over with a new slot and the initial copy (drop this slot: SELECT pg_drop_replication_slot({}); then run with --copy-data --truncate-target), or, if the target is known to hold those changes, accept the slot's position: UPDATE pgapply.progress SET reported_lsn = NULL WHERE slot_name = {} on the target, and start again",
             recorded.max(resume),

@@ -118,6 +118,7 @@ impl Applier {
                 self.conflicts.clear();
                 self.skip_records.clear();
                 self.pending.clear();
+                self.pending_weight = 0;
                 self.insert_run = None;
                 self.held_updates.clear();
                 self.held_rows = 0;

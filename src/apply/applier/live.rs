@@ -626,8 +626,19 @@ impl Applier {
     /// The first change of subtransaction `sub`: a savepoint, so its abort can undo just it.
     async fn savepoint_for(&mut self, sub: Xid) -> Result<()> {
         let statement = match &self.live_helper {
-            Some(h) if !h.known.contains(&sub) => h.savepoint.clone(),
-            _ => return Ok(()),
+            Some(h) if h.known.contains(&sub) => return Ok(()),
+            // Each savepoint that writes holds a lock on the target until the transaction
+            // ends, in the lock table every session of the target cluster shares (about
+            // max_locks_per_transaction x max_connections slots): tens of thousands of them
+            // (exception blocks in a loop) would leave other sessions "out of shared memory".
+            Some(h) if h.subxacts.len() >= MAX_LIVE_SAVEPOINTS => {
+                return Err(Error::transient(format!(
+                    "streamed transaction {} has more than {MAX_LIVE_SAVEPOINTS} subtransactions that changed published tables: a savepoint for each would hold as many locks in the target's shared lock table",
+                    self.current.as_ref().map_or(0, |t| t.xid)
+                )));
+            }
+            Some(h) => h.savepoint.clone(),
+            None => return Ok(()),
         };
         // Held rows belong before the savepoint.
         self.flush_held_updates(None).await?;
@@ -684,6 +695,10 @@ impl Applier {
         self.pending.push(Pending::plain(statement));
     }
 }
+
+/// Most savepoints the helper keeps in one streamed transaction (`savepoint_for`); beyond, it is
+/// applied spooled, at its commit.
+const MAX_LIVE_SAVEPOINTS: usize = 1000;
 
 /// The server process id of a session (what `pg_blocking_pids` and `pg_cancel_backend` take).
 async fn backend_pid(client: &tokio_postgres::Client) -> Result<i32> {

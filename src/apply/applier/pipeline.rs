@@ -41,8 +41,13 @@ impl Applier {
 
     /// Queues a statement, handing the queue to the connection when it is long enough.
     pub(super) async fn push_pending(&mut self, pending: Pending) -> Result<()> {
+        self.pending_weight += values_weight(&pending.params);
         self.pending.push(pending);
-        if self.pending.len() >= SUBMIT_CHUNK {
+        // (By weight too: 64 statements of large values would be sent, and held twice over,
+        // all at once.)
+        if self.pending.len() >= SUBMIT_CHUNK
+            || self.pending_weight >= self.settings.pipeline_values / 4
+        {
             self.submit_pending();
             self.bound_in_flight().await;
             self.fail_if_failed().await?;
@@ -203,6 +208,7 @@ impl Applier {
     /// target executes them while the next ones are being built.
     pub(super) fn submit_pending(&mut self) {
         let pending = std::mem::take(&mut self.pending);
+        self.pending_weight = 0;
         for pending in pending {
             let client = self.client.clone();
             let Pending {
@@ -212,16 +218,7 @@ impl Applier {
                 batch,
                 orders,
             } = pending;
-            // Each KiB of a value counts as one value more: a row of 1 MB values would
-            // otherwise let thousands of megabytes wait for their answers (values count rows).
-            let weight = params.len()
-                + params
-                    .iter()
-                    .map(|p| match p {
-                        WireValue::Null => 0,
-                        WireValue::Text(b) | WireValue::Binary(b) => b.len() / 1024,
-                    })
-                    .sum::<usize>();
+            let weight = values_weight(&params);
             self.in_flight_sizes.push_back(weight);
             self.in_flight_values += weight;
             self.submitted += 1;
@@ -365,6 +362,20 @@ impl StatementCache {
         self.tick += 1;
         self.map.insert(shape, (statement, self.tick));
     }
+}
+
+/// What a statement's parameters weigh against `ApplySettings::pipeline_values`: one per value,
+/// and one more per KiB of a value (a row of 1 MB values would otherwise let thousands of
+/// megabytes wait for their answers, as values count rows).
+pub(super) fn values_weight(params: &[WireValue]) -> usize {
+    params.len()
+        + params
+            .iter()
+            .map(|p| match p {
+                WireValue::Null => 0,
+                WireValue::Text(b) | WireValue::Binary(b) => b.len() / 1024,
+            })
+            .sum::<usize>()
 }
 
 /// Most statements sent and not yet answered (see `bound_in_flight`).

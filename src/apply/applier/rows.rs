@@ -240,6 +240,7 @@ impl Applier {
                 entry: entry.clone(),
                 shape,
                 params: Vec::with_capacity(params.len() * 8),
+                weight: 0,
                 rows: 0,
                 limit: {
                     let mut limit = MAX_INSERT_ROWS;
@@ -265,9 +266,11 @@ impl Applier {
         let full = match &mut self.insert_run {
             Some(run) => {
                 run.last_commit = commit_lsn;
+                run.weight += super::pipeline::values_weight(&params);
                 run.params.extend(params);
                 run.rows += 1;
-                run.rows >= run.limit
+                // (Large values: a statement of a few MB, not of 128 rows of them.)
+                run.rows >= run.limit || run.weight >= self.settings.pipeline_values / 8
             }
             None => false,
         };
