@@ -229,6 +229,9 @@ pub struct RelationCache {
     unusable: HashMap<Oid, String>,
     types: HashMap<Oid, TypeInfo>,
     generation: u64,
+    /// The target's `server_version_num`, read at the first table (not once per table: a
+    /// thousand tables cost a round trip each).
+    target_version: Option<i32>,
 }
 
 impl RelationCache {
@@ -300,7 +303,17 @@ impl RelationCache {
             .get(&(schema.clone(), relation.name.clone()))
             .cloned()
             .unwrap_or_else(|| (schema.clone(), relation.name.clone()));
-        let target = load_target_table(catalog, &target_schema, &target_name).await?;
+        let version = match self.target_version {
+            Some(v) => v,
+            None => {
+                let v = crate::sql::server_version(catalog)
+                    .await
+                    .map_err(|e| Error::postgres("reading the target's version", e))?;
+                self.target_version = Some(v);
+                v
+            }
+        };
+        let target = load_target_table(catalog, version, &target_schema, &target_name).await?;
         let shown = qualified_name(&schema, &relation.name);
         let known = self.relations.get(&relation.oid).cloned();
         let target = match target {
@@ -598,12 +611,10 @@ impl RelationCache {
 
 pub async fn load_target_table(
     catalog: &Client,
+    version: i32,
     schema: &str,
     name: &str,
 ) -> Result<Option<TargetTable>> {
-    let version = crate::sql::server_version(catalog)
-        .await
-        .map_err(|e| Error::postgres("reading the target's version", e))?;
     // attgenerated exists from PostgreSQL 12.
     let generated = if version >= 120000 {
         "a.attgenerated::text"

@@ -1039,6 +1039,7 @@ async fn run_in_span(
         keepalive_end: Lsn::INVALID,
         wal_end_at_start: identity.wal_position,
         transaction_started: None,
+        streams_open: std::collections::HashMap::new(),
         report_recorded: report_recorded_tx.subscribe(),
         report_wanted: report_wanted_tx,
         received: resume,

@@ -1349,4 +1349,30 @@ async fn apply_remote_where_the_target_has_another_primary_key() {
         "{}",
         stderr(&out)
     );
+    // `check` says so before a run meets it.
+    let cmd = common::pgapply_command(&[
+        "check",
+        "--source",
+        &db.source_conninfo(),
+        "--target",
+        &db.target_conninfo(),
+        "--publication",
+        "p",
+        "--slot",
+        &db.slot(),
+        "--config",
+        config,
+    ]);
+    let out = run_with_deadline(cmd, 60).await;
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        said.contains(
+            "PROBLEM  conflict policy insert_exists = \"apply_remote\" for \"public\".\"n\""
+        ),
+        "{said}"
+    );
+    assert!(
+        !said.contains("apply_remote\" for \"public\".\"d\""),
+        "{said}"
+    );
 }

@@ -36,6 +36,27 @@ pub(super) async fn check_apply_session(
             .await
             .map(|r| r.get::<_, bool>(0))
             .unwrap_or(false);
+        // apply_remote overwrites the row with the same key: the source's, or else the target's
+        // own primary key or unique index; without any, `run` stops at the table's first INSERT.
+        let no_unique = policy == crate::apply::conflict::Policy::ApplyRemote
+            && !only_deferrable
+            && dst
+                .query_one(
+                    "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND NOT EXISTS ( \
+                        SELECT 1 FROM pg_catalog.pg_index WHERE indrelid = pg_catalog.to_regclass($1) \
+                          AND indimmediate AND indisunique AND indisvalid \
+                          AND indexprs IS NULL AND indpred IS NULL)",
+                    &[&qualified],
+                )
+                .await
+                .map(|r| r.get::<_, bool>(0))
+                .unwrap_or(false);
+        if no_unique {
+            report.problem(format!(
+                "conflict policy insert_exists = \"apply_remote\" for {}: target table {qualified} has no primary key or unique index to tell which row an insert overwrites (pgapply would stop at the table's first INSERT): add one on the target (on the source's key columns), or set another insert_exists policy for this table",
+                t.qualified()
+            ));
+        }
         if only_deferrable {
             report.problem(format!(
                 "conflict policy insert_exists = \"{}\" for {}: every unique key of target table {qualified} is DEFERRABLE, and the INSERT .. ON CONFLICT the policy needs cannot use one (pgapply would stop at the table's first INSERT): on the target, drop the constraint and add it again without DEFERRABLE, or set insert_exists = \"error\" for this table",
@@ -659,9 +680,11 @@ pub(super) async fn key_advice(
         _ if key.is_empty() => return None,
         _ => key,
     };
-    let target = crate::relation::load_target_table(dst, &table.target_schema, &table.target_name)
-        .await
-        .ok()??;
+    let version = crate::sql::server_version(dst).await.ok()?;
+    let target =
+        crate::relation::load_target_table(dst, version, &table.target_schema, &table.target_name)
+            .await
+            .ok()??;
     debug_assert_eq!(target.qualified, qualified);
     crate::relation::key_index_advice(dst, &target, &key).await
 }

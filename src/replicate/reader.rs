@@ -63,6 +63,9 @@ pub(super) struct Reader<'a> {
     pub(super) transaction_started: Option<Instant>,
     /// The commit time the transaction being received carries (its Begin's).
     pub(super) receiving_commit_time: u64,
+    /// Streamed transactions being received (a first Stream Start seen, no end yet), and when
+    /// each began to arrive: for the progress line.
+    pub(super) streams_open: std::collections::HashMap<crate::protocol::pgoutput::Xid, Instant>,
     /// Where this run started reading (the recorded position, else the first change's): the
     /// lag in bytes counts from it until the source has confirmed something.
     pub(super) read_from: Lsn,
@@ -247,14 +250,22 @@ impl Reader<'_> {
     fn log_progress(&mut self, logged: &mut Logged) {
         // (Positions move with writes to unpublished tables too: not what "idle" means here.)
         let transactions = METRICS.transactions.get();
-        let moved = transactions != logged.transactions || self.in_transaction || self.queued() > 0;
+        let moved = transactions != logged.transactions
+            || self.in_transaction
+            || !self.streams_open.is_empty()
+            || self.queued() > 0;
         if !moved && logged.at.elapsed() < Duration::from_secs(600) {
             return;
         }
+        // (A streamed transaction arrives in blocks between others: the oldest one open.)
         let receiving = self
             .transaction_started
             .filter(|_| self.in_transaction)
-            .map_or(0, |t| t.elapsed().as_secs());
+            .into_iter()
+            .chain(self.streams_open.values().copied())
+            .map(|t| t.elapsed().as_secs())
+            .max()
+            .unwrap_or(0);
         tracing::info!(
             received_lsn = %self.received,
             flushed_lsn = %Lsn(METRICS.flushed_lsn.get()),
@@ -409,7 +420,15 @@ impl Reader<'_> {
                         self.note_pending(p.end_lsn, p.prepare_time);
                         stop_after = reached(p.end_lsn);
                     }
+                    LogicalMessage::StreamStart(s) => {
+                        let at = self.last_heard;
+                        self.streams_open.entry(s.xid).or_insert(at);
+                    }
+                    LogicalMessage::StreamAbort(a) if a.subxid == a.xid => {
+                        self.streams_open.remove(&a.xid);
+                    }
                     LogicalMessage::StreamCommit(c) => {
+                        self.streams_open.remove(&c.xid);
                         if reached(c.commit_lsn) {
                             return Ok(self.past_the_end());
                         }
@@ -418,6 +437,7 @@ impl Reader<'_> {
                         stop_after = reached(c.end_lsn);
                     }
                     LogicalMessage::StreamPrepare(p) => {
+                        self.streams_open.remove(&p.xid);
                         if reached(p.prepare_lsn) {
                             return Ok(self.past_the_end());
                         }

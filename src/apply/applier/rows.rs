@@ -292,8 +292,11 @@ impl Applier {
         if let Some(g) = &mut self.group {
             g.statements += run.rows;
         }
-        self.prepare_insert_sizes(&run.entry, &run.shape, run.limit)
-            .await?;
+        // (A table that gets one row at a time needs no other size: prepared as needed.)
+        if run.rows > 1 {
+            self.prepare_insert_sizes(&run.entry, &run.shape, run.limit)
+                .await?;
+        }
         let columns = run.params.len() / run.rows.max(1);
         let mut params = run.params.into_iter();
         let mut left = run.rows;
