@@ -160,7 +160,17 @@ struct Group {
     /// Target tables this group relied on being as read (batched, or passing held updates), and
     /// what was read of them: checked on the target before it commits (`pgapply.check_group`).
     relied_on: Vec<(Oid, Arc<str>)>,
+    /// Updates by key not batched (`apply::batch`), per (source relation, hash of the key):
+    /// see `HOT_ROW_UPDATES`.
+    row_updates: HashMap<(Oid, u64), u32>,
 }
+
+/// Updates of one row by the group's transactions, beyond which the group commits after the
+/// current transaction. Each update of a row leaves a version the next one must step past (in
+/// the heap and in each index) until the transaction that wrote them commits: a counter row
+/// updated by every source transaction would make a group of thousands of them quadratic. (The
+/// updates of a table whose updates are batched collapse into one per row instead.)
+const HOT_ROW_UPDATES: u32 = 32;
 
 /// Statements queued before they are handed to the connection together.
 const SUBMIT_CHUNK: usize = 64;
@@ -1409,6 +1419,7 @@ impl Applier {
                 transactions: 0,
                 turn: turn.clone(),
                 relied_on: Vec::new(),
+                row_updates: HashMap::new(),
             });
             let begin = self.begin.clone();
             self.pending.push(Pending::plain(begin));
@@ -1545,6 +1556,7 @@ impl Applier {
                 transactions: 0,
                 turn: None,
                 relied_on: Vec::new(),
+                row_updates: HashMap::new(),
             });
             self.pending.push(Pending::plain(self.begin.clone()));
         }

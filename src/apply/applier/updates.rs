@@ -103,6 +103,9 @@ impl Applier {
             other => (OnConflict::Plain, (other, 0)),
         };
         let triggers_may_skip = self.may_skip(&entry).await?.update;
+        if row_match == RowMatch::Key {
+            self.note_row_update(&entry, &old_values);
+        }
         let shape = Shape {
             relation: entry.source.oid,
             generation: entry.generation,
@@ -494,6 +497,30 @@ impl Applier {
         let d = crate::apply::unique::has_deferrable(&self.catalog, entry).await?;
         self.deferrable_unique.insert(cache_key, d);
         Ok(d)
+    }
+
+    /// Counts an unbatched update of the row with key `key` in the open group; the group commits
+    /// after the current transaction once a row had `HOT_ROW_UPDATES` of them.
+    fn note_row_update(&mut self, entry: &RelationEntry, key: &[Value]) {
+        use std::hash::{Hash, Hasher};
+        let Some(group) = &mut self.group else {
+            return;
+        };
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        for value in key {
+            match value {
+                Value::Text(b) | Value::Binary(b) => b.as_ref().hash(&mut hasher),
+                Value::Null | Value::UnchangedToast => 0u8.hash(&mut hasher),
+            }
+        }
+        let count = group
+            .row_updates
+            .entry((entry.source.oid, hasher.finish()))
+            .or_insert(0);
+        *count += 1;
+        if *count >= super::HOT_ROW_UPDATES {
+            group.closes_now = true;
+        }
     }
 
     /// The changes a trigger on the target table may skip (`apply::triggers`).
