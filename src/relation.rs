@@ -572,11 +572,16 @@ impl RelationCache {
             };
             if let Some(how) = crate::check::narrower(&source_type, &target_column.type_name) {
                 let said = format!(
-                    "column {} is {source_type} on the source and {} on the target, which {how}: change it on the target first (ALTER TABLE {} ALTER COLUMN {} TYPE {source_type}); `pgapply verify` finds the rows already changed",
+                    "column {} is {source_type} on the source and {} on the target, which {how}: change it on the target first (ALTER TABLE {} ALTER COLUMN {} TYPE {source_type}{}); `pgapply verify` finds the rows already changed",
                     quote_ident(&column.name),
                     target_column.type_name,
                     target.qualified,
-                    quote_ident(&target_column.name)
+                    quote_ident(&target_column.name),
+                    crate::check::converted_using(
+                        &source_type,
+                        &target_column.type_name,
+                        &quote_ident(&target_column.name)
+                    )
                 );
                 let first = NARROWER_SAID
                     .lock()

@@ -2133,7 +2133,7 @@ async fn a_root_without_replica_identity_is_named_by_check_and_run() {
     let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
-        text.lines().any(|l| l.starts_with("WARNING")
+        text.lines().any(|l| l.starts_with("PROBLEM")
             && l.contains("publish_via_partition_root")
             && l.contains("ALTER TABLE \"public\".\"r\" REPLICA IDENTITY FULL")),
         "{text}"
@@ -2807,5 +2807,32 @@ async fn check_says_to_create_a_missing_columns_type_first() {
             && text
                 .contains("(type public.color does not exist on the target: create it there first"),
         "{text}"
+    );
+}
+
+/// A partitioned table published through its root with REPLICA IDENTITY FULL on the root only:
+/// its partitions' UPDATEs and DELETEs come with their key alone, and match no row on the
+/// target. `check` calls that a problem (it was a warning, and "no problems found").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_calls_a_full_root_over_keyed_partitions_a_problem() {
+    if common::clusters().source_major < 13 {
+        common::skip("publish_via_partition_root needs PostgreSQL 13");
+        return;
+    }
+    let db = TestDb::new("fullroot").await;
+    db.both(
+        "CREATE TABLE r (k int, id int, v text, PRIMARY KEY (k, id)) PARTITION BY RANGE (k); \
+         CREATE TABLE r1 PARTITION OF r FOR VALUES FROM (0) TO (100);",
+    )
+    .await;
+    db.source_sql("ALTER TABLE r REPLICA IDENTITY FULL").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE r WITH (publish_via_partition_root = true)")
+        .await;
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("PROBLEM  partitioned table \"public\".\"r\" has REPLICA IDENTITY FULL"),
+        "{said}"
     );
 }

@@ -13,8 +13,8 @@ pub(crate) use source::operations_left_out;
 mod target;
 
 use source::check_source;
-pub(crate) use target::narrower;
 use target::{check_apply_session, check_target, with_target_columns};
+pub(crate) use target::{converted_using, narrower};
 
 /// What the checks found: printed a line each as they go, or, for `--json`, kept and printed
 /// as one object at the end.

@@ -472,9 +472,10 @@ pub(super) async fn check_source(
                 // root's replica identity (its key columns, or FULL), and sends their old rows
                 // as the partitions' identities give them. Both must say the same.
                 if table.partitioned && updates_published {
+                    // (A problem: every such UPDATE or DELETE is lost on the target.)
                     if let Some(problem) = root_identity_problem(src, &qualified, &rows).await {
                         identified = false;
-                        report.warning(problem);
+                        report.problem(problem);
                     }
                 }
                 if identified {

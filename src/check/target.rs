@@ -497,9 +497,10 @@ pub(super) async fn check_target(
                     } else if let Some(how) = narrower(source_type, &target_type) {
                         fine = false;
                         report.warning(format!(
-                            "column {} of {qualified} is {source_type} on the source but {target_type} on the target, which {how}: make it {source_type} on the target (ALTER TABLE {qualified} ALTER COLUMN {} TYPE {source_type})",
+                            "column {} of {qualified} is {source_type} on the source but {target_type} on the target, which {how}: make it {source_type} on the target (ALTER TABLE {qualified} ALTER COLUMN {} TYPE {source_type}{})",
                             quote_ident(column),
-                            quote_ident(column)
+                            quote_ident(column),
+                            converted_using(source_type, &target_type, &quote_ident(column))
                         ));
                     }
                 }
@@ -805,6 +806,10 @@ pub(crate) fn narrower(source: &str, target: &str) -> Option<&'static str> {
         ("timestamp with time zone", "timestamp without time zone") => {
             return Some("drops the offset of the source's values without a word: they land as the source server's time zone (its TimeZone setting) shows them")
         }
+        ("json", "jsonb") => {
+            return Some("stores the source's documents as jsonb does: keys sorted, the last of duplicate keys kept, whitespace dropped, without a word (`pgapply verify` shows such rows as different)")
+        }
+        ("jsonb", "json") => return None,
         ("time with time zone", "time without time zone") => {
             return Some("drops the offset of the source's values without a word: each keeps its time of day as written, whatever its offset")
         }
@@ -866,6 +871,20 @@ pub(super) fn split_type(t: &str) -> (String, Vec<u32>) {
 /// Different type names that still take each other's text form: same family of numbers, text or
 /// times (by the target type's category), a length/precision change of the same type, or the
 /// same type name in another schema (an extension installed elsewhere on the target, say).
+/// The `USING` that converts the rows already on the target when a column is made the source's
+/// type again, where the default conversion would not give the source's values: a timestamp
+/// that holds the source's values as its TimeZone showed them is read back in that zone (the
+/// target session's zone would shift every row).
+pub(crate) fn converted_using(source: &str, target: &str, column: &str) -> String {
+    if split_type(source).0 == "timestamp with time zone"
+        && split_type(target).0 == "timestamp without time zone"
+    {
+        format!(" USING {column} AT TIME ZONE '<the source's TimeZone: SHOW TimeZone there>'")
+    } else {
+        String::new()
+    }
+}
+
 pub(super) fn compatible(source: &str, target: &str, target_category: &str) -> bool {
     let base = |t: &str| split_type(t).0;
     if base(source) == base(target) {
@@ -896,6 +915,14 @@ pub(super) fn compatible(source: &str, target: &str, target_category: &str) -> b
     ];
     let text = ["text", "character varying", "character", "name"];
     let times = ["timestamp without time zone", "timestamp with time zone"];
+    // A timestamp into a date keeps the day (`narrower` says so); json into jsonb is parsed
+    // there (`narrower` says what it changes).
+    let days = [
+        "date",
+        "timestamp without time zone",
+        "timestamp with time zone",
+    ];
+    let documents = ["json", "jsonb"];
     // A time with a time zone read as one without: its offset dropped (`narrower` says so).
     let times_of_day = ["time without time zone", "time with time zone"];
     let family = |list: &[&str]| {
@@ -904,6 +931,8 @@ pub(super) fn compatible(source: &str, target: &str, target_category: &str) -> b
     family(&numeric)
         || family(&text)
         || family(&times)
+        || family(&days)
+        || family(&documents)
         || family(&times_of_day)
         || (target_category == "S" && text.contains(&base(source).as_str()))
         // Values travel in their text form, which a text column takes whatever the source's
@@ -961,6 +990,23 @@ mod tests {
         assert!(!compatible("text", "integer", "N"));
         assert!(compatible("int4multirange", "text", "S"));
         assert!(compatible("app.mood[]", "text[]", "A"));
+        // Converted by the target, with what changes said by `narrower`.
+        assert!(compatible("json", "jsonb", "U"));
+        assert!(compatible("timestamp(3) without time zone", "date", "D"));
+        assert!(narrower("json", "jsonb").is_some() && narrower("jsonb", "json").is_none());
+        assert!(!compatible("date", "integer", "N"));
+        assert_eq!(
+            super::converted_using(
+                "timestamp with time zone",
+                "timestamp(3) without time zone",
+                "\"t\""
+            ),
+            " USING \"t\" AT TIME ZONE '<the source's TimeZone: SHOW TimeZone there>'"
+        );
+        assert_eq!(
+            super::converted_using("numeric(8,2)", "numeric(4,1)", "\"n\""),
+            ""
+        );
         assert!(!compatible("app.mood[]", "integer[]", "A"));
         assert!(!compatible("int4multirange", "character varying(10)", "S"));
         assert!(narrower("bigint", "integer").is_some());
