@@ -349,22 +349,28 @@ fn read_as_target_type(name: &str, source: &str, target: &str) -> ReadAs {
                 unchanged: None,
             },
             // Narrower: the cast would fail on a value with too many integer digits, so it is
-            // taken only for a value that fits (NaN fits any numeric).
-            (_, Some((tp, ts))) if !is_array => {
-                let fits = format!(
-                    "({name} IS NULL OR {name} = 'NaN' OR (pg_catalog.abs({name}) < 1e{} AND pg_catalog.round({name}, {ts}) = {name}))",
-                    tp - ts
-                );
+            // taken only for a value that fits (NaN fits any numeric); for an array, when every
+            // element does.
+            (_, Some((tp, ts))) => {
+                let element_fits = |e: &str| {
+                    format!(
+                        "({e} IS NULL OR {e} = 'NaN' OR (pg_catalog.abs({e}) < 1e{} AND pg_catalog.round({e}, {ts}) = {e}))",
+                        tp - ts
+                    )
+                };
+                let fits = if is_array {
+                    format!(
+                        "({name} IS NULL OR NOT EXISTS (SELECT 1 FROM pg_catalog.unnest({name}) AS pgapply_e(e) WHERE NOT {}))",
+                        element_fits("pgapply_e.e")
+                    )
+                } else {
+                    element_fits(name)
+                };
                 ReadAs {
                     value: format!("CASE WHEN {fits} THEN {cast} END AS {name}"),
                     unchanged: Some(fits),
                 }
             }
-            // An array of narrower numerics: compared as they are (no cast that could fail).
-            _ => ReadAs {
-                value: name.to_owned(),
-                unchanged: None,
-            },
         };
     }
     // Lengths and fractional-second precisions: a cast that cuts or rounds, never fails.
@@ -505,15 +511,18 @@ struct Key {
 }
 
 /// Whether a column's type is an enum, a composite or a range type (whose order may follow a
-/// collation or an enum inside), or built on one: through domains and arrays, to any depth (a
-/// domain over an array of a domain over an enum).
+/// collation or an enum inside), or a reg* type (regclass and the like, ordered by OIDs, which
+/// differ between the two databases), or built on one: through domains and arrays, to any depth
+/// (a domain over an array of a domain over an enum).
 const SORTED_AS_TEXT: &str = "coalesce((WITH RECURSIVE b(oid, depth) AS ( \
                              SELECT t.oid, 0 \
                              UNION ALL \
                              SELECT CASE WHEN bt.typtype = 'd' THEN bt.typbasetype ELSE bt.typelem END, b.depth + 1 \
                              FROM b JOIN pg_catalog.pg_type bt ON bt.oid = b.oid \
                              WHERE b.depth < 16 AND (bt.typtype = 'd' OR (bt.typelem <> 0 AND bt.typlen = -1))) \
-                         SELECT bool_or(e.typtype IN ('e', 'c', 'r')) FROM b JOIN pg_catalog.pg_type e ON e.oid = b.oid), false)";
+                         SELECT bool_or(e.typtype IN ('e', 'c', 'r') \
+                                        OR e.oid IN (24, 2202, 2203, 2204, 2205, 2206, 3734, 3769, 4089, 4096, 4191)) \
+                         FROM b JOIN pg_catalog.pg_type e ON e.oid = b.oid), false)";
 
 struct Chunk {
     from: Option<Vec<String>>,
@@ -1320,6 +1329,11 @@ mod tests {
         assert!(read_as_target_type("\"a\"", "numeric(8,2)", "numeric")
             .unchanged
             .is_none());
+        let array = read_as_target_type("\"a\"", "numeric(12,4)[]", "numeric(8,2)[]");
+        assert!(array
+            .unchanged
+            .expect("a test")
+            .contains("pg_catalog.unnest(\"a\")"));
         // Narrower in scale or in integer digits, or from an unconstrained numeric: tested.
         for (from, to) in [
             ("numeric(12,4)", "numeric(12,2)"),

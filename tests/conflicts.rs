@@ -1315,10 +1315,20 @@ async fn apply_remote_where_the_target_has_another_primary_key() {
         .await;
     db.target_sql("CREATE TABLE d (id int NOT NULL, code text PRIMARY KEY, v text); CREATE TABLE n (id int, v text);")
         .await;
-    db.publish("CREATE PUBLICATION p FOR TABLE d").await;
-    db.target_sql("INSERT INTO d VALUES (7, 'b', 'local')")
+    // A partitioned target keyed (id, region): the upsert goes through the partitioned table.
+    db.source_sql("CREATE TABLE pt (id int PRIMARY KEY, region text NOT NULL, v text)")
         .await;
-    db.source_sql("INSERT INTO d VALUES (1, 'a', 'new'), (2, 'b', 'remote')")
+    db.target_sql(
+        "CREATE TABLE pt (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region); \
+         CREATE TABLE pt_eu PARTITION OF pt FOR VALUES IN ('eu'); CREATE TABLE pt_us PARTITION OF pt FOR VALUES IN ('us');",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE d, pt").await;
+    db.target_sql(
+        "INSERT INTO d VALUES (7, 'b', 'local'); INSERT INTO pt VALUES (2, 'us', 'local');",
+    )
+    .await;
+    db.source_sql("INSERT INTO d VALUES (1, 'a', 'new'), (2, 'b', 'remote'); INSERT INTO pt VALUES (1, 'eu', 'new'), (2, 'us', 'remote');")
         .await;
     let config = config_file("o", "[conflicts]\ninsert_exists = \"apply_remote\"\n");
     let config = config.to_str().unwrap();
@@ -1337,6 +1347,21 @@ async fn apply_remote_where_the_target_has_another_primary_key() {
         vec![
             (1, "a".to_string(), "new".to_string()),
             (2, "b".to_string(), "remote".to_string())
+        ]
+    );
+    let pt: Vec<(i32, String, String)> = db
+        .target
+        .query("SELECT id, region, v FROM pt ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        pt,
+        vec![
+            (1, "eu".to_string(), "new".to_string()),
+            (2, "us".to_string(), "remote".to_string())
         ]
     );
     // No unique index at all on the target: said at the first insert, naming the one to add.
@@ -1375,4 +1400,55 @@ async fn apply_remote_where_the_target_has_another_primary_key() {
         !said.contains("apply_remote\" for \"public\".\"d\""),
         "{said}"
     );
+}
+
+/// A trigger that skips changes, added on the target while pgapply runs: the table's triggers
+/// were read before it, so the first change it keeps looks like a row missing; under policy
+/// "error" pgapply applies again with them read anew, and goes on (it stopped for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipping_trigger_added_while_running_is_taken_in() {
+    let db = TestDb::new("trigadded").await;
+    db.both("CREATE TABLE late (id int PRIMARY KEY, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE late").await;
+    db.source_sql("INSERT INTO late SELECT g, 'a' FROM generate_series(1, 5) g")
+        .await;
+    let config = config_file(
+        "late",
+        "[conflicts]\nupdate_missing = \"error\"\ndelete_missing = \"error\"\n",
+    );
+    let (mut child, log) =
+        common::spawn_logged(db.pgapply("p", &["--config", config.to_str().unwrap()]));
+    db.source_sql("UPDATE late SET v = 'b' WHERE id = 1").await;
+    wait_for("the first update", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM late WHERE v = 'b'")
+            .await
+            == 1
+    })
+    .await;
+    // (Not a wait for a condition: the table's triggers must have been read a while ago.)
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    db.target_sql(
+        "CREATE FUNCTION keep() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$; \
+         CREATE TRIGGER keep BEFORE DELETE ON late FOR EACH ROW EXECUTE FUNCTION keep(); \
+         ALTER TABLE late ENABLE ALWAYS TRIGGER keep;",
+    )
+    .await;
+    db.source_sql("DELETE FROM late WHERE id = 2; UPDATE late SET v = 'c' WHERE id = 3;")
+        .await;
+    wait_for("the update after the kept delete", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM late WHERE v = 'c'")
+            .await
+            == 1
+    })
+    .await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "pgapply stopped: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM late").await, 5);
+    assert_eq!(conflicts(&db).await, vec![]);
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
 }

@@ -2098,16 +2098,16 @@ async fn verify_reads_equal_values_of_a_wider_target_type_alike() {
 async fn verify_finds_values_a_narrower_target_type_rounded() {
     let db = TestDb::new("verifynarrow").await;
     db.source_sql(
-        "CREATE TABLE n (id int PRIMARY KEY, amount numeric(12,4), at timestamp(3), x numeric)",
+        "CREATE TABLE n (id int PRIMARY KEY, amount numeric(12,4), at timestamp(3), x numeric, arr numeric(12,4)[])",
     )
     .await;
     db.target_sql(
-        "CREATE TABLE n (id int PRIMARY KEY, amount numeric(8,2), at timestamp(0), x numeric(8,2))",
+        "CREATE TABLE n (id int PRIMARY KEY, amount numeric(8,2), at timestamp(0), x numeric(8,2), arr numeric(8,2)[])",
     )
     .await;
     db.source_sql(
-        "INSERT INTO n SELECT g, g + 0.25, '2026-01-01'::timestamp + g * interval '1 s', g FROM generate_series(1, 50) g; \
-         INSERT INTO n VALUES (51, 'NaN', NULL, NULL); \
+        "INSERT INTO n SELECT g, g + 0.25, '2026-01-01'::timestamp + g * interval '1 s', g, ARRAY[g + 0.5, NULL] FROM generate_series(1, 50) g; \
+         INSERT INTO n VALUES (51, 'NaN', NULL, NULL, NULL); \
          CREATE PUBLICATION p FOR TABLE n;",
     )
     .await;
@@ -2123,24 +2123,58 @@ async fn verify_finds_values_a_narrower_target_type_rounded() {
     // Rounded by the target's types: 1.2346 held as 1.23, .400 s as a whole second, 7.125 as 7.13.
     db.source_sql(
         "UPDATE n SET amount = 1.2346 WHERE id = 5; UPDATE n SET at = at + interval '0.4 s' WHERE id = 25; \
-         UPDATE n SET x = 7.125 WHERE id = 45",
+         UPDATE n SET x = 7.125 WHERE id = 45; UPDATE n SET arr = ARRAY[1.2346] WHERE id = 35",
     )
     .await;
     db.target_sql(
         "UPDATE n SET amount = 1.2346 WHERE id = 5; UPDATE n SET at = at + interval '0.4 s' WHERE id = 25; \
-         UPDATE n SET x = 7.125 WHERE id = 45",
+         UPDATE n SET x = 7.125 WHERE id = 45; UPDATE n SET arr = ARRAY[1.2346] WHERE id = 35",
     )
     .await;
     let out = run_with_deadline(verify(), 120).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
-    for range in ["[start .. (11))", "[(21) .. (31))", "[(41) .. (51))"] {
+    for range in [
+        "[start .. (11))",
+        "[(21) .. (31))",
+        "[(31) .. (41))",
+        "[(41) .. (51))",
+    ] {
         assert!(
             text.contains(&format!("key range {range}")),
             "{range}: {text}"
         );
     }
     assert!(!text.contains("key range [(11) .. (21))"), "{text}");
+}
+
+/// A regclass key sorts by OID, and the same tables have other OIDs on the target: verify must
+/// put the same rows in the same chunks on both sides (it compared them as different).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_orders_regclass_keys_alike_on_both_sides() {
+    let db = TestDb::new("verifyregclass").await;
+    let tables = |order: &mut dyn Iterator<Item = i32>| {
+        order
+            .map(|i| format!("CREATE TABLE rr_{i} ();"))
+            .collect::<String>()
+    };
+    db.source_sql(&tables(&mut (1..=12))).await;
+    db.target_sql(&tables(&mut (1..=12).rev())).await;
+    db.both("CREATE TABLE rkv (k regclass PRIMARY KEY, v text)")
+        .await;
+    db.source_sql(
+        "INSERT INTO rkv SELECT ('rr_' || g)::regclass, 'v' || g FROM generate_series(1, 12) g; \
+         CREATE PUBLICATION p FOR TABLE rkv;",
+    )
+    .await;
+    copy_up_to_now(&db).await;
+    let out = run_with_deadline(db.on_both("verify", &["--chunk-rows", "3"]), 120).await;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("OK        \"public\".\"rkv\" (12 rows"),
+        "{text}"
+    );
 }
 
 /// A table locked on the target holds verify up, as it must; after 5 s its log says so, naming

@@ -67,6 +67,11 @@ pub struct ApplySettings {
     /// Set when applying failed while a streamed transaction was applied as it arrived
     /// (`--streaming parallel`): from then on the process spools them (see `applier::live`).
     pub live_streaming_off: Arc<std::sync::atomic::AtomicBool>,
+    /// The commit LSN of the last source transaction applied again because a row it found
+    /// missing, under conflict policy `error`, may have been kept by a trigger added on the
+    /// target since its table's triggers were read (`Applier::may_skip`): again, it is the
+    /// transaction's own error. Shared by the attempts of one run.
+    pub triggers_reread_at: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Default for ApplySettings {
@@ -78,6 +83,7 @@ impl Default for ApplySettings {
             batch_updates: true,
             unbatched_through: Arc::default(),
             live_streaming_off: Arc::default(),
+            triggers_reread_at: Arc::default(),
         }
     }
 }
@@ -514,7 +520,11 @@ pub struct Applier {
     deferrable_unique: HashMap<(Oid, u64), bool>,
     /// Per relation generation: the changes a trigger on the target table may skip
     /// (`apply::triggers`).
-    may_skip: HashMap<(Oid, u64), crate::apply::triggers::MaySkip>,
+    /// (And when they were read: read again after a conflict, at most every 2 s.)
+    may_skip: HashMap<(Oid, u64), (crate::apply::triggers::MaySkip, Instant)>,
+    /// The apply session runs with `session_replication_role = replica` (the role may set it):
+    /// which triggers fire (`apply::triggers`).
+    as_replica: bool,
     /// UPDATEs held in the open group, by target table (`apply::batch`): two source relations
     /// that reach one target table must not pass each other.
     held_updates: HashMap<Oid, UpdateBatch<HeldChange>>,
@@ -751,11 +761,13 @@ impl Applier {
         // As PostgreSQL's own subscriber: ordinary triggers and foreign-key checks do not fire for
         // replicated changes. Only superusers (or, from 15, roles granted SET on the parameter)
         // may ask for that; others apply with triggers firing, and are told.
+        let mut as_replica = true;
         if let Err(e) = client
             .batch_execute("SET session_replication_role = replica")
             .await
         {
             if e.code().is_some_and(|c| c.code() == "42501") {
+                as_replica = false;
                 // (Said once a process: every apply session of every retry meets it.)
                 static SAID: std::sync::atomic::AtomicBool =
                     std::sync::atomic::AtomicBool::new(false);
@@ -903,6 +915,7 @@ impl Applier {
             unique_keys: HashMap::new(),
             deferrable_unique: HashMap::new(),
             may_skip: HashMap::new(),
+            as_replica,
             held_updates: HashMap::new(),
             held_rows: 0,
             batchable: HashMap::new(),

@@ -341,6 +341,14 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
                             "WITH ins AS ({insert} ON CONFLICT ({keys}) DO NOTHING RETURNING 1) \
                              SELECT {local} WHERE NOT EXISTS (SELECT 1 FROM ins)"
                         )
+                    } else if entry.target.partitioned {
+                        // (RETURNING cannot read xmax through a partitioned table: the row as it
+                        // was, read before the upsert, tells that it existed.)
+                        format!(
+                            "WITH ins AS ({insert} ON CONFLICT ({keys}) DO UPDATE SET {} RETURNING 1) \
+                             SELECT {local} FROM ins WHERE {local} IS NOT NULL",
+                            set.join(", ")
+                        )
                     } else {
                         format!(
                             "WITH ins AS ({insert} ON CONFLICT ({keys}) DO UPDATE SET {} RETURNING xmax) \

@@ -1,7 +1,8 @@
 //! Target triggers that can make a change do nothing, without an error.
 //!
 //! A BEFORE ROW trigger on the target that returns NULL (enabled ALWAYS or REPLICA: pgapply's
-//! sessions run as a replica, so only those fire) keeps an INSERT, UPDATE or DELETE from
+//! sessions run as a replica, so only those fire; ALWAYS and ordinary ones for a role that may
+//! not set session_replication_role) keeps an INSERT, UPDATE or DELETE from
 //! happening, as a table that keeps the rows the source deletes does on purpose. A row count of 0
 //! then does not mean that the row was missing (nor, for an INSERT under `skip`, that one was
 //! there). PostgreSQL's own subscriber finds the row before it changes it, so such a change passes
@@ -24,7 +25,10 @@ pub struct MaySkip {
 /// What the target table's triggers (and its partitions', or inheritance children's) may skip.
 /// A table with rules is left as it is: a data-modifying WITH, which the statements that tell
 /// need, is refused on a table with most kinds of rules.
-pub async fn may_skip(client: &Client, entry: &RelationEntry) -> Result<MaySkip> {
+/// `as_replica`: the apply session runs as a replica (ALWAYS and REPLICA triggers fire); else as
+/// an origin (ALWAYS and ordinary ones: the role may not set session_replication_role).
+pub async fn may_skip(client: &Client, entry: &RelationEntry, as_replica: bool) -> Result<MaySkip> {
+    let firing = if as_replica { "R" } else { "O" };
     // tgtype bits: 1 row, 2 before, 4 insert, 8 delete, 16 update.
     let row = client
         .query_one(
@@ -37,8 +41,8 @@ pub async fn may_skip(client: &Client, entry: &RelationEntry) -> Result<MaySkip>
                     EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite r JOIN tree ON r.ev_class = tree.oid \
                             WHERE r.rulename <> '_RETURN') \
              FROM pg_catalog.pg_trigger t JOIN tree ON t.tgrelid = tree.oid \
-             WHERE t.tgenabled IN ('A', 'R') AND t.tgtype::int & 3 = 3",
-            &[&entry.target.oid],
+             WHERE t.tgenabled IN ('A', $2::text::\"char\") AND t.tgtype::int & 3 = 3",
+            &[&entry.target.oid, &firing],
         )
         .await
         .map_err(|e| {

@@ -38,15 +38,25 @@ pub(super) async fn check_apply_session(
             .unwrap_or(false);
         // apply_remote overwrites the row with the same key: the source's, or else the target's
         // own primary key or unique index; without any, `run` stops at the table's first INSERT.
+        // (Over replicated columns: a key of a target-only column says nothing of the source's
+        // rows.)
+        let replicated: Vec<String> = t
+            .columns
+            .iter()
+            .map(|(c, _)| t.target_column(c).to_owned())
+            .collect();
         let no_unique = policy == crate::apply::conflict::Policy::ApplyRemote
             && !only_deferrable
             && dst
                 .query_one(
                     "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND NOT EXISTS ( \
-                        SELECT 1 FROM pg_catalog.pg_index WHERE indrelid = pg_catalog.to_regclass($1) \
-                          AND indimmediate AND indisunique AND indisvalid \
-                          AND indexprs IS NULL AND indpred IS NULL)",
-                    &[&qualified],
+                        SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = pg_catalog.to_regclass($1) \
+                          AND i.indimmediate AND i.indisunique AND i.indisvalid \
+                          AND i.indexprs IS NULL AND i.indpred IS NULL \
+                          AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a \
+                                          WHERE a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey::int2[]) \
+                                            AND a.attname::text <> ALL ($2::text[])))",
+                    &[&qualified, &replicated],
                 )
                 .await
                 .map(|r| r.get::<_, bool>(0))

@@ -135,6 +135,39 @@ impl Applier {
                     return;
                 }
                 let kind = signal.conflict.name();
+                let missing = matches!(
+                    signal.conflict,
+                    ConflictType::UpdateMissing | ConflictType::DeleteMissing
+                );
+                // A trigger added on the target since the table's triggers were read may have
+                // kept the row (`apply::triggers`): read again for the next change, and a stop
+                // is first a retry with them read anew.
+                let cached = (about.relation.source.oid, about.relation.generation);
+                let read_a_while_ago = missing
+                    && self
+                        .may_skip
+                        .get(&cached)
+                        .is_some_and(|(_, at)| at.elapsed() >= Duration::from_secs(2));
+                if read_a_while_ago {
+                    self.may_skip.remove(&cached);
+                }
+                if signal.policy == Policy::Error
+                    && read_a_while_ago
+                    && about.commit_lsn.0 != u64::MAX
+                    && self.failure.is_none()
+                    && self
+                        .settings
+                        .triggers_reread_at
+                        .fetch_max(about.commit_lsn.0, std::sync::atomic::Ordering::Relaxed)
+                        < about.commit_lsn.0
+                {
+                    self.failure = Some(Error::planned_restart(format!(
+                        "{kind}: {} found no row for key {}: applying again with the target table's triggers read anew (one added since may have kept the row)",
+                        about.describe(),
+                        about.describe_key_for_log()
+                    )));
+                    return;
+                }
                 if signal.policy == Policy::Error {
                     if self.failure.is_none() {
                         let err = Error::definite(format!(

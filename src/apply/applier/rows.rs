@@ -119,9 +119,14 @@ impl Applier {
                             (
                                 String::new(),
                                 format!(
-                                    "add one (CREATE UNIQUE INDEX ON {} ({}), the source's key)",
+                                    "add one (CREATE UNIQUE INDEX ON {} ({}), the source's key{})",
                                     entry.target.qualified,
-                                    columns.join(", ")
+                                    columns.join(", "),
+                                    if entry.target.partitioned {
+                                        ", with the partition key's columns too: a partitioned table's unique index must hold them"
+                                    } else {
+                                        ""
+                                    }
                                 ),
                             )
                         };

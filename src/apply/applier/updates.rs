@@ -529,11 +529,11 @@ impl Applier {
         entry: &Arc<RelationEntry>,
     ) -> Result<crate::apply::triggers::MaySkip> {
         let cache_key = (entry.source.oid, entry.generation);
-        if let Some(&m) = self.may_skip.get(&cache_key) {
+        if let Some(&(m, _)) = self.may_skip.get(&cache_key) {
             return Ok(m);
         }
-        let m = crate::apply::triggers::may_skip(&self.catalog, entry).await?;
-        self.may_skip.insert(cache_key, m);
+        let m = crate::apply::triggers::may_skip(&self.catalog, entry, self.as_replica).await?;
+        self.may_skip.insert(cache_key, (m, Instant::now()));
         Ok(m)
     }
 
