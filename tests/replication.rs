@@ -159,6 +159,38 @@ async fn keys_of_a_composite_or_regclass_type() {
     );
 }
 
+/// A row updated by every source transaction, in a table whose updates cannot be collapsed (a
+/// unique index only the target has): a group of those transactions ends after 32 updates of
+/// the row (one target transaction for the whole backlog stepped past every version it wrote,
+/// x10 slower than PostgreSQL's own subscriber).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_row_of_a_table_not_batched_ends_its_group() {
+    let db = TestDb::new("hotrow").await;
+    db.both("CREATE TABLE h (id int PRIMARY KEY, v int)").await;
+    db.target_sql("CREATE UNIQUE INDEX ON h (id, v)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE h").await;
+    db.source_sql("INSERT INTO h VALUES (1, 0)").await;
+    // 640 source transactions, each one UPDATE of the row.
+    for _ in 0..640 {
+        db.source_sql("UPDATE h SET v = v + 1 WHERE id = 1").await;
+    }
+    // Each group writes its position to pgapply.origin_commit in its own transaction.
+    let commits = || async {
+        db.count(
+            &db.target,
+            "SELECT coalesce((SELECT n_tup_ins + n_tup_upd FROM pg_stat_user_tables \
+                              WHERE schemaname = 'pgapply' AND relname = 'origin_commit'), 0)",
+        )
+        .await
+    };
+    let before = commits().await;
+    db.sync("p").await;
+    db.assert_same("h").await;
+    let after = commits().await;
+    // 640 / 32 = 20 groups at least.
+    assert!(after - before >= 20, "{} groups", after - before);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_identity_full_with_duplicates_and_nulls() {
     let db = TestDb::new("full").await;

@@ -250,10 +250,13 @@ impl Reader<'_> {
     fn log_progress(&mut self, logged: &mut Logged) {
         // (Positions move with writes to unpublished tables too: not what "idle" means here.)
         let transactions = METRICS.transactions.get();
+        // (Also while transactions handed to the applier wait to be applied: a large streamed
+        // one applied at its commit, or by the --streaming parallel helper catching up.)
         let moved = transactions != logged.transactions
             || self.in_transaction
             || !self.streams_open.is_empty()
-            || self.queued() > 0;
+            || self.queued() > 0
+            || self.oldest_pending().is_some();
         if !moved && logged.at.elapsed() < Duration::from_secs(600) {
             return;
         }

@@ -499,15 +499,16 @@ impl Applier {
         Ok(d)
     }
 
-    /// Counts an unbatched update of the row with key `key` in the open group; the group commits
-    /// after the current transaction once a row had `HOT_ROW_UPDATES` of them.
-    fn note_row_update(&mut self, entry: &RelationEntry, key: &[Value]) {
+    /// Counts an unbatched update of the row with key `row`'s key columns (`row`: the values that
+    /// find it, in source column order) in the open group; the group commits after the current
+    /// transaction once a row had `HOT_ROW_UPDATES` of them.
+    fn note_row_update(&mut self, entry: &RelationEntry, row: &[Value]) {
         use std::hash::{Hash, Hasher};
         let Some(group) = &mut self.group else {
             return;
         };
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        for value in key {
+        for value in entry.key_columns.iter().filter_map(|&k| row.get(k)) {
             match value {
                 Value::Text(b) | Value::Binary(b) => b.as_ref().hash(&mut hasher),
                 Value::Null | Value::UnchangedToast => 0u8.hash(&mut hasher),
