@@ -611,6 +611,7 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
         durable: pgapply::protocol::Lsn::INVALID,
     });
     let mut first = true;
+    let mut said_in_use = false;
     loop {
         if !std::mem::take(&mut first) {
             refresh_passwords(&args, &file, &mut config);
@@ -647,14 +648,30 @@ async fn run_command(args: RunArgs, file: FileConfig, reload: Reload) -> Result<
                     );
                 }
                 metrics::METRICS.reconnects.inc();
-                let delay = backoff.next_delay();
-                tracing::warn!(
-                    slot = %config.slot,
-                    error = %e,
-                    attempt = backoff.attempts,
-                    retry_in = %humantime::format_duration(Duration::from_millis(delay.as_millis() as u64)),
-                    "transient error; starting again from what the target recorded"
-                );
+                let mut delay = backoff.next_delay();
+                let in_use = pgapply::replicate::is_slot_in_use(&e);
+                if !in_use {
+                    said_in_use = false;
+                }
+                if in_use {
+                    // A warm standby: it takes over within seconds of the other worker's end,
+                    // however long it has waited (the back-off would reach --retry-max).
+                    delay = delay.min(Duration::from_secs(5));
+                }
+                let retry_in =
+                    humantime::format_duration(Duration::from_millis(delay.as_millis() as u64));
+                if in_use && std::mem::replace(&mut said_in_use, true) {
+                    // (Said as a warning once: waiting is what a standby does.)
+                    tracing::info!(slot = %config.slot, attempt = backoff.attempts, retry_in = %retry_in, "the slot is still in use on the source (another worker streams it): waiting to take over");
+                } else {
+                    tracing::warn!(
+                        slot = %config.slot,
+                        error = %e,
+                        attempt = backoff.attempts,
+                        retry_in = %retry_in,
+                        "transient error; starting again from what the target recorded"
+                    );
+                }
                 // Meanwhile the heartbeat goes on (`forget` refuses a slot whose worker waits
                 // to try again), and a stop says so on the target.
                 let mut target = None;

@@ -46,8 +46,8 @@ use reader::*;
 use start::*;
 pub(crate) use start::{binary_unsafe, missing_partition_hint, LIVE_HELPER_INDEX};
 pub use start::{
-    publications_dropped, recorded_publications, refuse_same_database, replication_loop,
-    same_publications, tables_shared_with_other_slots, unmatched_table_settings,
+    is_slot_in_use, publications_dropped, recorded_publications, refuse_same_database,
+    replication_loop, same_publications, tables_shared_with_other_slots, unmatched_table_settings,
 };
 
 #[derive(Debug, Clone)]

@@ -227,6 +227,15 @@ pub async fn refuse_same_database(
     Ok(())
 }
 
+/// What the error of a start that finds the slot streamed by another process says (a warm
+/// standby worker meets it at every try: `is_slot_in_use`).
+const SLOT_IN_USE: &str = "is in use on the source";
+
+/// Whether `e` says the slot is streamed by another process: a warm standby waits for it.
+pub fn is_slot_in_use(e: &Error) -> bool {
+    e.message().contains(SLOT_IN_USE)
+}
+
 /// Refuses a slot the source has confirmed past everything this target applied or was told it
 /// could report: the changes between are gone from the slot and missing on the target (a target
 /// restored from an older backup, a slot dropped and made again, another consumer of the slot).
@@ -259,7 +268,7 @@ pub(super) async fn refuse_lost_changes(
     // to say (the run waits for it as for a previous run's session), not lost changes.
     if let Some(pid) = session.slot_holder(slot).await? {
         return Err(Error::transient(format!(
-            "replication slot {slot:?} is in use on the source (its walsender is process {pid} there: another pgapply streaming it, into this target or another one, or the session of a run that just ended, or an earlier connection of another pgapply that the network cut off, which the source ends after wal_sender_timeout (never when that is 0: then end it there, SELECT pg_terminate_backend({pid})); `pgapply status` on the target shows its running worker): it must end first"
+            "replication slot {slot:?} {SLOT_IN_USE} (its walsender is process {pid} there: another pgapply streaming it, into this target or another one, or the session of a run that just ended, or an earlier connection of another pgapply that the network cut off, which the source ends after wal_sender_timeout (never when that is 0: then end it there, SELECT pg_terminate_backend({pid})); `pgapply status` on the target shows its running worker): it must end first"
         )));
     }
     let Some(confirmed) = session.slot_confirmed(slot).await? else {
