@@ -1540,3 +1540,46 @@ async fn an_idle_apply_session_ended_on_the_target_is_replaced() {
         std::fs::read_to_string(&log).unwrap_or_default()
     );
 }
+
+/// A second `run` for a slot another worker streams waits for it (a warm standby) and, however
+/// long it has waited, takes over within seconds once the other is gone: its back-off is capped
+/// at 5 s while the slot is in use (it reached a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_standby_takes_over_within_seconds_however_long_it_waited() {
+    let db = TestDb::new("standby").await;
+    db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
+    db.publish("CREATE PUBLICATION p FOR TABLE t").await;
+    let (mut first, _) = common::spawn_logged(db.pgapply("p", &[]));
+    db.source_sql("INSERT INTO t VALUES (1)").await;
+    wait_for("the first worker to apply", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 1
+    })
+    .await;
+    let (mut standby, log) = common::spawn_logged(db.pgapply("p", &["--retry-max", "60s"]));
+    // Five tries: the back-off before the next one would be 8 to 16 s uncapped.
+    let tries = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                l.contains("is in use on the source") || l.contains("the slot is still in use")
+            })
+            .count()
+    };
+    wait_for("the standby's fifth try", 90, || async { tries() >= 5 }).await;
+    first.kill().await.unwrap();
+    let gone = std::time::Instant::now();
+    db.source_sql("INSERT INTO t VALUES (2)").await;
+    wait_for("the standby to take over", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM t").await == 2
+    })
+    .await;
+    let took = gone.elapsed();
+    standby.start_kill().unwrap();
+    let _ = standby.wait().await;
+    assert!(
+        took < std::time::Duration::from_secs(7),
+        "took over after {took:?}: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+}
