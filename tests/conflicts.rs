@@ -1334,31 +1334,25 @@ async fn apply_remote_where_the_target_has_another_primary_key() {
     let config = config.to_str().unwrap();
     let out = sync_with(&db, &["--config", config]).await;
     assert!(out.status.success(), "{}", stderr(&out));
-    let rows: Vec<(i32, String, String)> = db
-        .target
-        .query("SELECT id, code, v FROM d ORDER BY code", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect();
+    let target = &db.target;
+    let rows = |sql: &'static str| async move {
+        target
+            .query(sql, &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect::<Vec<(i32, String, String)>>()
+    };
     assert_eq!(
-        rows,
+        rows("SELECT id, code, v FROM d ORDER BY code").await,
         vec![
             (1, "a".to_string(), "new".to_string()),
             (2, "b".to_string(), "remote".to_string())
         ]
     );
-    let pt: Vec<(i32, String, String)> = db
-        .target
-        .query("SELECT id, region, v FROM pt ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect();
     assert_eq!(
-        pt,
+        rows("SELECT id, region, v FROM pt ORDER BY id").await,
         vec![
             (1, "eu".to_string(), "new".to_string()),
             (2, "us".to_string(), "remote".to_string())
