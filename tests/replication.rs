@@ -191,6 +191,92 @@ async fn a_hot_row_of_a_table_not_batched_ends_its_group() {
     assert!(after - before >= 20, "{} groups", after - before);
 }
 
+/// Consecutive DELETEs by key of one table go out together (a run ends at any other change):
+/// a bulk DELETE, deletes mixed with inserts and updates of the same keys within a transaction
+/// and across the transactions of a group, a composite key, and a table whose target trigger
+/// keeps its deletes one at a time all end as on the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_of_deletes_keep_their_order_with_other_changes() {
+    let db = TestDb::new("delruns").await;
+    db.both(
+        "CREATE TABLE d (id int PRIMARY KEY, v text); CREATE TABLE o (id int PRIMARY KEY); \
+         CREATE TABLE dk (a int, b text, v int, PRIMARY KEY (a, b)); \
+         CREATE TABLE dt (id int PRIMARY KEY);",
+    )
+    .await;
+    db.target_sql(
+        "CREATE TABLE dt_log (id int); \
+         CREATE FUNCTION log_dt() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN INSERT INTO dt_log VALUES (OLD.id); RETURN OLD; END$$; \
+         CREATE TRIGGER log_dt AFTER DELETE ON dt FOR EACH ROW EXECUTE FUNCTION log_dt(); \
+         ALTER TABLE dt ENABLE ALWAYS TRIGGER log_dt;",
+    )
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE d, o, dk, dt")
+        .await;
+    db.source_sql(
+        "INSERT INTO d SELECT g, 'row ' || g FROM generate_series(1, 3000) g; \
+         INSERT INTO dk SELECT g % 50, 'k' || g, g FROM generate_series(1, 1000) g; \
+         INSERT INTO dt SELECT generate_series(1, 300);",
+    )
+    .await;
+    db.sync("p").await;
+    db.source_sql("DELETE FROM d WHERE id <= 1000").await;
+    db.source_sql(
+        "BEGIN; DELETE FROM d WHERE id = 1001; INSERT INTO d VALUES (1001, 'back'); \
+         DELETE FROM d WHERE id = 1002; UPDATE d SET v = 'updated' WHERE id = 1003; \
+         DELETE FROM d WHERE id IN (1003, 1004); INSERT INTO o VALUES (1); \
+         DELETE FROM d WHERE id = 1005; UPDATE d SET v = 'kept' WHERE id = 1006; COMMIT;",
+    )
+    .await;
+    // One change a transaction: the transactions share a group, and the run goes on across them.
+    for sql in [
+        "DELETE FROM d WHERE id = 1010",
+        "INSERT INTO d VALUES (1010, 'again')",
+        "DELETE FROM d WHERE id = 1011",
+        "DELETE FROM d WHERE id = 1010",
+        "INSERT INTO d VALUES (1010, 'last')",
+        "UPDATE d SET v = 'moved' WHERE id = 1012",
+        "DELETE FROM d WHERE id = 1013",
+    ] {
+        db.source_sql(sql).await;
+    }
+    db.source_sql("DELETE FROM dk WHERE v % 3 = 0").await;
+    db.source_sql("DELETE FROM dt WHERE id > 100").await;
+    db.sync("p").await;
+    for table in ["d", "o", "dk", "dt"] {
+        db.assert_same(table).await;
+    }
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM d WHERE id <= 1000")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM d WHERE id = 1010 AND v = 'last'"
+        )
+        .await,
+        1
+    );
+    // The trigger saw each deleted row once.
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(DISTINCT id) + count(*) FROM dt_log"
+        )
+        .await,
+        400
+    );
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM pgapply.conflicts")
+            .await,
+        0,
+        "no row was missing"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_identity_full_with_duplicates_and_nulls() {
     let db = TestDb::new("full").await;

@@ -217,7 +217,7 @@ enum Outcome {
         Option<ChangeInfo>,
         std::result::Result<(u64, Option<String>), tokio_postgres::Error>,
     ),
-    /// A batched UPDATE: the numbers of its rows that matched nothing.
+    /// A batched UPDATE or DELETE: the numbers of its rows that matched nothing.
     Batch(
         Vec<HeldChange>,
         std::result::Result<Vec<i32>, tokio_postgres::Error>,
@@ -239,7 +239,7 @@ struct Pending {
     request: Request,
     params: Vec<WireValue>,
     about: Option<ChangeInfo>,
-    /// A batched UPDATE: its rows' changes, by row number.
+    /// A batched UPDATE or DELETE: its rows' changes, by row number.
     batch: Vec<HeldChange>,
     /// A turn lock or a wait for another transaction's commit (`apply::parallel`).
     orders: bool,
@@ -279,23 +279,39 @@ struct HeldChange {
     xid: u32,
     commit_lsn: Lsn,
     commit_time: PgTimestamp,
-    /// The new row (a detached copy), which also holds the key.
-    new: Tuple,
+    change: Held,
+}
+
+/// What a row of a batched statement does.
+enum Held {
+    /// An UPDATE: the new row (a detached copy), which also holds the key.
+    Update(Tuple),
+    /// A DELETE: the values of the key tuple.
+    Delete(Vec<Value>),
 }
 
 impl HeldChange {
     fn into_change_info(self) -> ChangeInfo {
+        let (operation, key, remote, conflict) = match self.change {
+            Held::Update(new) => ("UPDATE", None, Some(new), ConflictType::UpdateMissing),
+            Held::Delete(key) => (
+                "DELETE",
+                Some((RowMatch::Key, key)),
+                None,
+                ConflictType::DeleteMissing,
+            ),
+        };
         ChangeInfo {
             relation: self.relation,
-            operation: "UPDATE",
+            operation,
             xid: self.xid,
             commit_lsn: self.commit_lsn,
             commit_time: self.commit_time,
-            key: None,
-            remote: Some(self.new),
-            // Only updates under update_missing = skip are held.
+            key,
+            remote,
+            // Only changes under update_missing / delete_missing = skip are batched.
             signal: Some(Signal {
-                conflict: ConflictType::UpdateMissing,
+                conflict,
                 policy: Policy::Skip,
                 when_rows: 0,
                 incomplete_row: false,
@@ -512,6 +528,8 @@ pub struct Applier {
     skip_records: Vec<(u32, Lsn, PgTimestamp)>,
     /// Inserts into one table by one source transaction, waiting to go out as one statement.
     insert_run: Option<InsertRun>,
+    /// Consecutive DELETEs by key of one table not yet queued (`delete_run`).
+    delete_run: Option<DeleteRun>,
     /// Unique indexes of target tables as source column positions, by (source OID, generation):
     /// read when a guarded change first needs them.
     unique_keys: HashMap<(Oid, u64), Arc<Vec<Vec<usize>>>>,
@@ -593,6 +611,18 @@ struct InsertRun {
     about: ChangeInfo,
     /// The commit LSN of the last row's source transaction.
     last_commit: Lsn,
+}
+
+/// Consecutive DELETEs by key of one table whose changes may share a statement, queued as
+/// `apply::batch::delete_sql` statements once another statement comes, the run is full, or the
+/// group ends.
+struct DeleteRun {
+    entry: Arc<RelationEntry>,
+    /// Each row's key values, in key order.
+    params: Vec<WireValue>,
+    rows: Vec<HeldChange>,
+    /// Most rows in one statement (a power of two).
+    limit: usize,
 }
 
 /// What the session negotiated that the applier needs to know.
@@ -912,6 +942,7 @@ impl Applier {
             prepared_conflicts: HashMap::new(),
             skip_records: Vec::new(),
             insert_run: None,
+            delete_run: None,
             unique_keys: HashMap::new(),
             deferrable_unique: HashMap::new(),
             may_skip: HashMap::new(),

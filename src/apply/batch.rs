@@ -1,4 +1,5 @@
-//! UPDATEs by key, held back inside a group and sent as one statement per table.
+//! UPDATEs by key, held back inside a group and sent as one statement per table; and runs of
+//! consecutive DELETEs by key of such a table, sent together (`delete_sql`).
 //!
 //! pgbench-like workloads update the same few rows (branches, tellers) in nearly every transaction,
 //! and one row of a big table (accounts) each time. Sent one statement per change, the target spends
@@ -271,23 +272,7 @@ pub fn batch_sql(entry: &RelationEntry, unchanged: &ColumnSet, rows: usize) -> S
     let present: Vec<usize> = (0..entry.source.columns.len())
         .filter(|c| !unchanged.contains(*c))
         .collect();
-    let mut param = 0usize;
-    let values = (0..rows)
-        .map(|r| {
-            let mut row = format!("({r}");
-            for _ in &present {
-                param += 1;
-                row.push_str(&format!(", ${param}"));
-            }
-            row.push(')');
-            row
-        })
-        .collect::<Vec<_>>()
-        .join(", ");
-    let aliases = present
-        .iter()
-        .map(|c| format!(", c{c}"))
-        .collect::<String>();
+    let (aliases, values) = numbered_values(&present, rows);
     let mut set: Vec<String> = present
         .iter()
         .filter(|c| !entry.key_columns.contains(c))
@@ -300,12 +285,6 @@ pub fn batch_sql(entry: &RelationEntry, unchanged: &ColumnSet, rows: usize) -> S
             .map(|&c| format!("{} = v.c{c}", entry.quoted_columns[c]))
             .collect();
     }
-    let matches = entry
-        .key_columns
-        .iter()
-        .map(|&c| format!("t.{} = v.c{c}", entry.quoted_columns[c]))
-        .collect::<Vec<_>>()
-        .join(" AND ");
     format!(
         "WITH v (r{aliases}) AS (VALUES {values}), \
          u AS (UPDATE {only}{table} t SET {set} FROM v WHERE {matches} RETURNING v.r) \
@@ -313,15 +292,74 @@ pub fn batch_sql(entry: &RelationEntry, unchanged: &ColumnSet, rows: usize) -> S
         only = super::statement::only(entry),
         table = entry.target.qualified,
         set = set.join(", "),
+        matches = key_matches(entry),
     )
+}
+
+/// The statement for a run of `rows` DELETEs by key of one table (consecutive in the stream, so
+/// nothing passes them). It returns the numbers of the rows that matched nothing. Parameters:
+/// each row's key values, in key order.
+pub fn delete_sql(entry: &RelationEntry, rows: usize) -> String {
+    let (aliases, values) = numbered_values(&entry.key_columns, rows);
+    format!(
+        "WITH v (r{aliases}) AS (VALUES {values}), \
+         d AS (DELETE FROM {only}{table} t USING v WHERE {matches} RETURNING v.r) \
+         SELECT r FROM v WHERE r NOT IN (SELECT r FROM d)",
+        only = super::statement::only(entry),
+        table = entry.target.qualified,
+        matches = key_matches(entry),
+    )
+}
+
+/// The parameter types of `delete_sql`: the key columns' target types.
+pub fn delete_param_types(entry: &RelationEntry, rows: usize) -> Vec<Type> {
+    repeated_types(entry, &entry.key_columns, rows)
+}
+
+/// `, c<n>` for each column, and `rows` rows of `(row number, $i, ..)` with parameters numbered
+/// on from row to row.
+fn numbered_values(columns: &[usize], rows: usize) -> (String, String) {
+    let mut param = 0usize;
+    let values = (0..rows)
+        .map(|r| {
+            let mut row = format!("({r}");
+            for _ in columns {
+                param += 1;
+                row.push_str(&format!(", ${param}"));
+            }
+            row.push(')');
+            row
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let aliases = columns.iter().map(|c| format!(", c{c}")).collect();
+    (aliases, values)
+}
+
+/// The target row matching a row of `v` by the key.
+fn key_matches(entry: &RelationEntry) -> String {
+    entry
+        .key_columns
+        .iter()
+        .map(|&c| format!("t.{} = v.c{c}", entry.quoted_columns[c]))
+        .collect::<Vec<_>>()
+        .join(" AND ")
 }
 
 /// The parameter types of `batch_sql`: the target columns' types (VALUES has no column to infer
 /// them from).
 pub fn param_types(entry: &RelationEntry, unchanged: &ColumnSet, rows: usize) -> Vec<Type> {
-    let row: Vec<Type> = (0..entry.source.columns.len())
+    let present: Vec<usize> = (0..entry.source.columns.len())
         .filter(|c| !unchanged.contains(*c))
-        .map(|c| {
+        .collect();
+    repeated_types(entry, &present, rows)
+}
+
+/// The target types of `columns` (source column numbers), `rows` times over.
+fn repeated_types(entry: &RelationEntry, columns: &[usize], rows: usize) -> Vec<Type> {
+    let row: Vec<Type> = columns
+        .iter()
+        .map(|&c| {
             let (oid, name) = entry.target_column(c).map_or((25, "text".to_owned()), |t| {
                 (t.type_oid, t.type_name.clone())
             });
@@ -443,5 +481,17 @@ mod tests {
         unchanged.insert(2);
         assert_eq!(param_types(&e, &unchanged, 3).len(), 6);
         assert!(batch_sql(&e, &unchanged, 1).contains("SET \"a\" = v.c1 FROM"));
+    }
+
+    #[test]
+    fn delete_sql_deletes_by_key_and_returns_rows_that_matched_nothing() {
+        let e = entry();
+        assert_eq!(
+            delete_sql(&e, 2),
+            "WITH v (r, c0) AS (VALUES (0, $1), (1, $2)), \
+             d AS (DELETE FROM ONLY \"public\".\"t\" t USING v WHERE t.\"id\" = v.c0 RETURNING v.r) \
+             SELECT r FROM v WHERE r NOT IN (SELECT r FROM d)"
+        );
+        assert_eq!(delete_param_types(&e, 3), vec![Type::INT4; 3]);
     }
 }

@@ -134,6 +134,9 @@ pub enum Operation {
     Delete,
     /// Several UPDATEs by key in one statement (`apply::batch`); `rows` of them.
     UpdateBatch,
+    /// A run of DELETEs by key of one table in one statement (`apply::batch::delete_sql`); `rows`
+    /// of them.
+    DeleteBatch,
 }
 
 /// How an UPDATE or DELETE finds its row.
@@ -420,6 +423,7 @@ pub fn build_sql(entry: &RelationEntry, shape: &Shape) -> String {
             delete
         }
         Operation::UpdateBatch => super::batch::batch_sql(entry, &shape.unchanged, shape.rows),
+        Operation::DeleteBatch => super::batch::delete_sql(entry, shape.rows),
     }
 }
 

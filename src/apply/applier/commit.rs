@@ -120,6 +120,7 @@ impl Applier {
                 self.pending.clear();
                 self.pending_weight = 0;
                 self.insert_run = None;
+                self.delete_run = None;
                 self.held_updates.clear();
                 self.held_rows = 0;
                 self.unsettled_rows = RowCounts::default();
@@ -407,6 +408,7 @@ impl Applier {
         }
         self.pending.clear();
         self.insert_run = None;
+        self.delete_run = None;
         self.held_updates.clear();
         self.held_rows = 0;
         self.unsettled_rows = RowCounts::default();

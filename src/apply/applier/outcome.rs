@@ -62,8 +62,15 @@ impl Applier {
                 // "Current transaction is aborted": an earlier statement failed; that failure
                 // is the one to report.
                 let aborted = e.code().is_some_and(|c| c.code() == "25P02");
+                let operation = match first.map(|a| &a.change) {
+                    Some(Held::Delete(_)) => "DELETE",
+                    _ => "UPDATE",
+                };
                 let err = Error::postgres(
-                    format!("applying {} batched UPDATEs of table {table}", rows.len()),
+                    format!(
+                        "applying {} batched {operation}s of table {table}",
+                        rows.len()
+                    ),
                     e,
                 );
                 if err.is_transient() || aborted {

@@ -58,7 +58,7 @@ impl Applier {
                 xid,
                 commit_lsn,
                 commit_time,
-                new,
+                change: Held::Update(new),
             };
             return self.hold_update(&entry, values, about).await;
         }
@@ -233,7 +233,12 @@ impl Applier {
             self.check_batching(&entry);
             for chunk in batch.into_chunks() {
                 let statement = self
-                    .batch_statement(&entry, chunk.unchanged, chunk.about.len())
+                    .batch_statement(
+                        &entry,
+                        Operation::UpdateBatch,
+                        chunk.unchanged,
+                        chunk.about.len(),
+                    )
                     .await?;
                 self.push_pending(Pending {
                     request: Request::Prepared(statement),
@@ -310,10 +315,12 @@ impl Applier {
         group.relied_on.push((entry.target.oid, fingerprint));
     }
 
-    /// The prepared statement for a batch of `rows` UPDATEs, preparing it the first time.
+    /// The prepared statement for a batch of `rows` UPDATEs (or DELETEs), preparing it the first
+    /// time.
     pub(super) async fn batch_statement(
         &mut self,
         entry: &RelationEntry,
+        operation: Operation,
         unchanged: ColumnSet,
         rows: usize,
     ) -> Result<Statement> {
@@ -321,7 +328,7 @@ impl Applier {
         let shape = Shape {
             relation: entry.source.oid,
             generation: entry.generation,
-            operation: Operation::UpdateBatch,
+            operation,
             unchanged,
             row_match: RowMatch::Key,
             on_conflict: OnConflict::Plain,
@@ -333,6 +340,16 @@ impl Applier {
         if let Some(s) = self.statements.get(&shape) {
             return Ok(s.clone());
         }
+        let deletes = operation == Operation::DeleteBatch;
+        let unchanged = shape.unchanged.clone();
+        let sql = |n| match deletes {
+            true => crate::apply::batch::delete_sql(entry, n),
+            false => crate::apply::batch::batch_sql(entry, &unchanged, n),
+        };
+        let types = |n| match deletes {
+            true => crate::apply::batch::delete_param_types(entry, n),
+            false => crate::apply::batch::param_types(entry, &unchanged, n),
+        };
         // Every size this table's batches can take, prepared together: one round trip (only
         // the one needed when many tables are written, see `prepare_sparingly`).
         let mut sizes = vec![rows];
@@ -340,7 +357,10 @@ impl Applier {
         let limit = if self.prepare_sparingly() {
             0
         } else {
-            crate::apply::batch::row_limit(entry.source.columns.len())
+            crate::apply::batch::row_limit(match deletes {
+                true => entry.key_columns.len(),
+                false => entry.source.columns.len(),
+            })
         };
         while size <= limit {
             let mut other = shape.clone();
@@ -351,8 +371,7 @@ impl Applier {
             size *= 2;
         }
         let prepared = futures_util::future::join_all(sizes.iter().map(|&n| {
-            let sql = crate::apply::batch::batch_sql(entry, &shape.unchanged, n);
-            let types = crate::apply::batch::param_types(entry, &shape.unchanged, n);
+            let (sql, types) = (sql(n), types(n));
             let client = self.client.clone();
             async move { client.prepare_typed(&sql, &types).await }
         }))
@@ -374,14 +393,7 @@ impl Applier {
         }
         let wanted = match wanted {
             Some(result) => result,
-            None => {
-                self.client
-                    .prepare_typed(
-                        &crate::apply::batch::batch_sql(entry, &shape.unchanged, rows),
-                        &crate::apply::batch::param_types(entry, &shape.unchanged, rows),
-                    )
-                    .await
-            }
+            None => self.client.prepare_typed(&sql(rows), &types(rows)).await,
         };
         let wanted = match (wanted, other_failed) {
             (Ok(_), Some(e)) => Err(e),
@@ -390,7 +402,11 @@ impl Applier {
         let statement = match wanted {
             Ok(s) => s,
             Err(e) => {
-                let what = format!("a batched UPDATE of table {}", entry.target.qualified);
+                let what = format!(
+                    "a batched {} of table {}",
+                    if deletes { "DELETE" } else { "UPDATE" },
+                    entry.target.qualified
+                );
                 return self.prepare_failed(&what, &entry.target.qualified, e).await;
             }
         };
