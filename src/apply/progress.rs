@@ -223,7 +223,7 @@ async fn origin_rows_position(client: &Client, origin: &str) -> Result<Lsn> {
 }
 
 /// Why `--apply-workers` above 1 is refused for a role without origin rights (`run` and `check`).
-pub const WORKERS_NEED_ORIGINS: &str = "--apply-workers above 1 records progress in replication origins, but the target role may not use them: use --apply-workers 1, or apply as a role that may (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions)";
+pub const WORKERS_NEED_ORIGINS: &str = "--apply-workers above 1 records progress in replication origins, but the target role may not use them: use --apply-workers 1, or apply as a role that may (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions in the target database)";
 
 impl ProgressStore {
     /// Chooses the mode, checks the recorded source identity, and returns the resume position
@@ -240,7 +240,7 @@ impl ProgressStore {
                     std::sync::atomic::AtomicBool::new(false);
                 if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
                     tracing::warn!(
-                    "the target role may not use replication origins; recording progress in pgapply.progress instead (synchronous_commit stays on). The changes applied here carry no origin, so a stream from this database back to the source (a reverse or two-way set-up) cannot leave them out with --origin none, and would send them back: for that, use a target role that may use replication origins (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions)"
+                    "the target role may not use replication origins; recording progress in pgapply.progress instead (synchronous_commit stays on). The changes applied here carry no origin, so a stream from this database back to the source (a reverse or two-way set-up) cannot leave them out with --origin none, and would send them back: for that, use a target role that may use replication origins (a superuser, or one granted EXECUTE on the pg_replication_origin_* functions in the target database)"
                     );
                 }
                 ProgressMode::Table
