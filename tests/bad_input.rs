@@ -2835,4 +2835,11 @@ async fn check_calls_a_full_root_over_keyed_partitions_a_problem() {
         said.contains("PROBLEM  partitioned table \"public\".\"r\" has REPLICA IDENTITY FULL"),
         "{said}"
     );
+    // `run` says it at start too.
+    let out = db.sync("p").await;
+    let log = stderr(&out);
+    assert!(
+        log.contains("partitioned table \"public\".\"r\" has REPLICA IDENTITY FULL"),
+        "{log}"
+    );
 }

@@ -9,7 +9,7 @@ use crate::conninfo;
 use crate::error::{describe_postgres, Error, Result};
 
 mod source;
-pub(crate) use source::operations_left_out;
+pub(crate) use source::{full_roots_over_keyed_partitions, operations_left_out};
 mod target;
 
 use source::check_source;

@@ -769,11 +769,48 @@ async fn root_identity_problem(
         ));
     }
     if identity == "f" && !leaves_full {
-        return Some(format!(
-            "partitioned table {root} has REPLICA IDENTITY FULL and is published through its root, but some of its partitions do not: their UPDATEs and DELETEs send only the key, and the old row's other columns arrive empty and match no row on the target. Set ALTER TABLE ... REPLICA IDENTITY FULL on each partition too ({later})"
-        ));
+        return Some(full_root_over_keyed_partitions(root));
     }
     None
+}
+
+fn full_root_over_keyed_partitions(root: &str) -> String {
+    format!(
+        "partitioned table {root} has REPLICA IDENTITY FULL and is published through its root, but some of its partitions do not: their UPDATEs and DELETEs send only the key, and the old row's other columns arrive empty and match no row on the target (each a conflict: update_missing or delete_missing). Set ALTER TABLE ... REPLICA IDENTITY FULL on each partition too (changes made before the fix keep the old description and can only be skipped)"
+    )
+}
+
+/// The run's roots of that kind (`root_identity_problem`), said at every start as `check` says
+/// them: every UPDATE and DELETE of their partitions would be a conflict.
+pub(crate) async fn full_roots_over_keyed_partitions(
+    src: &Client,
+    publications: &[String],
+) -> Vec<String> {
+    // (Published through a root from 13 on; pg_partition_tree is 12+.)
+    let rows = src
+        .query(
+            "SELECT DISTINCT pt.schemaname::text, pt.tablename::text \
+             FROM pg_catalog.pg_publication_tables pt \
+             JOIN pg_catalog.pg_class c ON c.oid = format('%I.%I', pt.schemaname, pt.tablename)::regclass \
+             WHERE pg_catalog.current_setting('server_version_num')::int >= 130000 \
+               AND pt.pubname = ANY ($1) AND c.relkind = 'p' AND c.relreplident = 'f' \
+               AND EXISTS (SELECT 1 FROM pg_catalog.pg_partition_tree(c.oid) t \
+                           JOIN pg_catalog.pg_class l ON l.oid = t.relid \
+                           WHERE t.isleaf AND l.relreplident <> 'f') \
+             ORDER BY 1, 2",
+            &[&publications],
+        )
+        .await;
+    match rows {
+        Ok(rows) => rows
+            .iter()
+            .map(|r| {
+                full_root_over_keyed_partitions(&crate::sql::qualified_name(r.get(0), r.get(1)))
+            })
+            .collect(),
+        // (A source before 12 has no pg_partition_tree, and no root published as such.)
+        Err(_) => Vec::new(),
+    }
 }
 
 /// The run's publications that leave out some kinds of change (`publish = 'insert'`, say): the

@@ -724,6 +724,10 @@ pub(super) async fn target_tables_exist(
     for left_out in crate::check::operations_left_out(&source, &config.publications).await? {
         tracing::warn!("{left_out}");
     }
+    for root in crate::check::full_roots_over_keyed_partitions(&source, &config.publications).await
+    {
+        tracing::warn!("{root}");
+    }
     // (A partition listed beside its partitioned root, whose changes come as the root's, is not
     // in the list: `published_tables` leaves it out. Those left come under their own names.)
     let names: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
