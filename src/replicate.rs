@@ -494,7 +494,8 @@ async fn run_in_span(
     else {
         return Ok(stopped());
     };
-    let shared_targets = Arc::new(shared_targets?);
+    let (shared_targets, deferrable_on_source) = shared_targets?;
+    let shared_targets = Arc::new(shared_targets);
     // The fence decides where this run stops unless --endpos comes first (the cutover's own run
     // stops at the same position: no warning then).
     let fence_decides = fence.filter(|f| config.endpos.is_none_or(|e| e > *f));
@@ -950,6 +951,7 @@ async fn run_in_span(
     let (applied_tx, applied_rx) = watch::channel(resume);
     let options = ApplierOptions {
         shared_targets,
+        deferrable_on_source: Arc::new(deferrable_on_source),
         table_map: Arc::new(config.table_map.clone()),
         column_map: Arc::new(config.column_map.clone()),
         policies: Arc::new(config.policies.clone()),

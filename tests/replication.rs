@@ -35,6 +35,45 @@ async fn inserts_updates_deletes_over_many_transactions() {
     db.assert_same("t").await;
 }
 
+/// A key the source defers and the target does not: a swap of keys on the source stops the run
+/// with an error that says so and does not send the user to delete the row it names (which
+/// loses it); `check` and the run's start warn beforehand; made DEFERRABLE on the target, the
+/// swap applies whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_only_the_source_defers_is_said_before_and_at_a_swap() {
+    let db = TestDb::new("defsrc").await;
+    db.source_sql("CREATE TABLE k (id int PRIMARY KEY DEFERRABLE, v text); ALTER TABLE k REPLICA IDENTITY FULL")
+        .await;
+    db.target_sql("CREATE TABLE k (id int PRIMARY KEY, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE k").await;
+    let said = "unique key \"k_pkey\" (\"id\") of source table \"public\".\"k\" is DEFERRABLE, but target table \"public\".\"k\" keeps those columns unique without deferring";
+    let out = run_with_deadline(db.on_both("check", &["--slot", &db.slot()]), 60).await;
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(report.contains(said), "{report}");
+    db.source_sql("INSERT INTO k VALUES (1, 'one'), (2, 'two'), (3, 'three')")
+        .await;
+    db.source_sql("UPDATE k SET id = 3 - id WHERE id IN (1, 2)")
+        .await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let log = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{log}");
+    assert!(log.contains(said), "{log}");
+    assert!(
+        log.contains("most likely swaps key values") && log.contains("Do not delete the row"),
+        "{log}"
+    );
+    db.target_sql(
+        "ALTER TABLE k DROP CONSTRAINT k_pkey; \
+         ALTER TABLE k ADD PRIMARY KEY (id) DEFERRABLE INITIALLY DEFERRED",
+    )
+    .await;
+    db.sync("p").await;
+    db.assert_same("k").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM k").await, 3);
+}
+
 /// Keys swapped by one source statement under a DEFERRABLE (INITIALLY IMMEDIATE) unique
 /// constraint arrive as one UPDATE per row; the target (a role whose triggers fire, so the
 /// constraint is checked) checks it when the transaction ends, as the source did at the

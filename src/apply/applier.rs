@@ -512,6 +512,8 @@ pub struct Applier {
     binary_values: bool,
     /// `ApplierOptions::shared_targets`.
     shared_targets: Arc<SharedTargets>,
+    /// `ApplierOptions::deferrable_on_source`.
+    deferrable_on_source: Arc<HashSet<String>>,
     /// Source relations of schema pgapply (a source that was a target once, published FOR ALL
     /// TABLES): pgapply's own state there, never applied over this target's.
     own_state: HashSet<Oid>,
@@ -658,6 +660,9 @@ pub struct ApplierOptions {
     /// onto them under `[tables]`), with those source tables `(schema, name)`: a TRUNCATE of
     /// only some of them must not empty the target table.
     pub shared_targets: Arc<SharedTargets>,
+    /// Target tables with a unique key only the source defers: a duplicate key there may be a
+    /// swap of keys, which the error then says.
+    pub deferrable_on_source: Arc<HashSet<String>>,
 }
 
 /// Target table (quoted, qualified) -> the published source tables mapped onto it, when more
@@ -934,6 +939,7 @@ impl Applier {
             log_messages: options.log_messages,
             binary_values: options.binary_values,
             shared_targets: options.shared_targets,
+            deferrable_on_source: options.deferrable_on_source,
             own_state: HashSet::new(),
             policies: options.policies,
             policy_updates: options.policy_updates,

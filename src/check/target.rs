@@ -90,7 +90,7 @@ pub(super) async fn check_apply_session(
     match crate::copy::unenforced_unique_constraints(dst, tables).await {
         Ok(found) if found.is_empty() => {}
         Ok(found) => report.warning(format!(
-            "DEFERRABLE unique constraints on the target: {}. pgapply applies with session_replication_role = replica (as PostgreSQL's own subscriber), under which PostgreSQL does not check a deferrable constraint (its check is a trigger): a source row that clashes with a row written on the target goes in beside it, and no insert_exists or update_exists conflict is seen. If the target takes writes of its own, either apply as a role that may not set session_replication_role (then the constraints are checked before each commit, but the target's triggers and foreign keys fire too), or make them NOT DEFERRABLE there (drop and add the constraint again; a source statement that swaps keys under it then stops pgapply); `pgapply verify` finds rows that slipped in",
+            "DEFERRABLE unique constraints on the target: {}. pgapply applies with session_replication_role = replica (as PostgreSQL's own subscriber), under which PostgreSQL does not check a deferrable constraint (its check is a trigger): a source row that clashes with a row written on the target goes in beside it, and no insert_exists or update_exists conflict is seen. If the target takes writes of its own, either apply as a role that may not set session_replication_role (then the constraints are checked before each commit, but the target's triggers and foreign keys fire too), or make them NOT DEFERRABLE there unless the source's are DEFERRABLE too (drop and add the constraint again; a source statement that swaps keys under it then stops pgapply); `pgapply verify` finds rows that slipped in",
             found.join(", ")
         )),
         Err(e) => report.problem(e.to_string()),
@@ -164,6 +164,17 @@ pub(super) async fn check_target(
     // Whether a copy is to come, the tables it empties first, and the slot.
     (copy_pending, emptied, slot): (bool, &[String], &str),
 ) {
+    // (A swap of keys under a key only the source defers stops the run.)
+    if let Some(src) = source {
+        match crate::copy::keys_deferrable_only_on_source(src, dst, tables).await {
+            Ok(found) => {
+                for (_, warning) in found {
+                    report.warning(warning);
+                }
+            }
+            Err(e) => report.problem(e.to_string()),
+        }
+    }
     // (A schema pgapply that exists already is what counts then: another role's may refuse.
     // Only pgapply's own tables there: a user's tables in a schema of that name are theirs.)
     let can_create = query_bool(

@@ -183,6 +183,75 @@ pub async fn unenforced_unique_constraints(
         .collect())
 }
 
+/// Unique keys DEFERRABLE on the source whose columns the target keeps unique without deferring:
+/// a statement that swaps keys on the source (legal there, checked at its end) stops the apply
+/// with a duplicate key error that no row of the target's own causes, and deleting the row the
+/// error names loses a row. Per key: its target table and a description of it.
+pub async fn keys_deferrable_only_on_source(
+    source: &Client,
+    target: &Client,
+    tables: &[PublishedTable],
+) -> Result<Vec<(String, String)>> {
+    let sources: Vec<String> = tables.iter().map(|t| t.qualified()).collect();
+    let deferrable = source
+        .query(
+            "SELECT s.i::int, k.conname::text, \
+                    ARRAY(SELECT a.attname::text FROM unnest(k.conkey) c \
+                          JOIN pg_catalog.pg_attribute a ON a.attrelid = k.conrelid AND a.attnum = c \
+                          ORDER BY 1) \
+             FROM unnest($1::text[]) WITH ORDINALITY s (n, i) \
+             JOIN pg_catalog.pg_constraint k ON k.conrelid = pg_catalog.to_regclass(s.n) \
+             WHERE k.contype IN ('p', 'u') AND k.condeferrable",
+            &[&sources],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the source's deferrable unique keys", e))?;
+    if deferrable.is_empty() {
+        return Ok(Vec::new());
+    }
+    let targets: Vec<String> = tables.iter().map(|t| t.target_qualified()).collect();
+    let immediate: Vec<(String, Vec<String>)> = target
+        .query(
+            "SELECT n, ARRAY(SELECT a.attname::text FROM unnest(i.indkey::int2[]) c \
+                             JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = c \
+                             ORDER BY 1) \
+             FROM unnest($1::text[]) n \
+             JOIN pg_catalog.pg_index i ON i.indrelid = pg_catalog.to_regclass(n) \
+             WHERE i.indisunique AND i.indimmediate AND i.indpred IS NULL AND i.indexprs IS NULL",
+            &[&targets],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the target's unique keys", e))?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let mut found = Vec::new();
+    for row in &deferrable {
+        let Some(table) = usize::try_from(row.get::<_, i32>(0))
+            .ok()
+            .and_then(|i| tables.get(i.wrapping_sub(1)))
+        else {
+            continue;
+        };
+        let columns: Vec<String> = row.get(2);
+        let target = table.target_qualified();
+        if immediate.iter().any(|(t, c)| *t == target && *c == columns) {
+            let quoted: Vec<String> = columns.iter().map(|c| quote_ident(c)).collect();
+            found.push((
+                target,
+                format!(
+                    "unique key {} ({}) of source table {} is DEFERRABLE, but target table {} keeps those columns unique without deferring: a statement that swaps their values on the source (legal there: checked at its end) stops pgapply with a duplicate key error on the target, and deleting the row it names would lose that row. Make the target's DEFERRABLE INITIALLY DEFERRED too (drop it and add it again so)",
+                    quote_ident(row.get(1)),
+                    quoted.join(", "),
+                    table.qualified(),
+                    table.target_qualified()
+                ),
+            ));
+        }
+    }
+    Ok(found)
+}
+
 /// Checks the target tables: they exist with the published columns, and are empty (or are emptied
 /// with `truncate`). Returns per table whether binary COPY can be used (same column types).
 async fn prepare_target(

@@ -680,13 +680,18 @@ pub fn unmatched_table_settings(
         .collect()
 }
 
+/// Target tables with a unique key that is DEFERRABLE only on the source
+/// (`copy::keys_deferrable_only_on_source`).
+pub(crate) type DeferrableOnSource = std::collections::HashSet<String>;
+
 /// Every published table must exist on the target. Checked at the start, a missing one is named
 /// at once, not at its first change (which may come hours later). Returns the target tables
-/// that several published tables are mapped onto (`ApplierOptions::shared_targets`).
+/// that several published tables are mapped onto (`ApplierOptions::shared_targets`), and those
+/// whose unique key only the source defers.
 pub(super) async fn target_tables_exist(
     config: &RunConfig,
     target: &tokio_postgres::Client,
-) -> Result<SharedTargets> {
+) -> Result<(SharedTargets, DeferrableOnSource)> {
     let source = crate::tls::connect(&config.source)
         .await
         .map_err(|e| e.into_error("connecting to the source"))?;
@@ -762,7 +767,16 @@ pub(super) async fn target_tables_exist(
         return Err(Error::definite(hint));
     }
     match missing.as_slice() {
-        [] => Ok(sources_of),
+        [] => {
+            let mut deferrable = DeferrableOnSource::new();
+            for (table, warning) in
+                copy::keys_deferrable_only_on_source(&source, target, &tables).await?
+            {
+                tracing::warn!("{warning}");
+                deferrable.insert(table);
+            }
+            Ok((sources_of, deferrable))
+        }
         all if all.len() == names.len() && all.len() > 1 => Err(Error::definite(format!(
             "none of the {} published tables exists on the target: create them first, for example with `pgapply schema --source ... --target ... --publication ... --section pre-data` (and `--section post-data` after the initial copy, for the keys and indexes); or check --target",
             all.len()

@@ -526,6 +526,18 @@ impl Applier {
             },
             // A row the target has and the source does not know of: fixing that row keeps the
             // transaction, skipping loses all of it.
+            // A key only the source defers: most likely keys swapped within one statement or
+            // transaction, which no row of the target's own causes.
+            Some("23505")
+                if about.operation == "UPDATE"
+                    && self
+                        .deferrable_on_source
+                        .contains(&about.relation.target.qualified) =>
+            {
+                format!(
+                    "target table {table} keeps unique without deferring a key that is DEFERRABLE on the source (said when pgapply started): this source transaction most likely swaps key values, which the source allows as it checks that key only at the end. Do not delete the row this error names: that would lose it. On the target, drop that constraint and add it again as DEFERRABLE INITIALLY DEFERRED (as on the source), then start pgapply again; the transaction is then applied whole"
+                )
+            }
             Some("23505") if matches!(about.operation, "INSERT" | "UPDATE") => {
                 // A policy in force for this statement that did not settle it: the row clashes
                 // on another unique key than the one that policy handles.
