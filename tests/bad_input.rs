@@ -1641,11 +1641,30 @@ async fn check_names_publication_rules_the_source_would_refuse() {
     .await;
     db.target_sql("CREATE TABLE g (id int PRIMARY KEY, a int, d int)")
         .await;
+    // REPLICA IDENTITY FULL with a column list, even one of every column; and (18+) FULL over
+    // a generated column the publication leaves out.
+    db.both(
+        "CREATE TABLE fl (id int, a int); ALTER TABLE fl REPLICA IDENTITY FULL; \
+         CREATE TABLE fg (id int, a int, d int GENERATED ALWAYS AS (a * 2) STORED); \
+         ALTER TABLE fg REPLICA IDENTITY FULL;",
+    )
+    .await;
     db.source_sql(
-        "CREATE PUBLICATION p FOR TABLE f WHERE (region = 'eu'), c (a, b), two (id, x), g; \
+        "CREATE PUBLICATION p FOR TABLE f WHERE (region = 'eu'), c (a, b), two (id, x), g, fl (id, a), fg; \
          CREATE PUBLICATION q FOR TABLE two (id, y);",
     )
     .await;
+    db.source_sql("INSERT INTO fl VALUES (1, 1); INSERT INTO fg VALUES (1, 1)")
+        .await;
+    // What check says is what the source does.
+    let refused = db.source.batch_execute("UPDATE fl SET a = 2").await;
+    assert!(refused.is_err(), "the source took an UPDATE of fl");
+    let generated_refused = db
+        .source
+        .batch_execute("UPDATE fg SET a = 2")
+        .await
+        .is_err();
+    assert_eq!(generated_refused, common::clusters().source_major >= 18);
     // A conflict policy for a table that is not published (a misspelt name): said.
     let config = std::env::temp_dir().join(format!("pgapply-{}.toml", db.name));
     std::fs::write(
@@ -1678,9 +1697,16 @@ async fn check_names_publication_rules_the_source_would_refuse() {
         "set it on each of them: ALTER TABLE pt_a REPLICA IDENTITY FULL;",
         "WARNING  column \"d\" of \"public\".\"g\" is generated on the source, which does not publish its values",
         "WARNING  the config file's [tables.\"public.F\"] names no table the publications publish",
+        "publication \"p\" publishes \"public\".\"fl\" with a column list, and the table has REPLICA IDENTITY FULL",
     ] {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }
+    let generated = "publication \"p\" does not publish generated column(s) d of \"public\".\"fg\"";
+    assert_eq!(
+        text.contains(generated),
+        common::clusters().source_major >= 18,
+        "{text}"
+    );
     assert!(!text.contains("pt_b ("), "{text}");
 }
 

@@ -652,7 +652,7 @@ pub(super) async fn publication_rule_problems(
     for (publication, own, partitions) in outside {
         match (own, partitions.as_slice()) {
             (Some(columns), []) => problems.push(format!(
-                "the row filter of publication {publication:?} on {qualified} uses {columns}, outside the table's replica identity: the source refuses every UPDATE and DELETE of {qualified} while it is published so; filter on replica identity columns only, or ALTER TABLE {qualified} REPLICA IDENTITY FULL (or USING INDEX on an index that covers them)"
+                "the row filter of publication {publication:?} on {qualified} uses {columns}, outside the table's replica identity: the source refuses every UPDATE and DELETE of {qualified} while it is published so; filter on replica identity columns only, or ALTER TABLE {qualified} REPLICA IDENTITY FULL (not with a column list, which FULL refuses) or USING INDEX on an index that covers them"
             )),
             (_, []) => {}
             (_, partitions) => problems.push(format!(
@@ -684,7 +684,8 @@ pub(super) async fn publication_rule_problems(
              SELECT p.pubname::text, \
                (SELECT string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
                 WHERE a.attrelid = ri.oid AND pr.prattrs IS NOT NULL \
-                  AND a.attnum = ANY (coalesce(ri.cols, '{}')) AND NOT (a.attnum = ANY (pr.prattrs::int2[]))) \
+                  AND a.attnum = ANY (coalesce(ri.cols, '{}')) AND NOT (a.attnum = ANY (pr.prattrs::int2[]))), \
+               ri.relreplident = 'f' AND pr.prattrs IS NOT NULL \
              FROM pg_catalog.pg_publication p JOIN pg_catalog.pg_publication_rel pr ON pr.prpubid = p.oid \
              JOIN ri ON pr.prrelid = ri.oid \
              WHERE p.pubname = ANY ($2) AND (p.pubupdate OR p.pubdelete) ORDER BY 1",
@@ -702,9 +703,43 @@ pub(super) async fn publication_rule_problems(
     };
     for row in rows {
         let publication: String = row.get(0);
+        if row.get::<_, bool>(2) {
+            problems.push(format!(
+                "publication {publication:?} publishes {qualified} with a column list, and the table has REPLICA IDENTITY FULL on the source, which PostgreSQL refuses with any column list: every UPDATE and DELETE of {qualified} fails on the source while it is published so (\"Column list used by the publication does not cover the replica identity\"). Publish it without a column list (ALTER PUBLICATION {} SET TABLE {qualified}, with its other tables), or give it a key the list covers (a primary key, or REPLICA IDENTITY USING INDEX)",
+                quote_ident(&publication)
+            ));
+            continue;
+        }
         if let Some(columns) = row.get::<_, Option<String>>(1) {
             problems.push(format!(
                 "the column list of publication {publication:?} on {qualified} leaves out replica identity column(s) {columns}: the source refuses every UPDATE and DELETE of {qualified} while it is published so; add them to the column list (ALTER PUBLICATION ... SET TABLE {qualified} (...))"
+            ));
+        }
+    }
+    // PostgreSQL 18 publishes generated columns only if asked (and virtual ones never), and a
+    // FULL identity must not hold one it leaves out.
+    let unpublished = src
+        .query(
+            "SELECT pt.pubname::text, string_agg(DISTINCT pg_catalog.quote_ident(a.attname), ', ') \
+             FROM pg_catalog.pg_publication_tables pt \
+             JOIN pg_catalog.pg_class c ON c.oid = $2::text::pg_catalog.regclass \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid \
+             WHERE pg_catalog.current_setting('server_version_num')::int >= 180000 \
+               AND pt.pubname = ANY ($1) AND pt.schemaname = n.nspname AND pt.tablename = c.relname \
+               AND c.relreplident = 'f' AND a.attnum > 0 AND NOT a.attisdropped \
+               AND (pg_catalog.to_jsonb(a) ->> 'attgenerated') <> '' \
+               AND NOT (a.attname = ANY (pt.attnames)) \
+             GROUP BY 1 ORDER BY 1",
+            &[&publications, &qualified],
+        )
+        .await;
+    if let Ok(rows) = unpublished {
+        for row in rows {
+            let (publication, columns): (String, String) = (row.get(0), row.get(1));
+            problems.push(format!(
+                "publication {publication:?} does not publish generated column(s) {columns} of {qualified}, which has REPLICA IDENTITY FULL on the source: PostgreSQL 18 refuses every UPDATE and DELETE of {qualified} while it is published so (\"Replica identity must not contain unpublished generated columns\"). Publish them (ALTER PUBLICATION {} SET (publish_generated_columns = stored), for stored ones: a virtual column cannot be published), or give the table a key (a primary key, or REPLICA IDENTITY USING INDEX)",
+                quote_ident(&publication)
             ));
         }
     }

@@ -59,7 +59,7 @@ impl Applier {
                 // with nothing to take it from. Its own subscriber stores NULL; that would make
                 // the target differ without a word.
                 Error::definite(format!(
-                    "the source sent an INSERT into {} without the value of column {} (an unchanged TOASTed value): an UPDATE moved the row into a publication's row filter, and the column is not part of the table's replica identity. On the source, run ALTER TABLE {} REPLICA IDENTITY FULL so that such rows come whole; for this row, copy it from the source to the target by hand; {}",
+                    "the source sent an INSERT into {} without the value of column {} (an unchanged TOASTed value): an UPDATE moved the row into a publication's row filter, and the column is not part of the table's replica identity. On the source, run ALTER TABLE {} REPLICA IDENTITY FULL so that such rows come whole (if a publication gives the table a column list, drop the list first: PostgreSQL refuses every UPDATE and DELETE of a FULL table published with one); for this row, copy it from the source to the target by hand; {}",
                     entry.display_name(),
                     quote_ident(&entry.source.columns[i].name),
                     entry.display_name(),
