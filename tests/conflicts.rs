@@ -1051,7 +1051,8 @@ async fn a_skip_for_the_wrong_lsn_is_refused_or_taken_back() {
 
 /// update_missing = apply_remote for an UPDATE whose new row the source did not send whole (a
 /// large value it left unchanged): the row cannot be inserted, so it is skipped, and the log says
-/// why instead of a bare "policy skip" the user did not ask for.
+/// why instead of a bare "policy skip" the user did not ask for. Under REPLICA IDENTITY FULL the
+/// old row has the value: the row is inserted whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_missing_apply_remote_without_the_whole_row_says_why_it_skipped() {
     let db = TestDb::new("umtoast").await;
@@ -1086,6 +1087,22 @@ async fn update_missing_apply_remote_without_the_whole_row_says_why_it_skipped()
         Some("{\"n\": 1, \"id\": 1, \"big\": \"<unchanged>\", \"doc\": {\"a\": [1, 2]}}"),
         "{recorded:?}"
     );
+    // Under REPLICA IDENTITY FULL the old row carries the large value: the row goes in whole.
+    db.both("CREATE TABLE uf (id int, n int, big text); ALTER TABLE uf REPLICA IDENTITY FULL;")
+        .await;
+    db.source_sql("ALTER PUBLICATION p ADD TABLE uf").await;
+    db.source_sql(
+        "INSERT INTO uf SELECT 1, 0, string_agg(md5(g::text), '') FROM generate_series(1, 4000) g",
+    )
+    .await;
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.target_sql("DELETE FROM uf").await;
+    db.source_sql("UPDATE uf SET n = 1").await;
+    let out = sync_with(&db, &["--config", config.to_str().unwrap()]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.assert_same("uf").await;
+    assert_eq!(db.count(&db.target, "SELECT count(*) FROM uf").await, 1);
 }
 
 /// A DEFERRABLE unique constraint on the target: INSERT .. ON CONFLICT without a named key

@@ -67,10 +67,25 @@ impl Applier {
         let mut unchanged = identity_kept(&entry, &update);
         // A value the source left out as unchanged (TOAST), not only an identity column kept.
         let mut value_left_out = false;
+        // Under REPLICA IDENTITY FULL the old row comes whole (TOASTed values included): a
+        // value the new row leaves out as unchanged is there, which apply_remote needs to insert
+        // a missing row. (Only then: otherwise a large value would be written again for nothing.)
+        let old_whole: Option<Vec<Value>> = match &update.old {
+            Some(OldRow::Full(old)) if policies.update_missing == Policy::ApplyRemote => {
+                Some(old.values().collect())
+            }
+            _ => None,
+        };
         for (i, value) in update.new.values().enumerate() {
             if unchanged.contains(i) {
                 continue;
             }
+            let value = match (value, old_whole.as_ref().and_then(|o| o.get(i))) {
+                (Value::UnchangedToast, Some(old @ (Value::Text(_) | Value::Binary(_)))) => {
+                    old.clone()
+                }
+                (value, _) => value,
+            };
             match WireValue::from_value(value) {
                 Some(v) => params.push(v),
                 None => {
