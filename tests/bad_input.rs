@@ -2728,12 +2728,12 @@ async fn check_says_when_the_target_has_no_free_origin_state_for_each_worker() {
         "host=127.0.0.1 port={} user=postgres dbname=postgres",
         small.port
     );
-    let check = |workers: &'static str| {
+    let check_with = |workers: &'static str, extra: &'static [&'static str]| {
         let source = db.source_conninfo();
         let target = target.clone();
         let slot = db.slot();
         async move {
-            let cmd = common::pgapply_command(&[
+            let mut args = vec![
                 "check",
                 "--source",
                 &source,
@@ -2745,11 +2745,14 @@ async fn check_says_when_the_target_has_no_free_origin_state_for_each_worker() {
                 &slot,
                 "--apply-workers",
                 workers,
-            ]);
+            ];
+            args.extend_from_slice(extra);
+            let cmd = common::pgapply_command(&args);
             let out = run_with_deadline(cmd, 60).await;
             String::from_utf8_lossy(&out.stdout).to_string()
         }
     };
+    let check = |workers: &'static str| check_with(workers, &[]);
     let said = check("2").await;
     assert!(!said.contains("free replication origin state"), "{said}");
     let said = check("3").await;
@@ -2758,6 +2761,9 @@ async fn check_says_when_the_target_has_no_free_origin_state_for_each_worker() {
             && said.contains("this run binds 3"),
         "{said}"
     );
+    // With several workers, --streaming parallel keeps no second session: still 3.
+    let said = check_with("3", &["--streaming", "parallel"]).await;
+    assert!(said.contains("this run binds 3"), "{said}");
     // An origin of someone else's that holds a state leaves one.
     let target_client = common::connect(small.port, "postgres").await;
     target_client

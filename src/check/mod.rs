@@ -451,11 +451,18 @@ async fn renamed_since_copy(
 }
 
 /// Sessions a run may keep on the target (README: "Room in max_connections").
-fn sessions_needed(config: &crate::replicate::RunConfig) -> i64 {
-    let parallel = matches!(
+/// Whether the run keeps a second session for `--streaming parallel` (with --apply-workers above
+/// 1 or --two-phase, streamed transactions are spooled instead, as `run` decides).
+fn live_helper(config: &crate::replicate::RunConfig) -> bool {
+    matches!(
         config.requested.streaming,
         Some(crate::cli::Streaming::Parallel)
-    );
+    ) && config.apply_workers <= 1
+        && !config.requested.two_phase
+}
+
+fn sessions_needed(config: &crate::replicate::RunConfig) -> i64 {
+    let parallel = live_helper(config);
     let copy = if config.copy_data {
         config.copy.jobs
     } else {
@@ -512,11 +519,7 @@ async fn room_for_origins(dst: &Client, config: &crate::replicate::RunConfig) ->
     if may_use != Some(true) {
         return None;
     }
-    let parallel = matches!(
-        config.requested.streaming,
-        Some(crate::cli::Streaming::Parallel)
-    );
-    let needed = if parallel {
+    let needed = if live_helper(config) {
         crate::replicate::LIVE_HELPER_INDEX as i64 + 1
     } else {
         config.apply_workers.max(1) as i64
