@@ -44,7 +44,9 @@ use heartbeat::*;
 pub use heartbeat::{note_forced_stop, note_waiting, HEARTBEAT_MAX_EVERY};
 use reader::*;
 use start::*;
-pub(crate) use start::{binary_unsafe, missing_partition_hint, LIVE_HELPER_INDEX};
+pub(crate) use start::{
+    binary_unsafe, copy_across_origins, missing_partition_hint, LIVE_HELPER_INDEX,
+};
 pub use start::{
     is_slot_in_use, publications_dropped, recorded_publications, refuse_same_database,
     replication_loop, same_publications, tables_shared_with_other_slots, unmatched_table_settings,

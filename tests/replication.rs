@@ -1673,6 +1673,63 @@ async fn origin_none_leaves_out_changes_that_came_from_elsewhere() {
     assert_eq!(db.count(&db.target, "SELECT count(*) FROM o").await, 2);
 }
 
+/// `--origin none --copy-data` over a table a subscription on the source writes into: the copy
+/// takes rows of every origin and the stream leaves out their later changes, so `check` and
+/// `run` say so (as PostgreSQL's CREATE SUBSCRIPTION does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn origin_none_with_a_copy_of_a_subscribed_table_is_warned_of() {
+    if common::clusters().source_major < 16 {
+        return common::skip("--origin none needs a PostgreSQL 16+ source");
+    }
+    let db = TestDb::new("origincopy").await;
+    db.both("CREATE TABLE u (id int PRIMARY KEY, v text)").await;
+    // The source subscribes to a publication of the target's database (any other server would
+    // do): its table u takes rows with an origin.
+    db.target_sql("CREATE PUBLICATION up FOR TABLE u").await;
+    let sub = format!("sub_{}", db.name);
+    db.source_sql(&format!(
+        "CREATE SUBSCRIPTION {sub} CONNECTION '{}' PUBLICATION up WITH (copy_data = false)",
+        db.target_conninfo()
+    ))
+    .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE u").await;
+    let said = "--origin none with --copy-data: \"public\".\"u\" (subscription";
+    let out = run_with_deadline(
+        db.on_both(
+            "check",
+            &["--slot", &db.slot(), "--origin", "none", "--copy-data"],
+        ),
+        60,
+    )
+    .await;
+    let report = String::from_utf8_lossy(&out.stdout).to_string();
+    let log = {
+        let endpos = db.source_wal().await;
+        let out = run_with_deadline(
+            db.pgapply(
+                "p",
+                &["--origin", "none", "--copy-data", "--endpos", &endpos],
+            ),
+            60,
+        )
+        .await;
+        stderr(&out)
+    };
+    let without = run_with_deadline(
+        db.on_both("check", &["--slot", "other_slot", "--copy-data"]),
+        60,
+    )
+    .await;
+    // (Its slot on the target goes with it.)
+    db.source_sql(&format!("DROP SUBSCRIPTION {sub}")).await;
+    assert!(report.contains(&format!("WARNING  {said}")), "{report}");
+    assert!(log.contains(said), "{log}");
+    assert!(
+        !String::from_utf8_lossy(&without.stdout).contains("--origin none with"),
+        "said without --origin none"
+    );
+}
+
 /// A column's type changed on the target while pgapply runs, to one that still takes the
 /// source's values (text to integer): the statements prepared for the old type fail once, and
 /// a fresh start, preparing them anew, applies the change.

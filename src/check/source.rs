@@ -257,6 +257,16 @@ pub(super) async fn check_source(
         {
             report.warning(warning);
         }
+        if let Some(warning) = crate::replicate::copy_across_origins(
+            src,
+            config.requested.origin_none,
+            config.copy_data,
+            &existing,
+        )
+        .await
+        {
+            report.warning(warning);
+        }
         for shared in crate::replicate::tables_shared_with_other_slots(
             src,
             dst,

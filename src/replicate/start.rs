@@ -551,6 +551,50 @@ pub async fn tables_shared_with_other_slots(
     said
 }
 
+/// `--origin none` with `--copy-data`: tables of the publications that a subscription on the
+/// source writes into are copied whole, rows of every origin, while their later changes that
+/// come the same way are left out: the target's copy goes stale without an error (PostgreSQL's
+/// own CREATE SUBSCRIPTION warns the same).
+pub async fn copy_across_origins(
+    source: &tokio_postgres::Client,
+    origin_none: bool,
+    copy_data: bool,
+    publications: &[String],
+) -> Option<String> {
+    if !(origin_none && copy_data) {
+        return None;
+    }
+    let rows = source
+        .query(
+            "SELECT DISTINCT n.nspname::text, c.relname::text, s.subname::text \
+             FROM pg_catalog.pg_subscription_rel sr \
+             JOIN pg_catalog.pg_subscription s ON s.oid = sr.srsubid \
+             JOIN pg_catalog.pg_class c ON c.oid = sr.srrelid \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             JOIN pg_catalog.pg_publication_tables pt ON pt.schemaname = n.nspname AND pt.tablename = c.relname \
+             WHERE pt.pubname = ANY ($1) \
+               AND s.subdbid = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+             ORDER BY 1, 2, 3",
+            &[&publications],
+        )
+        .await
+        .ok()?;
+    let tables: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{} (subscription {})",
+                crate::sql::qualified_name(r.get(0), r.get(1)),
+                crate::sql::quote_ident(r.get(2))
+            )
+        })
+        .collect();
+    let tables = tables.join(", ");
+    (!rows.is_empty()).then(|| format!(
+        "--origin none with --copy-data: {tables} on the source take rows from a subscription there. The initial copy takes all their rows, whatever their origin, but --origin none leaves out the changes that come to them that way afterwards: the target's copy of them goes stale without an error. Replicate those tables without --origin none, or from the server their rows come from"
+    ))
+}
+
 /// A worker that replicates from this target into this source (its state is on the source):
 /// with `--origin any` on both sides, each change one applies is sent back by the other, for
 /// ever. Said when this run takes every origin (the other worker's setting is not known here).
@@ -710,6 +754,16 @@ pub(super) async fn target_tables_exist(
         target,
         config.requested.origin_none,
         (&config.publications, &config.table_map),
+    )
+    .await
+    {
+        tracing::warn!("{warning}");
+    }
+    if let Some(warning) = copy_across_origins(
+        &source,
+        config.requested.origin_none,
+        config.copy_data,
+        &config.publications,
     )
     .await
     {
