@@ -843,11 +843,31 @@ async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
         0
     );
     // pgapply stopped between prepare and commit prepared: the prepared transaction is found again.
+    let before: String = db
+        .source
+        .query_one("SELECT clock_timestamp()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
     db.source_sql("COMMIT PREPARED 'src-3'").await;
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--two-phase", "--endpos", &endpos]), 60).await;
     assert!(out.status.success(), "{}", stderr(&out));
     db.assert_same("tp").await;
+    // The applied position's commit time is the COMMIT PREPARED's (it stayed the last
+    // ordinary commit's).
+    assert_eq!(
+        db.count(
+            &db.target,
+            &format!(
+                "SELECT count(*) FROM pgapply.progress WHERE slot_name = '{}' \
+                 AND last_commit_time >= '{before}'::timestamptz",
+                db.slot()
+            )
+        )
+        .await,
+        1
+    );
     // A ROLLBACK PREPARED last: the slot moves past it, with no commit after it to carry the
     // position (before PostgreSQL 14 an abort record does not carry it).
     db.source_sql("BEGIN; INSERT INTO tp VALUES (6, 'x'); PREPARE TRANSACTION 'src-6';")

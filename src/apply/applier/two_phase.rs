@@ -329,6 +329,9 @@ impl Applier {
             METRICS.transactions.inc();
         }
         METRICS.applied_lsn.set(end_lsn.0);
+        // (The applied position's own commit time, for `status` and the lag: the one of the
+        // COMMIT or ROLLBACK PREPARED, not of the last transaction committed before it.)
+        METRICS.last_commit_time.set(time.0.max(0) as u64);
         self.advance_applied(end_lsn);
         Ok(())
     }
