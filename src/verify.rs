@@ -583,6 +583,18 @@ fn row_expr(keys: &[Key]) -> String {
     )
 }
 
+/// A key bound as shown on a line: a key of large values (thousands of characters) is cut,
+/// saying by how much (`--json` gives it whole).
+fn shortened(bound: &str) -> String {
+    const SHOWN: usize = 120;
+    let chars = bound.chars().count();
+    if chars <= SHOWN * 2 {
+        return bound.to_owned();
+    }
+    let head: String = bound.chars().take(SHOWN).collect();
+    format!("{head}... ({chars} characters: --json shows it whole)")
+}
+
 fn bound_expr(keys: &[Key], first_param: usize) -> String {
     let nullable = keys.iter().any(|k| k.nullable);
     format!(
@@ -1213,8 +1225,8 @@ pub fn report(results: &[TableResult], json: bool) -> Result<()> {
                     }
                     crate::out!(
                         "          key range [{} .. {})",
-                        from.as_deref().unwrap_or("start"),
-                        to.as_deref().unwrap_or("end")
+                        shortened(from.as_deref().unwrap_or("start")),
+                        shortened(to.as_deref().unwrap_or("end"))
                     );
                 }
             }
@@ -1290,6 +1302,19 @@ fn counted(n: u64, what: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn long_bounds_are_cut_saying_so() {
+        use super::shortened;
+        assert_eq!(shortened("(1, abc)"), "(1, abc)");
+        let long = "x".repeat(3000);
+        let shown = shortened(&long);
+        assert!(shown.starts_with(&"x".repeat(120)), "{shown}");
+        assert!(
+            shown.ends_with("... (3000 characters: --json shows it whole)"),
+            "{shown}"
+        );
+    }
+
     #[test]
     fn types_that_differ_only_in_their_modifier() {
         use super::{collatable, same_type_but_modifier};
