@@ -827,6 +827,18 @@ async fn two_phase_prepare_commit_rollback_and_kill_in_between() {
         "{}",
         stderr(&out)
     );
+    // Rows counted: those committed (0, 1, 4, 5), not the rolled back src-2 nor the pending src-3.
+    assert_eq!(
+        db.count(
+            &db.target,
+            &format!(
+                "SELECT inserts FROM pgapply.progress WHERE slot_name = '{}'",
+                db.slot()
+            )
+        )
+        .await,
+        4
+    );
     // src-3 is prepared on the target too, not committed.
     assert_eq!(
         db.count(

@@ -526,6 +526,9 @@ pub struct Applier {
     /// Conflicts met by transactions prepared on the target (by source xid): recorded at COMMIT
     /// PREPARED, dropped at ROLLBACK PREPARED.
     prepared_conflicts: HashMap<Xid, GroupConflicts>,
+    /// The rows of transactions prepared on the target, counted when they commit (a ROLLBACK
+    /// PREPARED applies none of them).
+    prepared_rows: HashMap<Xid, RowCounts>,
     /// Transactions of the open group skipped on request: (xid, commit LSN, commit time).
     skip_records: Vec<(u32, Lsn, PgTimestamp)>,
     /// Inserts into one table by one source transaction, waiting to go out as one statement.
@@ -946,6 +949,7 @@ impl Applier {
             skip_lsn: options.skip_lsn,
             conflicts: GroupConflicts::default(),
             prepared_conflicts: HashMap::new(),
+            prepared_rows: HashMap::new(),
             skip_records: Vec::new(),
             insert_run: None,
             delete_run: None,

@@ -184,10 +184,12 @@ impl Applier {
             self.client.batch_execute("COMMIT").await.map_err(failed)?;
         }
         self.group = None;
-        std::mem::take(&mut self.unsettled_rows).settle(&mut self.stats);
-        // Said and counted once prepared, as its rows are (a restart before COMMIT PREPARED
-        // finds the transaction prepared, not its conflicts); written to pgapply.conflicts when
-        // it commits.
+        let rows = std::mem::take(&mut self.unsettled_rows);
+        self.prepared_rows.insert(xid, rows);
+        // Its rows are counted when it commits (a ROLLBACK PREPARED applies none of them; one
+        // prepared before a restart is not counted). Its conflicts are said and counted once
+        // prepared (a restart before COMMIT PREPARED finds the transaction prepared, not its
+        // conflicts), and written to pgapply.conflicts when it commits.
         if let Some(conflicts) = self.prepared_conflicts.remove(&xid) {
             self.announce_conflicts(&conflicts);
             self.prepared_conflicts.insert(xid, conflicts);
@@ -324,9 +326,14 @@ impl Applier {
                 self.write_conflicts(conflicts).await;
             }
         }
+        let rows = self.prepared_rows.remove(&xid);
         if commit {
             self.stats.transactions += 1;
             METRICS.transactions.inc();
+            // (Prepared before a restart: not counted, as its rows are not known here.)
+            if let Some(rows) = rows {
+                rows.settle(&mut self.stats);
+            }
         }
         METRICS.applied_lsn.set(end_lsn.0);
         // (The applied position's own commit time, for `status` and the lag: the one of the
