@@ -233,14 +233,16 @@ async fn a_hot_row_of_a_table_not_batched_ends_its_group() {
 /// Consecutive DELETEs by key of one table go out together (a run ends at any other change):
 /// a bulk DELETE, deletes mixed with inserts and updates of the same keys within a transaction
 /// and across the transactions of a group, a composite key, and a table whose target trigger
-/// keeps its deletes one at a time all end as on the source.
+/// keeps its deletes one at a time, and a table with a foreign key (whose deletes a cascade on
+/// the source made) all end as on the source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runs_of_deletes_keep_their_order_with_other_changes() {
     let db = TestDb::new("delruns").await;
     db.both(
         "CREATE TABLE d (id int PRIMARY KEY, v text); CREATE TABLE o (id int PRIMARY KEY); \
          CREATE TABLE dk (a int, b text, v int, PRIMARY KEY (a, b)); \
-         CREATE TABLE dt (id int PRIMARY KEY);",
+         CREATE TABLE dt (id int PRIMARY KEY); \
+         CREATE TABLE dc (id int PRIMARY KEY, d_id int REFERENCES d (id) ON DELETE CASCADE);",
     )
     .await;
     db.target_sql(
@@ -251,12 +253,13 @@ async fn runs_of_deletes_keep_their_order_with_other_changes() {
          ALTER TABLE dt ENABLE ALWAYS TRIGGER log_dt;",
     )
     .await;
-    db.publish("CREATE PUBLICATION p FOR TABLE d, o, dk, dt")
+    db.publish("CREATE PUBLICATION p FOR TABLE d, o, dk, dt, dc")
         .await;
     db.source_sql(
         "INSERT INTO d SELECT g, 'row ' || g FROM generate_series(1, 3000) g; \
          INSERT INTO dk SELECT g % 50, 'k' || g, g FROM generate_series(1, 1000) g; \
-         INSERT INTO dt SELECT generate_series(1, 300);",
+         INSERT INTO dt SELECT generate_series(1, 300); \
+         INSERT INTO dc SELECT g, g % 1500 + 1 FROM generate_series(1, 2000) g;",
     )
     .await;
     db.sync("p").await;
@@ -283,7 +286,7 @@ async fn runs_of_deletes_keep_their_order_with_other_changes() {
     db.source_sql("DELETE FROM dk WHERE v % 3 = 0").await;
     db.source_sql("DELETE FROM dt WHERE id > 100").await;
     db.sync("p").await;
-    for table in ["d", "o", "dk", "dt"] {
+    for table in ["d", "o", "dk", "dt", "dc"] {
         db.assert_same(table).await;
     }
     assert_eq!(

@@ -499,7 +499,8 @@ impl Applier {
         if row_match == RowMatch::Key
             && policy == Policy::Skip
             && !triggers_may_skip
-            && self.may_batch(&entry, commit_lsn).await?
+            && self.batching_allowed(commit_lsn)
+            && self.quiet_fingerprint(&entry).await?.is_some()
         {
             self.unsettled_rows.deletes += 1;
             let held = HeldChange {
@@ -548,10 +549,12 @@ impl Applier {
     /// Adds a DELETE by key to the run of its table's consecutive deletes (`DeleteRun`): a
     /// bulk DELETE on the source arrives as one change per row, which one statement per row
     /// would apply several times slower than PostgreSQL's own subscriber. Any other statement
-    /// queued sends the run first (`flush_insert_run`), so nothing passes it: only tables whose
-    /// updates may be batched (no trigger, rule or foreign key; the key's unique index the only
-    /// one) qualify, so that a row the statement does not find is a row missing on the target,
-    /// recorded as the conflict it is.
+    /// queued sends the run first (`flush_insert_run`), so nothing passes it, and each row is
+    /// deleted as its own statement would (every row with that key). Only tables with no
+    /// enabled trigger (but foreign keys') and no rule qualify (`apply::batch::quiet`): a
+    /// statement-level trigger would fire once, and a row trigger that skips a delete would
+    /// make its row look missing; a row the statement does not find is then a row missing on
+    /// the target, recorded as the conflict it is. The group checks that on the server.
     async fn add_to_delete_run(
         &mut self,
         entry: &Arc<RelationEntry>,
@@ -594,7 +597,9 @@ impl Applier {
         if let Some(g) = &mut self.group {
             g.statements += run.rows.len();
         }
-        self.check_batching(&run.entry);
+        if let Some(fingerprint) = self.quiet_fingerprint(&run.entry).await? {
+            self.check_unchanged(&run.entry, fingerprint);
+        }
         let per_row = run.entry.key_columns.len();
         let mut left = run.rows.len();
         let mut params = run.params.into_iter();

@@ -275,24 +275,30 @@ impl Applier {
         if !others_held {
             return self.flush_held_updates(Some(entry.target.oid)).await;
         }
-        let key = (entry.source.oid, entry.generation);
-        let quiet = match self.quiet.get(&key) {
-            Some(known) => known.clone(),
-            None => {
-                let fingerprint = crate::apply::batch::quiet(&self.catalog, entry)
-                    .await?
-                    .map(Arc::<str>::from);
-                self.quiet.insert(key, fingerprint.clone());
-                fingerprint
-            }
-        };
-        match quiet {
+        match self.quiet_fingerprint(entry).await? {
             Some(fingerprint) => {
                 self.check_unchanged(entry, fingerprint);
                 self.flush_held_updates(Some(entry.target.oid)).await
             }
             None => self.flush_held_updates(None).await,
         }
+    }
+
+    /// Whether the target table has no enabled trigger (but foreign keys') and no rule
+    /// (`apply::batch::quiet`): if so, what that was read from. Read once per relation.
+    pub(super) async fn quiet_fingerprint(
+        &mut self,
+        entry: &Arc<RelationEntry>,
+    ) -> Result<Option<Arc<str>>> {
+        let key = (entry.source.oid, entry.generation);
+        if let Some(known) = self.quiet.get(&key) {
+            return Ok(known.clone());
+        }
+        let fingerprint = crate::apply::batch::quiet(&self.catalog, entry)
+            .await?
+            .map(Arc::<str>::from);
+        self.quiet.insert(key, fingerprint.clone());
+        Ok(fingerprint)
     }
 
     /// Has the target check, before the group commits, that what made the table's updates
