@@ -241,22 +241,30 @@ async fn interleaved_streamed_transactions(prefix: &str, extra: &[&str]) -> Test
     .await
     .unwrap();
     // Nested subtransactions: x2 (and its updates of rows of the top level) rolls back, x stays.
-    a.batch_execute(&format!("SAVEPOINT x; INSERT INTO s SELECT g, 'a-sub', {pad} FROM generate_series(3001, 4000) g; \
-        SAVEPOINT x2; INSERT INTO s SELECT g, 'a-aborted', {pad} FROM generate_series(4001, 6000) g; \
+    // Transactional messages (`--messages` logs them) of x and x2: only x's was committed.
+    // (Streamed, they carry the top transaction's xid: one that comes before any change of its
+    // subtransaction cannot be told from the transaction's own.)
+    a.batch_execute(&format!("SAVEPOINT x; SELECT pg_logical_emit_message(true, 'msg-kept', 'k'); INSERT INTO s SELECT g, 'a-sub', {pad} FROM generate_series(3001, 4000) g; \
+        SAVEPOINT x2; INSERT INTO s SELECT g, 'a-aborted', {pad} FROM generate_series(4001, 6000) g; SELECT pg_logical_emit_message(true, 'msg-undone', 'u'); \
         UPDATE s SET pad = 'a-aborted-update' WHERE id <= 500; ROLLBACK TO SAVEPOINT x2; RELEASE SAVEPOINT x;")).await.unwrap();
     db.source_sql("INSERT INTO s VALUES (-1, 'small', 'between')")
         .await;
     b.batch_execute(&format!("SAVEPOINT y; UPDATE s SET pad = 'b-updated' WHERE id > 102000; SAVEPOINT z; DELETE FROM s WHERE id > 102500; RELEASE SAVEPOINT z; INSERT INTO s SELECT g, 'b-more', {pad} FROM generate_series(103001, 104000) g; COMMIT;")).await.unwrap();
     a.batch_execute(&format!("INSERT INTO s SELECT g, 'a-after', {pad} FROM generate_series(6001, 7000) g; UPDATE s SET who = 'a-updated' WHERE id <= 1000; COMMIT;")).await.unwrap();
     // A whole streamed transaction that aborts.
-    a.batch_execute(&format!("BEGIN; INSERT INTO s SELECT g, 'gone', {pad} FROM generate_series(200001, 205000) g; ROLLBACK;")).await.unwrap();
+    a.batch_execute(&format!("BEGIN; SELECT pg_logical_emit_message(true, 'msg-aborted', 'a'); INSERT INTO s SELECT g, 'gone', {pad} FROM generate_series(200001, 205000) g; ROLLBACK;")).await.unwrap();
     let dir = spool_dir(&db);
     let dir_arg = dir.to_string_lossy().to_string();
     let endpos = db.source_wal().await;
-    let mut args = vec!["--endpos", &endpos, "--spool-dir", &dir_arg];
+    let mut args = vec!["--endpos", &endpos, "--spool-dir", &dir_arg, "--messages"];
     args.extend_from_slice(extra);
     let out = run_with_deadline(db.pgapply("p", &args), 120).await;
-    assert!(out.status.success(), "{}", stderr(&out));
+    let log = stderr(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("msg-kept") && !log.contains("msg-undone") && !log.contains("msg-aborted"),
+        "only the committed message is logged: {log}"
+    );
     let expected = if extra.contains(&"parallel") {
         "streaming parallel"
     } else {

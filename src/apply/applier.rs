@@ -1417,18 +1417,22 @@ impl Applier {
                 Ok(())
             }
             LogicalMessage::Message(m) => {
-                // The hook point for logical decoding messages: logged.
-                if self.log_messages {
-                    tracing::info!(prefix = %m.prefix, lsn = %m.lsn, transactional = m.transactional(), bytes = m.content.len(), "logical decoding message");
-                } else {
-                    tracing::debug!(prefix = %m.prefix, lsn = %m.lsn, transactional = m.transactional(), bytes = m.content.len(), "logical decoding message");
-                }
+                self.log_message(&m);
                 Ok(())
             }
             other => Err(Error::definite(format!(
                 "the source sent a {} message where pgapply did not expect one; this is a protocol error",
                 other.name()
             ))),
+        }
+    }
+
+    /// The hook point for logical decoding messages: logged (at info with `--messages`).
+    fn log_message(&self, m: &crate::protocol::pgoutput::DecodingMessage) {
+        if self.log_messages {
+            tracing::info!(prefix = %m.prefix, lsn = %m.lsn, transactional = m.transactional(), bytes = m.content.len(), "logical decoding message");
+        } else {
+            tracing::debug!(prefix = %m.prefix, lsn = %m.lsn, transactional = m.transactional(), bytes = m.content.len(), "logical decoding message");
         }
     }
 

@@ -40,7 +40,7 @@ use tokio_postgres::Statement;
 use super::{streamed_xid, Applier, ApplyStats, Envelope, Pending};
 use crate::error::{Error, Result};
 use crate::protocol::pgoutput::{
-    Begin, Commit, LogicalMessage, StreamAbort, StreamCommit, StreamStart, Xid,
+    Begin, Commit, DecodingMessage, LogicalMessage, StreamAbort, StreamCommit, StreamStart, Xid,
 };
 use crate::protocol::{Lsn, PgTimestamp};
 
@@ -211,6 +211,13 @@ pub(crate) struct HelperState {
     /// brings them back to (rows undone are not applied, so not counted).
     rows_at: Vec<super::RowCounts>,
     known: std::collections::HashSet<Xid>,
+    /// Transactional logical decoding messages of the open transaction, logged at its Stream
+    /// Commit: one of a subtransaction that rolls back later was never committed on the source.
+    /// (They carry the top transaction's xid: a rollback to a savepoint drops those that came
+    /// after it, as the spool of `--streaming on` does.)
+    messages: Vec<DecodingMessage>,
+    /// Per savepoint: how many messages came before it.
+    messages_at: Vec<usize>,
     /// One savepoint name for every depth: SAVEPOINT, ROLLBACK TO SAVEPOINT, RELEASE SAVEPOINT.
     /// Rolling back to depth d pops the savepoints above it one by one, so three prepared
     /// statements serve any nesting.
@@ -271,6 +278,8 @@ impl Applier {
             subxacts: Vec::new(),
             rows_at: Vec::new(),
             known: Default::default(),
+            messages: Vec::new(),
+            messages_at: Vec::new(),
             savepoint: prepare("SAVEPOINT pgapply_sub").await?,
             rollback_to: prepare("ROLLBACK TO SAVEPOINT pgapply_sub").await?,
             release: prepare("RELEASE SAVEPOINT pgapply_sub").await?,
@@ -588,6 +597,8 @@ impl Applier {
                         h.subxacts.clear();
                         h.rows_at.clear();
                         h.known.clear();
+                        h.messages.clear();
+                        h.messages_at.clear();
                     }
                 }
                 Ok(())
@@ -597,7 +608,12 @@ impl Applier {
                 self.submit_pending();
                 Ok(())
             }
-            LogicalMessage::StreamAbort(a) if a.subxid == a.xid => self.rollback().await,
+            LogicalMessage::StreamAbort(a) if a.subxid == a.xid => {
+                if let Some(h) = &mut self.live_helper {
+                    h.messages.clear();
+                }
+                self.rollback().await
+            }
             LogicalMessage::StreamAbort(a) => self.rollback_subxact(a.subxid).await,
             LogicalMessage::StreamCommit(c) => {
                 // Conflicts met on the way name the transaction by its commit, known only now:
@@ -605,6 +621,14 @@ impl Applier {
                 self.send_pipeline().await?;
                 self.conflicts
                     .name_commit(Lsn(u64::MAX), c.commit_lsn, c.commit_time);
+                let messages = self
+                    .live_helper
+                    .as_mut()
+                    .map(|h| std::mem::take(&mut h.messages))
+                    .unwrap_or_default();
+                for m in &messages {
+                    self.log_message(m);
+                }
                 self.on_commit(Commit {
                     flags: c.flags,
                     commit_lsn: c.commit_lsn,
@@ -618,7 +642,13 @@ impl Applier {
                 if let Some(sub) = streamed_xid(&change).filter(|x| Some(*x) != top) {
                     self.savepoint_for(sub).await?;
                 }
-                self.handle(change).await
+                match (change, &mut self.live_helper) {
+                    (LogicalMessage::Message(m), Some(h)) if m.transactional() => {
+                        h.messages.push(m);
+                        Ok(())
+                    }
+                    (change, _) => self.handle(change).await,
+                }
             }
         }
     }
@@ -648,6 +678,7 @@ impl Applier {
         if let Some(h) = &mut self.live_helper {
             h.subxacts.push(sub);
             h.rows_at.push(rows);
+            h.messages_at.push(h.messages.len());
             h.known.insert(sub);
         }
         Ok(())
@@ -680,6 +711,9 @@ impl Applier {
         if let Some(h) = &mut self.live_helper {
             for x in h.subxacts.drain(depth..) {
                 h.known.remove(&x);
+            }
+            if let Some(kept) = h.messages_at.drain(depth..).next() {
+                h.messages.truncate(kept);
             }
             if let Some(rows) = h.rows_at.drain(depth..).next() {
                 self.unsettled_rows = rows;
