@@ -935,7 +935,28 @@ if [ "$LAG_BENCH" = 1 ]; then
         return 1
     }
 
-    declare -A LAG_STATS=() LAG_TPS=() LAG_RES=() LAG_SRC_RES=()
+    declare -A LAG_STATS=() LAG_TPS=() LAG_RES=() LAG_SRC_RES=() LAG_CPU=() LAG_WS_CPU=()
+
+    # The applier's processes while it follows the load: the built-in's apply worker, or pgapply
+    # and its sessions on the target; and the walsender that feeds it (the slot's active pid).
+    lag_applier_pids() {  # builtin|pgapply db
+        if [ "$1" = builtin ]; then
+            q "$TGT_PORT" "$2" "SELECT pid FROM pg_stat_subscription WHERE subname = 'lag_sub' AND pid IS NOT NULL"
+        else
+            echo "$LAG_APPLIER_PID"
+            q "$TGT_PORT" postgres "SELECT pid FROM pg_stat_activity WHERE datname = '$2' AND backend_type = 'client backend'"
+        fi
+    }
+    ticks_of() {  # pid... -> "pid:ticks" per line
+        local pid
+        for pid in "$@"; do echo "$pid:$(proc_cpu_ticks "$pid")"; done
+    }
+    ticks_delta() {  # "before" "after" (ticks_of lines) -> seconds used in between by those processes
+        awk -v tck="$CLK_TCK" -v before="$1" -v after="$2" 'BEGIN {
+            n = split(before, b, "\n"); for (i = 1; i <= n; i++) { split(b[i], kv, ":"); was[kv[1]] = kv[2] + 0 }
+            n = split(after, a, "\n"); for (i = 1; i <= n; i++) { split(a[i], kv, ":"); if (kv[2] != "") sum += kv[2] - was[kv[1]] }
+            printf("%.2f", sum / tck) }'
+    }
     lag_run() {  # builtin|pgapply
         local a="$1" src="lagsrc_$1" db="lag_$1" slot="lag_$1" t0 t1 end rc=0
         local src_conn="host=127.0.0.1 port=$SRC_PORT user=postgres dbname=$src"
@@ -976,12 +997,23 @@ END
 SQL
         LAG_SAMPLER_PID=$!
         sleep 1
+        local pids ws_pid cpu0 ws0
+        pids="$(lag_applier_pids "$a" "$db")"
+        ws_pid="$(q "$SRC_PORT" postgres "SELECT active_pid FROM pg_replication_slots WHERE slot_name = '$slot'")"
+        # shellcheck disable=SC2086
+        cpu0="$(ticks_of $pids)"
+        ws0="$(ticks_of "$ws_pid")"
         t0="$(now)"
         "$PG_BIN/pgbench" -n -R "$RATE" -T "$LAG_SECONDS" -c "$CLIENTS" -j "$JOBS" -h 127.0.0.1 -p "$SRC_PORT" -U postgres "$src" \
             >"$WORK/pgbench-lag-$a.log" 2>&1 || { cat "$WORK/pgbench-lag-$a.log" >&2; die "pgbench failed (lag phase, $a)"; }
         t1="$(now)"
         end="$(q "$SRC_PORT" "$src" "SELECT pg_current_wal_flush_lsn()")"
         wait_confirmed "$slot" "$end"
+        # (Sessions pgapply opened during the load count whole: they started after t0.)
+        pids="$(printf '%s\n%s\n' "$pids" "$(lag_applier_pids "$a" "$db")" | sort -u)"
+        # shellcheck disable=SC2086
+        LAG_CPU[$a]="$(ticks_delta "$cpu0" "$(ticks_of $pids)")"
+        LAG_WS_CPU[$a]="$(ticks_delta "$ws0" "$(ticks_of "$ws_pid")")"
         q "$SRC_PORT" postgres "INSERT INTO lag_stop VALUES ('$a')" >/dev/null
         wait "$LAG_SAMPLER_PID" || { cat "$WORK/lag-sampler-$a.log" >&2; die "lag ($a): the sampler failed"; }
         LAG_SAMPLER_PID=""
@@ -1015,20 +1047,23 @@ SQL
         LAG_TPS[$a]="$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' "$WORK/pgbench-lag-$a.log" | head -n 1)"
         LAG_SRC_RES[$a]="$(q "$SRC_PORT" "$src" "$CHECK_SQL")"
         LAG_RES[$a]="$(q "$TGT_PORT" "$db" "$CHECK_SQL")"
-        log "lag under load ($a): samples p50 p99 max = ${LAG_STATS[$a]}; pgbench ${LAG_TPS[$a]:-?} tps"
+        log "lag under load ($a): samples p50 p99 max = ${LAG_STATS[$a]}; pgbench ${LAG_TPS[$a]:-?} tps; applier CPU ${LAG_CPU[$a]} s, walsender CPU ${LAG_WS_CPU[$a]} s"
     }
     lag_run builtin
     lag_run pgapply
 
     LAG_VERDICT=MATCH
     LAG_CORRECT="Correctness ($CHECK_DESC):"
-    LAG_TABLE="| applier  | load txn/s | samples | p50 lag s | p99 lag s | max lag s |"$'\n'
-    LAG_TABLE+="|----------|-----------:|--------:|----------:|----------:|----------:|"$'\n'
+    LAG_TABLE="| applier  | load txn/s | samples | p50 lag s | p99 lag s | max lag s | applier CPU s/1k txn | walsender CPU s/1k txn |"$'\n'
+    LAG_TABLE+="|----------|-----------:|--------:|----------:|----------:|----------:|---------------------:|-----------------------:|"$'\n'
     for a in builtin pgapply; do
         name=built-in
         [ "$a" = pgapply ] && name=pgapply
         read -r n p50 p99 mx <<<"${LAG_STATS[$a]}"
-        LAG_TABLE+="$(printf '| %-8s | %10.0f | %7s | %9s | %9s | %9s |' "$name" "${LAG_TPS[$a]:-0}" "$n" "$p50" "$p99" "$mx")"$'\n'
+        txns="$(calc "${LAG_TPS[$a]:-0} * $LAG_SECONDS" 0)"
+        per_k() { if [ "$txns" -gt 0 ]; then calc "$1 / ($txns / 1000)" 4; else echo n/a; fi; }
+        LAG_TABLE+="$(printf '| %-8s | %10.0f | %7s | %9s | %9s | %9s | %20s | %22s |' "$name" "${LAG_TPS[$a]:-0}" "$n" "$p50" "$p99" "$mx" \
+            "$(per_k "${LAG_CPU[$a]}")" "$(per_k "${LAG_WS_CPU[$a]}")")"$'\n'
         [ "${LAG_RES[$a]}" = "${LAG_SRC_RES[$a]}" ] || LAG_VERDICT=MISMATCH
         LAG_CORRECT+=" $name source [${LAG_SRC_RES[$a]}] target [${LAG_RES[$a]}];"
     done
@@ -1041,6 +1076,7 @@ SQL
         echo "- $LAG_SETUP; built-in first, then pgapply, each with its own source database, slot and prewarmed target copy"
         echo "- lag of a sample = its time minus the time the source WAL (pg_current_wal_lsn()) reached the slot's confirmed_flush_lsn (interpolated between samples; 0 once confirmed reaches the current WAL); percentiles over the samples taken while pgbench ran"
         echo "- load txn/s: what pgbench achieved (below RATE: the source could not keep the schedule)"
+        echo "- CPU per 1k transactions of the load, from the load's start until the slot confirmed its end: applier = the built-in's apply worker, or pgapply's process and its target sessions; walsender = the source's process that feeds it"
         echo
         echo "$LAG_TABLE"
         echo "$LAG_CORRECT"
