@@ -555,6 +555,10 @@ async fn run_in_span(
             |quit| heartbeat::copy_lock_watch(client, quit)
         });
         if copy_status == CopyStatus::Incomplete {
+            // Emptying the tables may wait for a lock: a session of the interrupted run (killed,
+            // its backend still waiting for a lock of its own) holds one on them, and the watch
+            // names it, as it names the copy's own waits.
+            crate::apply::sessions::register_copy(&setup).await;
             copy::reset_interrupted(&setup, &config.slot, &config.table_map).await?;
         }
         // Each apply worker binds an origin of its own, all at once: as many free origin states.

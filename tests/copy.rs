@@ -3508,6 +3508,48 @@ async fn cutover_waits_for_a_copy_still_running() {
     let _ = std::fs::remove_file(&out_path);
 }
 
+/// A copy killed (kill -9) while its COPY waits for a target lock leaves its backend waiting;
+/// the next run, emptying the tables to start over, waits behind that backend, and says so,
+/// naming it, instead of standing still without a word. Once the lock goes, it copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_started_over_says_what_it_waits_for() {
+    let db = TestDb::new("copyagainwait").await;
+    db.both("CREATE TABLE big (id int PRIMARY KEY, v text)")
+        .await;
+    db.source_sql(
+        "INSERT INTO big SELECT g, 'v' || g FROM generate_series(1, 1000) g; \
+         CREATE PUBLICATION p FOR TABLE big;",
+    )
+    .await;
+    let holder = common::connect(db.target_port, &db.name).await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE big IN SHARE MODE")
+        .await
+        .unwrap();
+    let mut first = spawn(db.pgapply("p", &["--copy-data"]));
+    wait_for("the copy to wait for the lock", 60, || async {
+        common::waiting_for_a_lock(&db).await > 0
+    })
+    .await;
+    first.start_kill().unwrap();
+    let _ = first.wait().await;
+    let (mut again, log) = common::spawn_logged(db.pgapply("p", &["--copy-data"]));
+    wait_for("the rerun to name the wait", 60, || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("the initial copy waits for a lock on table")
+            && text.contains("held by target process(es)")
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    wait_for("the copy", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM big").await == 1000
+    })
+    .await;
+    again.start_kill().unwrap();
+    let _ = again.wait().await;
+    db.assert_same("big").await;
+}
+
 /// `cutover` while `run --copy-data` has not created its slot yet (a lock on a target table
 /// holds its checks back): it waits for the worker instead of calling the slot missing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,7 +21,7 @@ pub mod progress;
 pub mod sessions;
 pub mod statement;
 
-pub use applier::{Applier, ApplierOptions, ApplySettings};
+pub use applier::{Applier, ApplierOptions, ApplySettings, LIVE_WITHIN, SOURCE_SENDS_LIVE};
 pub use progress::{ProgressMode, ProgressStore};
 pub mod conflict;
 pub mod spool;

@@ -363,7 +363,10 @@ impl Reader<'_> {
                 Ok(Step::Continue)
             }
             ReplicationFrame::XLogData {
-                wal_start, data, ..
+                wal_start,
+                data,
+                send_time,
+                ..
             } => {
                 self.received = self.received.max(wal_start);
                 if !self.read_from.is_valid() {
@@ -385,6 +388,11 @@ impl Reader<'_> {
                         if reached(b.final_lsn) {
                             return Ok(self.past_the_end());
                         }
+                        let sent_after_us = send_time.0.saturating_sub(b.commit_time.0);
+                        crate::apply::SOURCE_SENDS_LIVE.store(
+                            sent_after_us < crate::apply::LIVE_WITHIN.as_micros() as i64,
+                            std::sync::atomic::Ordering::Relaxed,
+                        );
                         self.in_transaction = true;
                         self.transaction_started = Some(self.last_heard);
                         self.receiving_commit_time = b.commit_time.0.max(0) as u64;
