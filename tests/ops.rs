@@ -1179,17 +1179,26 @@ async fn check_lists_every_problem() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_names_target_triggers_that_would_fire() {
     let db = TestDb::new("checktrig").await;
-    db.both("CREATE TABLE t (id int PRIMARY KEY, v text)").await;
+    // par has no trigger of its own, but the cascade of kid's foreign key acts on its deletes;
+    // calm is only checked (NO ACTION), and acts on nothing.
+    db.both(
+        "CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE par (id int PRIMARY KEY); \
+         CREATE TABLE kid (id int PRIMARY KEY, par_id int REFERENCES par ON DELETE CASCADE); \
+         CREATE TABLE calm (id int PRIMARY KEY); \
+         CREATE TABLE calm_kid (id int PRIMARY KEY, calm_id int REFERENCES calm);",
+    )
+    .await;
     db.target_sql(
         "CREATE FUNCTION stamp() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN NEW.v := ''stamped''; RETURN NEW; END'; \
          CREATE TRIGGER stamp BEFORE INSERT ON t FOR EACH ROW EXECUTE PROCEDURE stamp();",
     )
     .await;
-    db.source_sql("CREATE PUBLICATION p FOR TABLE t").await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE t, par, kid, calm")
+        .await;
     let writer = format!("plain_{}", db.name);
     db.target_sql(&format!(
         "CREATE ROLE {writer} LOGIN PASSWORD 'w-secret'; \
-         GRANT INSERT, UPDATE, DELETE, SELECT, TRUNCATE ON t TO {writer}; GRANT CREATE ON DATABASE {} TO {writer};",
+         GRANT INSERT, UPDATE, DELETE, SELECT, TRUNCATE ON t, par, kid, calm TO {writer}; GRANT CREATE ON DATABASE {} TO {writer};",
         db.name
     ))
     .await;
@@ -1217,7 +1226,9 @@ async fn check_names_target_triggers_that_would_fire() {
         .find(|l| l.contains("may not set session_replication_role"))
         .unwrap_or_else(|| panic!("{text}"));
     assert!(
-        line.contains("foreign keys of \"public\".\"t\" act"),
+        line.contains(
+            "foreign keys of \"public\".\"kid\", \"public\".\"par\", \"public\".\"t\" act"
+        ),
         "{text}"
     );
 }

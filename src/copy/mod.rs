@@ -139,6 +139,8 @@ pub async fn loud_trigger_tables(
             "SELECT n FROM unnest($1::text[]) n JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(n) \
              WHERE EXISTS (SELECT FROM pg_catalog.pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal AND t.tgenabled IN ('O', 'A')) \
                 OR EXISTS (SELECT FROM pg_catalog.pg_constraint k WHERE k.conrelid = c.oid AND k.contype = 'f') \
+                OR EXISTS (SELECT FROM pg_catalog.pg_constraint k WHERE k.confrelid = c.oid AND k.contype = 'f' \
+                                  AND (k.confdeltype IN ('c', 'n', 'd') OR k.confupdtype IN ('c', 'n', 'd'))) \
              ORDER BY 1",
             &[&names],
         )

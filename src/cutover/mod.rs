@@ -339,7 +339,7 @@ pub async fn cutover(
         // its values on the new primary.
         let shown = sequences.left_out.len().min(20);
         crate::out!(
-            "before the cutover: sequence(s) no published table uses are not copied: {}{} (if the application calls any by name: interrupt this cutover now, with Ctrl-C or SIGTERM before step 2 freezes the writes, and run it with --all-sequences; or let it go on and run on the target the setval statements step 4 prints for them)",
+            "before the cutover: sequence(s) no published table uses are not copied: {}{} (if the application calls any by name: run on the target the setval statements step 4 prints for them, before the applications write there; or, before the writes are frozen, stop this cutover with Ctrl-C or SIGTERM and run it with --all-sequences)",
             sequences.left_out[..shown].join(", "),
             match sequences.left_out.len() - shown {
                 0 => String::new(),
@@ -660,6 +660,20 @@ pub async fn cutover(
             " (first give the frozen roles there the rights they lack: see the warnings before step 1)"
         }
     );
+    // Said again at the end (step 2 said it first): what a rollback, or a rehearsal, runs on the
+    // source to let the frozen roles write there again.
+    if !settings.freeze_roles.is_empty() {
+        crate::out!(
+            "role(s) {} stay read-only on the source; to let them write there again (a rollback, or after a rehearsal), run there: {}",
+            settings.freeze_roles.join(", "),
+            settings
+                .freeze_roles
+                .iter()
+                .map(|r| undo(r))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
     // Going back (slot `<forward>_reverse`): the forward slot on the old primary, the target
     // now, has held its WAL since the first cutover, and will until dropped.
     if let Some(forward) = slot.strip_suffix("_reverse").filter(|f| !f.is_empty()) {

@@ -712,6 +712,17 @@ pub(super) fn target_table_hint(code: &str, table: &str, message: Option<&str>) 
         )),
         // Row-level security: the error itself says what to do (`describe_postgres`).
         "42501" if message.is_some_and(|m| m.contains("row-level security")) => None,
+        // The schema, not the table: its owner changed (ALTER SCHEMA .. OWNER TO), say, and
+        // with it the rights pgapply's role had through owning it.
+        "42501" if message.is_some_and(|m| m.starts_with("permission denied for schema ")) => {
+            let schema = message
+                .and_then(|m| m.strip_prefix("permission denied for schema "))
+                .map(|s| quote_ident(s.trim()))
+                .unwrap_or_else(|| "...".to_owned());
+            Some(format!(
+                "the target role may not use schema {schema} of table {table} (it lost its rights there when the schema's owner changed, say): GRANT USAGE ON SCHEMA {schema} TO the role pgapply connects as, or make that role a member of the schema's owner (GRANT owner_role TO pgapply_role), then start pgapply again; `pgapply check` lists every missing right"
+            ))
+        }
         "42501" => Some(format!(
             "the target role lacks a privilege on {table} (or on a sequence, function or table its defaults, triggers or foreign keys use): GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO the role pgapply connects as (and TRUNCATE if truncates are published), then start pgapply again; `pgapply check` lists every missing right"
         )),
@@ -744,6 +755,28 @@ pub(super) fn first_type_mismatch(relation: crate::protocol::pgoutput::Oid) -> b
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_schema_refused_gets_the_schema_grant_not_the_table_grants() {
+        let hint = target_table_hint(
+            "42501",
+            "\"app\".\"customers\"",
+            Some("permission denied for schema app"),
+        )
+        .unwrap_or_default();
+        assert!(hint.contains("GRANT USAGE ON SCHEMA \"app\" TO"), "{hint}");
+        assert!(!hint.contains("GRANT SELECT, INSERT"), "{hint}");
+        let hint = target_table_hint(
+            "42501",
+            "\"app\".\"customers\"",
+            Some("permission denied for table customers"),
+        )
+        .unwrap_or_default();
+        assert!(
+            hint.contains("GRANT SELECT, INSERT, UPDATE, DELETE ON"),
+            "{hint}"
+        );
+    }
 
     #[test]
     fn a_value_error_is_put_on_the_columns_of_the_type_it_names() {
