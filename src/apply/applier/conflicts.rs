@@ -52,9 +52,10 @@ impl Applier {
                 conflicts = more.count,
                 first_commit_lsn = %more.first_lsn,
                 last_commit_lsn = %more.last_lsn,
-                "{} more {} conflicts on {} in the same target transaction (policy {}), counted but not logged one by one: pgapply.conflicts holds them as one row with occurrences = {}",
+                "{} more {} conflict{} on {} in the same target transaction (policy {}), counted but not logged one by one: pgapply.conflicts holds them as one row with occurrences = {}",
                 more.count,
                 more.conflict_type,
+                if more.count == 1 { "" } else { "s" },
                 more.relation,
                 more.policy,
                 more.count
