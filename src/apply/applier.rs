@@ -1150,6 +1150,15 @@ impl Applier {
                     envelope = rx.recv() => Next::Message(envelope),
                     outcome = in_flight.next() => Next::Outcome(outcome),
                     () = lingered => Next::Lingered,
+                    // (A safety net: answers that never come on a closed connection.)
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => {
+                        if self.client.is_closed() {
+                            return Err(Error::transient(
+                                "the apply session's connection to the target was closed (the target restarted, or the session was ended there): starting again",
+                            ));
+                        }
+                        continue;
+                    }
                 }
             };
             match next {
