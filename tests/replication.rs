@@ -198,6 +198,17 @@ async fn keys_of_a_composite_or_regclass_type() {
     );
 }
 
+/// The target transactions pgapply has committed in the test's database: each group writes its
+/// position to pgapply.origin_commit in its own transaction.
+async fn target_transactions(db: &TestDb) -> i64 {
+    db.count(
+        &db.target,
+        "SELECT coalesce((SELECT n_tup_ins + n_tup_upd FROM pg_stat_user_tables \
+                          WHERE schemaname = 'pgapply' AND relname = 'origin_commit'), 0)",
+    )
+    .await
+}
+
 /// A row updated by every source transaction, in a table whose updates cannot be collapsed (a
 /// unique index only the target has): a group of those transactions ends after 32 updates of
 /// the row (one target transaction for the whole backlog stepped past every version it wrote,
@@ -213,19 +224,10 @@ async fn a_hot_row_of_a_table_not_batched_ends_its_group() {
     for _ in 0..640 {
         db.source_sql("UPDATE h SET v = v + 1 WHERE id = 1").await;
     }
-    // Each group writes its position to pgapply.origin_commit in its own transaction.
-    let commits = || async {
-        db.count(
-            &db.target,
-            "SELECT coalesce((SELECT n_tup_ins + n_tup_upd FROM pg_stat_user_tables \
-                              WHERE schemaname = 'pgapply' AND relname = 'origin_commit'), 0)",
-        )
-        .await
-    };
-    let before = commits().await;
+    let before = target_transactions(&db).await;
     db.sync("p").await;
     db.assert_same("h").await;
-    let after = commits().await;
+    let after = target_transactions(&db).await;
     // 640 / 32 = 20 groups at least.
     assert!(after - before >= 20, "{} groups", after - before);
 }
@@ -240,16 +242,7 @@ async fn a_trickle_of_small_transactions_shares_target_transactions() {
     db.both("CREATE TABLE t (id int PRIMARY KEY)").await;
     db.publish("CREATE PUBLICATION p FOR TABLE t").await;
     db.source_sql("INSERT INTO t VALUES (0)").await;
-    // Each group writes its position to pgapply.origin_commit in its own transaction; counted
-    // once pgapply's sessions have ended (their statistics are written then).
-    let groups = || async {
-        db.count(
-            &db.target,
-            "SELECT coalesce((SELECT n_tup_ins + n_tup_upd FROM pg_stat_user_tables \
-                              WHERE schemaname = 'pgapply' AND relname = 'origin_commit'), 0)",
-        )
-        .await
-    };
+    // Counted once pgapply's sessions have ended (their statistics are written then).
     let sessions_gone = || async {
         db.count(
             &db.target,
@@ -279,7 +272,7 @@ async fn a_trickle_of_small_transactions_shares_target_transactions() {
     common::signal(&worker, libc::SIGTERM);
     let _ = worker.wait().await;
     wait_for("pgapply's sessions to end", 30, sessions_gone).await;
-    let after = groups().await;
+    let after = target_transactions(&db).await;
     db.assert_same("t").await;
     // One a source transaction without the wait (400 when measured); two to four a group with
     // it (about 112).

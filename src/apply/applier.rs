@@ -219,6 +219,8 @@ enum Next {
     Outcome(Option<Outcome>),
     /// The open group has lingered long enough (`ApplySettings::group_linger`).
     Lingered,
+    /// Nothing for 2 s: a time to see whether the apply connection is still open.
+    Quiet,
 }
 
 /// A group whose COMMIT has been sent and not yet answered.
@@ -1127,14 +1129,7 @@ impl Applier {
                 tokio::select! {
                     envelope = rx.recv() => Next::Message(envelope),
                     () = lingered => Next::Lingered,
-                    _ = tokio::time::sleep(Duration::from_secs(2)) => {
-                        if self.client.is_closed() {
-                            return Err(Error::transient(
-                                "the apply session's connection to the target was closed (the target restarted, or the session was ended there): starting again",
-                            ));
-                        }
-                        continue;
-                    }
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => Next::Quiet,
                 }
             } else if !rx.is_empty() || self.in_flight_mut().is_empty() {
                 Next::Message(rx.recv().await)
@@ -1150,18 +1145,18 @@ impl Applier {
                     envelope = rx.recv() => Next::Message(envelope),
                     outcome = in_flight.next() => Next::Outcome(outcome),
                     () = lingered => Next::Lingered,
-                    // (A safety net: answers that never come on a closed connection.)
-                    _ = tokio::time::sleep(Duration::from_secs(2)) => {
-                        if self.client.is_closed() {
-                            return Err(Error::transient(
-                                "the apply session's connection to the target was closed (the target restarted, or the session was ended there): starting again",
-                            ));
-                        }
-                        continue;
-                    }
+                    // (Also here: answers that never come on a closed connection.)
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => Next::Quiet,
                 }
             };
             match next {
+                Next::Quiet => {
+                    if self.client.is_closed() {
+                        return Err(Error::transient(
+                            "the apply session's connection to the target was closed (the target restarted, or the session was ended there): starting again",
+                        ));
+                    }
+                }
                 Next::Message(None) => break,
                 Next::Message(Some(envelope)) => {
                     if envelope.turn.is_some() {

@@ -444,6 +444,7 @@ pub async fn cutover(
             quote_ident(&database)
         )
     };
+    let undo_all = |roles: &[String]| roles.iter().map(|r| undo(r)).collect::<Vec<_>>().join("; ");
     let mut altered: Vec<&str> = Vec::new();
     // A failure half-way leaves the roles before it read-only: say so, with the way back.
     let half_way = |e: Error, altered: &[&str]| {
@@ -518,12 +519,7 @@ pub async fn cutover(
             e.context_after(format!(
                 "writes are still frozen for {}: undo with {}, or run the cutover again",
                 settings.freeze_roles.join(", "),
-                settings
-                    .freeze_roles
-                    .iter()
-                    .map(|r| undo(r))
-                    .collect::<Vec<_>>()
-                    .join("; ")
+                undo_all(&settings.freeze_roles)
             ))
         };
         e.context_after(format!(
@@ -666,12 +662,7 @@ pub async fn cutover(
         crate::out!(
             "role(s) {} stay read-only on the source; to let them write there again (a rollback, or after a rehearsal), run there: {}",
             settings.freeze_roles.join(", "),
-            settings
-                .freeze_roles
-                .iter()
-                .map(|r| undo(r))
-                .collect::<Vec<_>>()
-                .join("; ")
+            undo_all(&settings.freeze_roles)
         );
     }
     // Going back (slot `<forward>_reverse`): the forward slot on the old primary, the target
