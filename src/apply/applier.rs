@@ -1096,12 +1096,18 @@ impl Applier {
             {
                 break;
             }
-            // A failure noted while sending (answers taken on the way) ends the run before it
-            // waits for more: later answers may be waiting on it.
+            // Nothing more to read for now: what is queued goes to the target, which works on
+            // it meanwhile (held updates and insert runs stay held, to grow).
+            if rx.is_empty() && !self.pending.is_empty() {
+                self.submit_pending();
+            }
+            // A failure noted while sending (answers taken on the way, just above too) ends the
+            // run before it waits for more: later answers may be waiting on it, and the source
+            // may send nothing more. (On a closed connection every statement fails as it is
+            // sent: checked before the send above, the failure waited there unseen.)
             if self.failure.is_some() {
                 self.fail_if_failed().await?;
             }
-            let idle = rx.is_empty() && self.current.is_none() && self.in_flight_mut().is_empty();
             // When the open group, between source transactions, is to commit if nothing comes.
             // (Not while a COMMIT is unanswered: its answer closes the group, see
             // `group_should_close`.)
@@ -1111,28 +1117,24 @@ impl Applier {
                 }
                 _ => None,
             };
-            // Nothing more to read for now: what is queued goes to the target, which works on
-            // it meanwhile (held updates and insert runs stay held, to grow).
-            if rx.is_empty() && !self.pending.is_empty() {
-                self.submit_pending();
-            }
             let lingered = async {
                 match linger_until {
                     Some(at) => tokio::time::sleep_until(at.into()).await,
                     None => std::future::pending().await,
                 }
             };
-            let next = if idle {
-                // Nothing under way: a session the target closed meanwhile (restarted, or the
-                // session ended there) is found now, not at the next change, which may come
-                // much later while `status` says streaming.
+            let next = if !rx.is_empty() {
+                Next::Message(rx.recv().await)
+            } else if self.in_flight_mut().is_empty() {
+                // Nothing under way (or the rest of a transaction still to come): a session the
+                // target closed meanwhile (restarted, or the session ended there) is found now,
+                // not at the next change, which may come much later while `status` says
+                // streaming.
                 tokio::select! {
                     envelope = rx.recv() => Next::Message(envelope),
                     () = lingered => Next::Lingered,
                     _ = tokio::time::sleep(Duration::from_secs(2)) => Next::Quiet,
                 }
-            } else if !rx.is_empty() || self.in_flight_mut().is_empty() {
-                Next::Message(rx.recv().await)
             } else {
                 // Nothing to apply right now: take the target's answers while waiting, so a
                 // committed group is confirmed (and its position reported) without delay.
