@@ -825,7 +825,11 @@ fn env_variable_behind(e: &clap::Error) -> Option<String> {
     else {
         return None;
     };
-    let long = arg.split_whitespace().next()?.strip_prefix("--")?;
+    // ("--slot <SLOT>", or "--create-slot[=<on|off>]" for a flag whose value is optional.)
+    let long = arg
+        .strip_prefix("--")?
+        .split(|c: char| c.is_whitespace() || c == '[' || c == '=')
+        .next()?;
     let given = std::env::args_os().any(|a| {
         let a = a.to_string_lossy();
         a == format!("--{long}") || a.starts_with(&format!("--{long}="))

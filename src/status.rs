@@ -331,7 +331,7 @@ pub async fn status_command(args: &StatusArgs, file: &FileConfig) -> Result<()> 
             s.deletes,
             s.truncates
         );
-        crate::out!("  conflicts {}", s.conflicts);
+        crate::out!("  conflicts: {}", conflicts_text(&s.conflicts));
         if let Some(stop) = &s.stop_lsn {
             crate::out!(
                 "  stopped at {stop} by `pgapply cutover`: what the source committed before it is applied (the last commit may come earlier), nothing after it (only if that cutover was given up before it finished: clear pgapply.progress.stop_lsn to replicate again)"
@@ -409,5 +409,44 @@ mod tests {
             "3.0 s when last recorded"
         );
         assert_eq!(lag_seconds_text("streaming", None, Some(1.0)), "? s");
+    }
+}
+
+/// The conflict counts as a person reads them: `none`, or `2 delete_missing, 1 insert_exists`
+/// (largest first) and where each is recorded. (`--json` keeps the object.)
+fn conflicts_text(conflicts: &serde_json::Value) -> String {
+    let mut counts: Vec<(&str, u64)> = conflicts
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.as_str(), v.as_u64()?)))
+                .filter(|&(_, n)| n > 0)
+                .collect()
+        })
+        .unwrap_or_default();
+    if counts.is_empty() {
+        return "none".to_owned();
+    }
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let list: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
+    format!(
+        "{} (each in pgapply.conflicts on the target)",
+        list.join(", ")
+    )
+}
+
+#[cfg(test)]
+mod conflicts_text_tests {
+    use super::conflicts_text;
+
+    #[test]
+    fn counts_read_as_words_largest_first() {
+        let v = serde_json::json!({"insert_exists": 1, "delete_missing": 2, "update_missing": 0});
+        assert_eq!(
+            conflicts_text(&v),
+            "2 delete_missing, 1 insert_exists (each in pgapply.conflicts on the target)"
+        );
+        assert_eq!(conflicts_text(&serde_json::json!({})), "none");
+        assert_eq!(conflicts_text(&serde_json::Value::Null), "none");
     }
 }

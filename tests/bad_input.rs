@@ -846,6 +846,15 @@ async fn wrong_settings_exit_2_before_connecting() {
             },
             &["environment variable PGAPPLY_STATUS_INTERVAL"],
         ),
+        (
+            // Also for a flag whose value may be left out (`--create-slot[=on|off]`).
+            {
+                let mut c = run(&[], "host=h");
+                c.env("PGAPPLY_CREATE_SLOT", "maybe");
+                c
+            },
+            &["environment variable PGAPPLY_CREATE_SLOT"],
+        ),
     ];
     for (cmd, needles) in cases {
         let out = run_with_deadline(cmd, 30).await;

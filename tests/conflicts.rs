@@ -131,6 +131,19 @@ async fn policies_resolve_and_record_conflicts() {
         )
         .await;
     assert_eq!(counted, recorded.len() as i64, "{recorded:?}");
+    // And says them in words: counts and kinds, not the stored JSON.
+    let mut status = Command::new(env!("CARGO_BIN_EXE_pgapply"));
+    status.args(["status", "--target", &db.target_conninfo()]);
+    let out = run_with_deadline(status, 30).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("conflicts"))
+        .unwrap_or_default();
+    assert!(
+        line.contains(" insert_exists") && !line.contains('{'),
+        "{text}"
+    );
     let kinds: Vec<(&str, &str)> = recorded
         .iter()
         .map(|(k, p, ..)| (k.as_str(), p.as_str()))
