@@ -124,6 +124,14 @@ impl RelationEntry {
 /// with its length or precision where it is one of those `builtin_type_name` knows; another
 /// one is left for the user ("...").
 fn column_type_name(column: &crate::protocol::pgoutput::RelationColumn) -> String {
+    // The SQL names first (integer, not int4), as `pgapply check` writes them; a `bpchar`
+    // without a length is not `character`, which means character(1).
+    let unbounded_bpchar = column.type_oid == 1042 && column.type_modifier < 4;
+    if let Some(name) = builtin_type_name(column.type_oid, column.type_modifier)
+        .filter(|_| !unbounded_bpchar)
+    {
+        return name;
+    }
     match tokio_postgres::types::Type::from_oid(column.type_oid) {
         Some(t) if column.type_modifier == -1 && t.name() == "char" => "\"char\"".to_owned(),
         Some(t) if column.type_modifier == -1 => t.name().to_owned(),

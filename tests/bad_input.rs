@@ -96,7 +96,7 @@ async fn a_table_the_source_dropped_since_is_described_from_its_changes() {
         db.pgapply("p", &["--endpos", &endpos]),
         &[
             "\"public\".\"gone\"",
-            "if the source has dropped it since, as its changes describe it: CREATE TABLE \"public\".\"gone\" (\"id\" int4, \"v\" character varying(20), \"n\" numeric(10,2), PRIMARY KEY (\"id\"))",
+            "if the source has dropped it since, as its changes describe it: CREATE TABLE \"public\".\"gone\" (\"id\" integer, \"v\" character varying(20), \"n\" numeric(10,2), PRIMARY KEY (\"id\"))",
         ],
     )
     .await;
@@ -2285,7 +2285,7 @@ async fn a_column_mapped_onto_a_missing_target_column_is_named_by_its_target_nam
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("(mapped to \"x\" by the config file)")
-            && err.contains("ADD COLUMN \"x\" int4")
+            && err.contains("ADD COLUMN \"x\" integer")
             && err.contains("or correct that column's entry under [tables]"),
         "{err}"
     );
