@@ -587,6 +587,50 @@ fn split_pgpass_line(line: &str) -> Vec<String> {
     fields
 }
 
+/// A connection string for the same server and database as `config`, to print in a command a
+/// person runs next: host(s), hostaddr(s), port(s), dbname and user. Never the password (nor
+/// TLS files or other settings, which the person adds as they gave them).
+pub fn without_password(config: &tokio_postgres::Config) -> String {
+    let quote = |v: &str| {
+        if !v.is_empty() && !v.contains(|c: char| c.is_whitespace() || c == '\'' || c == '\\') {
+            v.to_owned()
+        } else {
+            format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
+        }
+    };
+    let mut parts = Vec::new();
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            Host::Tcp(h) => h.clone(),
+            Host::Unix(p) => p.display().to_string(),
+        })
+        .collect();
+    if !hosts.is_empty() {
+        parts.push(format!("host={}", quote(&hosts.join(","))));
+    }
+    let addrs: Vec<String> = config
+        .get_hostaddrs()
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    if !addrs.is_empty() {
+        parts.push(format!("hostaddr={}", quote(&addrs.join(","))));
+    }
+    let ports: Vec<String> = config.get_ports().iter().map(|p| p.to_string()).collect();
+    if !ports.is_empty() {
+        parts.push(format!("port={}", quote(&ports.join(","))));
+    }
+    if let Some(db) = config.get_dbname() {
+        parts.push(format!("dbname={}", quote(db)));
+    }
+    if let Some(user) = config.get_user() {
+        parts.push(format!("user={}", quote(user)));
+    }
+    parts.join(" ")
+}
+
 /// `user@host:port/dbname`: enough to know which server is meant, never the password.
 pub fn describe(config: &tokio_postgres::Config) -> String {
     let host = match (config.get_hosts().first(), config.get_hostaddrs().first()) {
@@ -608,6 +652,22 @@ pub fn describe(config: &tokio_postgres::Config) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_string_to_print_keeps_the_server_not_the_password() {
+        let config = parse(
+            "target",
+            "host=h1,h2 port=5433,5434 dbname='my db' user=u password=secret",
+        )
+        .unwrap();
+        let printed = without_password(&config);
+        assert_eq!(printed, "host=h1,h2 port=5433,5434 dbname='my db' user=u");
+        assert!(!printed.contains("secret"));
+        assert_eq!(
+            parse("target", &printed).unwrap().get_dbname(),
+            Some("my db")
+        );
+    }
 
     #[test]
     fn a_password_with_a_space_is_not_repeated_in_the_error() {

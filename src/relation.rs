@@ -127,8 +127,8 @@ fn column_type_name(column: &crate::protocol::pgoutput::RelationColumn) -> Strin
     // The SQL names first (integer, not int4), as `pgapply check` writes them; a `bpchar`
     // without a length is not `character`, which means character(1).
     let unbounded_bpchar = column.type_oid == 1042 && column.type_modifier < 4;
-    if let Some(name) = builtin_type_name(column.type_oid, column.type_modifier)
-        .filter(|_| !unbounded_bpchar)
+    if let Some(name) =
+        builtin_type_name(column.type_oid, column.type_modifier).filter(|_| !unbounded_bpchar)
     {
         return name;
     }

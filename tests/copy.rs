@@ -634,28 +634,57 @@ async fn a_copied_row_without_a_target_partition_is_named() {
     );
 }
 
-/// The `pgapply run` a `cutover --reverse` printed (its output `text`), as arguments, with the
-/// new and the old primary filled in.
+/// The `pgapply run` a `cutover --reverse` printed (its output `text`), as arguments: split as a
+/// shell would (its connection strings are in single quotes), and naming the new and the old
+/// primary as this test reaches them.
 fn printed_reverse_run(db: &TestDb, text: &str) -> Vec<String> {
     let printed = text
         .lines()
-        .find(|l| {
-            l.trim_start()
-                .starts_with("pgapply run --source <new primary>")
-        })
-        .unwrap_or_else(|| panic!("no command printed: {text}"))
-        .replace("<new primary>", "NEW")
-        .replace("<old primary>", "OLD");
-    let (new_primary, old_primary) = (db.target_conninfo(), db.source_conninfo());
-    printed
-        .split_whitespace()
-        .skip(1)
-        .map(|a| match a {
-            "NEW" => new_primary.clone(),
-            "OLD" => old_primary.clone(),
-            other => other.to_owned(),
-        })
-        .collect()
+        .find(|l| l.trim_start().starts_with("pgapply run --source "))
+        .unwrap_or_else(|| panic!("no command printed: {text}"));
+    let mut args = Vec::new();
+    let (mut word, mut quoted, mut any) = (String::new(), false, false);
+    for c in printed.trim().chars() {
+        match c {
+            '\'' => (quoted, any) = (!quoted, true),
+            c if c.is_whitespace() && !quoted => {
+                if any {
+                    args.push(std::mem::take(&mut word));
+                }
+                any = false;
+            }
+            c => {
+                word.push(c);
+                any = true;
+            }
+        }
+    }
+    if any {
+        args.push(word);
+    }
+    let value = |flag: &str| {
+        let at = args.iter().position(|a| a == flag).unwrap() + 1;
+        args[at].clone()
+    };
+    let port_of = |conninfo: &str| {
+        conninfo
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix("port="))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(
+        port_of(&value("--source")),
+        db.target_port.to_string(),
+        "{printed}"
+    );
+    assert_eq!(
+        port_of(&value("--target")),
+        db.source_port.to_string(),
+        "{printed}"
+    );
+    assert!(!printed.contains('<'), "a placeholder: {printed}");
+    args.into_iter().skip(1).collect()
 }
 
 /// Whether a pg_dump at least as new as the source is installed (`pgapply schema` needs one);
@@ -1351,7 +1380,7 @@ async fn cutover_reverse_replicates_back_to_the_old_primary() {
             && !again_text.contains("table(s) verified"),
         "{again_text}"
     );
-    // The printed command, with the two servers filled in.
+    // The printed command, as printed: it names both servers.
     let mut args = printed_reverse_run(&db, &text);
     // The application now writes on the new primary.
     db.target_sql("INSERT INTO t (v) VALUES ('written on the new primary')")

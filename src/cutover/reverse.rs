@@ -580,8 +580,12 @@ pub(super) async fn prepare_reverse(target: &Client, config: &RunConfig) -> Resu
     } else {
         " --config <a file with the lines below>"
     };
+    // (Shell-quoted: a connection string has spaces.)
+    let shell = |s: String| format!("'{}'", s.replace('\'', "'\\''"));
     crate::out!(
-        "step 6: reverse replication prepared: publication {publication:?} and slot {slot:?} on the target. To replicate back, run:\n  pgapply run --source <new primary> --target <old primary> --publication {publication} --slot {slot}{origin}{config_arg}"
+        "step 6: reverse replication prepared: publication {publication:?} and slot {slot:?} on the target. To replicate back, run (passwords and TLS settings are not printed: give them as for this cutover, or by PGPASSWORD or ~/.pgpass):\n  pgapply run --source {} --target {} --publication {publication} --slot {slot}{origin}{config_arg}",
+        shell(crate::conninfo::without_password(&config.target)),
+        shell(crate::conninfo::without_password(&config.source)),
     );
     if !mapping.is_empty() {
         crate::out!(
