@@ -2204,3 +2204,46 @@ async fn many_tables_past_the_statement_cache_bound() {
         db.assert_same(&format!("m{i}")).await;
     }
 }
+
+/// A published table renamed on the source while pgapply was stopped: the next start names the
+/// target table this slot wrote before as the one to rename, with the statement, before the
+/// advice to create a new table (which would leave the rows behind); once renamed, the run goes
+/// on with its rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_renamed_while_stopped_is_named_for_renaming_first() {
+    let db = TestDb::new("renstop").await;
+    db.both("CREATE TABLE old_name (id int PRIMARY KEY, v text)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE old_name").await;
+    let (mut worker, _) = common::spawn_logged(db.pgapply("p", &[]));
+    db.source_sql("INSERT INTO old_name VALUES (1, 'a')").await;
+    wait_for("the first row", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM old_name").await == 1
+    })
+    .await;
+    common::signal(&worker, libc::SIGTERM);
+    let _ = worker.wait().await;
+    db.source_sql("ALTER TABLE old_name RENAME TO new_name")
+        .await;
+    db.source_sql("INSERT INTO new_name VALUES (2, 'b')").await;
+    let out = run_with_deadline(db.pgapply("p", &[]), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let rename = err
+        .find("ALTER TABLE \"public\".\"old_name\" RENAME TO \"new_name\"")
+        .unwrap_or_else(|| panic!("{err}"));
+    let create = err
+        .find("otherwise create it")
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(rename < create, "{err}");
+    db.target_sql("ALTER TABLE old_name RENAME TO new_name")
+        .await;
+    let (mut worker, _) = common::spawn_logged(db.pgapply("p", &[]));
+    wait_for("the row written after the rename", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM new_name").await == 2
+    })
+    .await;
+    common::signal(&worker, libc::SIGTERM);
+    let _ = worker.wait().await;
+    db.assert_same("new_name").await;
+}

@@ -848,9 +848,20 @@ pub(super) async fn target_tables_exist(
                 "target table {one}, onto which [tables] in the config file maps published source table {source_name}, does not exist on the target: create it there with the source table's columns (pg_dump --schema-only --table '{source_name}' of the source database, renamed to {one}), or correct that [tables] entry; then start pgapply again"
             )))
         }
-        [one] => Err(Error::definite(format!(
+        [one] => {
+            let renamed = match tables.iter().find(|t| t.target_qualified() == *one) {
+                Some(t) => rename_hint(target, &config.slot, &names, &t.target_schema, &t.target_name).await,
+                None => None,
+            };
+            if let Some(hint) = renamed {
+                return Err(Error::definite(format!(
+                    "table {one} is published by the source but does not exist on the target; {hint}; otherwise create it on the target as on the source (pg_dump --schema-only --table '{one}' of the source database, into psql on the target), or take it out of the publication; then start pgapply again"
+                )));
+            }
+            Err(Error::definite(format!(
             "table {one} is published by the source but does not exist on the target: create it on the target as on the source (pg_dump --schema-only --table '{one}' of the source database, into psql on the target: `pgapply schema` is for a target that has none of the published tables yet), or take it out of the publication; or, if it was renamed on the source, rename it on the target too (ALTER TABLE ... RENAME TO ...: an empty new table would leave its rows behind under the old name), or update its entry under [tables] in the config file if it is mapped there; then start pgapply again"
-        ))),
+        )))
+        }
         many => Err(Error::definite(format!(
             "{} published tables do not exist on the target: {}: create them on the target as on the source (pg_dump --schema-only with a --table for each, of the source database, into psql on the target: `pgapply schema` is for a target that has none of the published tables yet), or take them out of the publication; or, if they were renamed on the source, rename them on the target too (ALTER TABLE ... RENAME TO ...); then start pgapply again",
             many.len(),
@@ -1003,4 +1014,49 @@ pub(crate) async fn missing_partition_hint(
             toml(&root)
         )))
     }
+}
+
+/// When a published table is missing on the target and exactly one target table this slot
+/// replicated into before (`pgapply.slot_tables`, `pgapply.copy_state`) is there but no longer
+/// published: most likely the source renamed it (while pgapply was not running, or before the
+/// changes it is on now). Says so first, with the statement that follows the source.
+async fn rename_hint(
+    target: &tokio_postgres::Client,
+    slot: &str,
+    published: &[String],
+    schema: &str,
+    name: &str,
+) -> Option<String> {
+    let rows = target
+        .query(
+            "SELECT s, t FROM (SELECT schema_name, table_name FROM pgapply.slot_tables WHERE slot_name = $1 \
+                               UNION SELECT schema_name, table_name FROM pgapply.copy_state WHERE slot_name = $1) k (s, t) \
+             WHERE pg_catalog.to_regclass(pg_catalog.format('%I.%I', s, t)) IS NOT NULL \
+               AND pg_catalog.to_regclass(pg_catalog.format('%I.%I', s, t)) <> ALL ( \
+                   SELECT pg_catalog.to_regclass(n) FROM unnest($2::text[]) n \
+                   WHERE pg_catalog.to_regclass(n) IS NOT NULL)",
+            &[&slot, &published.to_vec()],
+        )
+        .await
+        .ok()?;
+    let [row] = rows.as_slice() else {
+        return None;
+    };
+    let (old_schema, old_name): (String, String) = (row.get(0), row.get(1));
+    let old = crate::sql::qualified_name(&old_schema, &old_name);
+    let q = crate::sql::quote_ident;
+    let statement = match (old_schema == schema, old_name == name) {
+        (true, _) => format!("ALTER TABLE {old} RENAME TO {}", q(name)),
+        (false, true) => format!("ALTER TABLE {old} SET SCHEMA {}", q(schema)),
+        (false, false) => format!(
+            "ALTER TABLE {old} RENAME TO {}; ALTER TABLE {}.{} SET SCHEMA {}",
+            q(name),
+            q(&old_schema),
+            q(name),
+            q(schema)
+        ),
+    };
+    Some(format!(
+        "target table {old}, which slot {slot:?} replicated into before, is there and no longer published: if the source renamed it, do the same on the target ({statement}), which keeps its rows (a new empty table would leave them behind under the old name)"
+    ))
 }
