@@ -86,6 +86,10 @@ pub struct RelationEntry {
     /// Source columns whose target column has another type (`binary_forms_differ`): binary
     /// values (`--binary`, decided when the run starts) may not fit them.
     pub type_differs: Vec<usize>,
+    /// The source relation id this process knew the table's name under before, when this is
+    /// another one: the table was dropped and created again (or another table took its name)
+    /// while pgapply ran, and the target table may still hold the old one's rows.
+    pub recreated_from: Option<Oid>,
 }
 
 impl RelationEntry {
@@ -608,6 +612,12 @@ impl RelationCache {
             .filter(|(_, (c, &t))| binary_forms_differ(c.type_oid, target.columns[t].type_oid))
             .map(|(i, _)| i)
             .collect();
+        let recreated_from = self
+            .relations
+            .values()
+            .find(|e| e.source.oid != relation.oid && e.display_name() == shown)
+            .map(|e| e.source.oid)
+            .or_else(|| known.as_ref().and_then(|k| k.recreated_from));
         let entry = Arc::new(RelationEntry {
             source: relation,
             target,
@@ -616,6 +626,7 @@ impl RelationCache {
             key_columns,
             generation: self.generation,
             type_differs,
+            recreated_from,
         });
         self.relations.insert(entry.source.oid, entry.clone());
         Ok(entry)

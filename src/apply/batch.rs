@@ -417,6 +417,7 @@ mod tests {
             key_columns: vec![0],
             generation: 1,
             type_differs: Vec::new(),
+            recreated_from: None,
         })
     }
 

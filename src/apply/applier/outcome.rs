@@ -564,6 +564,25 @@ impl Applier {
                 } else {
                     ("update_exists", "\"apply_remote\" (delete the target's other row), \"skip\" or \"keep_local\" (keep it and leave this update out); that covers a clash on the key rows are found by: one on another unique index of the target is multiple_unique_conflicts, with the same choices")
                 };
+                let key = format!(
+                    "{}.{}",
+                    crate::relation::source_schema(&about.relation.source),
+                    about.relation.source.name
+                )
+                .replace('\\', "\\\\")
+                .replace('"', "\\\"");
+                // The source's table is a new one under that name: the clash is most likely
+                // with the old table's rows, which the target still holds.
+                if let (Some(old), "INSERT", false) =
+                    (about.relation.recreated_from, about.operation, beyond)
+                {
+                    return format!(
+                        "a row of target table {table} already holds that key, and the source's table {} is a new table under that name (dropped and created again, or another table renamed to it, while pgapply ran: its relation id went from {old} to {}): the target table most likely still holds the old table's rows. To make it the new table's copy, give it insert_exists = \"apply_remote\" in the config file ([tables.\"{key}\".conflicts]: such rows are replaced by the source's), start pgapply again, and once it has caught up delete on the target the old rows that remain (`pgapply verify` names the rows only the target has); to keep the old rows, insert_exists = \"keep_local\" instead; or, losing the whole source transaction, its other changes too: {}",
+                        about.relation.display_name(),
+                        about.relation.source.oid,
+                        self.skip_hint(about.commit_lsn)
+                    );
+                }
                 // (The unique key may be one the source no longer has: then it is the target
                 // that differs, not a row.)
                 let constraint = db.and_then(|d| d.constraint()).map(|c| {
@@ -577,13 +596,6 @@ impl Applier {
                 format!(
                     "a row of target table {table} already holds that key (written on the target, or by another source): delete or change that row on the target and start pgapply again, or give the table a conflict policy in the config file ([tables.\"{key}\".conflicts] or [conflicts] {kind} = {take}); or, losing the whole source transaction, its other changes too: {skip}.{}",
                     constraint.unwrap_or_default(),
-                    key = format!(
-                        "{}.{}",
-                        crate::relation::source_schema(&about.relation.source),
-                        about.relation.source.name
-                    )
-                    .replace('\\', "\\\\")
-                    .replace('"', "\\\""),
                     skip = self.skip_hint(about.commit_lsn)
                 )
             }
