@@ -278,6 +278,13 @@ fn server_error(fields: backend::ErrorFields<'_>) -> ServerError {
     e
 }
 
+/// The next allocation for a large message (`need` bytes) of which `have` have arrived:
+/// doubling what has arrived (a few reads more at least) keeps the copies linear in its size,
+/// and it never goes past the message's end.
+fn large_message_room(have: usize, need: usize) -> usize {
+    need.min(have.saturating_mul(2).max(have + 4 * READ_CHUNK))
+}
+
 pub struct ReplicationConnection {
     stream: Stream,
     read: BytesMut,
@@ -316,6 +323,31 @@ pub struct ReplicationConnection {
     /// counted, not logged (a source waiting on `synchronized_standby_slots` repeats its
     /// warning several times a second).
     last_notice: Option<RepeatedNotice>,
+}
+
+#[cfg(test)]
+impl ReplicationConnection {
+    fn for_test(stream: Stream) -> Self {
+        ReplicationConnection {
+            stream,
+            read: BytesMut::with_capacity(READ_CHUNK),
+            write: BytesMut::new(),
+            endpoint: "test".into(),
+            server_version: 0,
+            slot: String::new(),
+            max_message_bytes: 1 << 30,
+            read_pause: None,
+            last_read_short: false,
+            pacing: true,
+            in_handshake: false,
+            sql_config: tokio_postgres::Config::new(),
+            publications: Vec::new(),
+            skipped_notice: None,
+            publication_lookup: None,
+            backend_pid: None,
+            last_notice: None,
+        }
+    }
 }
 
 struct RepeatedNotice {
@@ -545,6 +577,28 @@ impl ReplicationConnection {
         self.pacing = on;
     }
 
+    /// Room in the read buffer for the rest of a message of `need` bytes (tag included) that
+    /// starts the buffer, grown as its bytes arrive rather than by what its header claims.
+    /// A message larger than a read gets an allocation of its own that ends where it ends: the
+    /// buffer's usual doubling would leave up to as much again behind it, which the next
+    /// messages' bytes would fill and the received message would keep alive while it waits in
+    /// the queue, so that the queue's budget would hold twice its size in memory.
+    fn make_room_for(&mut self, need: usize) {
+        let have = self.read.len();
+        if need <= READ_CHUNK {
+            if self.read.capacity() - have < READ_CHUNK / 4 {
+                self.read.reserve(READ_CHUNK);
+            }
+            return;
+        }
+        if self.read.capacity() >= need {
+            return;
+        }
+        let mut grown = BytesMut::with_capacity(large_message_room(have, need));
+        grown.extend_from_slice(&self.read);
+        self.read = grown;
+    }
+
     /// Reads the next complete backend message; `Ok((tag, body))`, body without tag and length.
     async fn read_message(&mut self) -> Result<(u8, Bytes)> {
         loop {
@@ -578,11 +632,8 @@ impl ReplicationConnection {
                     frame.advance(5);
                     return Ok((tag, frame.freeze()));
                 }
-                // Grown as the bytes arrive, not by what the header claims.
-                self.read
-                    .reserve((len + 1 - self.read.len()).min(4 * READ_CHUNK));
-            }
-            if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
+                self.make_room_for(len + 1);
+            } else if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
                 self.read.reserve(READ_CHUNK);
             }
             if let Some(pause) = self
@@ -1122,6 +1173,54 @@ async fn open_stream(
 #[cfg(test)]
 mod tests {
     use super::parse_server_version;
+
+    #[test]
+    fn a_large_message_is_grown_to_its_size_and_no_further() {
+        use super::{large_message_room, READ_CHUNK};
+        for need in [READ_CHUNK + 1, 1 << 20, (1 << 20) + 45, 1 << 30] {
+            // Each step at least a read larger, never past the end, and the bytes copied on
+            // the way (what had arrived at each step) stay within twice the message.
+            let (mut have, mut copied, mut steps) = (100, 0, 0);
+            while have < need {
+                let room = large_message_room(have, need);
+                assert!(room <= need && room >= have + READ_CHUNK.min(need - have));
+                copied += have;
+                steps += 1;
+                have = room;
+            }
+            assert_eq!(have, need);
+            assert!(copied <= 2 * need, "{need}: {copied}");
+            assert!(steps <= 12, "{need}: {steps}");
+        }
+    }
+
+    /// A message larger than a read, arriving in pieces and followed by others: framed whole,
+    /// and the ones after it too.
+    #[tokio::test]
+    async fn a_message_larger_than_a_read_is_framed_whole() {
+        use tokio::io::AsyncWriteExt;
+        let (client, mut server) = tokio::io::duplex(64 * 1024);
+        let mut conn = super::ReplicationConnection::for_test(super::Stream::Tls(Box::new(client)));
+        let big: Vec<u8> = (0..(1 << 20) + 13).map(|i| (i % 251) as u8).collect();
+        let mut wire = Vec::new();
+        for body in [&big[..], b"small", &big[..1000]] {
+            wire.push(b'd');
+            wire.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
+            wire.extend_from_slice(body);
+        }
+        let writer = tokio::spawn(async move {
+            for piece in wire.chunks(100_000) {
+                server.write_all(piece).await.unwrap();
+            }
+            server
+        });
+        for expected in [&big[..], b"small", &big[..1000]] {
+            let (tag, body) = conn.read_message().await.unwrap();
+            assert_eq!(tag, b'd');
+            assert_eq!(&body[..], expected);
+        }
+        drop(writer.await.unwrap());
+    }
 
     #[test]
     fn a_repeated_notice_is_counted_not_logged() {
