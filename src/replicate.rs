@@ -1174,12 +1174,17 @@ async fn run_in_span(
 
     apply_result?;
     let reason = read_result?;
+    // The process's counts, not this connection's: after reconnects, the last connection's
+    // alone would undercount what the run applied (and they take in streamed transactions
+    // applied by a helper, which commit on their own).
+    let m = &*METRICS;
     tracing::info!(
         flushed_lsn = %flushed,
-        transactions = stats.transactions,
-        inserts = stats.inserts,
-        updates = stats.updates,
-        deletes = stats.deletes,
+        transactions = m.transactions.get(),
+        inserts = m.inserts.get(),
+        updates = m.updates.get(),
+        deletes = m.deletes.get(),
+        reconnects = m.reconnects.get(),
         peak_rss_mb = peak_rss_mb(),
         "replication stopped"
     );
