@@ -657,8 +657,15 @@ async fn run_in_span(
             // Started over by the next --copy-data run, with a new slot: this one would only
             // hold the source's WAL meanwhile (and for ever, if the user gives up). (When the
             // copy's state cannot be read, the slot stays: the next run decides.)
+            let retried =
+                matches!(&copied, Some(Err(e)) if e.is_transient()) && !*shutdown.borrow();
             if status.is_ok() {
                 drop_copy_slot(&mut session, &config.slot).await;
+            } else if retried {
+                // (The error below is retried by this process, which decides about the slot.)
+                tracing::warn!(
+                    "the initial copy did not finish and its state could not be read: its replication slot stays until the retry starts the copy over"
+                );
             } else {
                 tracing::warn!(
                     "the initial copy did not finish and its state could not be read: its replication slot stays; the next run with --copy-data starts the copy over, or, if you give up, drop it on the source with SELECT pg_drop_replication_slot({})",

@@ -860,6 +860,58 @@ async fn a_stop_during_the_initial_copy_ends_it_and_the_next_run_copies_again() 
     db.assert_same("c").await;
 }
 
+/// The target's connections are cut while the initial copy waits (here for a lock), and the
+/// copy's state cannot be read on the connection that went with them: the process retries the
+/// copy by itself and finishes it, and does not tell the user to give the slot up meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_cut_off_from_the_target_is_retried_by_the_same_run() {
+    let db = TestDb::new("cutcopy").await;
+    db.both("CREATE TABLE c (id int PRIMARY KEY)").await;
+    db.source_sql("INSERT INTO c SELECT generate_series(1, 1000)")
+        .await;
+    db.source_sql("CREATE PUBLICATION p FOR TABLE c").await;
+    let proxy = Proxy::start(db.target_port).await;
+    let target = format!(
+        "host=127.0.0.1 port={} user=postgres dbname={}",
+        proxy.port, db.name
+    );
+    let locker = common::connect(db.target_port, &db.name).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE c IN SHARE MODE")
+        .await
+        .unwrap();
+    let mut cmd = db.pgapply_via(
+        &db.source_conninfo(),
+        &target,
+        &db.slot(),
+        "p",
+        &["--copy-data", "--retry-min", "50ms", "--retry-max", "500ms"],
+    );
+    cmd.kill_on_drop(true);
+    let (mut child, log_path) = common::spawn_logged(cmd);
+    wait_for("the copy to wait for the lock", 30, || async {
+        common::waiting_for_a_lock(&db).await == 1
+    })
+    .await;
+    proxy.cut();
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    wait_for("the copy made again", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM c").await == 1000
+    })
+    .await;
+    db.source_sql("INSERT INTO c VALUES (1001)").await;
+    wait_for("streaming after the copy", 60, || async {
+        db.count(&db.target, "SELECT count(*) FROM c").await == 1001
+    })
+    .await;
+    common::signal(&child, libc::SIGTERM);
+    let _ = child.wait().await;
+    db.assert_same("c").await;
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(log.contains("retry"), "{log}");
+    assert!(!log.contains("pg_drop_replication_slot"), "{log}");
+}
+
 /// A graceful stop waits for the open target transaction; a target session holding a row it
 /// needs keeps it waiting. A second SIGTERM stops the process at once (exit status 4), and
 /// nothing is lost: the next run applies that transaction.
