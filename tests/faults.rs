@@ -234,6 +234,17 @@ async fn its_own_walsender_cut_off_silently_is_ended() {
         text.contains("ended this process's earlier walsender on the source"),
         "{text}"
     );
+    // The silence was said before the connection was given up, once.
+    let said = text
+        .lines()
+        .position(|l| l.contains("has sent nothing for") && l.contains("is given up if"));
+    let given_up = text.lines().position(|l| l.contains("presumed lost"));
+    assert!(said.is_some() && said < given_up, "{text}");
+    assert_eq!(
+        text.matches("is given up if it stays silent").count(),
+        1,
+        "{text}"
+    );
     common::signal(&child, libc::SIGTERM);
     let _ = child.wait().await;
     db.assert_same("n").await;

@@ -152,6 +152,8 @@ impl Reader<'_> {
         let mut lag = tokio::time::interval(Duration::from_secs(1));
         lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_log = Instant::now();
+        // The silence already said (its start, `last_heard` then): once per silence.
+        let mut silence_said: Option<Instant> = None;
         let mut logged = Logged {
             transactions: METRICS.transactions.get(),
             at: Instant::now(),
@@ -205,7 +207,23 @@ impl Reader<'_> {
                 }
                 _ = status.tick() => {
                     // Ask for a reply each time, so a silent source is noticed.
-                    if self.last_heard.elapsed() > self.silence_limit() {
+                    let silent = self.last_heard.elapsed();
+                    if silent > self.silence_limit() / 2
+                        && silent <= self.silence_limit()
+                        && silence_said != Some(self.last_heard)
+                    {
+                        // Said well before the connection is given up: a source stopped, or a
+                        // network device that keeps the connection open and passes nothing,
+                        // would otherwise show no sign for a minute or more.
+                        silence_said = Some(self.last_heard);
+                        tracing::warn!(
+                            "source {} has sent nothing for {}, not even an answer to a status update: the connection is given up if it stays silent {} in all (a source busy decoding a large transaction of unpublished changes is silent too)",
+                            self.stream.endpoint(),
+                            humantime::format_duration(Duration::from_secs(silent.as_secs())),
+                            humantime::format_duration(self.silence_limit())
+                        );
+                    }
+                    if silent > self.silence_limit() {
                         return Err(Error::transient(format!(
                             "source {} sent nothing for {}, not even an answer to a status update: the connection is presumed lost (a source busy decoding a large transaction of unpublished changes stays silent: on PostgreSQL before 15, raise the source's wal_sender_timeout to wait longer)",
                             self.stream.endpoint(),
