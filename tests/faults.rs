@@ -177,16 +177,7 @@ async fn network_cuts_and_stalls_are_ridden_out() {
     // 300 transactions of two inserts each, across the reconnects. (A commit whose reply a cut
     // lost is applied but not counted: the next connection finds it stored and skips it.)
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-    let last = log
-        .lines()
-        .find(|l| l.contains("replication stopped"))
-        .unwrap_or_default();
-    let field = |name: &str| {
-        last.split(&format!("{name}=")[..])
-            .nth(1)
-            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-            .and_then(|n| n.parse::<u64>().ok())
-    };
+    let field = |name: &str| common::stopped_count(&log, name);
     let applied = field("transactions").unwrap_or_default();
     assert!(
         applied <= total as u64 && applied + 3 >= total as u64,

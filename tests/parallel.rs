@@ -530,12 +530,7 @@ async fn a_stop_while_workers_wait_on_the_target_ends_cleanly() {
         "stopped after {:?}",
         asked.elapsed()
     );
-    let counted = log
-        .lines()
-        .find(|l| l.contains("replication stopped"))
-        .and_then(|l| l.split("transactions=").nth(1))
-        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse::<u64>().ok());
+    let counted = common::stopped_count(&log, "transactions");
     // (Not all 600: a worker may have grouped the last few with the one that waits.)
     assert!(counted > Some(500), "{log}");
     // Its sessions are gone from the target too, the lock still held: a backend waiting for it

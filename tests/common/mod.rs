@@ -582,6 +582,18 @@ pub fn peak_rss_mb(log: &str) -> u64 {
         .unwrap_or_else(|| panic!("no peak_rss_mb in the log: {log}"))
 }
 
+/// A count (`transactions`, `inserts`, ...) from the `replication stopped` line of a pgapply log.
+pub fn stopped_count(log: &str, name: &str) -> Option<u64> {
+    log.lines()
+        .find(|l| l.contains("replication stopped"))?
+        .split(&format!(" {name}=")[..])
+        .nth(1)?
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// A metric's value from the text exposition format; -1 when it is missing.
 pub fn metric(text: &str, name: &str) -> f64 {
     text.lines()
