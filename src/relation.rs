@@ -36,6 +36,9 @@ pub struct TargetColumn {
     /// `GENERATED ALWAYS AS IDENTITY`: an INSERT needs OVERRIDING SYSTEM VALUE to write the
     /// source's value, and an UPDATE may not set it at all.
     pub identity_always: bool,
+    /// `typcategory` of the column's type (a domain has its base type's): `S` for the string
+    /// types (text, citext ...), which take any text a source sends.
+    pub category: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -572,9 +575,9 @@ impl RelationCache {
         }
         // A column the source changed to hold more (ALTER TABLE .. TYPE numeric(30,10), say)
         // while the target's still holds less: the target's assignment cast rounds without a
-        // word. Said once per process for each pair of types (every apply session reads the
+        // word; or changed to another kind of type, which the target's refuses values of. Said once per process for each pair of types (every apply session reads the
         // table; a change of either type is said again).
-        static NARROWER_SAID: std::sync::LazyLock<
+        static TYPE_ADVICE_SAID: std::sync::LazyLock<
             std::sync::Mutex<std::collections::HashSet<String>>,
         > = std::sync::LazyLock::new(Default::default);
         for (column, &t) in relation.columns.iter().zip(&target_columns) {
@@ -582,8 +585,10 @@ impl RelationCache {
             let Some(source_type) = builtin_type_name(column.type_oid, column.type_modifier) else {
                 continue;
             };
-            if let Some(how) = crate::check::narrower(&source_type, &target_column.type_name) {
-                let said = format!(
+            let said = if let Some(how) =
+                crate::check::narrower(&source_type, &target_column.type_name)
+            {
+                format!(
                     "column {} is {source_type} on the source and {} on the target, which {how}: change it on the target first (ALTER TABLE {} ALTER COLUMN {} TYPE {source_type}{}); `pgapply verify` finds the rows already changed",
                     quote_ident(&column.name),
                     target_column.type_name,
@@ -594,14 +599,32 @@ impl RelationCache {
                         &target_column.type_name,
                         &quote_ident(&target_column.name)
                     )
-                );
-                let first = NARROWER_SAID
-                    .lock()
-                    .map(|mut s| s.insert(format!("{shown} {said}")))
-                    .unwrap_or(true);
-                if first {
-                    tracing::warn!(relation = %shown, "{said}");
-                }
+                )
+            } else if !crate::check::compatible(
+                &source_type,
+                &target_column.type_name,
+                &target_column.category,
+            ) {
+                // Another kind of type altogether (the source's column made text, the
+                // target's still integer): said when the table's description comes, before
+                // the first value the target cannot read stops the apply.
+                format!(
+                    "column {} is {source_type} on the source and {} on the target, which refuses the source's values it cannot read as {}: the first such row stops the apply. Change it on the target first (ALTER TABLE {} ALTER COLUMN {} TYPE {source_type}, with a USING clause if PostgreSQL asks for one)",
+                    quote_ident(&column.name),
+                    target_column.type_name,
+                    target_column.type_name,
+                    target.qualified,
+                    quote_ident(&target_column.name),
+                )
+            } else {
+                continue;
+            };
+            let first = TYPE_ADVICE_SAID
+                .lock()
+                .map(|mut s| s.insert(format!("{shown} {said}")))
+                .unwrap_or(true);
+            if first {
+                tracing::warn!(relation = %shown, "{said}");
             }
         }
         let type_differs = relation
@@ -650,7 +673,8 @@ pub async fn load_target_table(
                 pg_catalog.format_type(a.atttypid, a.atttypmod), {generated}, a.attidentity::text, a.atttypmod, \
                 CASE WHEN a.atttypid IN (1042, 1043, 1560, 1562, 1014, 1015, 1561, 1563) \
                      THEN pg_catalog.quote_ident(tn.nspname) || '.' || pg_catalog.quote_ident(ty.typname) \
-                     ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END \
+                     ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END, \
+                ty.typcategory::text \
          FROM pg_catalog.pg_class c \
          JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
          LEFT JOIN pg_catalog.pg_attribute a \
@@ -696,6 +720,7 @@ pub async fn load_target_table(
                 .unwrap_or_else(|| "pg_catalog.text".to_owned()),
             generated: generated.is_some_and(|g| !g.is_empty()),
             identity_always: identity.as_deref() == Some("a"),
+            category: row.get::<_, Option<String>>(9).unwrap_or_default(),
         });
     }
     Ok(Some(table))

@@ -2322,6 +2322,44 @@ async fn a_column_the_source_widened_is_named_while_the_target_rounds() {
     );
 }
 
+/// A column the source made another kind of type (integer to text) while the target's stayed:
+/// values that still read as integers go in, and pgapply says at once, naming the column and the
+/// ALTER, that the first one that does not will stop the apply (it then does, naming it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_the_source_made_text_is_named_before_a_value_stops_the_apply() {
+    let db = TestDb::new("madetext").await;
+    db.both("CREATE TABLE m (id int PRIMARY KEY, v integer)")
+        .await;
+    db.publish("CREATE PUBLICATION p FOR TABLE m").await;
+    db.source_sql("ALTER TABLE m ALTER COLUMN v TYPE text")
+        .await;
+    db.source_sql("INSERT INTO m VALUES (1, '42')").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let said = "column \"v\" is text on the source and integer on the target, which refuses the source's values it cannot read as integer";
+    assert!(
+        err.contains(said) && err.contains("ALTER COLUMN \"v\" TYPE text"),
+        "{err}"
+    );
+    assert_eq!(err.matches(said).count(), 1, "{err}");
+    assert_eq!(
+        db.count(&db.target, "SELECT count(*) FROM m WHERE id = 1 AND v = 42")
+            .await,
+        1
+    );
+    db.source_sql("INSERT INTO m VALUES (2, 'forty-two')").await;
+    let endpos = db.source_wal().await;
+    let out = run_with_deadline(db.pgapply("p", &["--endpos", &endpos]), 60).await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("column \"v\" (integer) of target table \"public\".\"m\" does not take the source's value"),
+        "{err}"
+    );
+}
+
 /// A foreign key the target checks (its role may not set session_replication_role) refusing a
 /// replicated row, while streaming and in the initial copy: each error says why it fires and
 /// what to do, not only how to skip.

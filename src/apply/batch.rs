@@ -394,6 +394,7 @@ mod tests {
             cast_type: "integer".into(),
             generated: false,
             identity_always: false,
+            category: "N".into(),
         };
         Arc::new(RelationEntry {
             source: Relation {

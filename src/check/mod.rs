@@ -14,7 +14,7 @@ mod target;
 
 use source::check_source;
 use target::{check_apply_session, check_target, with_target_columns};
-pub(crate) use target::{converted_using, narrower};
+pub(crate) use target::{compatible, converted_using, narrower};
 
 /// What the checks found: printed a line each as they go, or, for `--json`, kept and printed
 /// as one object at the end.

@@ -906,7 +906,7 @@ pub(crate) fn converted_using(source: &str, target: &str, column: &str) -> Strin
     }
 }
 
-pub(super) fn compatible(source: &str, target: &str, target_category: &str) -> bool {
+pub(crate) fn compatible(source: &str, target: &str, target_category: &str) -> bool {
     let base = |t: &str| split_type(t).0;
     if base(source) == base(target) {
         return true;
