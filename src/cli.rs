@@ -273,6 +273,10 @@ pub struct SchemaArgs {
     /// pre-data (tables, types, sequences), post-data (indexes, constraints, triggers) or all.
     #[arg(long, default_value = "all")]
     pub section: String,
+    /// Memory each index or key build may sort in on the target (its maintenance_work_mem, for
+    /// this command only), where the target's own setting is lower; `server` keeps the target's.
+    #[arg(long, default_value = "512MB", value_name = "SIZE")]
+    pub maintenance_work_mem: String,
 }
 
 /// `pgapply skip`.

@@ -719,12 +719,20 @@ async fn stopped_between_attempts(config: &pgapply::replicate::RunConfig, when: 
 async fn schema_command(args: SchemaArgs, file: FileConfig) -> Result<(), Error> {
     let servers = config::resolve_servers(&args.servers, &file)?;
     let table_map = config::table_map(&file)?;
+    let sort_memory = match args.maintenance_work_mem.trim() {
+        "server" => None,
+        size => Some(
+            pgapply::cutover::parse_size(size)
+                .map_err(|e| Error::usage(format!("--maintenance-work-mem: {}", e.message())))?,
+        ),
+    };
     schema::schema(
         &servers.source,
         &servers.target,
         &servers.publications,
         &args.section,
         &table_map,
+        sort_memory,
     )
     .await
 }

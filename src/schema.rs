@@ -135,12 +135,47 @@ fn without_unknown_settings(sql: &str, known: &[String]) -> String {
         .join("\n")
 }
 
+/// `SET LOCAL maintenance_work_mem` for the index and key builds of post-data, where `wanted`
+/// is more than the target's own setting (the server's 64MB default makes a key of a few million
+/// rows sort on disk); nothing otherwise. PostgreSQL's "Populating a Database" advises the same
+/// for a restore.
+async fn sort_memory_setting(
+    target: &tokio_postgres::Client,
+    wanted: Option<u64>,
+) -> Result<String> {
+    let Some(wanted) = wanted else {
+        return Ok(String::new());
+    };
+    let kilobytes = wanted / 1024;
+    // PostgreSQL's range for the setting: 1MB to 2^31 - 1 kB.
+    if !(1024..=i32::MAX as u64).contains(&kilobytes) {
+        return Err(Error::usage(format!(
+            "--maintenance-work-mem: {} kB is outside what PostgreSQL takes (1MB to 2TB): give a size like 512MB or 2GB, or `server` to keep the target's setting",
+            kilobytes
+        )));
+    }
+    let current: i64 = target
+        .query_one(
+            "SELECT pg_catalog.pg_size_bytes(pg_catalog.current_setting('maintenance_work_mem')) / 1024",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::postgres("reading the target's maintenance_work_mem", e))?
+        .get(0);
+    Ok(if (kilobytes as i64) > current {
+        format!("SET LOCAL maintenance_work_mem = {kilobytes};\n")
+    } else {
+        String::new()
+    })
+}
+
 pub async fn schema(
     source_config: &tokio_postgres::Config,
     target_config: &tokio_postgres::Config,
     publications: &[String],
     section: &str,
     table_map: &crate::config::TableMap,
+    sort_memory: Option<u64>,
 ) -> Result<()> {
     // Checked before anything is started.
     if !matches!(section, "all" | "pre-data" | "post-data") {
@@ -358,6 +393,9 @@ pub async fn schema(
             .unwrap_or(0)
     );
     let mut sql_all = String::from("BEGIN;\n");
+    if section != "pre-data" {
+        sql_all.push_str(&sort_memory_setting(&target, sort_memory).await?);
+    }
     for t in &renamed {
         let at_target = relation_exists(&target, &t.target_qualified()).await?;
         let at_source = relation_exists(&target, &t.qualified()).await?;

@@ -3179,6 +3179,88 @@ async fn pre_data_copy_only_post_data_then_stream() {
     db.assert_same("acct").await;
 }
 
+/// post-data builds the keys with more sort memory than the server's default (512MB, or
+/// --maintenance-work-mem), never less than the target's own setting, and the target's with
+/// `server`: an event trigger on the target records the setting each build ran with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_data_builds_keys_with_more_sort_memory() {
+    if !pg_dump_usable() {
+        return;
+    }
+    let db = TestDb::new("sortmem").await;
+    db.source_sql("CREATE TABLE k (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE k;")
+        .await;
+    let out = run_with_deadline(db.on_both("schema", &["--section", "pre-data"]), 60).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    db.target_sql(
+        "CREATE TABLE seen (setting text); \
+         CREATE FUNCTION record_setting() RETURNS event_trigger LANGUAGE plpgsql AS \
+           $$BEGIN INSERT INTO public.seen VALUES (pg_catalog.current_setting('maintenance_work_mem')); END$$; \
+         CREATE EVENT TRIGGER record_setting ON ddl_command_end WHEN TAG IN ('ALTER TABLE') \
+           EXECUTE PROCEDURE record_setting();",
+    )
+    .await;
+    let post_data = |extra: &'static [&'static str]| {
+        let mut args = vec!["--section", "post-data"];
+        args.extend_from_slice(extra);
+        run_with_deadline(db.on_both("schema", &args), 60)
+    };
+    let out = post_data(&[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(settings_seen(&db.target).await, ["512MB"]);
+    let again = "ALTER TABLE k DROP CONSTRAINT k_pkey";
+    db.target_sql(again).await;
+    settings_seen(&db.target).await;
+    let out = post_data(&["--maintenance-work-mem", "1GB"]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(settings_seen(&db.target).await, ["1GB"]);
+    db.target_sql(again).await;
+    settings_seen(&db.target).await;
+    let server: String = db
+        .target
+        .query_one("SHOW maintenance_work_mem", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let out = post_data(&["--maintenance-work-mem", "server"]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(settings_seen(&db.target).await, [server]);
+    // A target that gives more already keeps it.
+    db.target_sql(again).await;
+    settings_seen(&db.target).await;
+    db.target_sql(&format!(
+        "ALTER DATABASE {} SET maintenance_work_mem = '2GB'",
+        db.name
+    ))
+    .await;
+    let out = post_data(&[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(settings_seen(&db.target).await, ["2GB"]);
+    let out = post_data(&["--maintenance-work-mem", "lots"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--maintenance-work-mem: invalid size \"lots\""),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        db.count(
+            &db.target,
+            "SELECT count(*) FROM pg_constraint WHERE conname = 'k_pkey'"
+        )
+        .await,
+        1
+    );
+}
+
+/// The settings the event trigger of `post_data_builds_keys_with_more_sort_memory` recorded,
+/// forgotten once read.
+async fn settings_seen(target: &tokio_postgres::Client) -> Vec<String> {
+    let rows = target.query("SELECT setting FROM seen", &[]).await.unwrap();
+    target.batch_execute("DELETE FROM seen").await.unwrap();
+    rows.iter().map(|r| r.get::<_, String>(0)).collect()
+}
+
 /// `schema` follows the config file's table renames (pre-data creates the table under its target
 /// name; post-data finds it there), and a column left out of a column list (15+) is not NOT NULL
 /// on the target, where it never gets a value.
