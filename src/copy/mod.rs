@@ -1187,11 +1187,6 @@ async fn copy_one(
     let into = if columns.is_empty() {
         String::new()
     } else {
-        format!(" ({columns})")
-    };
-    let into = if columns.is_empty() {
-        into
-    } else {
         format!(" ({})", table.target_column_list())
     };
     let copy_in = format!("COPY {}{into} FROM STDIN", table.target_qualified());
