@@ -77,7 +77,7 @@ async fn copy_while_the_source_changes_then_stream() {
             }
         })
     };
-    let mut child = spawn(db.pgapply(
+    let (mut child, log) = common::spawn_logged(db.pgapply(
         "p,pf",
         &[
             "--copy-data",
@@ -104,6 +104,21 @@ async fn copy_while_the_source_changes_then_stream() {
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     assert!(child.wait().await.expect("wait").success());
+    // The large table's key on the target is named, with the faster way (the small ones are
+    // not: `nopk` has no index, `filtered` is small).
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    let said: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("these large tables have indexes on the target"))
+        .collect();
+    assert!(
+        said.len() == 1
+            && said[0].contains("\"public\".\"big\"")
+            && !said[0].contains("filtered")
+            && said[0].contains("schema --section post-data"),
+        "{text}"
+    );
     // The big table was copied in page ranges.
     let jobs: i64 = db
         .target

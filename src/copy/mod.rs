@@ -427,6 +427,36 @@ async fn warn_of_republished(target: &Client, tables: &[PublishedTable]) {
     }
 }
 
+/// Names the large tables (`large_pages`: those a copy splits) that have indexes on the target:
+/// every copied row goes into each index one at a time, where an index built after the rows is
+/// one sort (the README's migration flow; about a third faster on pgbench, BENCHMARKS.md).
+async fn note_indexes_in_place(target: &Client, tables: &[PublishedTable], large_pages: i64) {
+    let large: Vec<String> = tables
+        .iter()
+        .filter(|t| t.pages >= large_pages)
+        .map(PublishedTable::target_qualified)
+        .collect();
+    if large.is_empty() {
+        return;
+    }
+    let Ok(row) = target
+        .query_one(
+            "SELECT string_agg(n, ', ') FROM unnest($1::text[]) n \
+             WHERE EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = pg_catalog.to_regclass(n))",
+            &[&large],
+        )
+        .await
+    else {
+        return;
+    };
+    if let Some(tables) = row.get::<_, Option<String>>(0) {
+        tracing::info!(
+            tables = %tables,
+            "these large tables have indexes on the target, which the copy fills one row at a time: building them after the rows is faster (README \"Migrating a database\": schema --section pre-data, run --copy-data --copy-only, schema --section post-data, then run)"
+        );
+    }
+}
+
 /// The tables of `tables` another slot's initial copy took in (by source or target name), each
 /// as its target name and that slot's name; none when that cannot be read.
 pub(crate) async fn other_slots_filling(
@@ -745,6 +775,9 @@ pub async fn plan_copy(
     warn_of_char_bytes(&tables, source_major, target_major);
     warn_of_loud_triggers(&target, &tables).await?;
     warn_of_republished(&target, &tables).await;
+    if late.is_none() {
+        note_indexes_in_place(&target, &tables, settings.split_pages).await;
+    }
     let binary = prepare_target(
         &target,
         slot,
