@@ -1015,8 +1015,10 @@ async fn check_lists_every_problem() {
              CREATE TABLE parts_1 PARTITION OF parts FOR VALUES FROM (0) TO (100);",
         )
         .await;
+        // A partition the target lacks: its rows would have no place there.
         db.source_sql(
             "ALTER TABLE parts REPLICA IDENTITY FULL; \
+             CREATE TABLE parts_2 PARTITION OF parts FOR VALUES FROM (100) TO (200); \
              CREATE PUBLICATION pr FOR TABLE parts WITH (publish_via_partition_root = true);",
         )
         .await;
@@ -1076,6 +1078,11 @@ async fn check_lists_every_problem() {
     if roots {
         assert!(
             text.contains("table \"public\".\"parts_1\" has no primary key"),
+            "{text}"
+        );
+        assert!(
+            text.contains("partitioned table \"public\".\"parts\": no partition on the target has the bounds of the source's public.parts_2 FOR VALUES FROM (100) TO (200)")
+                && !text.contains("public.parts_1 FOR VALUES"),
             "{text}"
         );
     }

@@ -676,10 +676,58 @@ pub(super) async fn check_target(
             fine = false;
             report.warning(advice);
         }
+        if let (Some(src), true) = (source, table.partitioned) {
+            if let Some(advice) = partition_advice(src, dst, table, &qualified).await {
+                fine = false;
+                report.warning(advice);
+            }
+        }
         if fine {
             report.ok(format!("table {qualified} matches on the target"));
         }
     }
+}
+
+/// The partitions of a table published through its partitioned root: each holds rows the
+/// target must take too. Said when the source has partitions whose bounds no partition of the
+/// target has and the target has no DEFAULT partition (its own partitions may still cover them
+/// otherwise: by year where the source has months, say); none for a target table that is not
+/// partitioned, which takes every row.
+async fn partition_advice(
+    src: &Client,
+    dst: &Client,
+    table: &crate::copy::PublishedTable,
+    qualified: &str,
+) -> Option<String> {
+    let bounds = "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), pg_catalog.pg_get_expr(c.relpartbound, c.oid) \
+                  FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid \
+                  JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                  WHERE i.inhparent = pg_catalog.to_regclass($1) AND c.relispartition \
+                    AND (SELECT relkind FROM pg_catalog.pg_class WHERE oid = i.inhparent) = 'p' \
+                  ORDER BY 2";
+    let read = |rows: Vec<tokio_postgres::Row>| {
+        rows.iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+            .collect::<Vec<_>>()
+    };
+    let on_source = read(src.query(bounds, &[&table.qualified()]).await.ok()?);
+    let on_target = read(dst.query(bounds, &[&qualified]).await.ok()?);
+    // (Not partitioned on the target, or with a DEFAULT partition there: every row has a place.)
+    if on_target.is_empty() || on_target.iter().any(|(_, b)| b == "DEFAULT") {
+        return None;
+    }
+    let missing: Vec<String> = on_source
+        .iter()
+        .filter(|(_, b)| !on_target.iter().any(|(_, t)| t == b))
+        .map(|(name, b)| format!("{name} {b}"))
+        .collect();
+    if missing.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "partitioned table {qualified}: no partition on the target has the bounds of the source's {}: unless the target's own partitions cover them, their rows stop pgapply (no partition takes them): create them on the target as on the source (CREATE TABLE ... PARTITION OF {qualified} FOR VALUES ...), or a DEFAULT partition",
+        missing.join(", ")
+    ))
 }
 
 /// `relation::key_index_advice` for one published table: its key read from the source's replica
