@@ -16,6 +16,54 @@ use crate::error::{Error, Result};
 use crate::protocol::pgoutput::{Oid, Relation, RelationColumn, ReplicaIdentity, TypeInfo};
 use crate::sql::{qualified_name, quote_ident};
 
+/// The connection the target's catalog is read through for each table. A pooled session keeps
+/// each of these queries prepared: a transaction that touches thousands of tables for the first
+/// time pays one round trip per query and table, not a parse, a plan and two round trips. A
+/// plain client (`check`, once per table) prepares it each time.
+pub trait Catalog: Sync {
+    fn client(&self) -> &Client;
+    fn statement(
+        &self,
+        sql: &str,
+    ) -> impl std::future::Future<
+        Output = std::result::Result<tokio_postgres::Statement, tokio_postgres::Error>,
+    > + Send;
+}
+
+impl Catalog for Client {
+    fn client(&self) -> &Client {
+        self
+    }
+    async fn statement(
+        &self,
+        sql: &str,
+    ) -> std::result::Result<tokio_postgres::Statement, tokio_postgres::Error> {
+        self.prepare(sql).await
+    }
+}
+
+impl Catalog for deadpool_postgres::Object {
+    fn client(&self) -> &Client {
+        self
+    }
+    async fn statement(
+        &self,
+        sql: &str,
+    ) -> std::result::Result<tokio_postgres::Statement, tokio_postgres::Error> {
+        self.prepare_cached(sql).await
+    }
+}
+
+/// `sql` run through `catalog`'s prepared statement for it.
+async fn catalog_query<C: Catalog>(
+    catalog: &C,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+    let statement = catalog.statement(sql).await?;
+    catalog.client().query(&statement, params).await
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TargetColumn {
     pub name: String,
@@ -51,6 +99,18 @@ pub struct TargetTable {
     /// A partitioned table: row identity needs `tableoid` as well as `ctid`.
     pub partitioned: bool,
     pub columns: Vec<TargetColumn>,
+    /// Its valid indexes, read with the columns (`key_index_advice`).
+    pub indexes: Vec<TargetIndex>,
+}
+
+/// A valid index of a target table, as `key_index_advice` weighs it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct TargetIndex {
+    /// Unique, without a predicate or an expression among its key columns: one row a key.
+    pub unique: bool,
+    pub primary: bool,
+    /// Its key columns' names, in order (INCLUDEd columns and expressions left out).
+    pub columns: Vec<String>,
 }
 
 impl TargetTable {
@@ -288,10 +348,10 @@ impl RelationCache {
     /// Resolves a Relation message against the target's catalog and stores it.
     /// Takes in a Relation message. A description that does not fit the target is an error
     /// here and, remembered, for every change of the relation until a description that fits.
-    pub async fn update(
+    pub async fn update<C: Catalog>(
         &mut self,
         relation: Relation,
-        catalog: &Client,
+        catalog: &C,
     ) -> Result<Arc<RelationEntry>> {
         let oid = relation.oid;
         match self.resolve(relation, catalog).await {
@@ -307,10 +367,10 @@ impl RelationCache {
         }
     }
 
-    async fn resolve(
+    async fn resolve<C: Catalog>(
         &mut self,
         relation: Relation,
-        catalog: &Client,
+        catalog: &C,
     ) -> Result<Arc<RelationEntry>> {
         let schema = source_schema(&relation).to_owned();
         let (target_schema, target_name) = self
@@ -321,7 +381,7 @@ impl RelationCache {
         let version = match self.target_version {
             Some(v) => v,
             None => {
-                let v = crate::sql::server_version(catalog)
+                let v = crate::sql::server_version(catalog.client())
                     .await
                     .map_err(|e| Error::postgres("reading the target's version", e))?;
                 self.target_version = Some(v);
@@ -558,7 +618,7 @@ impl RelationCache {
         // No key and not FULL (identity NOTHING, or a default identity without a primary key):
         // the source refuses UPDATE and DELETE on the table, so no change ever looks a row up.
         if relation.replica_identity == ReplicaIdentity::Full || !key.is_empty() {
-            if let Some(advice) = key_index_advice(catalog, &target, &key).await {
+            if let Some(advice) = key_index_advice(&target, &key) {
                 // Once per process and table: every apply session (--apply-workers), and every
                 // run after a reconnection, reads the same table.
                 static SAID: std::sync::LazyLock<
@@ -638,7 +698,13 @@ impl RelationCache {
         let recreated_from = self
             .relations
             .values()
-            .find(|e| e.source.oid != relation.oid && e.display_name() == shown)
+            // (By the names themselves: formatting each known table's name made loading the
+            // thousandth new table cost a thousand allocations.)
+            .find(|e| {
+                e.source.oid != relation.oid
+                    && e.source.name == relation.name
+                    && source_schema(&e.source) == schema
+            })
             .map(|e| e.source.oid)
             .or_else(|| known.as_ref().and_then(|k| k.recreated_from));
         let entry = Arc::new(RelationEntry {
@@ -656,8 +722,8 @@ impl RelationCache {
     }
 }
 
-pub async fn load_target_table(
-    catalog: &Client,
+pub async fn load_target_table<C: Catalog>(
+    catalog: &C,
     version: i32,
     schema: &str,
     name: &str,
@@ -674,25 +740,37 @@ pub async fn load_target_table(
                 CASE WHEN a.atttypid IN (1042, 1043, 1560, 1562, 1014, 1015, 1561, 1563) \
                      THEN pg_catalog.quote_ident(tn.nspname) || '.' || pg_catalog.quote_ident(ty.typname) \
                      ELSE pg_catalog.format_type(a.atttypid, a.atttypmod) END, \
-                ty.typcategory::text \
+                ty.typcategory::text, ix.indexes::text \
          FROM pg_catalog.pg_class c \
          JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
          LEFT JOIN pg_catalog.pg_attribute a \
                 ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped \
          LEFT JOIN pg_catalog.pg_type ty ON ty.oid = a.atttypid \
          LEFT JOIN pg_catalog.pg_namespace tn ON tn.oid = ty.typnamespace \
+         LEFT JOIN LATERAL ( \
+           SELECT pg_catalog.json_agg(pg_catalog.json_build_object( \
+                    'unique', i.indisunique AND i.indpred IS NULL AND NOT 0 = ANY (k.cols), \
+                    'primary', i.indisprimary, 'columns', k.names)) AS indexes \
+           FROM pg_catalog.pg_index i \
+           CROSS JOIN LATERAL (SELECT (i.indkey::int2[])[0:coalesce((pg_catalog.to_jsonb(i) ->> 'indnkeyatts')::int, i.indnatts) - 1] AS cols) k0 \
+           CROSS JOIN LATERAL (SELECT k0.cols, ARRAY(SELECT ia.attname::text FROM unnest(k0.cols) WITH ORDINALITY u(n, o) \
+                                                     JOIN pg_catalog.pg_attribute ia ON ia.attrelid = i.indrelid AND ia.attnum = u.n \
+                                                     ORDER BY u.o) AS names) k \
+           WHERE i.indrelid = c.oid AND i.indisvalid) ix ON true \
          WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p') \
          ORDER BY a.attnum"
     );
-    let rows = catalog.query(&sql, &[&schema, &name]).await.map_err(|e| {
-        Error::postgres(
-            format!(
-                "looking up table {} on the target",
-                qualified_name(schema, name)
-            ),
-            e,
-        )
-    })?;
+    let rows = catalog_query(catalog, &sql, &[&schema, &name])
+        .await
+        .map_err(|e| {
+            Error::postgres(
+                format!(
+                    "looking up table {} on the target",
+                    qualified_name(schema, name)
+                ),
+                e,
+            )
+        })?;
     let Some(first) = rows.first() else {
         return Ok(None);
     };
@@ -704,6 +782,11 @@ pub async fn load_target_table(
         qualified: qualified_name(schema, name),
         partitioned: relkind == "p",
         columns: Vec::with_capacity(rows.len()),
+        // (Read for advice only: unreadable, it is none.)
+        indexes: first
+            .get::<_, Option<String>>(10)
+            .and_then(|json| serde_json::from_str(&json).ok())
+            .unwrap_or_default(),
     };
     for row in &rows {
         let column: Option<String> = row.get(2);
@@ -730,33 +813,19 @@ pub async fn load_target_table(
 /// no unique index on the key columns `key` (an UPDATE or DELETE by key changes every row with
 /// that key), or no index that can serve the lookup at all (each one scans the table). With an
 /// empty `key` (REPLICA IDENTITY FULL: rows are found by all their values) only the latter.
-/// Typical cause: `schema --section pre-data` without `--section post-data`. `None` also when the
-/// catalog cannot be read: this is advice, not a condition for applying.
-pub async fn key_index_advice(
-    catalog: &Client,
-    target: &TargetTable,
-    key: &[String],
-) -> Option<String> {
-    // indnkeyatts (11+): the columns after it are INCLUDEd, not part of the key. An expression
-    // column is 0 in indkey.
-    let row = catalog
-        .query_one(
-            "SELECT coalesce(bool_or(i.indisunique AND i.indpred IS NULL AND NOT 0 = ANY (k.cols) \
-                                     AND cardinality(k.names) > 0 AND k.names <@ $2::text[]), false), \
-                    coalesce(bool_or(k.names[1] = ANY ($2::text[]) \
-                                     OR (cardinality($2::text[]) = 0 AND k.names[1] IS NOT NULL)), false), \
-                    coalesce(bool_or(i.indisprimary), false) \
-             FROM pg_catalog.pg_index i \
-             CROSS JOIN LATERAL (SELECT (i.indkey::int2[])[0:coalesce((to_jsonb(i) ->> 'indnkeyatts')::int, i.indnatts) - 1] AS cols) c \
-             CROSS JOIN LATERAL (SELECT c.cols, ARRAY(SELECT a.attname::text FROM unnest(c.cols) WITH ORDINALITY u(n, o) \
-                                                      JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = u.n \
-                                                      ORDER BY u.o) AS names) k \
-             WHERE i.indrelid = $1 AND i.indisvalid",
-            &[&target.oid, &key],
-        )
-        .await
-        .ok()?;
-    let (unique, indexed, has_primary): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
+/// Typical cause: `schema --section pre-data` without `--section post-data`. The indexes are
+/// those `load_target_table` read (none when they could not be read: this is advice, not a
+/// condition for applying).
+pub fn key_index_advice(target: &TargetTable, key: &[String]) -> Option<String> {
+    let unique = target
+        .indexes
+        .iter()
+        .any(|i| i.unique && !i.columns.is_empty() && i.columns.iter().all(|c| key.contains(c)));
+    let indexed = target.indexes.iter().any(|i| match i.columns.first() {
+        Some(first) => key.is_empty() || key.contains(first),
+        None => false,
+    });
+    let has_primary = target.indexes.iter().any(|i| i.primary);
     let table = &target.qualified;
     let post_data = "(`pgapply schema --section post-data` creates the source's keys and indexes)";
     if key.is_empty() {
@@ -791,24 +860,27 @@ pub async fn key_index_advice(
 /// What changed in the target table since `entry` read it, if anything that a statement's
 /// parameter types depend on: the table itself (dropped, or another one under its name) or the
 /// type of a column the source fills.
-pub async fn target_changed(catalog: &Client, entry: &RelationEntry) -> Result<Option<String>> {
-    let rows = catalog
-        .query(
-            "SELECT pg_catalog.to_regclass($1)::oid = $2::oid, a.attname::text, a.atttypid \
+pub async fn target_changed<C: Catalog>(
+    catalog: &C,
+    entry: &RelationEntry,
+) -> Result<Option<String>> {
+    let rows = catalog_query(
+        catalog,
+        "SELECT pg_catalog.to_regclass($1)::oid = $2::oid, a.attname::text, a.atttypid \
              FROM pg_catalog.pg_attribute a \
              WHERE a.attrelid = $2::oid AND a.attnum > 0 AND NOT a.attisdropped",
-            &[&entry.target.qualified, &entry.target.oid],
+        &[&entry.target.qualified, &entry.target.oid],
+    )
+    .await
+    .map_err(|e| {
+        Error::postgres(
+            format!(
+                "reading the columns of table {} on the target",
+                entry.target.qualified
+            ),
+            e,
         )
-        .await
-        .map_err(|e| {
-            Error::postgres(
-                format!(
-                    "reading the columns of table {} on the target",
-                    entry.target.qualified
-                ),
-                e,
-            )
-        })?;
+    })?;
     if rows
         .first()
         .is_none_or(|r| r.get::<_, Option<bool>>(0) != Some(true))
@@ -1008,6 +1080,7 @@ mod tests {
             qualified: "\"public\".\"u3\"".into(),
             partitioned: false,
             columns: Vec::new(),
+            indexes: Vec::new(),
         };
         assert_eq!(
             rename_table_sql(&from, "s2", "u3"),

@@ -480,6 +480,9 @@ pub struct Applier {
     /// either (a commit of anything in it would carry that position).
     client: Arc<deadpool_postgres::ClientWrapper>,
     catalog: deadpool_postgres::Object,
+    /// Target tables (schema, name) to note in pgapply.slot_tables at the next group commit:
+    /// one statement for all the tables a group met for the first time.
+    tables_to_note: Vec<(String, String)>,
     progress: ProgressStore,
     /// Statements sent to the target whose results have not been checked yet, in order.
     /// (In a mutex only so that the applier is `Sync`; it is always reached through `&mut self`.)
@@ -756,37 +759,57 @@ static NOT_COPIED_WARNED: std::sync::LazyLock<
 
 impl Applier {
     /// Notes that this slot's stream writes a target table (pgapply.slot_tables), once a
-    /// process: another slot's `--copy-data --truncate-target` must not empty it. Best effort
-    /// (a failure is logged at debug level): it protects, it does not apply anything.
-    async fn note_table_written(&self, entry: &RelationEntry) {
-        let key = (
-            self.slot.clone(),
-            entry.target.schema.clone(),
-            entry.target.name.clone(),
-        );
-        let new = TABLES_NOTED
+    /// process: another slot's `--copy-data --truncate-target` must not empty it. Written at the
+    /// next group commit (`note_tables_written`), with the group's other new tables.
+    fn note_table_written(&mut self, entry: &RelationEntry) {
+        let key = (entry.target.schema.clone(), entry.target.name.clone());
+        let noted = TABLES_NOTED
             .lock()
-            .map(|noted| !noted.contains(&key))
-            .unwrap_or(true);
-        if !new {
+            .map(|noted| noted.contains(&(self.slot.clone(), key.0.clone(), key.1.clone())))
+            .unwrap_or(false);
+        if !noted && !self.tables_to_note.contains(&key) {
+            self.tables_to_note.push(key);
+        }
+    }
+
+    /// Writes the tables `note_table_written` gathered, in one statement. Best effort (a
+    /// failure is logged at debug level, and the tables are noted again when next described):
+    /// it protects, it does not apply anything.
+    pub(super) async fn note_tables_written(&mut self) {
+        if self.tables_to_note.is_empty() {
             return;
         }
-        let noted = self
+        let tables = std::mem::take(&mut self.tables_to_note);
+        let (schemas, names): (Vec<String>, Vec<String>) = tables.iter().cloned().unzip();
+        // (Prepared once a session: groups go on meeting tables new to this process.)
+        let noted = match self
             .catalog
-            .execute(
-                "INSERT INTO pgapply.slot_tables (slot_name, schema_name, table_name) VALUES ($1, $2, $3) \
+            .prepare_cached(
+                "INSERT INTO pgapply.slot_tables (slot_name, schema_name, table_name) \
+                 SELECT $1, s, t FROM unnest($2::text[], $3::text[]) AS u (s, t) \
                  ON CONFLICT DO NOTHING",
-                &[&key.0, &key.1, &key.2],
             )
-            .await;
+            .await
+        {
+            Ok(statement) => {
+                self.catalog
+                    .execute(&statement, &[&self.slot, &schemas, &names])
+                    .await
+            }
+            Err(e) => Err(e),
+        };
         match noted {
             Ok(_) => {
                 if let Ok(mut set) = TABLES_NOTED.lock() {
-                    set.insert(key);
+                    set.extend(
+                        tables
+                            .into_iter()
+                            .map(|(schema, name)| (self.slot.clone(), schema, name)),
+                    );
                 }
             }
             Err(e) => {
-                tracing::debug!(error = %e, "noting a table the stream writes in pgapply.slot_tables")
+                tracing::debug!(error = %e, "noting the tables the stream writes in pgapply.slot_tables")
             }
         }
     }
@@ -938,6 +961,7 @@ impl Applier {
         Ok(Applier {
             client: Arc::new(client),
             catalog,
+            tables_to_note: Vec::new(),
             in_flight: std::sync::Mutex::new(futures_util::stream::FuturesOrdered::new()),
             failure: None,
             in_flight_sizes: std::collections::VecDeque::new(),
@@ -1449,7 +1473,7 @@ impl Applier {
                 }
                 match self.relations.update(r, &self.catalog).await {
                     Ok(entry) => {
-                        self.note_table_written(&entry).await;
+                        self.note_table_written(&entry);
                         Ok(())
                     }
                     // Raised by the first change of it, if one comes (see `RelationCache`).

@@ -412,6 +412,7 @@ mod tests {
                 qualified: "\"public\".\"t\"".into(),
                 partitioned: false,
                 columns: vec![target("id"), target("a"), target("b")],
+                indexes: Vec::new(),
             },
             quoted_columns: vec!["\"id\"".into(), "\"a\"".into(), "\"b\"".into()],
             target_columns: vec![0, 1, 2],

@@ -756,7 +756,7 @@ pub(super) async fn key_advice(
             .await
             .ok()??;
     debug_assert_eq!(target.qualified, qualified);
-    crate::relation::key_index_advice(dst, &target, &key).await
+    crate::relation::key_index_advice(&target, &key)
 }
 
 /// A published table's replica identity on the source (`relreplident`) and the columns of its

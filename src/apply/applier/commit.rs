@@ -163,6 +163,7 @@ impl Applier {
 
     /// Records the position and commits the group's target transaction.
     pub(super) async fn commit_group(&mut self) -> Result<()> {
+        self.note_tables_written().await;
         self.flush_held_updates(None).await?;
         self.flush_insert_run().await?;
         if self.group.as_ref().is_some_and(|g| g.check_before_commit) {
