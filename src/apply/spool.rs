@@ -191,8 +191,11 @@ impl Replay {
                 return Err(broken("it ends inside a length prefix".into()));
             }
             let len = u32::from_be_bytes(len) as usize;
-            // Read (and allocated) as far as the file goes, not as far as the prefix claims.
-            let mut buf = Vec::new();
+            // Read (and allocated) as far as the file goes, not as far as the prefix claims
+            // beyond 64 MiB (a damaged prefix may claim 4 GiB). Below that, one allocation of
+            // the message's size: grown by doubling, a 1 MiB value kept 2 MiB alive while its
+            // statement was pending.
+            let mut buf = Vec::with_capacity(len.min(64 << 20));
             std::io::Read::by_ref(reader)
                 .take(len as u64)
                 .read_to_end(&mut buf)
