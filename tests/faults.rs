@@ -1168,7 +1168,8 @@ async fn a_stop_while_the_slot_waits_for_open_transactions_ends_at_once() {
     wait_for("the slot's creation to wait for the open transaction", 60, || async {
         db.count(
             &db.source,
-            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender' AND wait_event_type = 'Lock'",
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender' AND wait_event_type = 'Lock' \
+             AND datname = current_database()",
         )
         .await
             > 0

@@ -1784,7 +1784,9 @@ async fn a_session_left_waiting_for_a_lock_is_named_at_the_next_start() {
     wait_for("pgapply's session to wait for the lock", 60, || async {
         db.count(
             &db.target,
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgapply' AND wait_event_type = 'Lock'",
+            // (This database's: another test's pgapply may wait on a lock in the cluster.)
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgapply' AND wait_event_type = 'Lock' \
+             AND datname = current_database()",
         )
         .await
             > 0
