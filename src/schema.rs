@@ -504,7 +504,8 @@ pub async fn schema(
                 // A foreign key to a table that is not published.
                 Some("42P01") => "; a table it refers to may not be published: publish it, or create it on the target first",
                 // Some of the definitions are there already: all or nothing, so none was made.
-                Some("42P07" | "42710" | "42723" | "42P06") => "; an object the dump creates is on the target already (named below; was this section run before?): drop what is there, or create the missing tables by hand (pg_dump --schema-only --table ...)",
+                // (42P16: a second primary key, post-data run again.)
+                Some("42P07" | "42710" | "42723" | "42P06" | "42P16") => "; an object the dump creates is on the target already (named below; was this section run before?): drop what is there, or create the missing tables by hand (pg_dump --schema-only --table ...)",
                 _ => "",
             };
             Error::postgres(format!("creating the definitions on the target (all or nothing: nothing was created){hint}{older}{at}"), e)

@@ -332,6 +332,16 @@ async fn interrupted_copy_starts_over() {
     let endpos = db.source_wal().await;
     let out = run_with_deadline(db.pgapply("p", &["--copy-data", "--endpos", &endpos]), 120).await;
     assert!(out.status.success(), "{}", stderr(&out));
+    // The tables it empties again are named as tables (not as the TRUNCATE's `ONLY ...`).
+    let err = stderr(&out);
+    let said = err
+        .lines()
+        .find(|l| l.contains("the previous initial copy was interrupted: starting it over"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        said.contains("\"public\".\"t1\"") && !said.contains("ONLY"),
+        "{said}"
+    );
     for i in 1..=8 {
         db.assert_same(&format!("t{i}")).await;
     }
@@ -3223,6 +3233,13 @@ async fn post_data_builds_keys_with_more_sort_memory() {
     let out = post_data(&[]).await;
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(settings_seen(&db.target).await, ["512MB"]);
+    // Run again: the key is there already, and the error says what that means.
+    let out = post_data(&[]).await;
+    assert!(
+        !out.status.success() && stderr(&out).contains("was this section run before?"),
+        "{}",
+        stderr(&out)
+    );
     let again = "ALTER TABLE k DROP CONSTRAINT k_pkey";
     db.target_sql(again).await;
     settings_seen(&db.target).await;

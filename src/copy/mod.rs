@@ -587,7 +587,12 @@ pub async fn reset_interrupted(
         )
         .await
         .map_err(context)?;
-    tracing::warn!(tables = %tables.join(", "), "the previous initial copy was interrupted: starting it over");
+    // (Named as tables, without the TRUNCATE's ONLY.)
+    let shown: Vec<&str> = tables
+        .iter()
+        .map(|t| t.strip_prefix("ONLY ").unwrap_or(t))
+        .collect();
+    tracing::warn!(tables = %shown.join(", "), "the previous initial copy was interrupted: starting it over");
     Ok(())
 }
 
