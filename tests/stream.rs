@@ -1454,23 +1454,19 @@ async fn forget_prepared(db: &TestDb, gid: &str) {
         .unwrap();
 }
 
-/// A streamed transaction of 400 values of 1 MiB, spooled (`--streaming on`) and replayed into
-/// a slow target: each value read back from the spool file is allocated at its size (grown by
-/// doubling, each kept 2 MiB alive while its statement was pending).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_stays_bounded_when_a_spooled_transaction_replays() {
-    if !pgapply_version_or_skip("streaming", 140000).await {
-        return;
-    }
-    let db = TestDb::new("slowreplay").await;
+/// 400 values of 1 MiB in one source transaction, applied with `--streaming mode` and a 16 MB
+/// queue into a target whose trigger sleeps `pause` per row: every value arrives; returns the
+/// run's stderr (its peak RSS, what it warned of).
+async fn four_hundred_values_into_a_slow_target(prefix: &str, pause: &str, mode: &str) -> String {
+    let db = TestDb::new(prefix).await;
     db.both("CREATE TABLE v (id int PRIMARY KEY, doc text)")
         .await;
-    db.target_sql(
+    db.target_sql(&format!(
         "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN PERFORM pg_sleep(0.005); RETURN NEW; END $$; \
+         $$ BEGIN PERFORM pg_sleep({pause}); RETURN NEW; END $$; \
          CREATE TRIGGER slow BEFORE INSERT ON v FOR EACH ROW EXECUTE PROCEDURE slow(); \
-         ALTER TABLE v ENABLE ALWAYS TRIGGER slow;",
-    )
+         ALTER TABLE v ENABLE ALWAYS TRIGGER slow;"
+    ))
     .await;
     db.publish("CREATE PUBLICATION p FOR TABLE v").await;
     db.source_sql(
@@ -1485,7 +1481,7 @@ async fn memory_stays_bounded_when_a_spooled_transaction_replays() {
         "--spool-dir",
         &dir,
         "--streaming",
-        "on",
+        mode,
         "--queue-size",
         "16MB",
     ];
@@ -1499,7 +1495,19 @@ async fn memory_stays_bounded_when_a_spooled_transaction_replays() {
         .await,
         400
     );
-    let rss_mb = common::peak_rss_mb(&stderr(&out));
+    stderr(&out)
+}
+
+/// A streamed transaction of 400 values of 1 MiB, spooled (`--streaming on`) and replayed into
+/// a slow target: each value read back from the spool file is allocated at its size (grown by
+/// doubling, each kept 2 MiB alive while its statement was pending).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_stays_bounded_when_a_spooled_transaction_replays() {
+    if !pgapply_version_or_skip("streaming", 140000).await {
+        return;
+    }
+    let log = four_hundred_values_into_a_slow_target("slowreplay", "0.005", "on").await;
+    let rss_mb = common::peak_rss_mb(&log);
     eprintln!("peak RSS of pgapply for 400 MB of values replayed from the spool: {rss_mb} MB");
     // 96 to 101 MB measured with the doubling, 72 to 73 MB without.
     assert!(rss_mb < 90, "peak RSS {rss_mb} MB");
@@ -1516,44 +1524,7 @@ async fn memory_stays_bounded_when_the_helper_is_slow() {
     if !pgapply_version_or_skip("--streaming parallel", 160000).await {
         return;
     }
-    let db = TestDb::new("slowhelper").await;
-    db.both("CREATE TABLE v (id int PRIMARY KEY, doc text)")
-        .await;
-    db.target_sql(
-        "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN PERFORM pg_sleep(0.01); RETURN NEW; END $$; \
-         CREATE TRIGGER slow BEFORE INSERT ON v FOR EACH ROW EXECUTE PROCEDURE slow(); \
-         ALTER TABLE v ENABLE ALWAYS TRIGGER slow;",
-    )
-    .await;
-    db.publish("CREATE PUBLICATION p FOR TABLE v").await;
-    db.source_sql(
-        "INSERT INTO v SELECT g, repeat(md5(g::text), 32768) FROM generate_series(1, 400) g",
-    )
-    .await;
-    let endpos = db.source_wal().await;
-    let dir = spool_dir(&db).to_string_lossy().to_string();
-    let args = [
-        "--endpos",
-        &endpos,
-        "--spool-dir",
-        &dir,
-        "--streaming",
-        "parallel",
-        "--queue-size",
-        "16MB",
-    ];
-    let out = run_with_deadline(db.pgapply("p", &args), 120).await;
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert_eq!(
-        db.count(
-            &db.target,
-            "SELECT count(*) FROM v WHERE length(doc) = 1048576"
-        )
-        .await,
-        400
-    );
-    let log = stderr(&out);
+    let log = four_hundred_values_into_a_slow_target("slowhelper", "0.01", "parallel").await;
     let rss_mb = common::peak_rss_mb(&log);
     eprintln!("peak RSS of pgapply for 400 MB of values streamed to a slow helper: {rss_mb} MB");
     // (With what the run said: a fallback to spooling, a retry, ... explain a peak.)
